@@ -1,0 +1,86 @@
+//! The gpuwarden API: `GpuPolicy` and `GpuNode` in `gpuwarden.io/v1alpha1`, the label,
+//! annotation and field-manager names every component shares, and pure helpers on them.
+//!
+//! This crate does no I/O. The CRD YAML under `deploy/crds/` is generated from these
+//! types (`cargo run -p gpuwarden-crds --bin crdgen`) and a test fails when they drift.
+
+pub mod conditions;
+pub mod duration;
+pub mod manifests;
+pub mod node;
+pub mod policy;
+pub mod selector;
+
+pub use node::{
+    Binding, BindingSource, DriverInfo, GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus,
+    GpuNodeSummary, GpuStatus, HealthState, MigDevice, PodRef, RuntimeStatus,
+};
+pub use policy::{
+    CapabilitiesSpec, Exemptions, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec,
+    PolicyMode, PrivilegedMatch, VisibleDevicesAll,
+};
+
+/// API group of every gpuwarden kind.
+pub const GROUP: &str = "gpuwarden.io";
+/// API version of every gpuwarden kind.
+pub const VERSION: &str = "v1alpha1";
+
+/// Field manager of the node agent's server-side apply on `gpunodes/<node>/status`.
+pub const FIELD_MANAGER_NODE_AGENT: &str = "gpuwarden-node-agent";
+/// Field manager of the operator's server-side apply (GpuNode objects, conditions, summary).
+pub const FIELD_MANAGER_OPERATOR: &str = "gpuwarden-operator";
+
+/// Namespace gpuwarden's own components run in.
+pub const SYSTEM_NAMESPACE: &str = "gpuwarden-system";
+/// Name of the built-in default `GpuPolicy`.
+pub const DEFAULT_POLICY_NAME: &str = "default";
+
+/// GPU resource names the webhook treats as a GPU request.
+pub const RESOURCE_GPU: &str = "nvidia.com/gpu";
+/// Time-sliced / shared GPU resource name.
+pub const RESOURCE_GPU_SHARED: &str = "nvidia.com/gpu.shared";
+/// Prefix of MIG resource names (`nvidia.com/mig-1g.10gb`, ...).
+pub const RESOURCE_MIG_PREFIX: &str = "nvidia.com/mig-";
+
+/// Annotation/label prefix of everything gpuwarden writes on other objects.
+pub const ANNOTATION_PREFIX: &str = "gpuwarden.io/";
+/// Pod annotation: JSON, per container, what the webhook changed.
+pub const ANNOTATION_REWRITTEN: &str = "gpuwarden.io/rewritten";
+/// Pod annotation: `name@generation` of the policy that rewrote the pod.
+pub const ANNOTATION_POLICY: &str = "gpuwarden.io/policy";
+/// Pod annotation (Audit mode): JSON, per container, what Enforce would change.
+pub const ANNOTATION_AUDIT: &str = "gpuwarden.io/audit";
+/// Pod annotation: GPU count for every rewritten container without a GPU limit.
+/// `gpuwarden.io/gpu-count.<container>` sets it for one container.
+pub const ANNOTATION_GPU_COUNT: &str = "gpuwarden.io/gpu-count";
+/// Prefix of pod annotations that request CDI devices directly.
+pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+
+/// Node label set by NVIDIA GPU feature discovery on nodes with GPUs.
+pub const LABEL_GPU_PRESENT: &str = "nvidia.com/gpu.present";
+/// Taint the operator may put on nodes whose GPUs are unhealthy.
+pub const TAINT_GPU_UNHEALTHY: &str = "gpuwarden.io/gpu-unhealthy";
+
+/// Namespace of the node agents' liveness Leases (one per node, named `gpuwarden-agent-<node>`).
+pub const AGENT_LEASE_NAMESPACE: &str = SYSTEM_NAMESPACE;
+/// Prefix of an agent's Lease name; the node name follows.
+pub const AGENT_LEASE_PREFIX: &str = "gpuwarden-agent-";
+
+/// Name of the agent Lease for `node`.
+pub fn agent_lease_name(node: &str) -> String {
+    format!("{AGENT_LEASE_PREFIX}{node}")
+}
+
+/// Condition types on `GpuNode.status.conditions`.
+pub mod condition_types {
+    /// The node agent's Lease is fresh.
+    pub const AGENT_READY: &str = "AgentReady";
+    /// Every GPU the agent reports is healthy.
+    pub const HEALTHY: &str = "Healthy";
+    /// No out-of-band GPU users and no privileged GPU pods on the node.
+    pub const ISOLATED: &str = "Isolated";
+    /// The NVIDIA runtime does not hand GPUs to unprivileged containers by environment variable.
+    pub const RUNTIME_ISOLATION: &str = "RuntimeIsolation";
+    /// `GpuPolicy`: the spec is valid and in force.
+    pub const READY: &str = "Ready";
+}

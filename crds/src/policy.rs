@@ -1,0 +1,369 @@
+//! `GpuPolicy`: which namespaces gpuwarden governs, and how privileged GPU pods are treated.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use crate::duration::DURATION_PATTERN;
+
+/// How privileged GPU pods are treated. The highest-priority `GpuPolicy` whose selectors match
+/// a pod governs it; equal priorities are broken by name order.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "gpuwarden.io",
+    version = "v1alpha1",
+    kind = "GpuPolicy",
+    shortname = "gpup",
+    category = "gpuwarden",
+    status = "GpuPolicyStatus",
+    printcolumn(name = "Priority", type_ = "integer", json_path = ".spec.priority"),
+    printcolumn(name = "Mode", type_ = "string", json_path = ".spec.mode"),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        priority = 1,
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuPolicySpec {
+    /// Priority among policies that select the same pod: the highest wins, ties go to the
+    /// policy whose name sorts first.
+    #[serde(default)]
+    pub priority: i32,
+
+    /// Namespaces this policy governs, by label. `{}` selects every namespace.
+    #[serde(default)]
+    pub namespace_selector: LabelSelector,
+
+    /// Optional narrowing to pods with these labels. It can only narrow what the namespace
+    /// selector chose; it is never a way for a pod to opt out of a stricter policy, because
+    /// the next policy in priority order still applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_selector: Option<LabelSelector>,
+
+    /// What happens to a governed pod with a privileged GPU container: `Enforce` rewrites it,
+    /// `Audit` admits it unchanged with warnings and an annotation, `Deny` rejects it.
+    #[serde(default)]
+    pub mode: PolicyMode,
+
+    /// Which privileged containers count as GPU containers.
+    #[serde(default, rename = "match")]
+    pub match_: MatchSpec,
+
+    /// How GPUs are requested after the rewrite.
+    #[serde(default)]
+    pub gpu: GpuSpec,
+
+    /// Which Linux capabilities a rewritten container keeps.
+    #[serde(default)]
+    pub capabilities: CapabilitiesSpec,
+
+    /// `NVIDIA_DRIVER_CAPABILITIES` set on rewritten containers.
+    #[serde(default = "default_driver_capabilities")]
+    #[x_kube(validation = Rule::new("self.all(c, c in ['compute', 'utility', 'video', 'graphics', 'display', 'compat32'])").message("driver capabilities are compute, utility, video, graphics, display or compat32"))]
+    #[schemars(length(max = 6))]
+    pub driver_capabilities: Vec<String>,
+
+    /// Remove hostPath volumes of `/dev`, `/dev/nvidia*` and `/dev/dri` (and their mounts)
+    /// from rewritten pods. A volume an exempt container still mounts stays.
+    #[serde(default = "default_true")]
+    pub strip_device_host_paths: bool,
+
+    /// Remove `cdi.k8s.io/*` pod annotations, which would otherwise inject devices through CDI.
+    #[serde(default = "default_true")]
+    pub strip_cdi_annotations: bool,
+
+    /// What this policy never touches. Pods cannot exempt themselves.
+    #[serde(default)]
+    pub exemptions: Exemptions,
+
+    /// Health rules for node agents. A node takes them from the highest-priority policy whose
+    /// `health.nodeSelector` matches it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<HealthSpec>,
+}
+
+/// What the webhook does with a governed privileged GPU pod.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema, Hash)]
+pub enum PolicyMode {
+    /// Rewrite the pod into an unprivileged one that requests its GPUs.
+    #[default]
+    Enforce,
+    /// Admit unchanged; warn and annotate what Enforce would do.
+    Audit,
+    /// Reject, naming each change that would make the pod acceptable.
+    Deny,
+}
+
+impl std::fmt::Display for PolicyMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Enforce => "Enforce",
+            Self::Audit => "Audit",
+            Self::Deny => "Deny",
+        })
+    }
+}
+
+/// Which privileged containers are GPU containers.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MatchSpec {
+    /// `GpuSignals`: a privileged container counts when it shows a GPU signal (GPU limit,
+    /// `NVIDIA_VISIBLE_DEVICES`, device hostPath, CDI annotation). `All`: every privileged
+    /// container counts, for nodes whose default runtime is nvidia.
+    #[serde(default)]
+    pub privileged_containers: PrivilegedMatch,
+}
+
+/// See [`MatchSpec::privileged_containers`].
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum PrivilegedMatch {
+    /// Only privileged containers with a GPU signal.
+    #[default]
+    GpuSignals,
+    /// Every privileged container.
+    All,
+}
+
+/// How GPUs are requested after the rewrite.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.defaultCount <= self.maxPerContainer").message("defaultCount must not exceed maxPerContainer"))]
+pub struct GpuSpec {
+    /// Extended resource name a rewritten container requests.
+    #[serde(default = "default_resource_name")]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9.-]+/[a-zA-Z0-9._-]+$')").message("resourceName must be a domain-prefixed extended resource name such as nvidia.com/gpu"))]
+    #[schemars(length(max = 253))]
+    pub resource_name: String,
+
+    /// GPUs requested when neither an annotation nor `NVIDIA_VISIBLE_DEVICES` says how many.
+    #[serde(default = "default_count")]
+    #[schemars(range(min = 1, max = 64))]
+    pub default_count: u32,
+
+    /// Most GPUs one container may end up requesting; more is a denial.
+    #[serde(default = "default_max")]
+    #[schemars(range(min = 1, max = 64))]
+    pub max_per_container: u32,
+
+    /// What `NVIDIA_VISIBLE_DEVICES=all` turns into: `DefaultCount` GPUs, or a denial.
+    #[serde(default)]
+    pub visible_devices_all: VisibleDevicesAll,
+}
+
+impl Default for GpuSpec {
+    fn default() -> Self {
+        Self {
+            resource_name: default_resource_name(),
+            default_count: default_count(),
+            max_per_container: default_max(),
+            visible_devices_all: VisibleDevicesAll::default(),
+        }
+    }
+}
+
+/// See [`GpuSpec::visible_devices_all`].
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum VisibleDevicesAll {
+    /// Request `defaultCount` GPUs.
+    #[default]
+    DefaultCount,
+    /// Reject the pod: it must say how many GPUs it needs.
+    Deny,
+}
+
+/// Which Linux capabilities a rewritten container keeps.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct CapabilitiesSpec {
+    /// Drop every capability (`drop: [ALL]`) before adding the kept ones back.
+    #[serde(default = "default_true")]
+    pub drop_all: bool,
+
+    /// Capabilities always added to a rewritten container.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self.all(c, c.matches('^[A-Z][A-Z0-9_]*$') && !c.startsWith('CAP_'))").message("capability names are upper case without the CAP_ prefix, e.g. IPC_LOCK"))]
+    #[schemars(length(max = 64))]
+    pub default: Vec<String>,
+
+    /// Capabilities a rewritten container keeps when it asked for them (`capabilities.add`).
+    /// Anything else it asked for is dropped and named in a warning.
+    #[serde(default = "default_allowed_caps")]
+    #[x_kube(validation = Rule::new("self.all(c, c.matches('^[A-Z][A-Z0-9_]*$') && !c.startsWith('CAP_'))").message("capability names are upper case without the CAP_ prefix, e.g. IPC_LOCK"))]
+    #[schemars(length(max = 64))]
+    pub allowed: Vec<String>,
+}
+
+impl Default for CapabilitiesSpec {
+    fn default() -> Self {
+        Self {
+            drop_all: true,
+            default: Vec::new(),
+            allowed: default_allowed_caps(),
+        }
+    }
+}
+
+/// What a policy never touches.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Exemptions {
+    /// Namespaces whose pods are never changed.
+    #[serde(default)]
+    #[schemars(length(max = 256))]
+    pub namespaces: Vec<String>,
+
+    /// Service accounts, as `namespace/name`, whose pods are never changed.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("self.all(s, s.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$'))").message("service accounts are written namespace/name"))]
+    #[schemars(length(max = 256))]
+    pub service_accounts: Vec<String>,
+
+    /// Image glob patterns (`*` and `?`), e.g. `nvcr.io/nvidia/k8s/dcgm-exporter:*`. A
+    /// container whose image matches keeps its privilege.
+    #[serde(default)]
+    #[schemars(length(max = 256))]
+    pub images: Vec<String>,
+}
+
+/// Health rules node agents apply.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthSpec {
+    /// Nodes these rules apply to, by label. `{}` selects every node.
+    #[serde(default)]
+    pub node_selector: LabelSelector,
+
+    /// XID error codes that do not make a GPU unhealthy (application errors such as 13, 31,
+    /// 43, 45, 68, 109).
+    #[serde(default = "default_ignored_xids")]
+    #[schemars(length(max = 256))]
+    pub ignored_xids: Vec<u64>,
+
+    /// How long a GPU must go without a new critical event, while it still answers, before
+    /// it is healthy again (Go duration, e.g. `10m`).
+    #[serde(default = "default_recover_after")]
+    #[schemars(regex(pattern = DURATION_PATTERN), length(max = 32))]
+    pub recover_after: String,
+}
+
+impl Default for HealthSpec {
+    fn default() -> Self {
+        Self {
+            node_selector: LabelSelector::default(),
+            ignored_xids: default_ignored_xids(),
+            recover_after: default_recover_after(),
+        }
+    }
+}
+
+/// Observed state of a `GpuPolicy`, written by the operator.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuPolicyStatus {
+    /// The `metadata.generation` the operator last validated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+
+    /// `Ready`: the spec is valid; when it is not, the reason and message say why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_count() -> u32 {
+    1
+}
+fn default_max() -> u32 {
+    8
+}
+fn default_resource_name() -> String {
+    crate::RESOURCE_GPU.to_owned()
+}
+fn default_driver_capabilities() -> Vec<String> {
+    vec!["compute".into(), "utility".into()]
+}
+fn default_allowed_caps() -> Vec<String> {
+    ["IPC_LOCK", "SYS_PTRACE", "SYS_NICE", "SYS_RESOURCE"]
+        .map(String::from)
+        .to_vec()
+}
+/// XIDs that are application errors, not hardware faults.
+pub fn default_ignored_xids() -> Vec<u64> {
+    vec![13, 31, 43, 45, 68, 109]
+}
+fn default_recover_after() -> String {
+    "10m".into()
+}
+
+impl GpuPolicy {
+    /// The built-in default policy: what `deploy/policies/default.yaml` installs, and what the
+    /// offline engine uses when no policy file is given.
+    pub fn default_policy() -> Self {
+        let mut policy = GpuPolicy::new(
+            crate::DEFAULT_POLICY_NAME,
+            GpuPolicySpec {
+                priority: 0,
+                namespace_selector: LabelSelector::default(),
+                pod_selector: None,
+                mode: PolicyMode::Enforce,
+                match_: MatchSpec::default(),
+                gpu: GpuSpec::default(),
+                capabilities: CapabilitiesSpec::default(),
+                driver_capabilities: default_driver_capabilities(),
+                strip_device_host_paths: true,
+                strip_cdi_annotations: true,
+                exemptions: Exemptions {
+                    namespaces: ["kube-system", crate::SYSTEM_NAMESPACE, "gpu-operator"]
+                        .map(String::from)
+                        .to_vec(),
+                    service_accounts: Vec::new(),
+                    images: [
+                        "nvcr.io/nvidia/k8s/dcgm-exporter:*",
+                        "nvcr.io/nvidia/k8s-device-plugin:*",
+                        "nvcr.io/nvidia/gpu-operator:*",
+                        "nvcr.io/nvidia/driver:*",
+                        "nvcr.io/nvidia/k8s/container-toolkit:*",
+                        "nvcr.io/nvidia/cloud-native/k8s-mig-manager:*",
+                        "nvcr.io/nvidia/cloud-native/dcgm:*",
+                        "nvcr.io/nvidia/gpu-feature-discovery:*",
+                    ]
+                    .map(String::from)
+                    .to_vec(),
+                },
+                health: Some(HealthSpec::default()),
+            },
+        );
+        policy.metadata.labels = Some(BTreeMap::from([(
+            "app.kubernetes.io/part-of".to_owned(),
+            "gpuwarden".to_owned(),
+        )]));
+        policy
+    }
+
+    /// `name@generation`, as written in the `gpuwarden.io/policy` annotation.
+    pub fn reference(&self) -> String {
+        format!(
+            "{}@{}",
+            self.metadata.name.as_deref().unwrap_or(""),
+            self.metadata.generation.unwrap_or(0)
+        )
+    }
+}
