@@ -1,1 +1,5 @@
+//! gpuwarden's mutating admission webhook: a pure rewrite engine, the AdmissionReview adapter
+//! around it, the HTTPS server, and the offline `mutate` command.
 
+pub mod admission;
+pub mod engine;

@@ -1,0 +1,1 @@
+//! The pure rewrite engine (engine owner fills this in).
