@@ -84,3 +84,31 @@ pub mod condition_types {
     /// `GpuPolicy`: the spec is valid and in force.
     pub const READY: &str = "Ready";
 }
+
+/// Names of the installed objects that components refer to each other by.
+pub mod install {
+    /// ServiceAccount, Deployment and Service of the webhook.
+    pub const WEBHOOK_NAME: &str = "gpuwarden-webhook";
+    /// ServiceAccount and Deployment of the operator.
+    pub const OPERATOR_NAME: &str = "gpuwarden-operator";
+    /// ServiceAccount and DaemonSet of the node agent.
+    pub const NODE_AGENT_NAME: &str = "gpuwarden-node-agent";
+    /// Secret holding the webhook's serving certificate (`tls.crt`, `tls.key`, `ca.crt`).
+    pub const WEBHOOK_TLS_SECRET: &str = "gpuwarden-webhook-tls";
+    /// The MutatingWebhookConfiguration.
+    pub const MUTATING_WEBHOOK_CONFIGURATION: &str = "gpuwarden";
+    /// The webhook entry inside it.
+    pub const MUTATING_WEBHOOK: &str = "pods.gpuwarden.io";
+    /// HTTPS path the webhook answers on.
+    pub const MUTATE_PATH: &str = "/mutate";
+    /// Container port of the webhook's HTTPS listener (Service port 443 targets it).
+    pub const WEBHOOK_HTTPS_PORT: u16 = 8443;
+    /// Plain-HTTP port of `/healthz`, `/readyz` and `/metrics` (webhook and operator).
+    pub const HEALTH_PORT: u16 = 8080;
+    /// Plain-HTTP port of the node agent's `/metrics`, `/healthz` and `/readyz`.
+    pub const NODE_AGENT_PORT: u16 = 9400;
+    /// Lease the operator replicas elect their leader with (in the system namespace).
+    pub const OPERATOR_LEADER_LEASE: &str = "gpuwarden-operator-leader";
+    /// Container image all three binaries ship in.
+    pub const IMAGE: &str = "ghcr.io/gpuwarden/gpuwarden";
+}
