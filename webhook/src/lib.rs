@@ -2,4 +2,8 @@
 //! around it, the HTTPS server, and the offline `mutate` command.
 
 pub mod admission;
+pub mod cache;
 pub mod engine;
+pub mod metrics;
+pub mod server;
+pub mod tls;

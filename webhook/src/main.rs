@@ -1,1 +1,126 @@
-fn main() {}
+//! `gpuwarden-webhook`: the mutating admission webhook server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use gpuwarden_crds::install::{HEALTH_PORT, WEBHOOK_HTTPS_PORT};
+use gpuwarden_webhook::server::{self, Limits, ServeOptions};
+use gpuwarden_webhook::tls::TlsPaths;
+
+/// gpuwarden's admission webhook: takes `privileged` away from GPU pods without taking
+/// their GPUs away.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve POST /mutate over HTTPS, and /healthz, /readyz, /metrics over plain HTTP.
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// HTTPS address of the admission endpoint.
+    #[arg(long, env = "GPUWARDEN_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], WEBHOOK_HTTPS_PORT)))]
+    listen: SocketAddr,
+
+    /// Plain-HTTP address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "GPUWARDEN_HEALTH_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], HEALTH_PORT)))]
+    health_listen: SocketAddr,
+
+    /// PEM certificate chain served on the HTTPS port; reloaded when the file changes.
+    #[arg(
+        long,
+        env = "GPUWARDEN_TLS_CERT",
+        default_value = "/etc/gpuwarden/tls/tls.crt"
+    )]
+    tls_cert: PathBuf,
+
+    /// PEM private key of the certificate; reloaded when the file changes.
+    #[arg(
+        long,
+        env = "GPUWARDEN_TLS_KEY",
+        default_value = "/etc/gpuwarden/tls/tls.key"
+    )]
+    tls_key: PathBuf,
+
+    /// Seconds between checks of the certificate files for a new pair.
+    #[arg(long, env = "GPUWARDEN_TLS_RELOAD_INTERVAL", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    tls_reload_interval: u64,
+
+    /// Reviews handled at once; more wait up to --max-wait-ms, then are denied as overloaded.
+    #[arg(long, env = "GPUWARDEN_MAX_CONCURRENCY", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_concurrency: u32,
+
+    /// Milliseconds a review may wait for a free slot.
+    #[arg(long, env = "GPUWARDEN_MAX_WAIT_MS", default_value_t = 1000)]
+    max_wait_ms: u64,
+
+    /// Seconds open connections get to finish after SIGTERM.
+    #[arg(long, env = "GPUWARDEN_SHUTDOWN_TIMEOUT", default_value_t = 20)]
+    shutdown_timeout: u64,
+
+    /// Serve the GpuPolicy documents in this YAML file instead of watching a cluster
+    /// (for trying the webhook outside Kubernetes, e.g. deploy/policies/default.yaml).
+    #[arg(long, env = "GPUWARDEN_POLICY_FILE")]
+    policy_file: Option<PathBuf>,
+
+    /// Log format.
+    #[arg(long, env = "GPUWARDEN_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    /// One JSON object per line.
+    Json,
+    /// Human-readable lines.
+    Text,
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Json => builder.json().with_current_span(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    // Ignore the error: it only says a provider is already installed.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(args) => {
+            init_tracing(args.log_format);
+            let defaults = Limits::default();
+            let options = ServeOptions {
+                listen: args.listen,
+                health_listen: args.health_listen,
+                tls: TlsPaths {
+                    cert: args.tls_cert,
+                    key: args.tls_key,
+                },
+                cert_poll_interval: Duration::from_secs(args.tls_reload_interval),
+                policy_file: args.policy_file,
+                limits: Limits {
+                    max_concurrency: args.max_concurrency as usize,
+                    max_wait: Duration::from_millis(args.max_wait_ms),
+                    drain_timeout: Duration::from_secs(args.shutdown_timeout),
+                    ..defaults
+                },
+            };
+            server::run(options).await.context("webhook server failed")
+        }
+    }
+}

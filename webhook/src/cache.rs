@@ -1,0 +1,334 @@
+//! Where the server reads policies and namespace labels: reflector caches of `GpuPolicy`
+//! and `Namespace` in a cluster, or a fixed set of policies from a file outside one.
+//!
+//! Either way a review never calls the API server: it reads memory. Readiness is a
+//! [`SyncFlag`] the source raises once its caches hold a complete list, so the server can be
+//! tested with any [`PolicySource`] and a flag the test flips.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures::StreamExt;
+use gpuwarden_crds::GpuPolicy;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, PartialObjectMeta};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+
+use crate::admission::PolicySource;
+use crate::metrics::Metrics;
+use crate::server::Shutdown;
+
+/// The label the API server sets on every namespace to its own name.
+const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
+/// Errors building a policy source.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// The policy file could not be read.
+    #[error("failed to read policy file {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The policy file is not YAML.
+    #[error("policy file {} is not valid YAML", path.display())]
+    Yaml {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<serde_saphyr::Error>,
+    },
+    /// A document is not a usable `GpuPolicy`.
+    #[error("policy file {} document {index}: {reason}", path.display())]
+    Document {
+        /// The file.
+        path: PathBuf,
+        /// Zero-based index among the file's non-empty documents.
+        index: usize,
+        /// Why.
+        reason: String,
+    },
+    /// The file holds no policy.
+    #[error("policy file {} holds no GpuPolicy", path.display())]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// Raised once a policy source holds complete data; `/readyz` reads it. Clones share state.
+#[derive(Clone, Debug, Default)]
+pub struct SyncFlag(Arc<AtomicBool>);
+
+impl SyncFlag {
+    /// A lowered flag.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A raised flag, for sources that are complete from the start.
+    pub fn raised() -> Self {
+        let flag = Self::new();
+        flag.set(true);
+        flag
+    }
+
+    /// Raises or lowers the flag.
+    pub fn set(&self, synced: bool) {
+        self.0.store(synced, Ordering::Release);
+    }
+
+    /// Whether the flag is raised.
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Fixed policies, for running outside a cluster (`serve --policy-file`) and for tests.
+///
+/// It knows no namespaces, so it answers every namespace with the one label the API server
+/// always sets, `kubernetes.io/metadata.name=<name>`: selectors on it work as in a cluster.
+#[derive(Clone, Debug)]
+pub struct StaticPolicySource {
+    policies: Vec<Arc<GpuPolicy>>,
+}
+
+impl StaticPolicySource {
+    /// A source serving `policies`.
+    pub fn new(policies: Vec<GpuPolicy>) -> Self {
+        Self {
+            policies: policies.into_iter().map(Arc::new).collect(),
+        }
+    }
+
+    /// Reads one or more `GpuPolicy` documents from a YAML or JSON file.
+    pub fn from_file(path: &Path) -> Result<Self, CacheError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CacheError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(Self::new(parse_policies(&text, path)?))
+    }
+}
+
+/// Parses the `GpuPolicy` documents of a multi-document YAML (or JSON) text.
+pub fn parse_policies(text: &str, path: &Path) -> Result<Vec<GpuPolicy>, CacheError> {
+    let documents: Vec<serde_json::Value> =
+        serde_saphyr::from_multiple(text).map_err(|source| CacheError::Yaml {
+            path: path.to_path_buf(),
+            source: Box::new(source),
+        })?;
+    let mut policies = Vec::with_capacity(documents.len());
+    for (index, document) in documents.into_iter().enumerate() {
+        let error = |reason: String| CacheError::Document {
+            path: path.to_path_buf(),
+            index,
+            reason,
+        };
+        let kind = document.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+        if kind != "GpuPolicy" {
+            return Err(error(format!("kind is {kind:?}, expected \"GpuPolicy\"")));
+        }
+        let policy: GpuPolicy = serde_json::from_value(document)
+            .map_err(|e| error(format!("not a valid GpuPolicy: {e}")))?;
+        if policy.metadata.name.as_deref().unwrap_or("").is_empty() {
+            return Err(error("metadata.name is missing".into()));
+        }
+        policies.push(policy);
+    }
+    if policies.is_empty() {
+        return Err(CacheError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(policies)
+}
+
+impl PolicySource for StaticPolicySource {
+    fn policies(&self) -> Vec<Arc<GpuPolicy>> {
+        self.policies.clone()
+    }
+
+    fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        Some(BTreeMap::from([(
+            NAMESPACE_NAME_LABEL.to_owned(),
+            name.to_owned(),
+        )]))
+    }
+}
+
+/// Reflector caches of every `GpuPolicy` and of every Namespace's metadata.
+#[derive(Clone)]
+pub struct ReflectorCache {
+    policies: Store<GpuPolicy>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+}
+
+impl std::fmt::Debug for ReflectorCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReflectorCache")
+            .field("policies", &self.policies.len())
+            .field("namespaces", &self.namespaces.len())
+            .finish()
+    }
+}
+
+impl ReflectorCache {
+    /// Starts watching through `client` on the current runtime. `synced` is raised once both
+    /// caches hold a complete list. The watches retry with backoff on errors and stop when
+    /// `shutdown` fires.
+    pub fn start(
+        client: kube::Client,
+        metrics: Arc<Metrics>,
+        synced: SyncFlag,
+        shutdown: Shutdown,
+    ) -> Self {
+        let (policies, policy_writer) = reflector::store::<GpuPolicy>();
+        let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+
+        // Only the fields the engine reads are kept: managedFields alone is often most of
+        // an object's size.
+        let policy_stream = watcher(
+            Api::<GpuPolicy>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(|p| p.metadata.managed_fields = None)
+        .reflect(policy_writer)
+        .applied_objects();
+        // Labels are all the engine needs of a Namespace: watch metadata only.
+        let namespace_stream = watcher(
+            Api::<PartialObjectMeta<Namespace>>::all(client),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .modify(|ns| {
+            ns.metadata.managed_fields = None;
+            ns.metadata.annotations = None;
+        })
+        .reflect(namespace_writer)
+        .applied_objects();
+
+        tokio::spawn(drive("gpupolicies", policy_stream, shutdown.clone()));
+        tokio::spawn(drive("namespaces", namespace_stream, shutdown.clone()));
+
+        let cache = Self {
+            policies,
+            namespaces,
+        };
+        let ready = cache.clone();
+        tokio::spawn(async move {
+            metrics.set_cache_synced("gpupolicies", false);
+            metrics.set_cache_synced("namespaces", false);
+            let wait = async {
+                let policies = async {
+                    if ready.policies.wait_until_ready().await.is_ok() {
+                        metrics.set_cache_synced("gpupolicies", true);
+                        tracing::info!(count = ready.policies.len(), "GpuPolicy cache synced");
+                    }
+                };
+                let namespaces = async {
+                    if ready.namespaces.wait_until_ready().await.is_ok() {
+                        metrics.set_cache_synced("namespaces", true);
+                        tracing::info!(count = ready.namespaces.len(), "Namespace cache synced");
+                    }
+                };
+                tokio::join!(policies, namespaces);
+                synced.set(true);
+            };
+            tokio::select! {
+                () = wait => {}
+                () = shutdown.wait() => {}
+            }
+        });
+        cache
+    }
+}
+
+/// Polls one watch stream until shutdown, logging its errors (the stream backs off itself).
+async fn drive<S, T, E>(cache: &'static str, stream: S, shutdown: Shutdown)
+where
+    S: futures::Stream<Item = Result<T, E>> + Send,
+    E: std::error::Error,
+{
+    let mut stream = std::pin::pin!(stream);
+    loop {
+        tokio::select! {
+            item = stream.next() => match item {
+                Some(Ok(_)) => {}
+                Some(Err(error)) => {
+                    tracing::warn!(cache, error = %crate::tls::error_chain(&error), "watch failed; retrying with backoff");
+                }
+                None => {
+                    tracing::error!(cache, "watch stream ended");
+                    return;
+                }
+            },
+            () = shutdown.wait() => return,
+        }
+    }
+}
+
+impl PolicySource for ReflectorCache {
+    fn policies(&self) -> Vec<Arc<GpuPolicy>> {
+        self.policies.state()
+    }
+
+    fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        self.namespaces
+            .get(&ObjectRef::new(name))
+            .map(|ns| ns.metadata.labels.clone().unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_policy_file_parses_to_the_builtin_default() {
+        let path = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/policies/default.yaml"
+        ));
+        let source = StaticPolicySource::from_file(path).unwrap();
+        let policies = source.policies();
+        assert_eq!(policies.len(), 1);
+        assert_eq!(policies[0].spec, GpuPolicy::default_policy().spec);
+        assert_eq!(
+            source.namespace_labels("ml").unwrap()[NAMESPACE_NAME_LABEL],
+            "ml"
+        );
+    }
+
+    #[test]
+    fn policy_file_errors_name_the_document() {
+        let path = Path::new("p.yaml");
+        let text = "apiVersion: gpuwarden.io/v1alpha1\nkind: GpuPolicy\nmetadata: {name: a}\nspec: {}\n---\nkind: ConfigMap\n";
+        let error = parse_policies(text, path).unwrap_err().to_string();
+        assert!(
+            error.contains("document 1") && error.contains("ConfigMap"),
+            "{error}"
+        );
+        let error = parse_policies("", path).unwrap_err().to_string();
+        assert!(error.contains("holds no GpuPolicy"), "{error}");
+        let error = parse_policies("a: [", path).unwrap_err().to_string();
+        assert!(error.contains("not valid YAML"), "{error}");
+    }
+
+    #[test]
+    fn sync_flag_is_shared_by_clones() {
+        let flag = SyncFlag::new();
+        let other = flag.clone();
+        assert!(!other.get());
+        flag.set(true);
+        assert!(other.get());
+    }
+}

@@ -1,0 +1,817 @@
+//! `gpuwarden-webhook serve`: `POST /mutate` over HTTPS, and `/healthz`, `/readyz`,
+//! `/metrics` over plain HTTP on a second port.
+//!
+//! TLS is served by hand (tokio-rustls + hyper-util) rather than through a framework so that
+//! the certificate is looked up per handshake ([`CertStore`]) and shutdown can stop
+//! accepting, then drain open connections within a bound.
+//!
+//! `/mutate` always answers 200 with an AdmissionReview, even when the request never reached
+//! the engine (wrong Content-Type, body over the limit, overload, a body that did not
+//! arrive): the API server then shows the user the reason instead of a bare HTTP error.
+//! Nothing here calls the API server while answering.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use rustls::ServerConfig;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+use tokio_rustls::TlsAcceptor;
+use tracing::Instrument;
+
+use crate::admission::{self, PolicySource, ReviewSummary};
+use crate::cache::{ReflectorCache, StaticPolicySource, SyncFlag};
+use crate::metrics::{self, Metrics, Refusal};
+use crate::tls::{CertReloader, CertStore, TlsPaths, error_chain};
+
+/// Largest request body accepted: the API server's own request limit.
+pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+/// Bodies at most this size run the engine inline; bigger ones (parsing them takes
+/// milliseconds) move to the blocking pool so they cannot stall other connections.
+const INLINE_BODY_BYTES: usize = 256 * 1024;
+/// An oversized body is read and thrown away up to this many bytes, so that a well-behaved
+/// client still receives the answer; past it the connection is closed.
+const DRAIN_BYTES: usize = 4 * MAX_BODY_BYTES;
+/// Bound on a TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Errors running the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// A listener could not be bound.
+    #[error("failed to listen on {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The policy source could not be built.
+    #[error("failed to set up the policy source")]
+    Cache(#[from] crate::cache::CacheError),
+    /// No Kubernetes client could be configured.
+    #[error("failed to configure a Kubernetes client (in-cluster or KUBECONFIG)")]
+    Kube(#[source] kube::Error),
+    /// TLS could not be configured.
+    #[error("failed to configure TLS")]
+    Tls(#[from] crate::tls::TlsError),
+    /// The health server failed.
+    #[error("health server on {addr} failed")]
+    Health {
+        /// Its address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A signal handler could not be installed.
+    #[error("failed to install a signal handler")]
+    Signal(#[source] std::io::Error),
+}
+
+/// Answers one AdmissionReview body. The server's only link to the engine, so that a
+/// benchmark can measure the same stack around a constant answer.
+pub trait Reviewer: Send + Sync + 'static {
+    /// The response review (JSON) and a summary for metrics and logs. Never panics on bad
+    /// input (a panic is still caught and turned into a denial).
+    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary);
+}
+
+/// The real reviewer: the admission engine over a [`PolicySource`].
+pub struct EngineReviewer {
+    source: Arc<dyn PolicySource>,
+}
+
+impl EngineReviewer {
+    /// A reviewer reading policies and namespace labels from `source`.
+    pub fn new(source: Arc<dyn PolicySource>) -> Self {
+        Self { source }
+    }
+}
+
+impl Reviewer for EngineReviewer {
+    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
+        admission::handle_review(body, self.source.as_ref())
+    }
+}
+
+/// Answers every request with the same `allowed: true` review, without reading it.
+/// For benchmarks only: it measures the server around the engine (its uid matches nothing,
+/// so an API server would reject its answers).
+#[derive(Debug)]
+pub struct ConstantAllow {
+    body: Vec<u8>,
+}
+
+impl Default for ConstantAllow {
+    fn default() -> Self {
+        let body = serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": {"uid": "", "allowed": true},
+        });
+        Self {
+            body: body.to_string().into_bytes(),
+        }
+    }
+}
+
+impl Reviewer for ConstantAllow {
+    fn review(&self, _body: &[u8]) -> (Vec<u8>, ReviewSummary) {
+        let summary = ReviewSummary {
+            uid: String::new(),
+            outcome: admission::Outcome::Allowed,
+            policy: None,
+            pod: None,
+        };
+        (self.body.clone(), summary)
+    }
+}
+
+/// Bounds on the work one replica takes on.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Requests on `/mutate` handled at once (body read included).
+    pub max_concurrency: usize,
+    /// How long a request waits for a free slot before it is denied as overloaded.
+    pub max_wait: Duration,
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// How long the whole body may take to arrive.
+    pub body_timeout: Duration,
+    /// On shutdown, how long open connections get to finish.
+    pub drain_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_concurrency: 256,
+            max_wait: Duration::from_secs(1),
+            max_body_bytes: MAX_BODY_BYTES,
+            // The API server gives up after the webhook's timeoutSeconds (5 s).
+            body_timeout: Duration::from_secs(4),
+            drain_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Fires once; every clone of the paired [`Shutdown`] sees it.
+#[derive(Debug)]
+pub struct ShutdownTrigger(watch::Sender<bool>);
+
+impl ShutdownTrigger {
+    /// Starts shutdown.
+    pub fn trigger(&self) {
+        self.0.send_replace(true);
+    }
+}
+
+/// Resolves when shutdown has started (or the trigger was dropped).
+#[derive(Clone, Debug)]
+pub struct Shutdown(watch::Receiver<bool>);
+
+impl Shutdown {
+    /// Waits for shutdown.
+    pub async fn wait(&self) {
+        let mut rx = self.0.clone();
+        // An Err means the trigger is gone: nothing can start shutdown any more, so stop.
+        let _ = rx.wait_for(|started| *started).await;
+    }
+
+    /// Whether shutdown has started.
+    pub fn is_started(&self) -> bool {
+        *self.0.borrow()
+    }
+}
+
+/// A new shutdown trigger and its receiver.
+pub fn shutdown_channel() -> (ShutdownTrigger, Shutdown) {
+    let (tx, rx) = watch::channel(false);
+    (ShutdownTrigger(tx), Shutdown(rx))
+}
+
+/// The webhook as a value: the HTTPS app, the health app, and what they share.
+#[derive(Clone)]
+pub struct Webhook {
+    reviewer: Arc<dyn Reviewer>,
+    metrics: Arc<Metrics>,
+    certs: Arc<CertStore>,
+    synced: SyncFlag,
+    limits: Limits,
+    slots: Arc<Semaphore>,
+    draining: Arc<AtomicBool>,
+}
+
+impl Webhook {
+    /// A webhook answering with `reviewer`, serving the pair in `certs`, ready once `synced`
+    /// is raised and a certificate is loaded.
+    pub fn new(
+        reviewer: Arc<dyn Reviewer>,
+        certs: Arc<CertStore>,
+        synced: SyncFlag,
+        metrics: Arc<Metrics>,
+        limits: Limits,
+    ) -> Self {
+        let slots = Arc::new(Semaphore::new(limits.max_concurrency.max(1)));
+        Self {
+            reviewer,
+            metrics,
+            certs,
+            synced,
+            limits,
+            slots,
+            draining: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The metrics this webhook records into.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The app served over HTTPS: `POST /mutate`.
+    pub fn mutate_router(&self) -> Router {
+        Router::new()
+            .route(gpuwarden_crds::install::MUTATE_PATH, post(mutate))
+            .with_state(self.clone())
+    }
+
+    /// The app served over plain HTTP: `/healthz`, `/readyz`, `/metrics`.
+    pub fn health_router(&self) -> Router {
+        Router::new()
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics_text))
+            .with_state(self.clone())
+    }
+
+    /// Serves `/mutate` over TLS on `https` and the health app on `health` until `shutdown`
+    /// fires; then reports not ready, stops accepting, and gives open connections
+    /// [`Limits::drain_timeout`] to finish.
+    pub async fn serve(
+        self,
+        https: TcpListener,
+        health: TcpListener,
+        shutdown: Shutdown,
+    ) -> Result<(), ServerError> {
+        let tls = self.certs.server_config()?;
+        let health_addr = local_addr(&health);
+        let health_app = self.health_router();
+        let health_shutdown = shutdown.clone();
+        let health_server = tokio::spawn(async move {
+            axum::serve(health, health_app)
+                .with_graceful_shutdown(async move { health_shutdown.wait().await })
+                .await
+        });
+
+        let draining = self.draining.clone();
+        let drain_timeout = self.limits.drain_timeout;
+        let app = self.mutate_router();
+        serve_tls(https, tls, app, shutdown, draining, drain_timeout).await;
+
+        match health_server.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(ServerError::Health {
+                addr: health_addr,
+                source,
+            }),
+            Err(join) => Err(ServerError::Health {
+                addr: health_addr,
+                source: std::io::Error::other(join),
+            }),
+        }
+    }
+}
+
+fn local_addr(listener: &TcpListener) -> SocketAddr {
+    listener
+        .local_addr()
+        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)))
+}
+
+/// Accepts TLS connections and serves `app` on each (HTTP/1.1 or HTTP/2 by ALPN) until
+/// `shutdown`; then drains within `drain_timeout`.
+async fn serve_tls(
+    listener: TcpListener,
+    tls: Arc<ServerConfig>,
+    app: Router,
+    shutdown: Shutdown,
+    draining: Arc<AtomicBool>,
+    drain_timeout: Duration,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10))
+        .keep_alive(true);
+    builder.http2().timer(TokioTimer::new());
+    let graceful = GracefulShutdown::new();
+    let addr = local_addr(&listener);
+    tracing::info!(%addr, "serving admission reviews over HTTPS");
+
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Usually EMFILE or a connection reset before accept: back off briefly
+                    // instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = shutdown.wait() => break,
+        };
+        // Small request/response pairs: do not wait for Nagle.
+        let _ = stream.set_nodelay(true);
+        let acceptor = acceptor.clone();
+        let builder = builder.clone();
+        let app = app.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let tls_stream =
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => tls_stream,
+                    Ok(Err(error)) => {
+                        tracing::debug!(%peer, %error, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let service = TowerToHyperService::new(app);
+            let conn = builder.serve_connection(TokioIo::new(tls_stream), service);
+            if let Err(error) = watcher.watch(conn).await {
+                tracing::debug!(%peer, error = %error, "connection ended with an error");
+            }
+        });
+    }
+
+    draining.store(true, Ordering::Release);
+    drop(listener);
+    let open = graceful.count();
+    tracing::info!(
+        open,
+        "shutting down: no new connections, draining open ones"
+    );
+    if tokio::time::timeout(drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            ?drain_timeout,
+            "connections still open after the drain timeout; closing them"
+        );
+    }
+}
+
+async fn readyz(State(webhook): State<Webhook>) -> Response {
+    let mut missing = Vec::new();
+    if !webhook.synced.get() {
+        missing.push("policy and namespace caches not synced");
+    }
+    if !webhook.certs.is_loaded() {
+        missing.push("no serving certificate loaded");
+    }
+    if webhook.draining.load(Ordering::Acquire) {
+        missing.push("shutting down");
+    }
+    if missing.is_empty() {
+        (StatusCode::OK, "ok\n").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", missing.join("; ")),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics_text(State(webhook): State<Webhook>) -> Response {
+    match webhook.metrics.encode() {
+        Ok(text) => ([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response(),
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "failed to encode metrics\n",
+        )
+            .into_response(),
+    }
+}
+
+/// `POST /mutate`.
+async fn mutate(State(webhook): State<Webhook>, request: Request) -> Response {
+    let started = Instant::now();
+    let _in_flight = webhook.metrics.in_flight();
+    let (body, summary) = answer(&webhook, request).await;
+    webhook.metrics.observe_duration(started.elapsed());
+    if let Some(summary) = summary {
+        webhook.metrics.observe_review(&summary);
+    }
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
+
+/// The response body, and the engine's summary when the engine answered.
+async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewSummary>) {
+    let refuse = |refusal: Refusal, uid: &str, code: u16, message: String| {
+        webhook.metrics.observe_refusal(refusal);
+        tracing::warn!(uid, reason = refusal.as_str(), %message, "review refused");
+        (refusal_review(uid, code, &message), None)
+    };
+
+    // Taking the slot before reading the body bounds memory to max_concurrency bodies.
+    let _slot = match tokio::time::timeout(
+        webhook.limits.max_wait,
+        webhook.slots.clone().acquire_owned(),
+    )
+    .await
+    {
+        Ok(Ok(slot)) => slot,
+        _ => {
+            return refuse(
+                Refusal::Overloaded,
+                "",
+                429,
+                format!(
+                    "gpuwarden webhook is overloaded: no free slot within {:?} ({} requests in progress); retry",
+                    webhook.limits.max_wait, webhook.limits.max_concurrency
+                ),
+            );
+        }
+    };
+
+    let (parts, body) = request.into_parts();
+    let content_type_error = check_content_type(&parts.headers);
+    let body = match tokio::time::timeout(
+        webhook.limits.body_timeout,
+        read_body(body, &parts.headers, webhook.limits.max_body_bytes),
+    )
+    .await
+    {
+        Ok(Ok(body)) => body,
+        Ok(Err(BodyError::TooLarge)) => {
+            return refuse(
+                Refusal::TooLarge,
+                "",
+                413,
+                format!(
+                    "request body is larger than the webhook's limit of {} bytes",
+                    webhook.limits.max_body_bytes
+                ),
+            );
+        }
+        Ok(Err(BodyError::Read(error))) => {
+            return refuse(
+                Refusal::BodyRead,
+                "",
+                400,
+                format!("failed to read the request body: {error}"),
+            );
+        }
+        Err(_) => {
+            return refuse(
+                Refusal::BodyRead,
+                "",
+                408,
+                format!(
+                    "request body did not arrive within {:?}",
+                    webhook.limits.body_timeout
+                ),
+            );
+        }
+    };
+
+    if let Some(message) = content_type_error {
+        // The uid is still worth echoing: the API server then shows this message.
+        return refuse(Refusal::ContentType, &peek_uid(&body), 415, message);
+    }
+
+    let span = tracing::info_span!(
+        "review",
+        uid = tracing::field::Empty,
+        pod = tracing::field::Empty
+    );
+    let reviewer = webhook.reviewer.clone();
+    let result = if body.len() <= INLINE_BODY_BYTES {
+        run_reviewer(reviewer.as_ref(), &body)
+    } else {
+        let run = tokio::task::spawn_blocking(move || run_reviewer(reviewer.as_ref(), &body));
+        run.instrument(span.clone()).await.unwrap_or_default()
+    };
+    let Some((response, summary)) = result else {
+        return refuse(
+            Refusal::Internal,
+            "",
+            500,
+            "gpuwarden webhook failed internally while reviewing this request; see its logs".into(),
+        );
+    };
+
+    span.record("uid", summary.uid.as_str());
+    if let Some(pod) = &summary.pod {
+        span.record("pod", pod.as_str());
+    }
+    span.in_scope(|| {
+        let outcome = summary.outcome.as_str();
+        let policy = summary.policy.as_deref().unwrap_or("");
+        match summary.outcome {
+            admission::Outcome::Allowed | admission::Outcome::Exempt => {
+                tracing::debug!(outcome, policy, "review answered");
+            }
+            _ => tracing::info!(outcome, policy, "review answered"),
+        }
+    });
+    (response, Some(summary))
+}
+
+/// Runs the reviewer, turning a panic (a bug) into `None` so the request gets a denial
+/// instead of a dropped connection.
+fn run_reviewer(reviewer: &dyn Reviewer, body: &[u8]) -> Option<(Vec<u8>, ReviewSummary)> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reviewer.review(body))) {
+        Ok(result) => Some(result),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(panic = %message, "reviewer panicked");
+            None
+        }
+    }
+}
+
+/// `None` when the request says it carries JSON, otherwise why not.
+fn check_content_type(headers: &HeaderMap) -> Option<String> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Some("Content-Type is missing; expected application/json".into());
+    };
+    let text = String::from_utf8_lossy(value.as_bytes());
+    let media_type = text.split(';').next().unwrap_or("").trim();
+    if media_type.eq_ignore_ascii_case("application/json") {
+        None
+    } else {
+        Some(format!(
+            "Content-Type is {:?}; expected application/json",
+            text.chars().take(100).collect::<String>()
+        ))
+    }
+}
+
+#[derive(Debug)]
+enum BodyError {
+    TooLarge,
+    Read(axum::Error),
+}
+
+/// Reads at most `limit` bytes of body. A larger body is read on and discarded (never
+/// stored) up to [`DRAIN_BYTES`], so the client can still read the answer.
+async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, BodyError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let too_large = declared.is_some_and(|len| len > limit as u64);
+    if too_large && declared.is_some_and(|len| len > DRAIN_BYTES as u64) {
+        return Err(BodyError::TooLarge);
+    }
+    let capacity = if too_large {
+        0
+    } else {
+        declared.map_or(16 * 1024, |len| len as usize)
+    };
+    let mut buffer = BytesMut::with_capacity(capacity);
+    let mut seen = 0usize;
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(BodyError::Read)?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen = seen.saturating_add(data.len());
+        if seen > DRAIN_BYTES {
+            return Err(BodyError::TooLarge);
+        }
+        if !too_large && seen <= limit {
+            buffer.extend_from_slice(&data);
+        }
+    }
+    if too_large || seen > limit {
+        return Err(BodyError::TooLarge);
+    }
+    Ok(buffer.freeze())
+}
+
+/// The request uid, if the body is a JSON object with `request.uid`; "" otherwise.
+fn peek_uid(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Review {
+        request: Option<Request>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Request {
+        uid: Option<String>,
+    }
+    serde_json::from_slice::<Review>(body)
+        .ok()
+        .and_then(|r| r.request)
+        .and_then(|r| r.uid)
+        .unwrap_or_default()
+}
+
+/// A denial review for a request the engine never saw.
+pub fn refusal_review(uid: &str, code: u16, message: &str) -> Vec<u8> {
+    serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": {
+            "uid": uid,
+            "allowed": false,
+            "status": {
+                "status": "Failure",
+                "code": code,
+                "message": message,
+            },
+        },
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// Everything `gpuwarden-webhook serve` needs.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// HTTPS address of `/mutate`.
+    pub listen: SocketAddr,
+    /// Plain-HTTP address of `/healthz`, `/readyz`, `/metrics`.
+    pub health_listen: SocketAddr,
+    /// Certificate and key files.
+    pub tls: TlsPaths,
+    /// How often the certificate files are checked for a new pair.
+    pub cert_poll_interval: Duration,
+    /// Serve these policies instead of watching a cluster.
+    pub policy_file: Option<PathBuf>,
+    /// Concurrency and size bounds.
+    pub limits: Limits,
+}
+
+/// Runs the webhook until SIGTERM or SIGINT.
+pub async fn run(options: ServeOptions) -> Result<(), ServerError> {
+    let (trigger, shutdown) = shutdown_channel();
+    let metrics = Arc::new(Metrics::new());
+
+    let certs = Arc::new(CertStore::new());
+    let mut reloader = CertReloader::new(options.tls.clone(), certs.clone(), metrics.clone());
+    // Load now so a valid pair is served from the first connection; a missing Secret is
+    // not fatal (the operator may create it later): readiness waits for it.
+    reloader.poll_once().await;
+
+    let (source, synced): (Arc<dyn PolicySource>, SyncFlag) = match &options.policy_file {
+        Some(path) => {
+            let source = StaticPolicySource::from_file(path)?;
+            tracing::info!(path = %path.display(), policies = source.policies().len(), "serving policies from a file; not watching a cluster");
+            metrics.set_cache_synced("gpupolicies", true);
+            metrics.set_cache_synced("namespaces", true);
+            (Arc::new(source), SyncFlag::raised())
+        }
+        None => {
+            let client = kube::Client::try_default()
+                .await
+                .map_err(ServerError::Kube)?;
+            let synced = SyncFlag::new();
+            let cache =
+                ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown.clone());
+            (Arc::new(cache), synced)
+        }
+    };
+
+    let https = TcpListener::bind(options.listen)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: options.listen,
+            source,
+        })?;
+    let health = TcpListener::bind(options.health_listen)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: options.health_listen,
+            source,
+        })?;
+    tracing::info!(addr = %options.health_listen, "serving /healthz, /readyz and /metrics over HTTP");
+
+    tokio::spawn(reloader.run(options.cert_poll_interval, shutdown.clone()));
+    tokio::spawn(async move {
+        match wait_for_signal().await {
+            Ok(signal) => tracing::info!(signal, "shutdown requested"),
+            Err(error) => {
+                tracing::error!(error = %error_chain(&error), "cannot wait for signals; shutting down")
+            }
+        }
+        trigger.trigger();
+    });
+
+    let webhook = Webhook::new(
+        Arc::new(EngineReviewer::new(source)),
+        certs,
+        synced,
+        metrics,
+        options.limits,
+    );
+    webhook.serve(https, health, shutdown).await?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() -> Result<&'static str, ServerError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(ServerError::Signal)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(ServerError::Signal)?;
+    Ok(tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_type_accepts_json_with_parameters_only() {
+        let mut headers = HeaderMap::new();
+        assert!(check_content_type(&headers).unwrap().contains("missing"));
+        headers.insert(
+            header::CONTENT_TYPE,
+            "Application/JSON; charset=utf-8".parse().unwrap(),
+        );
+        assert_eq!(check_content_type(&headers), None);
+        headers.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+        assert!(check_content_type(&headers).unwrap().contains("text/plain"));
+    }
+
+    #[test]
+    fn uid_is_peeked_only_from_a_review_shape() {
+        assert_eq!(peek_uid(br#"{"request":{"uid":"abc"}}"#), "abc");
+        assert_eq!(peek_uid(b"not json"), "");
+        assert_eq!(peek_uid(br#"{"request":"x"}"#), "");
+    }
+
+    #[test]
+    fn refusal_review_is_a_denial_with_status() {
+        let review: serde_json::Value =
+            serde_json::from_slice(&refusal_review("u1", 413, "too big")).unwrap();
+        assert_eq!(review["response"]["uid"], "u1");
+        assert_eq!(review["response"]["allowed"], false);
+        assert_eq!(review["response"]["status"]["code"], 413);
+        assert_eq!(review["response"]["status"]["message"], "too big");
+    }
+
+    #[tokio::test]
+    async fn body_over_limit_is_refused_without_being_kept() {
+        let headers = HeaderMap::new();
+        let body = Body::from(vec![b'x'; 2048]);
+        assert!(matches!(
+            read_body(body, &headers, 1024).await,
+            Err(BodyError::TooLarge)
+        ));
+        let body = Body::from(vec![b'x'; 1024]);
+        assert_eq!(read_body(body, &headers, 1024).await.unwrap().len(), 1024);
+    }
+
+    #[test]
+    fn a_panicking_reviewer_becomes_none() {
+        struct Panics;
+        impl Reviewer for Panics {
+            fn review(&self, _: &[u8]) -> (Vec<u8>, ReviewSummary) {
+                panic!("boom")
+            }
+        }
+        assert!(run_reviewer(&Panics, b"{}").is_none());
+    }
+}
