@@ -1,0 +1,4 @@
+//! Helpers for gpuwarden's install tests: loading the manifests under `deploy/` as typed
+//! documents, and (for the ignored end-to-end tests) driving a real cluster.
+
+pub mod manifests;

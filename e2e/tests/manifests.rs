@@ -1,0 +1,1076 @@
+//! The install manifests under `deploy/`, checked without a cluster: every object is a
+//! valid object of its kind with no unknown field, install.yaml is the kustomize base, RBAC
+//! grants exactly what the binaries call, and names, ports and paths agree with the
+//! constants the binaries use.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuwarden_crds::install;
+use gpuwarden_e2e::manifests::{self, Document, load_base, load_file, repo_root};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+
+/// Every YAML file under `deploy/` that holds Kubernetes objects (not kustomization files).
+fn manifest_files() -> Vec<String> {
+    fn walk(dir: &std::path::Path, out: &mut Vec<String>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("failed to read {}: {e}", dir.display()))
+            .map(|e| e.expect("directory entry").path())
+            .collect();
+        entries.sort();
+        for path in entries {
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml")
+                && path.file_name().is_some_and(|n| n != "kustomization.yaml")
+            {
+                let rel = path
+                    .strip_prefix(repo_root())
+                    .expect("under the repository")
+                    .to_string_lossy()
+                    .into_owned();
+                out.push(rel);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&repo_root().join("deploy"), &mut out);
+    assert!(!out.is_empty(), "no manifests found under deploy/");
+    out
+}
+
+/// Where `input` and `output` differ, as JSON paths. A path in `input` missing from
+/// `output` is a field the type does not know.
+fn differences(input: &Value, output: &Value, path: &str, out: &mut Vec<String>) {
+    match (input, output) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in a {
+                let p = format!("{path}.{k}");
+                match b.get(k) {
+                    Some(w) => differences(v, w, &p, out),
+                    None => out.push(format!("unknown field {p}")),
+                }
+            }
+            for k in b.keys().filter(|k| !a.contains_key(*k)) {
+                out.push(format!("field {path}.{k} added by the type"));
+            }
+        }
+        (Value::Array(a), Value::Array(b)) if a.len() == b.len() => {
+            for (i, (v, w)) in a.iter().zip(b).enumerate() {
+                differences(v, w, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ if input == output => {}
+        _ => out.push(format!("{path}: {input} became {output}")),
+    }
+}
+
+/// Deserialises a document into `T`, serialises it back, and fails naming every field the
+/// round trip lost or changed (k8s-openapi ignores unknown fields; this makes them errors).
+fn round_trip<T: DeserializeOwned + Serialize>(doc: &Document) -> Result<(), String> {
+    let typed: T = serde_json::from_value(doc.value.clone())
+        .map_err(|e| format!("{} ({}): {e}", doc.source, doc.id()))?;
+    let back = serde_json::to_value(&typed).map_err(|e| format!("{}: {e}", doc.source))?;
+    let mut diffs = Vec::new();
+    differences(&doc.value, &back, "", &mut diffs);
+    if diffs.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} ({}): {}",
+            doc.source,
+            doc.id(),
+            diffs.join("; ")
+        ))
+    }
+}
+
+/// The Prometheus Operator's PodMonitor, as far as the monitoring component uses it. There
+/// is no Rust type for it in k8s-openapi; unknown fields are refused all the same.
+mod pod_monitor {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct PodMonitor {
+        pub api_version: String,
+        pub kind: String,
+        pub metadata: ObjectMeta,
+        pub spec: Spec,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct Spec {
+        pub selector: LabelSelector,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub namespace_selector: Option<NamespaceSelector>,
+        pub pod_metrics_endpoints: Vec<Endpoint>,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct NamespaceSelector {
+        pub match_names: Vec<String>,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct Endpoint {
+        pub port: String,
+        pub path: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub interval: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub scrape_timeout: Option<String>,
+    }
+}
+
+/// Round-trips a document through the type its apiVersion and kind name.
+fn check_typed(doc: &Document) -> Result<(), String> {
+    match (doc.api_version(), doc.kind()) {
+        ("v1", "Namespace") => round_trip::<Namespace>(doc),
+        ("v1", "ServiceAccount") => round_trip::<ServiceAccount>(doc),
+        ("v1", "Service") => round_trip::<Service>(doc),
+        ("v1", "ConfigMap") => round_trip::<ConfigMap>(doc),
+        ("apps/v1", "Deployment") => round_trip::<Deployment>(doc),
+        ("apps/v1", "DaemonSet") => round_trip::<DaemonSet>(doc),
+        ("policy/v1", "PodDisruptionBudget") => round_trip::<PodDisruptionBudget>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<ClusterRole>(doc),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            round_trip::<ClusterRoleBinding>(doc)
+        }
+        ("rbac.authorization.k8s.io/v1", "Role") => round_trip::<Role>(doc),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => round_trip::<RoleBinding>(doc),
+        ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration") => {
+            round_trip::<MutatingWebhookConfiguration>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            round_trip::<ValidatingAdmissionPolicy>(doc)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            round_trip::<ValidatingAdmissionPolicyBinding>(doc)
+        }
+        ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => {
+            round_trip::<CustomResourceDefinition>(doc)
+        }
+        ("gpuwarden.io/v1alpha1", "GpuPolicy") => round_trip::<gpuwarden_crds::GpuPolicy>(doc),
+        ("gpuwarden.io/v1alpha1", "GpuNode") => round_trip::<gpuwarden_crds::GpuNode>(doc),
+        ("monitoring.coreos.com/v1", "PodMonitor") => round_trip::<pod_monitor::PodMonitor>(doc),
+        (api_version, kind) => Err(format!(
+            "{}: no type known for {api_version} {kind}; add it to check_typed",
+            doc.source
+        )),
+    }
+}
+
+fn base() -> Vec<Document> {
+    load_base().expect("the kustomize base loads").1
+}
+
+fn find<'a>(docs: &'a [Document], kind: &str, name: &str) -> &'a Document {
+    docs.iter()
+        .find(|d| d.kind() == kind && d.name() == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} in deploy/"))
+}
+
+fn typed<T: DeserializeOwned>(doc: &Document) -> T {
+    serde_json::from_value(doc.value.clone())
+        .unwrap_or_else(|e| panic!("{} ({}): {e}", doc.source, doc.id()))
+}
+
+/// Every object in every file under deploy/ (components and install.yaml included) parses
+/// into its Kubernetes type, and serialising it back gives the same JSON: a field the type
+/// drops is an unknown field (a typo, or a field the API does not have) and is named.
+#[test]
+fn every_object_is_its_kind_with_no_unknown_field() {
+    let mut failures = Vec::new();
+    let mut count = 0;
+    for file in manifest_files() {
+        let docs = load_file(&file).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!docs.is_empty(), "{file} holds no object");
+        for doc in docs {
+            count += 1;
+            if let Err(e) = check_typed(&doc) {
+                failures.push(e);
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {count} objects are not valid:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// The checker above notices a misspelt or misplaced field: a test of the test.
+#[test]
+fn an_unknown_field_is_named() {
+    let docs = manifests::parse_documents(
+        "inline.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  ports:\n    - port: 443\n      targetPrt: 8443\n",
+    )
+    .unwrap();
+    let err = check_typed(&docs[0]).unwrap_err();
+    assert!(
+        err.contains("unknown field .spec.ports[0].targetPrt"),
+        "{err}"
+    );
+}
+
+/// The kustomization lists every manifest file of the base (nothing under deploy/ is
+/// forgotten by `kubectl apply -k`), each once, and only files that exist.
+#[test]
+fn kustomization_lists_every_base_file() {
+    let (kustomization, _) = load_base().unwrap_or_else(|e| panic!("{e}"));
+    let listed: Vec<String> = kustomization
+        .resources
+        .iter()
+        .map(|r| format!("deploy/{r}"))
+        .collect();
+    let unique: BTreeSet<&String> = listed.iter().collect();
+    assert_eq!(unique.len(), listed.len(), "a resource is listed twice");
+    let on_disk: BTreeSet<String> = manifest_files()
+        .into_iter()
+        .filter(|f| {
+            f != "deploy/install.yaml"
+                && !f.starts_with("deploy/components/")
+                && !f.starts_with("deploy/examples/")
+        })
+        .collect();
+    let listed: BTreeSet<String> = listed.into_iter().collect();
+    let missing: Vec<_> = on_disk.difference(&listed).collect();
+    let extra: Vec<_> = listed.difference(&on_disk).collect();
+    assert!(
+        missing.is_empty(),
+        "not in deploy/kustomization.yaml: {missing:?}"
+    );
+    assert!(extra.is_empty(), "listed but not a file: {extra:?}");
+}
+
+/// install.yaml holds exactly the objects of the kustomize base, in the base's order, with
+/// the image override applied: the one-file install and `kubectl apply -k` install the same
+/// thing. (`cargo run -p gpuwarden-crds --bin crdgen` regenerates it.)
+#[test]
+fn install_yaml_is_the_rendered_base() {
+    let base = base();
+    let install = load_file("deploy/install.yaml")
+        .unwrap_or_else(|e| panic!("{e}; run `cargo run -p gpuwarden-crds --bin crdgen`"));
+    let base_ids: Vec<String> = base.iter().map(Document::id).collect();
+    let install_ids: Vec<String> = install.iter().map(Document::id).collect();
+    assert_eq!(
+        install_ids, base_ids,
+        "deploy/install.yaml is out of date; run `cargo run -p gpuwarden-crds --bin crdgen`"
+    );
+    for (b, i) in base.iter().zip(&install) {
+        let mut diffs = Vec::new();
+        differences(&b.value, &i.value, "", &mut diffs);
+        assert!(
+            diffs.is_empty(),
+            "deploy/install.yaml differs from {} ({}): {}; run `cargo run -p gpuwarden-crds --bin crdgen`",
+            b.source,
+            b.id(),
+            diffs.join("; ")
+        );
+    }
+}
+
+/// The base creates what must exist before the rest: the namespace first, the CRDs
+/// before the default policy and the policies that take it as a parameter.
+#[test]
+fn objects_come_in_creatable_order() {
+    let base = base();
+    let pos = |kind: &str| {
+        base.iter()
+            .position(|d| d.kind() == kind)
+            .unwrap_or_else(|| panic!("no {kind} in the base"))
+    };
+    assert_eq!(base[0].kind(), "Namespace");
+    assert_eq!(base[0].name(), gpuwarden_crds::SYSTEM_NAMESPACE);
+    assert!(pos("CustomResourceDefinition") < pos("GpuPolicy"));
+    assert!(pos("CustomResourceDefinition") < pos("ValidatingAdmissionPolicy"));
+    assert!(pos("ServiceAccount") < pos("Deployment"));
+    for doc in &base {
+        if let Some(ns) = doc.namespace() {
+            assert_eq!(ns, gpuwarden_crds::SYSTEM_NAMESPACE, "{}", doc.id());
+        }
+    }
+}
+
+/// One grant: which API group, resource and verb, optionally pinned to one object name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Grant {
+    /// `None`: cluster-wide (ClusterRoleBinding); `Some(ns)`: a RoleBinding's namespace.
+    scope: Option<String>,
+    group: String,
+    resource: String,
+    verb: String,
+    /// `None`: any object.
+    name: Option<String>,
+}
+
+/// What each component's code calls, kept in step with the code by reading it: every
+/// `Api::` call, watcher/reflector, `patch_status`, event recorder and lease manager.
+/// (component service account, namespace or cluster-wide, group, resource, verbs, names)
+type Row = (
+    &'static str,
+    Option<&'static str>,
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static [&'static str],
+);
+
+const NS: Option<&str> = Some(gpuwarden_crds::SYSTEM_NAMESPACE);
+
+const EXPECTED_GRANTS: &[Row] = &[
+    // webhook: a reflector over GpuPolicy (list + watch); nothing else.
+    (
+        install::WEBHOOK_NAME,
+        None,
+        "gpuwarden.io",
+        "gpupolicies",
+        &["list", "watch"],
+        &[],
+    ),
+    // operator
+    (
+        install::OPERATOR_NAME,
+        None,
+        "",
+        "nodes",
+        &["get", "list", "watch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "",
+        "pods",
+        &["list", "watch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "gpuwarden.io",
+        "gpunodes",
+        &["get", "list", "watch", "create", "patch", "delete"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "gpuwarden.io",
+        "gpunodes/status",
+        &["patch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "gpuwarden.io",
+        "gpupolicies",
+        &["get", "list", "watch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "gpuwarden.io",
+        "gpupolicies/status",
+        &["patch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        &["get", "patch"],
+        &[install::MUTATING_WEBHOOK_CONFIGURATION],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "events.k8s.io",
+        "events",
+        &["create", "patch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        NS,
+        "coordination.k8s.io",
+        "leases",
+        &["get", "list", "watch", "create"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        NS,
+        "coordination.k8s.io",
+        "leases",
+        &["update", "patch"],
+        &[install::OPERATOR_LEADER_LEASE],
+    ),
+    (install::OPERATOR_NAME, NS, "", "secrets", &["create"], &[]),
+    (
+        install::OPERATOR_NAME,
+        NS,
+        "",
+        "secrets",
+        &["get", "patch"],
+        &[install::WEBHOOK_TLS_SECRET],
+    ),
+    // node agent: its GpuNode's status (pinned to its own node by a ValidatingAdmissionPolicy)
+    // and its liveness Lease.
+    (
+        install::NODE_AGENT_NAME,
+        None,
+        "gpuwarden.io",
+        "gpunodes/status",
+        &["patch"],
+        &[],
+    ),
+    (
+        install::NODE_AGENT_NAME,
+        NS,
+        "coordination.k8s.io",
+        "leases",
+        &["get", "create", "update"],
+        &[],
+    ),
+];
+
+fn expand(rows: &[Row], component: &str) -> BTreeSet<Grant> {
+    let mut out = BTreeSet::new();
+    for (c, scope, group, resource, verbs, names) in rows {
+        if *c != component {
+            continue;
+        }
+        for verb in *verbs {
+            let names: Vec<Option<String>> = if names.is_empty() {
+                vec![None]
+            } else {
+                names.iter().map(|n| Some(n.to_string())).collect()
+            };
+            for name in names {
+                out.insert(Grant {
+                    scope: scope.map(str::to_string),
+                    group: group.to_string(),
+                    resource: resource.to_string(),
+                    verb: verb.to_string(),
+                    name,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Everything the manifests grant to `component`'s service account.
+fn granted(docs: &[Document], component: &str) -> BTreeSet<Grant> {
+    let mut out = BTreeSet::new();
+    for binding in docs
+        .iter()
+        .filter(|d| d.kind() == "RoleBinding" || d.kind() == "ClusterRoleBinding")
+    {
+        let subjects = binding.value["subjects"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let bound = subjects.iter().any(|s| {
+            s["kind"] == "ServiceAccount"
+                && s["name"] == component
+                && s["namespace"] == gpuwarden_crds::SYSTEM_NAMESPACE
+        });
+        if !bound {
+            continue;
+        }
+        let role_kind = binding.value["roleRef"]["kind"]
+            .as_str()
+            .unwrap_or_default();
+        let role_name = binding.value["roleRef"]["name"]
+            .as_str()
+            .unwrap_or_default();
+        let role = find(docs, role_kind, role_name);
+        let scope = if binding.kind() == "RoleBinding" {
+            assert_eq!(
+                role_kind,
+                "Role",
+                "{}: bind Roles, not ClusterRoles",
+                binding.id()
+            );
+            binding.namespace().map(str::to_string)
+        } else {
+            None
+        };
+        for rule in role.value["rules"].as_array().into_iter().flatten() {
+            let strings = |key: &str| -> Vec<String> {
+                rule[key]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect()
+            };
+            assert!(
+                rule.get("nonResourceURLs").is_none(),
+                "{}: no component needs non-resource URLs",
+                role.id()
+            );
+            let names = strings("resourceNames");
+            for group in strings("apiGroups") {
+                for resource in strings("resources") {
+                    for verb in strings("verbs") {
+                        assert!(
+                            group != "*" && resource != "*" && verb != "*",
+                            "{}: wildcard in a rule",
+                            role.id()
+                        );
+                        let names: Vec<Option<String>> = if names.is_empty() {
+                            vec![None]
+                        } else {
+                            names.iter().cloned().map(Some).collect()
+                        };
+                        for name in names {
+                            out.insert(Grant {
+                                scope: scope.clone(),
+                                group: group.clone(),
+                                resource: resource.clone(),
+                                verb: verb.clone(),
+                                name,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Each component's service account is granted exactly the API calls its code makes (the
+/// table above), no more and no less; nothing else in the base is bound to them.
+#[test]
+fn rbac_grants_exactly_what_each_component_calls() {
+    let docs = base();
+    for component in [
+        install::WEBHOOK_NAME,
+        install::OPERATOR_NAME,
+        install::NODE_AGENT_NAME,
+    ] {
+        find(&docs, "ServiceAccount", component);
+        let expected = expand(EXPECTED_GRANTS, component);
+        let actual = granted(&docs, component);
+        let extra: Vec<_> = actual.difference(&expected).collect();
+        let missing: Vec<_> = expected.difference(&actual).collect();
+        assert!(
+            extra.is_empty() && missing.is_empty(),
+            "{component}: granted but not called: {extra:#?}\ncalled but not granted: {missing:#?}"
+        );
+    }
+    // No binding to anything but gpuwarden's own service accounts.
+    for binding in docs.iter().filter(|d| d.kind().ends_with("RoleBinding")) {
+        for s in binding.value["subjects"].as_array().into_iter().flatten() {
+            assert_eq!(s["kind"], "ServiceAccount", "{}", binding.id());
+        }
+    }
+}
+
+/// `rbac_grants_exactly_what_each_component_calls` notices an extra verb.
+#[test]
+fn an_extra_grant_is_noticed() {
+    let mut docs = base();
+    let role = docs
+        .iter_mut()
+        .find(|d| d.kind() == "ClusterRole" && d.name() == install::WEBHOOK_NAME)
+        .expect("webhook ClusterRole");
+    role.value["rules"][0]["verbs"]
+        .as_array_mut()
+        .expect("verbs")
+        .push(json!("delete"));
+    assert_ne!(
+        granted(&docs, install::WEBHOOK_NAME),
+        expand(EXPECTED_GRANTS, install::WEBHOOK_NAME)
+    );
+}
+
+fn workloads(docs: &[Document]) -> Vec<&Document> {
+    docs.iter()
+        .filter(|d| manifests::pod_spec(&d.value).is_some())
+        .collect()
+}
+
+/// Every container runs with the restricted security context: no privilege, no privilege
+/// escalation, every capability dropped and none added, a read-only root filesystem,
+/// seccomp RuntimeDefault, and a non-root user. The one exception is pinned: the node
+/// agent runs as UID 0 (the kubelet's pod-resources socket is root's) with no capability.
+#[test]
+fn every_container_is_restricted() {
+    let docs = base();
+    let workloads = workloads(&docs);
+    assert_eq!(workloads.len(), 3, "webhook, operator and node agent");
+    for w in workloads {
+        let spec = manifests::pod_spec(&w.value).expect("pod spec");
+        let pod_sc = &spec["securityContext"];
+        let containers = spec["containers"].as_array().expect("containers");
+        let init = spec["initContainers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        assert!(spec.get("hostNetwork").is_none(), "{}: hostNetwork", w.id());
+        assert!(spec.get("hostIPC").is_none(), "{}: hostIPC", w.id());
+        assert!(
+            spec.get("hostPID").is_none(),
+            "{}: hostPID is the host-pid component's switch, off in the base",
+            w.id()
+        );
+        for c in containers.iter().chain(&init) {
+            let name = format!("{} container {}", w.id(), c["name"]);
+            let sc = &c["securityContext"];
+            assert_eq!(sc["privileged"], json!(false), "{name}: privileged");
+            assert_eq!(
+                sc["allowPrivilegeEscalation"],
+                json!(false),
+                "{name}: allowPrivilegeEscalation"
+            );
+            assert_eq!(
+                sc["readOnlyRootFilesystem"],
+                json!(true),
+                "{name}: readOnlyRootFilesystem"
+            );
+            assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{name}: drop");
+            assert!(
+                sc["capabilities"].get("add").is_none(),
+                "{name}: adds capabilities"
+            );
+            let seccomp = sc["seccompProfile"]["type"]
+                .as_str()
+                .or(pod_sc["seccompProfile"]["type"].as_str());
+            assert_eq!(seccomp, Some("RuntimeDefault"), "{name}: seccomp");
+            let non_root = sc["runAsNonRoot"]
+                .as_bool()
+                .or(pod_sc["runAsNonRoot"].as_bool());
+            if w.name() == install::NODE_AGENT_NAME {
+                assert_eq!(
+                    non_root,
+                    Some(false),
+                    "{name}: the agent's exception is explicit"
+                );
+                assert_eq!(pod_sc["runAsUser"], json!(0), "{name}");
+            } else {
+                assert_eq!(non_root, Some(true), "{name}: runAsNonRoot");
+                let uid = sc["runAsUser"].as_i64().or(pod_sc["runAsUser"].as_i64());
+                assert!(
+                    uid.is_some_and(|u| u > 0),
+                    "{name}: a numeric non-root user"
+                );
+            }
+            assert!(
+                c["resources"]["requests"]["memory"].is_string()
+                    && c["resources"]["limits"]["memory"].is_string(),
+                "{name}: memory request and limit"
+            );
+            assert!(c.get("livenessProbe").is_some(), "{name}: liveness probe");
+            assert!(c.get("readinessProbe").is_some(), "{name}: readiness probe");
+        }
+        for v in spec["volumes"].as_array().into_iter().flatten() {
+            if v.get("hostPath").is_some() {
+                assert_eq!(
+                    w.name(),
+                    install::NODE_AGENT_NAME,
+                    "{}: only the node agent mounts host paths",
+                    w.id()
+                );
+                let mounts: Vec<&Value> = containers
+                    .iter()
+                    .flat_map(|c| c["volumeMounts"].as_array().into_iter().flatten())
+                    .filter(|m| m["name"] == v["name"])
+                    .collect();
+                for m in mounts {
+                    assert_eq!(m["readOnly"], json!(true), "{}: {m} is writable", w.id());
+                }
+            }
+        }
+    }
+}
+
+/// Each workload runs its binary from the one image, named once in the kustomization with
+/// the workspace version as tag, and serves probes on the ports the binaries listen on.
+#[test]
+fn workloads_run_their_binary_from_the_one_image() {
+    let (kustomization, docs) = load_base().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(kustomization.images.len(), 1);
+    assert_eq!(kustomization.images[0].name, install::IMAGE);
+    assert_eq!(
+        kustomization.images[0].new_tag.as_deref(),
+        Some(env!("CARGO_PKG_VERSION")),
+        "the image tag follows the workspace version"
+    );
+    let expected_image = format!("{}:{}", install::IMAGE, env!("CARGO_PKG_VERSION"));
+    for (kind, name, binary, port) in [
+        (
+            "Deployment",
+            install::WEBHOOK_NAME,
+            "gpuwarden-webhook",
+            install::HEALTH_PORT,
+        ),
+        (
+            "Deployment",
+            install::OPERATOR_NAME,
+            "gpuwarden-operator",
+            install::HEALTH_PORT,
+        ),
+        (
+            "DaemonSet",
+            install::NODE_AGENT_NAME,
+            "gpuwarden-node-agent",
+            install::NODE_AGENT_PORT,
+        ),
+    ] {
+        let w = find(&docs, kind, name);
+        let spec = manifests::pod_spec(&w.value).expect("pod spec");
+        assert_eq!(spec["serviceAccountName"], json!(name), "{}", w.id());
+        let c = &spec["containers"][0];
+        assert_eq!(c["image"], json!(expected_image), "{}", w.id());
+        assert_eq!(
+            c["command"],
+            json!([format!("/usr/local/bin/{binary}")]),
+            "{}",
+            w.id()
+        );
+        let ports = c["ports"].as_array().expect("ports");
+        let metrics = ports
+            .iter()
+            .find(|p| p["name"] == "http-metrics")
+            .unwrap_or_else(|| panic!("{}: no http-metrics port", w.id()));
+        assert_eq!(metrics["containerPort"], json!(port), "{}", w.id());
+        assert_eq!(
+            c["livenessProbe"]["httpGet"]["path"],
+            "/healthz",
+            "{}",
+            w.id()
+        );
+        assert_eq!(
+            c["readinessProbe"]["httpGet"]["path"],
+            "/readyz",
+            "{}",
+            w.id()
+        );
+        assert_eq!(c["livenessProbe"]["httpGet"]["port"], "http-metrics");
+        assert_eq!(c["readinessProbe"]["httpGet"]["port"], "http-metrics");
+    }
+    let webhook = find(&docs, "Deployment", install::WEBHOOK_NAME);
+    let operator = find(&docs, "Deployment", install::OPERATOR_NAME);
+    assert_eq!(webhook.value["spec"]["replicas"], 2);
+    assert_eq!(operator.value["spec"]["replicas"], 2);
+    let pdb = find(&docs, "PodDisruptionBudget", install::WEBHOOK_NAME);
+    assert_eq!(pdb.value["spec"]["minAvailable"], 1);
+    let spread = &webhook.value["spec"]["template"]["spec"]["topologySpreadConstraints"];
+    assert!(
+        spread.as_array().is_some_and(|s| !s.is_empty()),
+        "webhook spread"
+    );
+}
+
+/// The MutatingWebhookConfiguration is the one DESIGN.md describes, and it reaches the
+/// webhook: Service port 443 to the container's HTTPS port, on the path the server
+/// answers, with the TLS Secret the operator writes mounted where the server reads it.
+#[test]
+fn webhook_configuration_reaches_the_server() {
+    let docs = base();
+    let mwc: MutatingWebhookConfiguration = typed(find(
+        &docs,
+        "MutatingWebhookConfiguration",
+        install::MUTATING_WEBHOOK_CONFIGURATION,
+    ));
+    let webhooks = mwc.webhooks.expect("webhooks");
+    assert_eq!(webhooks.len(), 1);
+    let w = &webhooks[0];
+    assert_eq!(w.name, install::MUTATING_WEBHOOK);
+    assert_eq!(w.admission_review_versions, ["v1"]);
+    assert_eq!(w.failure_policy.as_deref(), Some("Fail"));
+    assert_eq!(w.side_effects, "None");
+    assert_eq!(w.timeout_seconds, Some(5));
+    assert_eq!(w.reinvocation_policy.as_deref(), Some("IfNeeded"));
+    assert!(
+        w.client_config.ca_bundle.is_none(),
+        "the operator owns caBundle"
+    );
+    let service = w.client_config.service.as_ref().expect("service reference");
+    assert_eq!(service.name, install::WEBHOOK_NAME);
+    assert_eq!(service.namespace, gpuwarden_crds::SYSTEM_NAMESPACE);
+    assert_eq!(service.path.as_deref(), Some(install::MUTATE_PATH));
+    assert_eq!(service.port, Some(443));
+
+    let rules: Vec<(Vec<String>, Vec<String>)> = w
+        .rules
+        .iter()
+        .flatten()
+        .map(|r| {
+            assert_eq!(r.api_groups.as_deref(), Some(&[String::new()][..]));
+            (
+                r.operations.clone().unwrap_or_default(),
+                r.resources.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rules,
+        [
+            (vec!["CREATE".to_string()], vec!["pods".to_string()]),
+            (
+                vec!["UPDATE".to_string()],
+                vec!["pods/ephemeralcontainers".to_string()]
+            ),
+        ]
+    );
+    let conditions = w.match_conditions.as_ref().expect("matchConditions");
+    assert_eq!(conditions.len(), 1);
+    for field in ["containers", "initContainers", "ephemeralContainers"] {
+        assert!(
+            conditions[0]
+                .expression
+                .contains(&format!("object.spec.{field}")),
+            "matchConditions must look at {field}"
+        );
+    }
+    let selector = w.namespace_selector.as_ref().expect("namespaceSelector");
+    let expr = &selector
+        .match_expressions
+        .as_ref()
+        .expect("matchExpressions")[0];
+    assert_eq!(expr.key, "kubernetes.io/metadata.name");
+    assert_eq!(expr.operator, "NotIn");
+    let excluded: BTreeSet<&str> = expr.values.iter().flatten().map(String::as_str).collect();
+    assert_eq!(
+        excluded,
+        BTreeSet::from(["kube-system", gpuwarden_crds::SYSTEM_NAMESPACE])
+    );
+    // The default policy exempts at least what the webhook never sees.
+    let default = gpuwarden_crds::GpuPolicy::default_policy();
+    for ns in &excluded {
+        assert!(
+            default.spec.exemptions.namespaces.iter().any(|n| n == ns),
+            "the default policy should exempt {ns}"
+        );
+    }
+
+    let svc: Service = typed(find(&docs, "Service", install::WEBHOOK_NAME));
+    let svc_spec = svc.spec.expect("service spec");
+    let https = svc_spec
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.port == 443)
+        .expect("Service port 443");
+    let target = serde_json::to_value(&https.target_port).expect("targetPort");
+    let deployment = find(&docs, "Deployment", install::WEBHOOK_NAME);
+    let spec = manifests::pod_spec(&deployment.value).expect("pod spec");
+    assert_eq!(
+        svc_spec.selector.as_ref().map(|s| json!(s)),
+        Some(deployment.value["spec"]["selector"]["matchLabels"].clone()),
+        "the Service selects the webhook pods"
+    );
+    let container = &spec["containers"][0];
+    let port = container["ports"]
+        .as_array()
+        .expect("ports")
+        .iter()
+        .find(|p| p["name"] == target || p["containerPort"] == target)
+        .unwrap_or_else(|| panic!("Service targetPort {target} names no container port"));
+    assert_eq!(port["containerPort"], json!(install::WEBHOOK_HTTPS_PORT));
+
+    let volume = spec["volumes"]
+        .as_array()
+        .expect("volumes")
+        .iter()
+        .find(|v| v["secret"]["secretName"] == install::WEBHOOK_TLS_SECRET)
+        .expect("the TLS Secret is mounted");
+    let mount = container["volumeMounts"]
+        .as_array()
+        .expect("volumeMounts")
+        .iter()
+        .find(|m| m["name"] == volume["name"])
+        .expect("the TLS volume is mounted");
+    assert_eq!(mount["mountPath"], "/etc/gpuwarden/tls");
+    assert_eq!(mount["readOnly"], true);
+}
+
+/// The node agent runs on GPU nodes only, knows its node, reaches NVML through the NVIDIA
+/// runtime with the `utility` capability, and reads the kubelet's pod-resources socket and
+/// the runtime's configuration read-only.
+#[test]
+fn node_agent_reaches_nvml_and_the_kubelet() {
+    let docs = base();
+    let ds: DaemonSet = typed(find(&docs, "DaemonSet", install::NODE_AGENT_NAME));
+    let pod = ds.spec.expect("spec").template.spec.expect("pod spec");
+    assert_eq!(
+        pod.node_selector
+            .as_ref()
+            .and_then(|s| s.get(gpuwarden_crds::LABEL_GPU_PRESENT))
+            .map(String::as_str),
+        Some("true")
+    );
+    let c = &pod.containers[0];
+    let env: BTreeMap<&str, &k8s_openapi::api::core::v1::EnvVar> = c
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.as_str(), e))
+        .collect();
+    assert_eq!(env["NVIDIA_VISIBLE_DEVICES"].value.as_deref(), Some("all"));
+    assert_eq!(
+        env["NVIDIA_DRIVER_CAPABILITIES"].value.as_deref(),
+        Some("utility")
+    );
+    let node_name = env["NODE_NAME"]
+        .value_from
+        .as_ref()
+        .and_then(|v| v.field_ref.as_ref())
+        .map(|f| f.field_path.as_str());
+    assert_eq!(node_name, Some("spec.nodeName"));
+    let mounts: BTreeMap<&str, &str> = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| (m.mount_path.as_str(), m.name.as_str()))
+        .collect();
+    let host_path = |mount: &str| -> String {
+        let name = mounts
+            .get(mount)
+            .unwrap_or_else(|| panic!("nothing mounted at {mount}"));
+        pod.volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == *name)
+            .and_then(|v| v.host_path.as_ref())
+            .map(|h| h.path.clone())
+            .unwrap_or_else(|| panic!("{mount} is not a hostPath"))
+    };
+    assert_eq!(
+        host_path("/var/lib/kubelet/pod-resources"),
+        "/var/lib/kubelet/pod-resources"
+    );
+    for host in ["/etc/nvidia-container-runtime", "/etc/cdi", "/var/run/cdi"] {
+        assert_eq!(host_path(&format!("/host{host}")), host);
+    }
+}
+
+/// The host-pid component switches on the host PID namespace and mounts the host's /proc
+/// read-only at /host/proc; the patched DaemonSet is still a valid DaemonSet.
+#[test]
+fn host_pid_component_patches_the_agent() {
+    let component = manifests::load_kustomization("deploy/components/host-pid/kustomization.yaml")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(component.kind, "Component");
+    assert_eq!(component.patches.len(), 1);
+    let patch = &component.patches[0];
+    assert_eq!(patch["target"]["kind"], "DaemonSet");
+    assert_eq!(patch["target"]["name"], install::NODE_AGENT_NAME);
+    let ops: json_patch::Patch =
+        serde_saphyr::from_str(patch["patch"].as_str().expect("an inline JSON 6902 patch"))
+            .expect("the patch is JSON 6902");
+    let docs = base();
+    let mut ds = find(&docs, "DaemonSet", install::NODE_AGENT_NAME)
+        .value
+        .clone();
+    json_patch::patch(&mut ds, &ops).expect("the patch applies to the base DaemonSet");
+    let patched = Document {
+        source: "host-pid patch".into(),
+        value: ds,
+    };
+    check_typed(&patched).unwrap_or_else(|e| panic!("{e}"));
+    let spec = manifests::pod_spec(&patched.value).expect("pod spec");
+    assert_eq!(spec["hostPID"], true);
+    let mount = spec["containers"][0]["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .find(|m| m["mountPath"] == "/host/proc")
+        .expect("/host/proc mounted");
+    assert_eq!(mount["readOnly"], true);
+}
+
+/// The admission policies are bound, take the default GpuPolicy as their parameter where
+/// they need one, exempt what the webhook exempts, and pin the node agent by the exact
+/// service-account user name.
+#[test]
+fn admission_policies_are_bound_and_consistent() {
+    let docs = base();
+    let policies: Vec<&Document> = docs
+        .iter()
+        .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
+        .collect();
+    assert_eq!(policies.len(), 2);
+    for policy in policies {
+        let binding: ValidatingAdmissionPolicyBinding = typed(find(
+            &docs,
+            "ValidatingAdmissionPolicyBinding",
+            policy.name(),
+        ));
+        let spec = binding.spec.expect("binding spec");
+        assert_eq!(spec.policy_name.as_deref(), Some(policy.name()));
+        assert_eq!(spec.validation_actions, Some(vec!["Deny".to_string()]));
+        let typed_policy: ValidatingAdmissionPolicy = typed(policy);
+        let pspec = typed_policy.spec.expect("policy spec");
+        assert_eq!(pspec.failure_policy.as_deref(), Some("Fail"));
+        if let Some(param_kind) = &pspec.param_kind {
+            assert_eq!(
+                param_kind.api_version.as_deref(),
+                Some(format!("{}/{}", gpuwarden_crds::GROUP, gpuwarden_crds::VERSION).as_str())
+            );
+            assert_eq!(param_kind.kind.as_deref(), Some("GpuPolicy"));
+            let param = spec.param_ref.as_ref().expect("paramRef");
+            assert_eq!(
+                param.name.as_deref(),
+                Some(gpuwarden_crds::DEFAULT_POLICY_NAME)
+            );
+            assert!(param.namespace.is_none(), "GpuPolicy is cluster-scoped");
+            let selector = spec
+                .match_resources
+                .as_ref()
+                .and_then(|m| m.namespace_selector.as_ref())
+                .and_then(|s| s.match_expressions.as_ref())
+                .expect("namespaceSelector");
+            let values: BTreeSet<&str> = selector[0]
+                .values
+                .iter()
+                .flatten()
+                .map(String::as_str)
+                .collect();
+            assert!(values.contains("kube-system"));
+            assert!(values.contains(gpuwarden_crds::SYSTEM_NAMESPACE));
+        } else {
+            let user = format!(
+                "system:serviceaccount:{}:{}",
+                gpuwarden_crds::SYSTEM_NAMESPACE,
+                install::NODE_AGENT_NAME
+            );
+            let conditions = pspec.match_conditions.expect("matchConditions");
+            assert!(
+                conditions.iter().any(|c| c.expression.contains(&user)),
+                "the agent policy matches {user}"
+            );
+            let validations = pspec.validations.expect("validations");
+            assert!(
+                validations[0]
+                    .expression
+                    .contains("authentication.kubernetes.io/node-name")
+            );
+        }
+    }
+}

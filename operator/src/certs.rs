@@ -1,0 +1,556 @@
+//! The webhook's CA and serving certificate, as a pure function of the Secret's current data
+//! and the time: [`plan`] says what the Secret should hold and why it changed.
+//!
+//! Rotation rules: a certificate is renewed when less than a third of its lifetime is left.
+//! A new CA is put in front of the old one in `ca.crt` (the `caBundle`), and the old CA stays
+//! there until it expires, so API servers that still have the old bundle keep trusting the
+//! serving certificate while the new bundle propagates.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, PublicKeyData,
+};
+use x509_parser::certificate::X509Certificate;
+use x509_parser::pem::Pem;
+
+/// Secret key of the serving certificate (PEM).
+pub const TLS_CRT: &str = "tls.crt";
+/// Secret key of the serving certificate's private key (PEM, PKCS#8).
+pub const TLS_KEY: &str = "tls.key";
+/// Secret key of every CA certificate still trusted, newest first (PEM bundle).
+pub const CA_CRT: &str = "ca.crt";
+/// Secret key of the current CA's private key (PEM, PKCS#8). The webhook Deployment mounts
+/// only `tls.crt` and `tls.key`.
+pub const CA_KEY: &str = "ca.key";
+
+/// The CA lives this many times longer than the serving certificate it signs.
+pub const CA_LIFETIME_FACTOR: u32 = 4;
+/// Certificates are backdated by this much, for clocks that run slightly behind.
+const BACKDATE: Duration = Duration::from_secs(300);
+
+/// A certificate operation that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    /// rcgen refused to generate a key or certificate.
+    #[error("failed to generate {what}")]
+    Generate {
+        /// What was being generated.
+        what: &'static str,
+        /// The rcgen error.
+        #[source]
+        source: rcgen::Error,
+    },
+    /// The validity period does not fit a certificate.
+    #[error("certificate validity {0:?} is out of range (use at least 1h)")]
+    Validity(Duration),
+}
+
+/// What the certificates are for.
+#[derive(Clone, Debug)]
+pub struct CertParams {
+    /// Namespace of the webhook Service.
+    pub namespace: String,
+    /// Name of the webhook Service.
+    pub service: String,
+    /// Lifetime of a serving certificate; the CA lives [`CA_LIFETIME_FACTOR`] times longer.
+    pub validity: Duration,
+}
+
+impl CertParams {
+    /// The DNS names the serving certificate must cover.
+    pub fn dns_names(&self) -> Vec<String> {
+        let (s, ns) = (&self.service, &self.namespace);
+        vec![
+            s.clone(),
+            format!("{s}.{ns}"),
+            format!("{s}.{ns}.svc"),
+            format!("{s}.{ns}.svc.cluster.local"),
+        ]
+    }
+}
+
+/// What the Secret should hold.
+#[derive(Clone, Debug)]
+pub struct CertPlan {
+    /// Full Secret data (`tls.crt`, `tls.key`, `ca.crt`, `ca.key`).
+    pub data: BTreeMap<String, Vec<u8>>,
+    /// The `caBundle` for the webhook configuration (same as `ca.crt`).
+    pub ca_bundle: Vec<u8>,
+    /// Why anything changed; empty when `data` equals the input.
+    pub reasons: Vec<String>,
+    /// When the next renewal is due (the earlier of the CA's and the serving certificate's).
+    pub next_renewal: Timestamp,
+}
+
+impl CertPlan {
+    /// Whether the Secret needs writing.
+    pub fn changed(&self) -> bool {
+        !self.reasons.is_empty()
+    }
+}
+
+/// A parsed certificate with what the plan needs from it.
+struct Parsed {
+    pem: String,
+    der: Vec<u8>,
+    not_before: i64,
+    not_after: i64,
+}
+
+impl Parsed {
+    fn x509(&self) -> Option<X509Certificate<'_>> {
+        x509_parser::parse_x509_certificate(&self.der)
+            .ok()
+            .map(|(_, c)| c)
+    }
+
+    /// The moment a third of the lifetime is left.
+    fn renew_at(&self) -> i64 {
+        self.not_after - (self.not_after - self.not_before) / 3
+    }
+}
+
+fn parse_bundle(bytes: Option<&Vec<u8>>) -> Vec<Parsed> {
+    let Some(bytes) = bytes else {
+        return Vec::new();
+    };
+    Pem::iter_from_buffer(bytes)
+        .filter_map(Result::ok)
+        .filter(|p| p.label == "CERTIFICATE")
+        .filter_map(|p| {
+            let cert = p.parse_x509().ok()?;
+            let validity = cert.validity();
+            Some(Parsed {
+                pem: pem_encode("CERTIFICATE", &p.contents),
+                not_before: validity.not_before.timestamp(),
+                not_after: validity.not_after.timestamp(),
+                der: p.contents.clone(),
+            })
+        })
+        .collect()
+}
+
+fn pem_encode(label: &str, der: &[u8]) -> String {
+    const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut b64 = String::with_capacity(der.len() * 4 / 3 + 4);
+    for chunk in der.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                b64.push(char::from(B64[((n >> (18 - 6 * i)) & 63) as usize]));
+            } else {
+                b64.push('=');
+            }
+        }
+    }
+    let mut out = format!("-----BEGIN {label}-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        out.push_str(&String::from_utf8_lossy(line));
+        out.push('\n');
+    }
+    out.push_str(&format!("-----END {label}-----\n"));
+    out
+}
+
+fn key_from(bytes: Option<&Vec<u8>>) -> Option<KeyPair> {
+    let text = std::str::from_utf8(bytes?).ok()?;
+    KeyPair::from_pem(text).ok()
+}
+
+fn spki_matches(cert: &X509Certificate<'_>, key: &KeyPair) -> bool {
+    cert.public_key().raw == key.subject_public_key_info().as_slice()
+}
+
+fn offset(ts: i64) -> time::OffsetDateTime {
+    time::OffsetDateTime::from_unix_timestamp(ts).unwrap_or(time::OffsetDateTime::UNIX_EPOCH)
+}
+
+fn validity_secs(d: Duration) -> Result<i64, CertError> {
+    let secs = i64::try_from(d.as_secs()).map_err(|_| CertError::Validity(d))?;
+    if !(3600..=100 * 365 * 86400).contains(&secs) {
+        return Err(CertError::Validity(d));
+    }
+    Ok(secs)
+}
+
+fn generate_key(what: &'static str) -> Result<KeyPair, CertError> {
+    KeyPair::generate().map_err(|source| CertError::Generate { what, source })
+}
+
+fn ca_params(now: i64, lifetime: i64) -> CertificateParams {
+    let mut params = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "gpuwarden");
+    dn.push(
+        DnType::CommonName,
+        format!("gpuwarden webhook CA {}", offset(now).date()),
+    );
+    params.distinguished_name = dn;
+    params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    params.not_before = offset(now - BACKDATE.as_secs() as i64);
+    params.not_after = offset(now + lifetime);
+    params
+}
+
+/// Computes what the webhook TLS Secret should hold at `now`, given what it holds.
+pub fn plan(
+    existing: &BTreeMap<String, Vec<u8>>,
+    now: Timestamp,
+    params: &CertParams,
+) -> Result<CertPlan, CertError> {
+    let now_s = now.as_second();
+    let leaf_life = validity_secs(params.validity)?;
+    let ca_life = leaf_life.saturating_mul(i64::from(CA_LIFETIME_FACTOR));
+    let mut reasons = Vec::new();
+
+    // The current CA: the bundle's certificate that matches `ca.key`, still in its first two
+    // thirds of life.
+    let bundle = parse_bundle(existing.get(CA_CRT));
+    let ca_key = key_from(existing.get(CA_KEY));
+    let current = ca_key.as_ref().and_then(|key| {
+        bundle
+            .iter()
+            .position(|c| c.x509().is_some_and(|x| x.is_ca() && spki_matches(&x, key)))
+    });
+    let (ca_key, ca_cert_pem, ca_renew_at, ca_der) = match (ca_key, current) {
+        (Some(key), Some(i)) if bundle[i].renew_at() > now_s && bundle[i].not_before <= now_s => {
+            let c = &bundle[i];
+            (key, c.pem.clone(), c.renew_at(), c.der.clone())
+        }
+        (key, current) => {
+            reasons.push(match (key, current) {
+                (None, _) if existing.is_empty() => "no CA yet".to_owned(),
+                (None, _) => "CA key missing or unreadable".to_owned(),
+                (Some(_), None) => "CA certificate missing or does not match the CA key".to_owned(),
+                (Some(_), Some(_)) => "CA has less than a third of its lifetime left".to_owned(),
+            });
+            let key = generate_key("CA key")?;
+            let p = ca_params(now_s, ca_life);
+            let cert = p.self_signed(&key).map_err(|source| CertError::Generate {
+                what: "CA certificate",
+                source,
+            })?;
+            let renew_at = now_s + ca_life - (ca_life + BACKDATE.as_secs() as i64) / 3;
+            (key, cert.pem(), renew_at, cert.der().to_vec())
+        }
+    };
+    let ca_spki: Vec<u8> = ca_key.subject_public_key_info();
+
+    // Serving certificate: kept while it is signed by the current CA, has the right names,
+    // matches its key, and has more than a third of its life left.
+    let expected_names = {
+        let mut n = params.dns_names();
+        n.sort();
+        n
+    };
+    let serving = parse_bundle(existing.get(TLS_CRT)).into_iter().next();
+    let serving_key = key_from(existing.get(TLS_KEY));
+    let ca_parsed = x509_parser::parse_x509_certificate(&ca_der)
+        .ok()
+        .map(|(_, c)| c);
+    let keep_serving = match (&serving, &serving_key, &ca_parsed) {
+        (Some(s), Some(k), Some(ca)) => {
+            let problem = s
+                .x509()
+                .map_or(Some("serving certificate unreadable"), |x| {
+                    let names = {
+                        let mut n: Vec<String> = x
+                            .subject_alternative_name()
+                            .ok()
+                            .flatten()
+                            .map(|san| {
+                                san.value
+                                    .general_names
+                                    .iter()
+                                    .filter_map(|g| match g {
+                                        x509_parser::extensions::GeneralName::DNSName(d) => {
+                                            Some((*d).to_owned())
+                                        }
+                                        _ => None,
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        n.sort();
+                        n
+                    };
+                    if !spki_matches(&x, k) {
+                        Some("serving certificate does not match its key")
+                    } else if x.verify_signature(Some(ca.public_key())).is_err() {
+                        Some("serving certificate is not signed by the current CA")
+                    } else if names != expected_names {
+                        Some("serving certificate names differ from the webhook Service's")
+                    } else if s.renew_at() <= now_s || s.not_before > now_s {
+                        Some("serving certificate has less than a third of its lifetime left")
+                    } else {
+                        None
+                    }
+                });
+            match problem {
+                Some(p) => {
+                    reasons.push(p.to_owned());
+                    false
+                }
+                None => true,
+            }
+        }
+        _ => {
+            if !existing.is_empty() {
+                reasons.push("serving certificate or key missing".to_owned());
+            }
+            false
+        }
+    };
+    let (tls_crt, tls_key, leaf_renew_at) = match (keep_serving, serving, serving_key) {
+        (true, Some(s), Some(k)) => (s.pem.clone(), k.serialize_pem(), s.renew_at()),
+        _ => {
+            let key = generate_key("serving key")?;
+            let mut p = CertificateParams::new(params.dns_names()).map_err(|source| {
+                CertError::Generate {
+                    what: "serving certificate names",
+                    source,
+                }
+            })?;
+            p.distinguished_name = DistinguishedName::new();
+            p.distinguished_name.push(
+                DnType::CommonName,
+                format!("{}.{}.svc", params.service, params.namespace),
+            );
+            p.key_usages = vec![
+                KeyUsagePurpose::DigitalSignature,
+                KeyUsagePurpose::KeyEncipherment,
+            ];
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+            p.use_authority_key_identifier_extension = true;
+            p.not_before = offset(now_s - BACKDATE.as_secs() as i64);
+            // Never outlive the CA that signs it.
+            let ca_not_after = ca_parsed
+                .as_ref()
+                .map_or(now_s + leaf_life, |c| c.validity().not_after.timestamp());
+            p.not_after = offset((now_s + leaf_life).min(ca_not_after));
+            let issuer =
+                Issuer::from_ca_cert_der(&ca_der.clone().into(), &ca_key).map_err(|source| {
+                    CertError::Generate {
+                        what: "CA issuer",
+                        source,
+                    }
+                })?;
+            let cert = p
+                .signed_by(&key, &issuer)
+                .map_err(|source| CertError::Generate {
+                    what: "serving certificate",
+                    source,
+                })?;
+            let lifetime =
+                (now_s + leaf_life).min(ca_not_after) - (now_s - BACKDATE.as_secs() as i64);
+            let renew_at = (now_s + leaf_life).min(ca_not_after) - lifetime / 3;
+            (cert.pem(), key.serialize_pem(), renew_at)
+        }
+    };
+
+    // The bundle: current CA first, then every other CA that has not expired yet.
+    let mut ca_bundle = ca_cert_pem.clone();
+    let mut kept = 1;
+    for old in &bundle {
+        let is_current = x509_parser::parse_x509_certificate(&old.der)
+            .ok()
+            .is_some_and(|(_, x)| x.public_key().raw == ca_spki.as_slice());
+        if is_current || old.not_after <= now_s || kept >= 3 {
+            continue;
+        }
+        ca_bundle.push_str(&old.pem);
+        kept += 1;
+    }
+
+    let mut data = BTreeMap::new();
+    data.insert(TLS_CRT.to_owned(), tls_crt.into_bytes());
+    data.insert(TLS_KEY.to_owned(), tls_key.into_bytes());
+    data.insert(CA_CRT.to_owned(), ca_bundle.clone().into_bytes());
+    data.insert(CA_KEY.to_owned(), ca_key.serialize_pem().into_bytes());
+    if reasons.is_empty() && &data != existing {
+        // Same certificates, different bytes (whitespace, an expired CA dropped from the bundle).
+        reasons.push("secret data normalised (expired CAs dropped)".to_owned());
+    }
+    let next = ca_renew_at.min(leaf_renew_at);
+    Ok(CertPlan {
+        data,
+        ca_bundle: ca_bundle.into_bytes(),
+        reasons,
+        next_renewal: Timestamp::from_second(next).unwrap_or(now),
+    })
+}
+
+/// Number of certificates in a PEM bundle.
+pub fn bundle_len(bundle: &[u8]) -> usize {
+    Pem::iter_from_buffer(bundle)
+        .filter_map(Result::ok)
+        .filter(|p| p.label == "CERTIFICATE")
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: i64 = 86400;
+
+    fn params() -> CertParams {
+        CertParams {
+            namespace: "gpuwarden-system".into(),
+            service: "gpuwarden-webhook".into(),
+            validity: Duration::from_secs(90 * DAY as u64),
+        }
+    }
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn serving(data: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
+        data[TLS_CRT].clone()
+    }
+
+    #[test]
+    fn first_plan_creates_ca_and_serving_cert_with_service_names() {
+        let p = plan(&BTreeMap::new(), at(0), &params()).unwrap();
+        assert!(p.changed());
+        assert_eq!(bundle_len(&p.ca_bundle), 1);
+        let crt = parse_bundle(Some(&p.data[TLS_CRT]));
+        let x = crt[0].x509().unwrap();
+        let san = x.subject_alternative_name().unwrap().unwrap();
+        let mut names: Vec<String> = san
+            .value
+            .general_names
+            .iter()
+            .filter_map(|g| match g {
+                x509_parser::extensions::GeneralName::DNSName(d) => Some((*d).to_owned()),
+                _ => None,
+            })
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "gpuwarden-webhook",
+                "gpuwarden-webhook.gpuwarden-system",
+                "gpuwarden-webhook.gpuwarden-system.svc",
+                "gpuwarden-webhook.gpuwarden-system.svc.cluster.local",
+            ]
+        );
+        let ca = parse_bundle(Some(&p.ca_bundle));
+        assert!(
+            x.verify_signature(Some(ca[0].x509().unwrap().public_key()))
+                .is_ok()
+        );
+        assert_eq!(crt[0].not_after - at(0).as_second(), 90 * DAY);
+    }
+
+    #[test]
+    fn nothing_changes_while_certificates_are_fresh() {
+        let first = plan(&BTreeMap::new(), at(0), &params()).unwrap();
+        let again = plan(&first.data, at(30 * DAY), &params()).unwrap();
+        assert!(!again.changed(), "{:?}", again.reasons);
+        assert_eq!(again.data, first.data);
+    }
+
+    #[test]
+    fn serving_cert_renewed_when_a_third_of_life_is_left() {
+        let first = plan(&BTreeMap::new(), at(0), &params()).unwrap();
+        // 90-day certificate: renewal is due 60 days in (plus the 5 minute backdate).
+        let p = plan(&first.data, at(61 * DAY), &params()).unwrap();
+        assert!(p.changed());
+        assert_ne!(serving(&p.data), serving(&first.data));
+        // The CA (360 days) is still fresh: same CA, one CA in the bundle.
+        assert_eq!(p.data[CA_KEY], first.data[CA_KEY]);
+        assert_eq!(bundle_len(&p.ca_bundle), 1);
+        assert!(
+            p.reasons.iter().any(|r| r.contains("third")),
+            "{:?}",
+            p.reasons
+        );
+    }
+
+    #[test]
+    fn ca_rollover_keeps_both_cas_in_the_bundle_until_the_old_one_expires() {
+        let first = plan(&BTreeMap::new(), at(0), &params()).unwrap();
+        // CA lives 360 days; it is renewed after 240.
+        let mut data = first.data.clone();
+        let mut t = 0;
+        while t < 241 * DAY {
+            t += 20 * DAY;
+            data = plan(&data, at(t), &params()).unwrap().data;
+        }
+        let rolled = plan(&data, at(t), &params()).unwrap();
+        assert_ne!(
+            rolled.data[CA_KEY], first.data[CA_KEY],
+            "CA should have rolled"
+        );
+        assert_eq!(
+            bundle_len(&rolled.ca_bundle),
+            2,
+            "old and new CA both trusted"
+        );
+        let bundle = parse_bundle(Some(&rolled.ca_bundle));
+        let leaf = parse_bundle(Some(&rolled.data[TLS_CRT]));
+        // The serving certificate is signed by the new CA, listed first.
+        assert!(
+            leaf[0]
+                .x509()
+                .unwrap()
+                .verify_signature(Some(bundle[0].x509().unwrap().public_key()))
+                .is_ok()
+        );
+        // The old CA leaves the bundle once it has expired.
+        let later = plan(&rolled.data, at(361 * DAY), &params()).unwrap();
+        assert_eq!(bundle_len(&later.ca_bundle), 1);
+    }
+
+    #[test]
+    fn broken_secret_data_is_replaced_not_a_panic() {
+        let mut junk = BTreeMap::new();
+        junk.insert(TLS_CRT.to_owned(), b"not a cert".to_vec());
+        junk.insert(CA_KEY.to_owned(), vec![0xff, 0xfe]);
+        let p = plan(&junk, at(0), &params()).unwrap();
+        assert!(p.changed());
+        assert_eq!(bundle_len(&p.ca_bundle), 1);
+        assert!(
+            plan(
+                &BTreeMap::new(),
+                at(0),
+                &CertParams {
+                    validity: Duration::from_secs(1),
+                    ..params()
+                }
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn renamed_namespace_reissues_the_serving_cert_only() {
+        let first = plan(&BTreeMap::new(), at(0), &params()).unwrap();
+        let moved = CertParams {
+            namespace: "gw".into(),
+            ..params()
+        };
+        let p = plan(&first.data, at(DAY), &moved).unwrap();
+        assert!(
+            p.reasons.iter().any(|r| r.contains("names")),
+            "{:?}",
+            p.reasons
+        );
+        assert_eq!(p.data[CA_KEY], first.data[CA_KEY]);
+    }
+}

@@ -1,0 +1,796 @@
+//! The pure core of the GpuNode controller: which nodes get a GpuNode, and what the
+//! operator's part of its status (`conditions`, `summary`) should be.
+//!
+//! Every function here is a function of the objects read from the caches and of `now`;
+//! the reconciler in [`crate::node_controller`] does the reading and writing.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use gpuwarden_crds::condition_types::{AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION};
+use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
+use gpuwarden_crds::{
+    GpuNodeStatus, GpuNodeSummary, HealthState, LABEL_GPU_PRESENT, RESOURCE_GPU,
+    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX,
+};
+use jiff::Timestamp;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+
+/// Why a node counts as a GPU node; `None` when it does not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuSignal {
+    /// Allocatable GPU resource (`nvidia.com/gpu`, `nvidia.com/gpu.shared`, `nvidia.com/mig-*`) > 0.
+    Allocatable(String),
+    /// Label `nvidia.com/gpu.present=true`.
+    Label,
+    /// A node agent holds a live Lease for the node.
+    Agent,
+}
+
+/// Whether `name` is a GPU resource name.
+pub fn is_gpu_resource(name: &str) -> bool {
+    name == RESOURCE_GPU || name == RESOURCE_GPU_SHARED || name.starts_with(RESOURCE_MIG_PREFIX)
+}
+
+/// Parses a resource quantity as a whole count; extended resources are integers, so anything
+/// else (`500m`, garbage) counts as zero rather than as a GPU.
+fn quantity_count(q: &Quantity) -> u64 {
+    q.0.trim().parse::<u64>().unwrap_or(0)
+}
+
+/// Why `node` is a GPU node, from its own fields only (allocatable resources, then label).
+pub fn node_gpu_signal(node: &Node) -> Option<GpuSignal> {
+    let allocatable = node
+        .status
+        .as_ref()
+        .and_then(|s| s.allocatable.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|(name, q)| is_gpu_resource(name) && quantity_count(q) > 0);
+    if let Some((name, _)) = allocatable {
+        return Some(GpuSignal::Allocatable(name.clone()));
+    }
+    let labelled = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_GPU_PRESENT))
+        .is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    labelled.then_some(GpuSignal::Label)
+}
+
+/// What the agent's Lease says about the agent at `now`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentLiveness {
+    /// No Lease: the agent never ran on this node (or its Lease was deleted).
+    NoLease,
+    /// The Lease exists but has no renew time or duration.
+    Incomplete,
+    /// Renewed recently; stays live until `expires`.
+    Live {
+        /// When the Lease lapses unless renewed again.
+        expires: Timestamp,
+    },
+    /// Not renewed in time.
+    Expired {
+        /// When it lapsed.
+        expired: Timestamp,
+    },
+}
+
+impl AgentLiveness {
+    /// Whether the agent is live.
+    pub fn is_live(&self) -> bool {
+        matches!(self, Self::Live { .. })
+    }
+}
+
+/// Reads the agent Lease's liveness at `now`: live while `renewTime + leaseDurationSeconds`
+/// is in the future.
+pub fn agent_liveness(lease: Option<&Lease>, now: Timestamp) -> AgentLiveness {
+    let Some(lease) = lease else {
+        return AgentLiveness::NoLease;
+    };
+    let spec = lease.spec.as_ref();
+    let renew = spec.and_then(|s| s.renew_time.as_ref().or(s.acquire_time.as_ref()));
+    let duration = spec.and_then(|s| s.lease_duration_seconds);
+    match (renew, duration) {
+        (Some(renew), Some(secs)) if secs > 0 => {
+            let end = renew
+                .0
+                .checked_add(jiff::SignedDuration::from_secs(i64::from(secs)))
+                .unwrap_or(renew.0);
+            if end > now {
+                AgentLiveness::Live { expires: end }
+            } else {
+                AgentLiveness::Expired { expired: end }
+            }
+        }
+        _ => AgentLiveness::Incomplete,
+    }
+}
+
+/// What should happen to a node's GpuNode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// The node has GPUs or an agent: its GpuNode should exist.
+    Keep(GpuSignal),
+    /// The node exists but has neither GPUs nor a live agent.
+    RemoveNoGpus,
+    /// The Node object is gone.
+    RemoveNodeGone,
+}
+
+/// Decides the fate of the GpuNode for a node. Only call this once every cache it reads from
+/// has synced: an empty cache would otherwise look like "node gone".
+pub fn lifecycle(node: Option<&Node>, liveness: &AgentLiveness) -> Lifecycle {
+    let Some(node) = node else {
+        return Lifecycle::RemoveNodeGone;
+    };
+    if let Some(signal) = node_gpu_signal(node) {
+        return Lifecycle::Keep(signal);
+    }
+    if liveness.is_live() {
+        return Lifecycle::Keep(GpuSignal::Agent);
+    }
+    Lifecycle::RemoveNoGpus
+}
+
+/// Most per-GPU problems named in one condition message; keeps status small.
+const MAX_LISTED: usize = 8;
+
+fn list_limited(items: &[String]) -> String {
+    let mut out = items
+        .iter()
+        .take(MAX_LISTED)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("; ");
+    if items.len() > MAX_LISTED {
+        out.push_str(&format!("; and {} more", items.len() - MAX_LISTED));
+    }
+    out
+}
+
+fn format_ts(ts: Timestamp) -> String {
+    ts.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// The four GpuNode conditions, computed from the agent's status and Lease.
+pub fn desired_conditions(
+    status: Option<&GpuNodeStatus>,
+    liveness: &AgentLiveness,
+) -> Vec<DesiredCondition> {
+    let agent = match liveness {
+        AgentLiveness::Live { .. } => DesiredCondition::new(
+            AGENT_READY,
+            true,
+            "LeaseRenewed",
+            "the node agent renews its Lease",
+        ),
+        AgentLiveness::Expired { expired } => DesiredCondition::new(
+            AGENT_READY,
+            false,
+            "LeaseExpired",
+            format!(
+                "the node agent's Lease expired at {}; GPU data below is the last it reported",
+                format_ts(*expired)
+            ),
+        ),
+        AgentLiveness::NoLease => DesiredCondition::unknown(
+            AGENT_READY,
+            "NoLease",
+            "no node agent Lease for this node; is the node agent running here?",
+        ),
+        AgentLiveness::Incomplete => DesiredCondition::unknown(
+            AGENT_READY,
+            "LeaseIncomplete",
+            "the node agent's Lease has no renew time or duration",
+        ),
+    };
+
+    let gpus = status.and_then(|s| s.gpus.as_ref());
+    let healthy = match gpus {
+        None => DesiredCondition::unknown(
+            HEALTHY,
+            "NotReported",
+            "the node agent has not reported any GPUs yet",
+        ),
+        Some(gpus) if gpus.is_empty() => DesiredCondition::new(
+            HEALTHY,
+            false,
+            "NoGpusFound",
+            "the node agent found no GPUs through NVML",
+        ),
+        Some(gpus) => {
+            let sick: Vec<String> = gpus
+                .iter()
+                .filter(|g| g.health.state == HealthState::Unhealthy)
+                .map(|g| {
+                    let why = if g.health.reasons.is_empty() {
+                        "unhealthy".to_owned()
+                    } else {
+                        g.health.reasons.join(", ")
+                    };
+                    format!("GPU {} ({}): {why}", g.index, g.uuid)
+                })
+                .collect();
+            if sick.is_empty() {
+                DesiredCondition::new(
+                    HEALTHY,
+                    true,
+                    "AllGpusHealthy",
+                    format!("{} of {} GPUs healthy", gpus.len(), gpus.len()),
+                )
+            } else {
+                DesiredCondition::new(
+                    HEALTHY,
+                    false,
+                    "GpuUnhealthy",
+                    format!(
+                        "{} of {} GPUs unhealthy: {}",
+                        sick.len(),
+                        gpus.len(),
+                        list_limited(&sick)
+                    ),
+                )
+            }
+        }
+    };
+
+    let isolated = match status {
+        Some(s) if s.gpus.is_some() || s.bindings.is_some() || s.privileged_pods.is_some() => {
+            let out_of_band: Vec<String> = s
+                .bindings
+                .iter()
+                .flatten()
+                .filter(|b| b.is_out_of_band())
+                .map(|b| format!("{}/{} container {}", b.namespace, b.pod, b.container))
+                .collect();
+            let privileged: Vec<String> = s
+                .privileged_pods
+                .iter()
+                .flatten()
+                .map(|p| format!("{}/{}", p.namespace, p.name))
+                .collect();
+            if !out_of_band.is_empty() {
+                DesiredCondition::new(
+                    ISOLATED,
+                    false,
+                    "OutOfBandGpuUse",
+                    format!(
+                        "containers use GPUs the kubelet never allocated to them: {}",
+                        list_limited(&out_of_band)
+                    ),
+                )
+            } else if !privileged.is_empty() {
+                DesiredCondition::new(
+                    ISOLATED,
+                    false,
+                    "PrivilegedGpuPods",
+                    format!(
+                        "privileged GPU pods see every GPU on the node: {}",
+                        list_limited(&privileged)
+                    ),
+                )
+            } else {
+                DesiredCondition::new(
+                    ISOLATED,
+                    true,
+                    "NoOutOfBandUse",
+                    "every GPU user was allocated its GPUs by the kubelet",
+                )
+            }
+        }
+        _ => DesiredCondition::unknown(
+            ISOLATED,
+            "NotReported",
+            "the node agent has not reported GPU users yet",
+        ),
+    };
+
+    let runtime = match status.and_then(|s| s.runtime.as_ref()) {
+        None => DesiredCondition::unknown(
+            RUNTIME_ISOLATION,
+            "NotReported",
+            "the node agent has not reported the NVIDIA runtime configuration yet",
+        ),
+        Some(r) if r.error.is_some() && r.accept_env_var_when_unprivileged.is_none() => {
+            DesiredCondition::unknown(
+                RUNTIME_ISOLATION,
+                "RuntimeConfigUnreadable",
+                format!(
+                    "the node agent could not read the NVIDIA runtime configuration: {}",
+                    r.error.as_deref().unwrap_or_default()
+                ),
+            )
+        }
+        Some(r) => {
+            let cdi = if r.cdi_enabled {
+                "NVIDIA CDI specs are present, so cdi.k8s.io annotations can inject GPUs"
+            } else {
+                "no NVIDIA CDI specs found"
+            };
+            if r.env_var_leak() {
+                DesiredCondition::new(
+                    RUNTIME_ISOLATION,
+                    false,
+                    "EnvVarAcceptedWhenUnprivileged",
+                    format!(
+                        "the NVIDIA runtime honours NVIDIA_VISIBLE_DEVICES in unprivileged containers \
+                         (accept-nvidia-visible-devices-envvar-when-unprivileged is true or unset); {cdi}"
+                    ),
+                )
+            } else {
+                DesiredCondition::new(
+                    RUNTIME_ISOLATION,
+                    true,
+                    "EnvVarIgnoredWhenUnprivileged",
+                    format!(
+                        "unprivileged containers get GPUs only through the device plugin; {cdi}"
+                    ),
+                )
+            }
+        }
+    };
+
+    vec![agent, healthy, isolated, runtime]
+}
+
+/// Summary counts; `None` until the agent has reported GPUs, so a silent agent never reads
+/// as "zero GPUs".
+pub fn summary(status: Option<&GpuNodeStatus>) -> Option<GpuNodeSummary> {
+    let status = status?;
+    let gpus = status.gpus.as_ref()?;
+    let healthy = gpus
+        .iter()
+        .filter(|g| g.health.state == HealthState::Healthy)
+        .count();
+    let held: BTreeSet<&str> = status
+        .bindings
+        .iter()
+        .flatten()
+        .flat_map(|b| b.gpu_uuids.iter().map(String::as_str))
+        .collect();
+    // A GPU counts as allocated when it, or one of its MIG devices, is bound to a container.
+    let allocated = gpus
+        .iter()
+        .filter(|g| {
+            held.contains(g.uuid.as_str())
+                || g.mig_devices.iter().any(|m| held.contains(m.uuid.as_str()))
+        })
+        .count();
+    let privileged_pods = status.privileged_pods.as_ref().map_or(0, Vec::len);
+    let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    Some(GpuNodeSummary {
+        gpus: clamp(gpus.len()),
+        healthy: clamp(healthy),
+        allocated: clamp(allocated),
+        privileged_pods: clamp(privileged_pods),
+    })
+}
+
+/// The operator's part of a GpuNode's status, ready to apply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OperatorStatus {
+    /// Conditions, merged with the existing ones (transition times kept where status held).
+    pub conditions: Vec<Condition>,
+    /// Summary counts.
+    pub summary: Option<GpuNodeSummary>,
+}
+
+/// A condition whose status changed (or that appeared), for Events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// Condition type.
+    pub type_: String,
+    /// Previous status, `None` when the condition is new.
+    pub from: Option<String>,
+    /// New status.
+    pub to: String,
+    /// New reason.
+    pub reason: String,
+    /// New message.
+    pub message: String,
+}
+
+/// The result of comparing computed status against what the object holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StatusPlan {
+    /// What to apply, or `None` when the object already says exactly this.
+    pub apply: Option<OperatorStatus>,
+    /// Conditions whose status changes with this apply.
+    pub transitions: Vec<Transition>,
+}
+
+fn same_condition(a: &Condition, b: &Condition) -> bool {
+    a.type_ == b.type_
+        && a.status == b.status
+        && a.reason == b.reason
+        && a.message == b.message
+        && a.observed_generation == b.observed_generation
+}
+
+/// Compares computed conditions and summary with the current status. Nothing is applied when
+/// they match (transition times aside, which only move with a status change anyway).
+pub fn plan_status(
+    current: Option<&GpuNodeStatus>,
+    desired: &[DesiredCondition],
+    desired_summary: Option<GpuNodeSummary>,
+    now: Timestamp,
+) -> StatusPlan {
+    let existing: &[Condition] = current
+        .and_then(|s| s.conditions.as_deref())
+        .unwrap_or_default();
+    let merged = merge_conditions(existing, desired, None, Time(now));
+    let conditions_same = merged.len() == existing.len()
+        && merged.iter().all(|m| {
+            existing
+                .iter()
+                .any(|e| e.type_ == m.type_ && same_condition(e, m))
+        });
+    let summary_same = current.and_then(|s| s.summary.as_ref()) == desired_summary.as_ref();
+    let transitions = merged
+        .iter()
+        .filter_map(|m| {
+            let prev = existing.iter().find(|e| e.type_ == m.type_);
+            match prev {
+                Some(p) if p.status == m.status => None,
+                _ => Some(Transition {
+                    type_: m.type_.clone(),
+                    from: prev.map(|p| p.status.clone()),
+                    to: m.status.clone(),
+                    reason: m.reason.clone(),
+                    message: m.message.clone(),
+                }),
+            }
+        })
+        .collect();
+    if conditions_same && summary_same {
+        return StatusPlan {
+            apply: None,
+            transitions: Vec::new(),
+        };
+    }
+    StatusPlan {
+        apply: Some(OperatorStatus {
+            conditions: merged,
+            summary: desired_summary,
+        }),
+        transitions,
+    }
+}
+
+/// When to look at the node again without a watch event: the moment the agent's Lease would
+/// lapse (plus a second of slack), so expiry is noticed even though nothing changes.
+pub fn requeue_after(liveness: &AgentLiveness, now: Timestamp) -> Option<Duration> {
+    match liveness {
+        AgentLiveness::Live { expires } => {
+            let left = expires.duration_since(now);
+            let left = Duration::try_from(left).unwrap_or_default();
+            Some(left + Duration::from_secs(1))
+        }
+        _ => None,
+    }
+}
+
+/// Whether the unhealthy taint should be on the node: only while `Healthy` is `False`.
+pub fn wants_unhealthy_taint(conditions: &[Condition]) -> bool {
+    conditions
+        .iter()
+        .any(|c| c.type_ == HEALTHY && c.status == "False")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuwarden_crds::{
+        Binding, BindingSource, GpuHealth, GpuStatus, MigDevice, PodRef, RuntimeStatus,
+    };
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use k8s_openapi::api::core::v1::NodeStatus;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use std::collections::BTreeMap;
+
+    fn ts(secs: i64) -> Timestamp {
+        Timestamp::from_second(secs).unwrap()
+    }
+
+    fn node(allocatable: &[(&str, &str)], labels: &[(&str, &str)]) -> Node {
+        let mut n = Node::default();
+        n.metadata.name = Some("n1".into());
+        n.metadata.labels = Some(
+            labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        n.status = Some(NodeStatus {
+            allocatable: Some(
+                allocatable
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                    .collect::<BTreeMap<_, _>>(),
+            ),
+            ..Default::default()
+        });
+        n
+    }
+
+    fn lease(renew: i64, secs: i32) -> Lease {
+        Lease {
+            spec: Some(LeaseSpec {
+                holder_identity: Some("agent".into()),
+                renew_time: Some(MicroTime(ts(renew))),
+                lease_duration_seconds: Some(secs),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn gpu(index: u32, healthy: bool) -> GpuStatus {
+        GpuStatus {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "NVIDIA H100 80GB HBM3".into(),
+            memory_mi_b: 81559,
+            pci_bus_id: format!("00000000:{index:02}:00.0"),
+            health: GpuHealth {
+                state: if healthy {
+                    HealthState::Healthy
+                } else {
+                    HealthState::Unhealthy
+                },
+                reasons: if healthy {
+                    vec![]
+                } else {
+                    vec!["Xid79: GPU has fallen off the bus".into()]
+                },
+                since: None,
+            },
+            ..Default::default()
+        }
+    }
+
+    fn find<'a>(c: &'a [DesiredCondition], t: &str) -> &'a DesiredCondition {
+        c.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn gpu_nodes_are_detected_by_resource_label_or_agent() {
+        assert_eq!(
+            node_gpu_signal(&node(&[("nvidia.com/gpu", "8")], &[])),
+            Some(GpuSignal::Allocatable("nvidia.com/gpu".into()))
+        );
+        assert_eq!(
+            node_gpu_signal(&node(&[("nvidia.com/mig-1g.10gb", "7")], &[])),
+            Some(GpuSignal::Allocatable("nvidia.com/mig-1g.10gb".into()))
+        );
+        assert_eq!(
+            node_gpu_signal(&node(&[("nvidia.com/gpu.shared", "4")], &[])),
+            Some(GpuSignal::Allocatable("nvidia.com/gpu.shared".into()))
+        );
+        assert_eq!(
+            node_gpu_signal(&node(&[], &[(LABEL_GPU_PRESENT, "true")])),
+            Some(GpuSignal::Label)
+        );
+        // Zero GPUs, a CPU-only node, a non-integer quantity and a false label are not GPU nodes.
+        assert_eq!(
+            node_gpu_signal(&node(&[("nvidia.com/gpu", "0")], &[])),
+            None
+        );
+        assert_eq!(
+            node_gpu_signal(&node(&[("cpu", "64"), ("memory", "512Gi")], &[])),
+            None
+        );
+        assert_eq!(
+            node_gpu_signal(&node(&[("nvidia.com/gpu", "x")], &[])),
+            None
+        );
+        assert_eq!(
+            node_gpu_signal(&node(&[], &[(LABEL_GPU_PRESENT, "false")])),
+            None
+        );
+
+        let cpu = node(&[("cpu", "64")], &[]);
+        let live = agent_liveness(Some(&lease(100, 40)), ts(120));
+        assert_eq!(
+            lifecycle(Some(&cpu), &live),
+            Lifecycle::Keep(GpuSignal::Agent)
+        );
+        let dead = agent_liveness(Some(&lease(100, 40)), ts(141));
+        assert_eq!(lifecycle(Some(&cpu), &dead), Lifecycle::RemoveNoGpus);
+        assert_eq!(lifecycle(None, &live), Lifecycle::RemoveNodeGone);
+    }
+
+    #[test]
+    fn lease_liveness_and_requeue() {
+        assert_eq!(agent_liveness(None, ts(0)), AgentLiveness::NoLease);
+        assert_eq!(
+            agent_liveness(Some(&Lease::default()), ts(0)),
+            AgentLiveness::Incomplete
+        );
+        let l = lease(100, 40);
+        assert_eq!(
+            agent_liveness(Some(&l), ts(139)),
+            AgentLiveness::Live { expires: ts(140) }
+        );
+        assert_eq!(
+            agent_liveness(Some(&l), ts(140)),
+            AgentLiveness::Expired { expired: ts(140) }
+        );
+        assert_eq!(
+            requeue_after(&agent_liveness(Some(&l), ts(110)), ts(110)),
+            Some(Duration::from_secs(31))
+        );
+        assert_eq!(requeue_after(&AgentLiveness::NoLease, ts(110)), None);
+    }
+
+    #[test]
+    fn silent_agent_is_not_zero_gpus() {
+        let c = desired_conditions(None, &AgentLiveness::NoLease);
+        assert_eq!(find(&c, AGENT_READY).status, "Unknown");
+        assert_eq!(find(&c, HEALTHY).status, "Unknown");
+        assert_eq!(find(&c, ISOLATED).status, "Unknown");
+        assert_eq!(find(&c, RUNTIME_ISOLATION).status, "Unknown");
+        assert_eq!(summary(None), None);
+        assert_eq!(summary(Some(&GpuNodeStatus::default())), None);
+
+        let expired = AgentLiveness::Expired { expired: ts(5) };
+        let c = desired_conditions(None, &expired);
+        assert_eq!(find(&c, AGENT_READY).status, "False");
+        assert_eq!(find(&c, AGENT_READY).reason, "LeaseExpired");
+    }
+
+    #[test]
+    fn health_isolation_runtime_and_summary() {
+        let live = AgentLiveness::Live { expires: ts(100) };
+        let mut status = GpuNodeStatus {
+            gpus: Some(vec![gpu(0, true), gpu(1, true)]),
+            bindings: Some(vec![Binding {
+                pod_uid: "u1".into(),
+                container: "main".into(),
+                namespace: "ml".into(),
+                pod: "train-0".into(),
+                resource_name: Some("nvidia.com/gpu".into()),
+                gpu_uuids: vec!["GPU-1".into()],
+                source: BindingSource::Allocated,
+            }]),
+            runtime: Some(RuntimeStatus {
+                accept_env_var_when_unprivileged: Some(false),
+                cdi_enabled: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let c = desired_conditions(Some(&status), &live);
+        assert_eq!(find(&c, AGENT_READY).status, "True");
+        assert_eq!(find(&c, HEALTHY).status, "True");
+        assert_eq!(find(&c, HEALTHY).message, "2 of 2 GPUs healthy");
+        assert_eq!(find(&c, ISOLATED).status, "True");
+        assert_eq!(find(&c, RUNTIME_ISOLATION).status, "True");
+        assert_eq!(
+            summary(Some(&status)),
+            Some(GpuNodeSummary {
+                gpus: 2,
+                healthy: 2,
+                allocated: 1,
+                privileged_pods: 0
+            })
+        );
+
+        status.gpus = Some(vec![gpu(0, false), gpu(1, true)]);
+        status.bindings.as_mut().unwrap().push(Binding {
+            pod_uid: "u2".into(),
+            container: "sneaky".into(),
+            namespace: "ml".into(),
+            pod: "priv-0".into(),
+            resource_name: None,
+            gpu_uuids: vec!["GPU-0".into()],
+            source: BindingSource::Observed,
+        });
+        status.privileged_pods = Some(vec![PodRef {
+            uid: "u2".into(),
+            namespace: "ml".into(),
+            name: "priv-0".into(),
+        }]);
+        status
+            .runtime
+            .as_mut()
+            .unwrap()
+            .accept_env_var_when_unprivileged = None;
+        let c = desired_conditions(Some(&status), &live);
+        let h = find(&c, HEALTHY);
+        assert_eq!((h.status, h.reason.as_str()), ("False", "GpuUnhealthy"));
+        assert!(h.message.contains("GPU 0 (GPU-0): Xid79"), "{}", h.message);
+        let i = find(&c, ISOLATED);
+        assert_eq!((i.status, i.reason.as_str()), ("False", "OutOfBandGpuUse"));
+        assert!(i.message.contains("ml/priv-0 container sneaky"));
+        assert_eq!(find(&c, RUNTIME_ISOLATION).status, "False");
+        assert_eq!(
+            summary(Some(&status)),
+            Some(GpuNodeSummary {
+                gpus: 2,
+                healthy: 1,
+                allocated: 2,
+                privileged_pods: 1
+            })
+        );
+
+        // Privileged pods alone break isolation too.
+        status.bindings = Some(vec![]);
+        let i = desired_conditions(Some(&status), &live);
+        assert_eq!(find(&i, ISOLATED).reason, "PrivilegedGpuPods");
+
+        // An agent that found no GPUs at all is unhealthy, not healthy-with-zero.
+        status.gpus = Some(vec![]);
+        let c = desired_conditions(Some(&status), &live);
+        assert_eq!(find(&c, HEALTHY).status, "False");
+    }
+
+    #[test]
+    fn mig_devices_count_their_parent_as_allocated() {
+        let mut g = gpu(0, true);
+        g.mig_devices = vec![MigDevice {
+            uuid: "MIG-a".into(),
+            ..Default::default()
+        }];
+        let status = GpuNodeStatus {
+            gpus: Some(vec![g, gpu(1, true)]),
+            bindings: Some(vec![Binding {
+                gpu_uuids: vec!["MIG-a".into()],
+                ..Default::default()
+            }]),
+            ..Default::default()
+        };
+        assert_eq!(summary(Some(&status)).unwrap().allocated, 1);
+    }
+
+    #[test]
+    fn unchanged_status_plans_no_write_and_transition_time_moves_only_on_change() {
+        let live = AgentLiveness::Live { expires: ts(100) };
+        let status = GpuNodeStatus {
+            gpus: Some(vec![gpu(0, true)]),
+            ..Default::default()
+        };
+        let desired = desired_conditions(Some(&status), &live);
+        let first = plan_status(Some(&status), &desired, summary(Some(&status)), ts(10));
+        let applied = first.apply.clone().unwrap();
+        assert_eq!(first.transitions.len(), 4);
+        assert!(
+            applied
+                .conditions
+                .iter()
+                .all(|c| c.last_transition_time == Time(ts(10)))
+        );
+
+        let mut current = status.clone();
+        current.conditions = Some(applied.conditions.clone());
+        current.summary = applied.summary.clone();
+        let again = plan_status(Some(&current), &desired, summary(Some(&current)), ts(50));
+        assert_eq!(again.apply, None);
+        assert!(again.transitions.is_empty());
+
+        // The agent goes silent: only AgentReady (and nothing else) transitions.
+        let expired = AgentLiveness::Expired { expired: ts(100) };
+        let desired = desired_conditions(Some(&current), &expired);
+        let plan = plan_status(Some(&current), &desired, summary(Some(&current)), ts(101));
+        let merged = plan.apply.unwrap().conditions;
+        assert_eq!(plan.transitions.len(), 1);
+        assert_eq!(plan.transitions[0].type_, AGENT_READY);
+        assert_eq!(plan.transitions[0].to, "False");
+        for c in &merged {
+            let expect = if c.type_ == AGENT_READY {
+                ts(101)
+            } else {
+                ts(10)
+            };
+            assert_eq!(c.last_transition_time, Time(expect), "{}", c.type_);
+        }
+        assert!(!wants_unhealthy_taint(&merged));
+    }
+}

@@ -1,0 +1,348 @@
+//! The GpuNode reconciler: reads a node's Node, GpuNode and agent Lease from the caches,
+//! computes (with [`crate::gpunode`]) what should exist, and writes only the difference.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use gpuwarden_crds::{
+    AGENT_LEASE_NAMESPACE, FIELD_MANAGER_OPERATOR, GpuNode, GpuNodeSpec, TAINT_GPU_UNHEALTHY,
+    agent_lease_name,
+};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Taint};
+use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use crate::gpunode::{self, Lifecycle, Transition};
+use crate::metrics::Metrics;
+use crate::{Clock, Leadership};
+
+/// Controller name in metrics and logs.
+pub const CONTROLLER: &str = "gpunode";
+
+/// A GpuNode reconcile that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// An API call failed.
+    #[error("failed to {action} for node {node}")]
+    Api {
+        /// What was being done.
+        action: &'static str,
+        /// The node.
+        node: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A value could not be serialised for the API.
+    #[error("failed to encode {what} for node {node}")]
+    Encode {
+        /// What was being encoded.
+        what: &'static str,
+        /// The node.
+        node: String,
+        /// The serde error.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl NodeError {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Api { source, .. } => crate::api_error_kind(source),
+            Self::Encode { .. } => "encode",
+        }
+    }
+
+    /// Whether retrying without a change to the object cannot help.
+    pub fn is_permanent(&self) -> bool {
+        matches!(self.kind(), "invalid" | "forbidden" | "encode")
+    }
+}
+
+/// What the GpuNode reconciler needs: caches, a client, the clock and leadership.
+pub struct NodeContext {
+    /// API client.
+    pub client: Client,
+    /// Node cache (trimmed to the fields the operator reads).
+    pub nodes: Store<Node>,
+    /// GpuNode cache.
+    pub gpunodes: Store<GpuNode>,
+    /// Agent Lease cache (namespace [`AGENT_LEASE_NAMESPACE`]).
+    pub leases: Store<Lease>,
+    /// Current time; tests inject their own.
+    pub clock: Clock,
+    /// Whether this replica may write.
+    pub leader: Leadership,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Event recorder; `None` disables Events.
+    pub recorder: Option<Recorder>,
+    /// Put [`TAINT_GPU_UNHEALTHY`] on nodes while `Healthy=False`.
+    pub taint_unhealthy_nodes: bool,
+}
+
+/// Whether a cache has finished its first list. Reads that decide deletions must never run
+/// against a cache that is still empty because it has not synced.
+pub fn synced<K: kube::runtime::reflector::Lookup + Clone + 'static>(store: &Store<K>) -> bool
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    matches!(store.wait_until_ready().now_or_never(), Some(Ok(())))
+}
+
+fn api_err(action: &'static str, node: &str) -> impl FnOnce(kube::Error) -> NodeError {
+    let node = node.to_owned();
+    move |source| NodeError::Api {
+        action,
+        node,
+        source,
+    }
+}
+
+/// Reconciles the GpuNode of node `name`: create, update status, or delete.
+#[tracing::instrument(skip(ctx), fields(node = %name))]
+pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, NodeError> {
+    if !ctx.leader.is_leader() {
+        // A standby keeps its caches warm; it reconciles everything when it becomes leader.
+        return Ok(Action::await_change());
+    }
+    if !(synced(&ctx.nodes) && synced(&ctx.gpunodes) && synced(&ctx.leases)) {
+        debug!("caches not synced yet; not deciding anything");
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    }
+    let now = (ctx.clock)();
+    let node = ctx.nodes.get(&ObjectRef::new(name));
+    let current = ctx.gpunodes.get(&ObjectRef::new(name));
+    let lease = ctx
+        .leases
+        .get(&ObjectRef::new(&agent_lease_name(name)).within(AGENT_LEASE_NAMESPACE));
+    let liveness = gpunode::agent_liveness(lease.as_deref(), now);
+    let api: Api<GpuNode> = Api::all(ctx.client.clone());
+
+    match gpunode::lifecycle(node.as_deref(), &liveness) {
+        Lifecycle::RemoveNodeGone | Lifecycle::RemoveNoGpus => {
+            if let Some(gn) = current.filter(|g| g.metadata.deletion_timestamp.is_none()) {
+                info!(reason = ?gpunode::lifecycle(node.as_deref(), &liveness), "deleting GpuNode");
+                let dp = DeleteParams {
+                    preconditions: Some(Preconditions {
+                        uid: gn.metadata.uid.clone(),
+                        resource_version: None,
+                    }),
+                    ..Default::default()
+                };
+                match api.delete(name, &dp).await {
+                    Ok(_) => ctx.metrics.write(CONTROLLER, "delete"),
+                    Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+                    Err(e) => return Err(api_err("delete GpuNode", name)(e)),
+                }
+            }
+            if let Some(node) = node.as_deref()
+                && ctx.taint_unhealthy_nodes
+            {
+                sync_taint(ctx, node, false).await?;
+            }
+            Ok(Action::await_change())
+        }
+        Lifecycle::Keep(signal) => {
+            let Some(node) = node else {
+                return Ok(Action::await_change());
+            };
+            let gn = match current {
+                Some(gn) if gpunode_matches(&gn, &node) => gn,
+                _ => {
+                    debug!(?signal, "applying GpuNode");
+                    let applied = api
+                        .patch(
+                            name,
+                            &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
+                            &Patch::Apply(desired_gpunode(&node)),
+                        )
+                        .await
+                        .map_err(api_err("apply GpuNode", name))?;
+                    ctx.metrics.write(CONTROLLER, "apply");
+                    Arc::new(applied)
+                }
+            };
+            let desired = gpunode::desired_conditions(gn.status.as_ref(), &liveness);
+            let summary = gpunode::summary(gn.status.as_ref());
+            let plan = gpunode::plan_status(gn.status.as_ref(), &desired, summary, now);
+            let conditions = match plan.apply {
+                Some(status) => {
+                    let body = json!({
+                        "apiVersion": GpuNode::api_version(&()),
+                        "kind": GpuNode::kind(&()),
+                        "metadata": { "name": name },
+                        "status": {
+                            "conditions": status.conditions,
+                            "summary": status.summary,
+                        }
+                    });
+                    api.patch_status(
+                        name,
+                        &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
+                        &Patch::Apply(body),
+                    )
+                    .await
+                    .map_err(api_err("apply GpuNode status", name))?;
+                    ctx.metrics.write(CONTROLLER, "status");
+                    publish_transitions(ctx, &gn, &plan.transitions).await;
+                    status.conditions
+                }
+                None => gn
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.clone())
+                    .unwrap_or_default(),
+            };
+            if ctx.taint_unhealthy_nodes {
+                sync_taint(ctx, &node, gpunode::wants_unhealthy_taint(&conditions)).await?;
+            }
+            Ok(gpunode::requeue_after(&liveness, now)
+                .map_or_else(Action::await_change, Action::requeue))
+        }
+    }
+}
+
+/// The GpuNode the operator owns the spec and metadata of.
+pub fn desired_gpunode(node: &Node) -> GpuNode {
+    let name = node.name_any();
+    let mut gn = GpuNode::new(
+        &name,
+        GpuNodeSpec {
+            node_name: name.clone(),
+        },
+    );
+    gn.metadata.labels = Some(BTreeMap::from([(
+        "app.kubernetes.io/managed-by".to_owned(),
+        FIELD_MANAGER_OPERATOR.to_owned(),
+    )]));
+    // Owned by the Node, so deleting the node deletes its GpuNode even when the operator is down.
+    gn.metadata.owner_references = node.controller_owner_ref(&()).map(|mut o| {
+        o.block_owner_deletion = Some(false);
+        vec![o]
+    });
+    gn
+}
+
+/// Whether an existing GpuNode already has the spec and owner reference it should have.
+fn gpunode_matches(gn: &GpuNode, node: &Node) -> bool {
+    let uid = node.metadata.uid.as_deref();
+    gn.spec.node_name == node.name_any()
+        && gn
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.kind == "Node" && Some(o.uid.as_str()) == uid)
+}
+
+async fn publish_transitions(ctx: &NodeContext, gn: &GpuNode, transitions: &[Transition]) {
+    let Some(recorder) = &ctx.recorder else {
+        return;
+    };
+    let reference = gn.object_ref(&());
+    for t in transitions {
+        // A condition appearing as True on a new GpuNode is not news.
+        if t.from.is_none() && t.to == "True" {
+            continue;
+        }
+        let ev = Event {
+            type_: if t.to == "True" {
+                EventType::Normal
+            } else {
+                EventType::Warning
+            },
+            reason: t.reason.clone(),
+            note: Some(
+                format!(
+                    "{} {} -> {}: {}",
+                    t.type_,
+                    t.from.as_deref().unwrap_or("(none)"),
+                    t.to,
+                    t.message
+                )
+                .chars()
+                .take(1000)
+                .collect(),
+            ),
+            action: format!("{}Changed", t.type_),
+            secondary: None,
+        };
+        // Events are best effort: a failure to publish must not fail the status update.
+        match recorder.publish(&ev, &reference).await {
+            Ok(()) => ctx.metrics.write(CONTROLLER, "event"),
+            Err(e) => warn!(error = %e, "failed to publish event"),
+        }
+    }
+}
+
+/// Adds or removes [`TAINT_GPU_UNHEALTHY`] with a JSON patch guarded by a `test` of the
+/// current taints, so a concurrent change by someone else makes it fail instead of losing it.
+async fn sync_taint(ctx: &NodeContext, node: &Node, want: bool) -> Result<(), NodeError> {
+    let name = node.name_any();
+    let taints: Vec<Taint> = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.clone())
+        .unwrap_or_default();
+    let has = taints.iter().any(|t| t.key == TAINT_GPU_UNHEALTHY);
+    if has == want {
+        return Ok(());
+    }
+    let mut next: Vec<Taint> = taints
+        .iter()
+        .filter(|t| t.key != TAINT_GPU_UNHEALTHY)
+        .cloned()
+        .collect();
+    if want {
+        next.push(Taint {
+            key: TAINT_GPU_UNHEALTHY.to_owned(),
+            effect: "NoSchedule".to_owned(),
+            value: None,
+            time_added: None,
+        });
+    }
+    let encode = |source| NodeError::Encode {
+        what: "taint patch",
+        node: name.clone(),
+        source,
+    };
+    let ops = if node.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some() {
+        json!([
+            { "op": "test", "path": "/spec/taints", "value": serde_json::to_value(&taints).map_err(encode)? },
+            { "op": "replace", "path": "/spec/taints", "value": serde_json::to_value(&next).map_err(encode)? },
+        ])
+    } else {
+        json!([{ "op": "add", "path": "/spec/taints", "value": serde_json::to_value(&next).map_err(encode)? }])
+    };
+    let patch: json_patch_ops::Ops = serde_json::from_value(ops).map_err(encode)?;
+    let api: Api<Node> = Api::all(ctx.client.clone());
+    api.patch(&name, &PatchParams::default(), &Patch::Json::<()>(patch.0))
+        .await
+        .map_err(api_err("patch node taints", &name))?;
+    ctx.metrics.write(CONTROLLER, "taint");
+    info!(
+        taint = want,
+        "node taint {}",
+        if want { "added" } else { "removed" }
+    );
+    Ok(())
+}
+
+mod json_patch_ops {
+    //! kube's `Patch::Json` takes a `json_patch::Patch`; it deserialises from the RFC 6902
+    //! operation list.
+    #[derive(serde::Deserialize)]
+    #[serde(transparent)]
+    pub struct Ops(pub json_patch::Patch);
+}

@@ -1,0 +1,484 @@
+//! GpuPolicy validation beyond what the CRD's CEL rules can check, and the status it yields.
+//!
+//! CEL sees one object at a time; overlaps between policies of equal priority, capability
+//! names, exemption patterns and selector semantics are checked here.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::condition_types::READY;
+use gpuwarden_crds::conditions::DesiredCondition;
+use gpuwarden_crds::duration::parse_duration;
+use gpuwarden_crds::selector;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
+/// Linux capabilities (`capabilities(7)`, as of Linux 6.x), without the `CAP_` prefix.
+pub const LINUX_CAPABILITIES: &[&str] = &[
+    "AUDIT_CONTROL",
+    "AUDIT_READ",
+    "AUDIT_WRITE",
+    "BLOCK_SUSPEND",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "KILL",
+    "LEASE",
+    "LINUX_IMMUTABLE",
+    "MAC_ADMIN",
+    "MAC_OVERRIDE",
+    "MKNOD",
+    "NET_ADMIN",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_RAW",
+    "PERFMON",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_CHROOT",
+    "SYS_MODULE",
+    "SYS_NICE",
+    "SYS_PACCT",
+    "SYS_PTRACE",
+    "SYS_RAWIO",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "SYSLOG",
+    "WAKE_ALARM",
+];
+
+/// One reason a policy is not valid. The first problem found becomes the `Ready` reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// CamelCase reason for the `Ready` condition.
+    pub reason: &'static str,
+    /// What is wrong and where, for the condition message.
+    pub message: String,
+}
+
+fn problem(reason: &'static str, message: impl Into<String>) -> Problem {
+    Problem {
+        reason,
+        message: message.into(),
+    }
+}
+
+/// What one label key is constrained to by a pair of selectors.
+#[derive(Default)]
+struct KeyConstraint {
+    /// The key must exist.
+    exists: bool,
+    /// The key must not exist.
+    absent: bool,
+    /// The value must be one of these (intersection of every `In`/`matchLabels`).
+    allowed: Option<BTreeSet<String>>,
+    /// The value must be none of these.
+    forbidden: BTreeSet<String>,
+}
+
+impl KeyConstraint {
+    fn allow(&mut self, values: impl IntoIterator<Item = String>) {
+        let values: BTreeSet<String> = values.into_iter().collect();
+        self.exists = true;
+        self.allowed = Some(match self.allowed.take() {
+            Some(prev) => prev.intersection(&values).cloned().collect(),
+            None => values,
+        });
+    }
+
+    fn satisfiable(&self) -> bool {
+        if self.absent {
+            return !self.exists;
+        }
+        match &self.allowed {
+            Some(allowed) => allowed.iter().any(|v| !self.forbidden.contains(v)),
+            // Exists / NotIn alone leave infinitely many values.
+            None => true,
+        }
+    }
+}
+
+fn constrain(constraints: &mut BTreeMap<String, KeyConstraint>, sel: &LabelSelector) {
+    for (k, v) in sel.match_labels.iter().flatten() {
+        constraints.entry(k.clone()).or_default().allow([v.clone()]);
+    }
+    for e in sel.match_expressions.iter().flatten() {
+        let c = constraints.entry(e.key.clone()).or_default();
+        let values = e.values.clone().unwrap_or_default();
+        match e.operator.as_str() {
+            "In" => c.allow(values),
+            "NotIn" => c.forbidden.extend(values),
+            "Exists" => c.exists = true,
+            "DoesNotExist" => c.absent = true,
+            // Malformed selectors are reported on their own; treat them as matching anything.
+            _ => {}
+        }
+    }
+}
+
+/// Whether some label set could satisfy both selectors. Two selectors overlap unless they
+/// are provably disjoint (conflicting `matchLabels`, disjoint `In` values, `In` against
+/// `NotIn`, `Exists` against `DoesNotExist`).
+pub fn selectors_overlap(a: &LabelSelector, b: &LabelSelector) -> bool {
+    let mut constraints = BTreeMap::new();
+    constrain(&mut constraints, a);
+    constrain(&mut constraints, b);
+    constraints.values().all(KeyConstraint::satisfiable)
+}
+
+/// Whether two policies could select the same pod.
+pub fn policies_overlap(a: &GpuPolicy, b: &GpuPolicy) -> bool {
+    let all = LabelSelector::default();
+    selectors_overlap(&a.spec.namespace_selector, &b.spec.namespace_selector)
+        && selectors_overlap(
+            a.spec.pod_selector.as_ref().unwrap_or(&all),
+            b.spec.pod_selector.as_ref().unwrap_or(&all),
+        )
+}
+
+/// Whether `pattern` is a well-formed image glob (`*`, `?`, no brackets or empty parts).
+fn image_pattern_problem(pattern: &str) -> Option<&'static str> {
+    if pattern.trim().is_empty() {
+        Some("is empty")
+    } else if pattern.chars().any(char::is_whitespace) {
+        Some("contains whitespace")
+    } else if pattern.contains(['[', ']', '{', '}']) {
+        Some("uses brackets or braces; only * and ? are supported")
+    } else if pattern.chars().all(|c| c == '*') {
+        Some("matches every image, so no container would ever be governed")
+    } else {
+        None
+    }
+}
+
+/// Problems with one policy on its own.
+pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
+    let spec = &policy.spec;
+    let mut out = Vec::new();
+
+    let mut selectors = vec![("namespaceSelector", &spec.namespace_selector)];
+    if let Some(pod) = &spec.pod_selector {
+        selectors.push(("podSelector", pod));
+    }
+    if let Some(health) = &spec.health {
+        selectors.push(("health.nodeSelector", &health.node_selector));
+    }
+    for (field, sel) in selectors {
+        if let Err(e) = selector::validate(sel) {
+            out.push(problem("InvalidSelector", format!("spec.{field}: {e}")));
+        }
+    }
+
+    for (field, caps) in [
+        ("capabilities.default", &spec.capabilities.default),
+        ("capabilities.allowed", &spec.capabilities.allowed),
+    ] {
+        let unknown: Vec<&str> = caps
+            .iter()
+            .map(String::as_str)
+            .filter(|c| !LINUX_CAPABILITIES.contains(c))
+            .collect();
+        if !unknown.is_empty() {
+            out.push(problem(
+                "UnknownCapability",
+                format!(
+                    "spec.{field}: unknown Linux capabilities {} (names are written without CAP_, e.g. IPC_LOCK)",
+                    unknown.join(", ")
+                ),
+            ));
+        }
+    }
+    if spec
+        .capabilities
+        .default
+        .iter()
+        .chain(&spec.capabilities.allowed)
+        .any(|c| c == "SYS_ADMIN")
+    {
+        out.push(problem(
+            "CapabilityDefeatsPolicy",
+            "spec.capabilities: SYS_ADMIN gives back most of what privileged did; remove it",
+        ));
+    }
+
+    if let Some(health) = &spec.health
+        && let Err(e) = parse_duration(&health.recover_after)
+    {
+        out.push(problem(
+            "InvalidRecoverAfter",
+            format!("spec.health.recoverAfter: {e}"),
+        ));
+    }
+
+    let ex = &spec.exemptions;
+    for pattern in &ex.images {
+        if let Some(why) = image_pattern_problem(pattern) {
+            out.push(problem(
+                "ConflictingExemptions",
+                format!("spec.exemptions.images: pattern {pattern:?} {why}"),
+            ));
+        }
+    }
+    let exempt_ns: BTreeSet<&str> = ex.namespaces.iter().map(String::as_str).collect();
+    for sa in &ex.service_accounts {
+        match sa.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                if exempt_ns.contains(ns) {
+                    out.push(problem(
+                        "ConflictingExemptions",
+                        format!(
+                            "spec.exemptions.serviceAccounts: {sa:?} is in namespace {ns:?}, which is exempt as a whole"
+                        ),
+                    ));
+                }
+            }
+            _ => out.push(problem(
+                "ConflictingExemptions",
+                format!("spec.exemptions.serviceAccounts: {sa:?} is not namespace/name"),
+            )),
+        }
+    }
+    // A policy that selects namespaces only by name, all of which are exempt, governs nothing.
+    if let Some(selected) = names_selected_only(&spec.namespace_selector)
+        && !selected.is_empty()
+        && selected.iter().all(|n| exempt_ns.contains(n.as_str()))
+    {
+        out.push(problem(
+            "ConflictingExemptions",
+            format!(
+                "spec.exemptions.namespaces exempts every namespace spec.namespaceSelector selects ({})",
+                selected.into_iter().collect::<Vec<_>>().join(", ")
+            ),
+        ));
+    }
+    out
+}
+
+/// The namespaces a selector picks when it selects by `kubernetes.io/metadata.name` only.
+fn names_selected_only(sel: &LabelSelector) -> Option<BTreeSet<String>> {
+    const NAME: &str = "kubernetes.io/metadata.name";
+    let mut c = BTreeMap::new();
+    constrain(&mut c, sel);
+    if c.len() != 1 {
+        return None;
+    }
+    let k = c.get(NAME)?;
+    let allowed = k.allowed.as_ref()?;
+    Some(allowed.difference(&k.forbidden).cloned().collect())
+}
+
+/// Problems a policy has with the others: equal priority and selectors that could select the
+/// same pod, which leaves the winner to name order.
+pub fn conflicts(policy: &GpuPolicy, all: &[&GpuPolicy]) -> Vec<Problem> {
+    let name = policy.metadata.name.as_deref().unwrap_or_default();
+    let mut others: Vec<&str> = all
+        .iter()
+        .filter(|o| o.metadata.name.as_deref().unwrap_or_default() != name)
+        .filter(|o| o.metadata.deletion_timestamp.is_none())
+        .filter(|o| o.spec.priority == policy.spec.priority)
+        .filter(|o| policies_overlap(policy, o))
+        .map(|o| o.metadata.name.as_deref().unwrap_or_default())
+        .collect();
+    others.sort_unstable();
+    if others.is_empty() {
+        return Vec::new();
+    }
+    vec![problem(
+        "OverlappingPriority",
+        format!(
+            "priority {} is shared with {} whose selectors can select the same pods; the winner \
+             would be decided by name order. Give them different priorities or disjoint selectors",
+            policy.spec.priority,
+            others.join(", ")
+        ),
+    )]
+}
+
+/// The `Ready` condition for a policy, given every policy in the cluster.
+pub fn ready_condition(policy: &GpuPolicy, all: &[&GpuPolicy]) -> DesiredCondition {
+    let mut problems = validate_policy(policy);
+    problems.extend(conflicts(policy, all));
+    match problems.split_first() {
+        None => DesiredCondition::new(
+            READY,
+            true,
+            "Valid",
+            format!("policy is valid and in force ({} mode)", policy.spec.mode),
+        ),
+        Some((first, rest)) => {
+            let mut message = first.message.clone();
+            for p in rest {
+                message.push_str("; ");
+                message.push_str(&p.message);
+            }
+            DesiredCondition::new(READY, false, first.reason, message)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuwarden_crds::GpuPolicySpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+
+    fn policy(name: &str, priority: i32, ns: LabelSelector) -> GpuPolicy {
+        let mut p = GpuPolicy::default_policy();
+        p.metadata.name = Some(name.into());
+        p.spec = GpuPolicySpec {
+            priority,
+            namespace_selector: ns,
+            ..p.spec
+        };
+        p
+    }
+
+    fn ml(pairs: &[(&str, &str)]) -> LabelSelector {
+        LabelSelector {
+            match_labels: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            match_expressions: None,
+        }
+    }
+
+    fn expr(key: &str, op: &str, values: &[&str]) -> LabelSelector {
+        LabelSelector {
+            match_labels: None,
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: key.into(),
+                operator: op.into(),
+                values: (!values.is_empty())
+                    .then(|| values.iter().map(|s| s.to_string()).collect()),
+            }]),
+        }
+    }
+
+    #[test]
+    fn default_policy_is_valid() {
+        let p = GpuPolicy::default_policy();
+        assert_eq!(validate_policy(&p), vec![]);
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!((c.status, c.reason.as_str()), ("True", "Valid"));
+    }
+
+    #[test]
+    fn overlap_unless_provably_disjoint() {
+        let all = LabelSelector::default();
+        assert!(selectors_overlap(&all, &ml(&[("team", "a")])));
+        assert!(!selectors_overlap(
+            &ml(&[("team", "a")]),
+            &ml(&[("team", "b")])
+        ));
+        assert!(selectors_overlap(
+            &ml(&[("team", "a")]),
+            &ml(&[("env", "prod")])
+        ));
+        assert!(!selectors_overlap(
+            &expr("team", "In", &["a", "b"]),
+            &expr("team", "In", &["c"])
+        ));
+        assert!(selectors_overlap(
+            &expr("team", "In", &["a", "b"]),
+            &expr("team", "In", &["b"])
+        ));
+        assert!(!selectors_overlap(
+            &ml(&[("team", "a")]),
+            &expr("team", "NotIn", &["a"])
+        ));
+        assert!(!selectors_overlap(
+            &expr("team", "Exists", &[]),
+            &expr("team", "DoesNotExist", &[])
+        ));
+        assert!(!selectors_overlap(
+            &ml(&[("team", "a")]),
+            &expr("team", "DoesNotExist", &[])
+        ));
+        assert!(selectors_overlap(
+            &expr("team", "NotIn", &["a"]),
+            &expr("team", "NotIn", &["b"])
+        ));
+    }
+
+    #[test]
+    fn equal_priority_overlap_is_reported_on_both() {
+        let a = policy("a", 10, ml(&[("team", "ml")]));
+        let b = policy("b", 10, LabelSelector::default());
+        let c = policy("c", 10, ml(&[("team", "web")]));
+        let d = policy("d", 20, LabelSelector::default());
+        let all = [&a, &b, &c, &d];
+        let ra = ready_condition(&a, &all);
+        assert_eq!(
+            (ra.status, ra.reason.as_str()),
+            ("False", "OverlappingPriority")
+        );
+        assert!(ra.message.contains("shared with b whose"), "{}", ra.message);
+        let rb = ready_condition(&b, &all);
+        assert!(rb.message.contains("a, c"), "{}", rb.message);
+        assert_eq!(ready_condition(&d, &all).status, "True");
+        // Disjoint pod selectors make equal priorities fine.
+        let mut e = policy("e", 30, LabelSelector::default());
+        e.spec.pod_selector = Some(ml(&[("app", "x")]));
+        let mut f = policy("f", 30, LabelSelector::default());
+        f.spec.pod_selector = Some(ml(&[("app", "y")]));
+        assert_eq!(ready_condition(&e, &[&e, &f]).status, "True");
+    }
+
+    #[test]
+    fn bad_fields_are_reported_with_reasons() {
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec.capabilities.allowed.push("NET_PWN".into());
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!(
+            (c.status, c.reason.as_str()),
+            ("False", "UnknownCapability")
+        );
+        assert!(c.message.contains("NET_PWN"));
+
+        let mut p = policy("p", 1, expr("team", "Equals", &["a"]));
+        assert_eq!(ready_condition(&p, &[&p]).reason, "InvalidSelector");
+        p.spec.namespace_selector = LabelSelector::default();
+        p.spec.health.as_mut().unwrap().recover_after = "soon".into();
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!(c.reason, "InvalidRecoverAfter");
+        assert!(c.message.contains("soon"));
+
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec.exemptions.images.push("*".into());
+        assert_eq!(ready_condition(&p, &[&p]).reason, "ConflictingExemptions");
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec
+            .exemptions
+            .service_accounts
+            .push("kube-system/foo".into());
+        assert_eq!(ready_condition(&p, &[&p]).reason, "ConflictingExemptions");
+        let p = policy(
+            "p",
+            1,
+            expr(
+                "kubernetes.io/metadata.name",
+                "In",
+                &["kube-system", "gpu-operator"],
+            ),
+        );
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!(c.reason, "ConflictingExemptions");
+        assert!(c.message.contains("every namespace"), "{}", c.message);
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec.capabilities.default.push("SYS_ADMIN".into());
+        assert_eq!(ready_condition(&p, &[&p]).reason, "CapabilityDefeatsPolicy");
+    }
+}

@@ -1,0 +1,712 @@
+//! Wiring: one watch (and cache) per kind, change filters that keep the operator's own writes
+//! and lease renewals from waking it, three appliers with bounded concurrency and per-object
+//! backoff, the certificate keeper, leader election and the health server.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt, stream};
+use gpuwarden_crds::{
+    AGENT_LEASE_NAMESPACE, AGENT_LEASE_PREFIX, GpuNode, GpuPolicy, TAINT_GPU_UNHEALTHY,
+};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, applier, watcher};
+use kube::{Api, Client, Resource, ResourceExt};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, info, warn};
+
+use crate::certs::CertParams;
+use crate::gpunode::{agent_liveness, node_gpu_signal};
+use crate::health::{self, HealthState};
+use crate::leader::{self, LeaderError, Leadership};
+use crate::metrics::Metrics;
+use crate::node_controller::{self, NodeContext, NodeError};
+use crate::policy_controller::{self, PolicyContext, PolicyError};
+use crate::webhook_certs::{self, CertContext};
+use crate::{Clock, Config, system_clock};
+
+/// The operator failed to start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The health listener could not be bound.
+    #[error("failed to listen on {addr} for /healthz, /readyz and /metrics")]
+    Bind {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Leader election could not start.
+    #[error(transparent)]
+    Leader(#[from] LeaderError),
+}
+
+/// Resolves once `rx` says shutdown (or its sender is gone).
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Drops what the operator never reads from a Node (images, conditions, annotations, managed
+/// fields): at 5,000 nodes that is most of the cache's memory.
+pub fn trim_node(node: &mut Node) {
+    node.metadata.managed_fields = None;
+    node.metadata.annotations = None;
+    node.spec = node.spec.take().map(|s| NodeSpec {
+        taints: s.taints,
+        ..Default::default()
+    });
+    node.status = node.status.take().map(|s| NodeStatus {
+        allocatable: s.allocatable,
+        ..Default::default()
+    });
+}
+
+fn trim_gpunode(gn: &mut GpuNode) {
+    gn.metadata.managed_fields = None;
+    gn.metadata.annotations = None;
+}
+
+fn hash_of(value: &impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    value.hash(&mut h);
+    h.finish()
+}
+
+/// What the GpuNode reconciler reads from a Node; heartbeats and image lists do not count.
+fn node_inputs(node: &Node) -> u64 {
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TAINT_GPU_UNHEALTHY));
+    hash_of(&(
+        node.metadata.uid.as_deref(),
+        format!("{:?}", node_gpu_signal(node)),
+        tainted,
+        node.metadata.deletion_timestamp.is_some(),
+    ))
+}
+
+/// What the GpuNode reconciler reads from a GpuNode: everything but the operator's own
+/// `conditions` and `summary`, so its own status writes do not wake it.
+fn gpunode_inputs(gn: &GpuNode) -> u64 {
+    let agent_part = gn.status.as_ref().map(|s| {
+        serde_json::to_string(&(
+            &s.driver,
+            &s.gpus,
+            &s.bindings,
+            &s.privileged_pods,
+            &s.runtime,
+        ))
+        .unwrap_or_default()
+    });
+    let owners = serde_json::to_string(&gn.metadata.owner_references).unwrap_or_default();
+    hash_of(&(
+        &gn.spec.node_name,
+        owners,
+        agent_part,
+        gn.metadata.deletion_timestamp.is_some(),
+        gn.metadata.uid.as_deref(),
+    ))
+}
+
+/// What the reconciler reads from an agent Lease: holder, duration and whether it is live
+/// now. A renewal of a live Lease changes none of these; expiry is caught by a timed requeue.
+fn lease_inputs(lease: &Lease, clock: &Clock) -> u64 {
+    let spec = lease.spec.as_ref();
+    hash_of(&(
+        spec.and_then(|s| s.holder_identity.as_deref()),
+        spec.and_then(|s| s.lease_duration_seconds),
+        agent_liveness(Some(lease), clock()).is_live(),
+    ))
+}
+
+/// Remembers the last input hash per object and says whether a new one differs.
+#[derive(Default)]
+struct ChangeFilter(HashMap<String, u64>);
+
+impl ChangeFilter {
+    fn changed(&mut self, key: &str, hash: u64) -> bool {
+        self.0.insert(key.to_owned(), hash) != Some(hash)
+    }
+    fn forget(&mut self, key: &str) {
+        self.0.remove(key);
+    }
+}
+
+/// Per-object retry delays: doubling from 1 s to 5 min on transient errors, reset on success.
+#[derive(Default)]
+struct Backoffs(Mutex<HashMap<String, u32>>);
+
+impl Backoffs {
+    fn next(&self, key: &str) -> Duration {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(key.to_owned()).or_insert(0);
+        *n = n.saturating_add(1);
+        Duration::from_secs(1u64 << (*n - 1).min(9)).min(Duration::from_secs(300))
+    }
+    fn reset(&self, key: &str) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+    }
+}
+
+fn queue<K>(
+    rx: mpsc::UnboundedReceiver<ObjectRef<K>>,
+    shutdown: watch::Receiver<bool>,
+) -> impl Stream<Item = Result<ObjectRef<K>, Infallible>> + Send
+where
+    K: Resource + Send + 'static,
+    K::DynamicType: Send,
+{
+    stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|r| (Ok(r), rx)) },
+    )
+    .take_until(stopped(shutdown))
+}
+
+/// Drives a watch into its cache and calls `on_event` with every event, until shutdown.
+async fn pump<K, S>(
+    events: S,
+    shutdown: watch::Receiver<bool>,
+    mut on_event: impl FnMut(&watcher::Event<K>),
+) where
+    S: Stream<Item = watcher::Result<watcher::Event<K>>>,
+{
+    let events = events.take_until(stopped(shutdown));
+    futures::pin_mut!(events);
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(ev) => on_event(&ev),
+            // The watcher retries with backoff; the cache keeps serving what it has.
+            Err(e) => warn!(error = %e, "watch failed; retrying"),
+        }
+    }
+}
+
+fn refs_of<K: Resource<DynamicType = ()> + Clone>(store: &Store<K>) -> Vec<ObjectRef<K>> {
+    store
+        .state()
+        .iter()
+        .map(|o| ObjectRef::from_obj(o.as_ref()))
+        .collect()
+}
+
+/// Runs the operator until `shutdown` resolves, then finishes in-flight reconciles, releases
+/// the leader Lease and stops the health server.
+pub async fn run<F>(config: Config, client: Client, shutdown: F) -> Result<(), RunError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    run_with_clock(config, client, shutdown, system_clock()).await
+}
+
+/// [`run`] with an injected clock.
+pub async fn run_with_clock<F>(
+    config: Config,
+    client: Client,
+    shutdown: F,
+    clock: Clock,
+) -> Result<(), RunError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (sd_tx, sd_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        info!("shutting down");
+        let _ = sd_tx.send(true);
+        // Keep the sender so receivers see `true`, not a closed channel, until they exit.
+        sd_tx.closed().await;
+    });
+
+    let metrics = Arc::new(Metrics::new());
+    let ready = Arc::new(AtomicBool::new(false));
+    let listener = tokio::net::TcpListener::bind(config.health_listen)
+        .await
+        .map_err(|source| RunError::Bind {
+            addr: config.health_listen,
+            source,
+        })?;
+    info!(addr = %config.health_listen, "serving /healthz, /readyz and /metrics");
+    let health_task = tokio::spawn(
+        axum::serve(
+            listener,
+            health::router(HealthState {
+                metrics: metrics.clone(),
+                ready: ready.clone(),
+            }),
+        )
+        .with_graceful_shutdown(stopped(sd_rx.clone()))
+        .into_future(),
+    );
+
+    let (leadership, leader_task) = if config.leader_election {
+        let (l, t) = leader::elect(
+            client.clone(),
+            &config.namespace,
+            &config.identity,
+            sd_rx.clone(),
+        )
+        .await?;
+        (l, Some(t))
+    } else {
+        (Leadership::always(), None)
+    };
+    metrics.set_leader(leadership.is_leader());
+
+    let (nodes, node_w) = reflector::store::<Node>();
+    let (gpunodes, gpunode_w) = reflector::store::<GpuNode>();
+    let (leases, lease_w) = reflector::store::<Lease>();
+    let (policies, policy_w) = reflector::store::<GpuPolicy>();
+    let (node_tx, node_rx) = mpsc::unbounded_channel::<ObjectRef<Node>>();
+    let (orphan_tx, orphan_rx) = mpsc::unbounded_channel::<ObjectRef<GpuNode>>();
+    let (policy_tx, policy_rx) = mpsc::unbounded_channel::<ObjectRef<GpuPolicy>>();
+    let wc = watcher::Config::default();
+
+    let mut tasks = Vec::new();
+    {
+        let events = watcher(Api::<Node>::all(client.clone()), wc.clone())
+            .default_backoff()
+            .modify(trim_node)
+            .reflect(node_w);
+        let (node_tx, orphan_tx) = (node_tx.clone(), orphan_tx.clone());
+        let mut filter = ChangeFilter::default();
+        tasks.push(tokio::spawn(pump(
+            events,
+            sd_rx.clone(),
+            move |ev| match ev {
+                watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
+                    let name = n.name_any();
+                    if filter.changed(&name, node_inputs(n)) {
+                        let _ = node_tx.send(ObjectRef::new(&name));
+                    }
+                }
+                watcher::Event::Delete(n) => {
+                    let name = n.name_any();
+                    filter.forget(&name);
+                    let _ = orphan_tx.send(ObjectRef::new(&name));
+                }
+                watcher::Event::Init | watcher::Event::InitDone => {}
+            },
+        )));
+    }
+    {
+        let events = watcher(Api::<GpuNode>::all(client.clone()), wc.clone())
+            .default_backoff()
+            .modify(trim_gpunode)
+            .reflect(gpunode_w);
+        let (node_tx, orphan_tx) = (node_tx.clone(), orphan_tx.clone());
+        let mut filter = ChangeFilter::default();
+        tasks.push(tokio::spawn(pump(
+            events,
+            sd_rx.clone(),
+            move |ev| match ev {
+                watcher::Event::Apply(g) | watcher::Event::InitApply(g) => {
+                    let name = g.name_any();
+                    if filter.changed(&name, gpunode_inputs(g)) {
+                        let _ = node_tx.send(ObjectRef::new(&name));
+                        let _ = orphan_tx.send(ObjectRef::new(&name));
+                    }
+                }
+                watcher::Event::Delete(g) => {
+                    let name = g.name_any();
+                    filter.forget(&name);
+                    let _ = node_tx.send(ObjectRef::new(&name));
+                }
+                watcher::Event::Init | watcher::Event::InitDone => {}
+            },
+        )));
+    }
+    {
+        let events = watcher(
+            Api::<Lease>::namespaced(client.clone(), AGENT_LEASE_NAMESPACE),
+            wc.clone(),
+        )
+        .default_backoff()
+        .modify(|l: &mut Lease| l.metadata.managed_fields = None)
+        .reflect(lease_w);
+        let node_tx = node_tx.clone();
+        let clock = clock.clone();
+        let mut filter = ChangeFilter::default();
+        tasks.push(tokio::spawn(pump(
+            events,
+            sd_rx.clone(),
+            move |ev| match ev {
+                watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
+                    let name = l.name_any();
+                    if let Some(node) = name.strip_prefix(AGENT_LEASE_PREFIX)
+                        && filter.changed(&name, lease_inputs(l, &clock))
+                    {
+                        let _ = node_tx.send(ObjectRef::new(node));
+                    }
+                }
+                watcher::Event::Delete(l) => {
+                    let name = l.name_any();
+                    filter.forget(&name);
+                    if let Some(node) = name.strip_prefix(AGENT_LEASE_PREFIX) {
+                        let _ = node_tx.send(ObjectRef::new(node));
+                    }
+                }
+                watcher::Event::Init | watcher::Event::InitDone => {}
+            },
+        )));
+    }
+    {
+        let events = watcher(Api::<GpuPolicy>::all(client.clone()), wc.clone())
+            .default_backoff()
+            .modify(|p: &mut GpuPolicy| p.metadata.managed_fields = None)
+            .reflect(policy_w);
+        let policy_tx = policy_tx.clone();
+        let store = policies.clone();
+        let mut filter = ChangeFilter::default();
+        tasks.push(tokio::spawn(pump(events, sd_rx.clone(), move |ev| {
+            // Overlaps are between policies, so any spec change re-validates all of them.
+            let touched = match ev {
+                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => filter.changed(
+                    &p.name_any(),
+                    hash_of(&(
+                        p.metadata.generation,
+                        p.metadata.uid.as_deref(),
+                        p.metadata.deletion_timestamp.is_some(),
+                    )),
+                ),
+                watcher::Event::Delete(p) => {
+                    filter.forget(&p.name_any());
+                    true
+                }
+                watcher::Event::Init | watcher::Event::InitDone => false,
+            };
+            if touched {
+                for r in refs_of(&store) {
+                    let _ = policy_tx.send(r);
+                }
+            }
+        })));
+    }
+    {
+        // A new leader reconciles everything: the old one may have died mid-way.
+        let mut leadership = leadership.clone();
+        let (nodes, gpunodes, policies) = (nodes.clone(), gpunodes.clone(), policies.clone());
+        let (node_tx, orphan_tx, policy_tx) =
+            (node_tx.clone(), orphan_tx.clone(), policy_tx.clone());
+        let metrics = metrics.clone();
+        let shutdown = sd_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let changes = async {
+                while let Some(leader) = leadership.changed().await {
+                    metrics.set_leader(leader);
+                    if leader {
+                        info!("became leader; reconciling everything");
+                        refs_of(&nodes)
+                            .into_iter()
+                            .for_each(|r| drop(node_tx.send(r)));
+                        refs_of(&gpunodes)
+                            .into_iter()
+                            .for_each(|r| drop(orphan_tx.send(r)));
+                        refs_of(&policies)
+                            .into_iter()
+                            .for_each(|r| drop(policy_tx.send(r)));
+                    } else {
+                        info!("not the leader; standing by");
+                    }
+                }
+            };
+            tokio::select! {
+                () = changes => {}
+                () = stopped(shutdown) => {}
+            }
+        }));
+    }
+    drop((node_tx, orphan_tx, policy_tx));
+
+    // Nothing is decided before every cache has its first full list.
+    let caches = {
+        let (nodes, gpunodes, leases, policies) = (
+            nodes.clone(),
+            gpunodes.clone(),
+            leases.clone(),
+            policies.clone(),
+        );
+        async move {
+            let _ = nodes.wait_until_ready().await;
+            let _ = gpunodes.wait_until_ready().await;
+            let _ = leases.wait_until_ready().await;
+            let _ = policies.wait_until_ready().await;
+        }
+    };
+    tokio::select! {
+        () = caches => {}
+        () = stopped(sd_rx.clone()) => {
+            return finish(tasks, leader_task, health_task).await;
+        }
+    }
+    ready.store(true, Ordering::Release);
+    metrics.set_caches_synced(true);
+    info!(
+        nodes = nodes.len(),
+        gpunodes = gpunodes.len(),
+        leases = leases.len(),
+        policies = policies.len(),
+        "caches synced"
+    );
+
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: gpuwarden_crds::install::OPERATOR_NAME.to_owned(),
+            instance: Some(config.identity.clone()),
+        },
+    );
+    let node_ctx = Arc::new(NodeContext {
+        client: client.clone(),
+        nodes: nodes.clone(),
+        gpunodes: gpunodes.clone(),
+        leases,
+        clock: clock.clone(),
+        leader: leadership.clone(),
+        metrics: metrics.clone(),
+        recorder: Some(recorder),
+        taint_unhealthy_nodes: config.taint_unhealthy_nodes,
+    });
+    let applier_config = kube::runtime::Config::default().concurrency(config.concurrency.max(1));
+
+    let node_backoff = Arc::new(Backoffs::default());
+    let node_applier = {
+        let (b1, b2) = (node_backoff.clone(), node_backoff.clone());
+        applier(
+            move |node: Arc<Node>, ctx: Arc<NodeContext>| {
+                let b = b1.clone();
+                Box::pin(async move {
+                    let name = node.name_any();
+                    timed(
+                        &ctx.metrics,
+                        node_controller::CONTROLLER,
+                        node_controller::reconcile_node(&name, &ctx),
+                        NodeError::kind,
+                        &b,
+                        &name,
+                    )
+                    .await
+                })
+            },
+            move |node: Arc<Node>, err: &NodeError, _ctx: Arc<NodeContext>| {
+                error_action(&b2, &node.name_any(), err.is_permanent(), err)
+            },
+            node_ctx.clone(),
+            nodes,
+            queue(node_rx, sd_rx.clone()),
+            applier_config.clone(),
+        )
+        .for_each(|_| async {})
+    };
+    let orphan_applier = {
+        let (b1, b2) = (node_backoff.clone(), node_backoff.clone());
+        applier(
+            move |gn: Arc<GpuNode>, ctx: Arc<NodeContext>| {
+                let b = b1.clone();
+                Box::pin(async move {
+                    let name = gn.name_any();
+                    if ctx.nodes.get(&ObjectRef::new(&name)).is_some() {
+                        // The node applier owns GpuNodes whose Node exists.
+                        return Ok(Action::await_change());
+                    }
+                    timed(
+                        &ctx.metrics,
+                        node_controller::CONTROLLER,
+                        node_controller::reconcile_node(&name, &ctx),
+                        NodeError::kind,
+                        &b,
+                        &name,
+                    )
+                    .await
+                })
+            },
+            move |gn: Arc<GpuNode>, err: &NodeError, _ctx: Arc<NodeContext>| {
+                error_action(&b2, &gn.name_any(), err.is_permanent(), err)
+            },
+            node_ctx,
+            gpunodes,
+            queue(orphan_rx, sd_rx.clone()),
+            applier_config.clone(),
+        )
+        .for_each(|_| async {})
+    };
+    let policy_ctx = Arc::new(PolicyContext {
+        client: client.clone(),
+        policies: policies.clone(),
+        clock: clock.clone(),
+        leader: leadership.clone(),
+        metrics: metrics.clone(),
+    });
+    let policy_backoff = Arc::new(Backoffs::default());
+    let policy_applier = {
+        let (b1, b2) = (policy_backoff.clone(), policy_backoff);
+        applier(
+            move |p: Arc<GpuPolicy>, ctx: Arc<PolicyContext>| {
+                let b = b1.clone();
+                Box::pin(async move {
+                    let name = p.name_any();
+                    timed(
+                        &ctx.metrics,
+                        policy_controller::CONTROLLER,
+                        policy_controller::reconcile_policy(&name, &ctx),
+                        PolicyError::kind,
+                        &b,
+                        &name,
+                    )
+                    .await
+                })
+            },
+            move |p: Arc<GpuPolicy>, err: &PolicyError, _ctx: Arc<PolicyContext>| {
+                error_action(&b2, &p.name_any(), err.kind() == "invalid", err)
+            },
+            policy_ctx,
+            policies,
+            queue(policy_rx, sd_rx.clone()),
+            applier_config,
+        )
+        .for_each(|_| async {})
+    };
+    let certs = async {
+        if !config.manage_webhook_certificates {
+            info!("webhook certificates are managed elsewhere (e.g. cert-manager)");
+            return;
+        }
+        let ctx = CertContext {
+            client: client.clone(),
+            namespace: config.namespace.clone(),
+            params: CertParams {
+                namespace: config.namespace.clone(),
+                service: gpuwarden_crds::install::WEBHOOK_NAME.to_owned(),
+                validity: config.cert_validity,
+            },
+            clock: clock.clone(),
+            leader: leadership.clone(),
+            metrics: metrics.clone(),
+        };
+        cert_loop(ctx, sd_rx.clone()).await;
+    };
+    tokio::join!(node_applier, orphan_applier, policy_applier, certs);
+    finish(tasks, leader_task, health_task).await
+}
+
+async fn finish(
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    leader_task: Option<tokio::task::JoinHandle<()>>,
+    health_task: tokio::task::JoinHandle<std::io::Result<()>>,
+) -> Result<(), RunError> {
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Some(t) = leader_task {
+        let _ = t.await;
+    }
+    match health_task.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!(error = %e, "health server failed"),
+        Err(e) => warn!(error = %e, "health server task failed"),
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// Runs one reconcile, records its duration and outcome, and resets the object's backoff on
+/// success.
+async fn timed<E>(
+    metrics: &Metrics,
+    controller: &'static str,
+    fut: impl Future<Output = Result<Action, E>>,
+    kind: fn(&E) -> &'static str,
+    backoffs: &Backoffs,
+    key: &str,
+) -> Result<Action, E> {
+    let start = Instant::now();
+    let result = fut.await;
+    metrics.reconciled(controller, start.elapsed(), result.as_ref().err().map(kind));
+    if result.is_ok() {
+        backoffs.reset(key);
+    }
+    result
+}
+
+fn error_action(
+    backoffs: &Backoffs,
+    key: &str,
+    permanent: bool,
+    err: &dyn std::error::Error,
+) -> Action {
+    let chain = error_chain(err);
+    if permanent {
+        // Retrying cannot help; the next change to the object (or its inputs) will.
+        warn!(object = key, error = %chain, "reconcile failed; waiting for a change");
+        return Action::await_change();
+    }
+    let delay = backoffs.next(key);
+    warn!(object = key, error = %chain, retry_in = ?delay, "reconcile failed; retrying");
+    Action::requeue(delay)
+}
+
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut out = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+async fn cert_loop(ctx: CertContext, shutdown: watch::Receiver<bool>) {
+    let mut leadership = ctx.leader.clone();
+    let backoffs = Backoffs::default();
+    loop {
+        let wait = if ctx.leader.is_leader() {
+            let start = Instant::now();
+            match webhook_certs::reconcile_certificates(&ctx).await {
+                Ok(next) => {
+                    ctx.metrics
+                        .reconciled(webhook_certs::CONTROLLER, start.elapsed(), None);
+                    backoffs.reset("certs");
+                    let left = next.duration_since((ctx.clock)());
+                    Duration::try_from(left)
+                        .unwrap_or_default()
+                        .max(Duration::from_secs(1))
+                }
+                Err(e) => {
+                    ctx.metrics.reconciled(
+                        webhook_certs::CONTROLLER,
+                        start.elapsed(),
+                        Some(e.kind()),
+                    );
+                    let delay = backoffs.next("certs");
+                    warn!(error = %error_chain(&e), retry_in = ?delay, "webhook certificate sync failed");
+                    delay
+                }
+            }
+        } else {
+            webhook_certs::MAX_RECHECK
+        };
+        debug!(?wait, "next webhook certificate check");
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            changed = leadership.changed() => {
+                if changed.is_none() {
+                    return;
+                }
+            }
+            () = stopped(shutdown.clone()) => return,
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Keeps the webhook's TLS Secret and the MutatingWebhookConfiguration's `caBundle` in step
+//! with [`crate::certs::plan`]. The `caBundle` is patched before the Secret is written, so by
+//! the time the webhook serves a certificate from a new CA, the API server already trusts it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuwarden_crds::FIELD_MANAGER_OPERATOR;
+use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, WEBHOOK_TLS_SECRET};
+use jiff::Timestamp;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::certs::{self, CertError, CertParams};
+use crate::metrics::Metrics;
+use crate::{Clock, Leadership};
+
+/// Controller name in metrics and logs.
+pub const CONTROLLER: &str = "webhook-certificates";
+/// Longest wait between two checks, so a reinstalled webhook configuration gets its
+/// `caBundle` back soon.
+pub const MAX_RECHECK: Duration = Duration::from_secs(300);
+
+/// A certificate reconcile that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CertSyncError {
+    /// An API call failed.
+    #[error("failed to {action} {namespace}/{name}")]
+    Api {
+        /// What was being done.
+        action: &'static str,
+        /// Namespace ("" for cluster-scoped objects).
+        namespace: String,
+        /// Object name.
+        name: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Generating certificates failed.
+    #[error("failed to plan webhook certificates")]
+    Plan(#[from] CertError),
+    /// A patch could not be encoded.
+    #[error("failed to encode the caBundle patch")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl CertSyncError {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Api { source, .. } => crate::api_error_kind(source),
+            Self::Plan(_) => "certificate",
+            Self::Encode(_) => "encode",
+        }
+    }
+}
+
+/// What the certificate keeper needs.
+pub struct CertContext {
+    /// API client.
+    pub client: Client,
+    /// Namespace of the Secret and the webhook Service.
+    pub namespace: String,
+    /// Certificate parameters.
+    pub params: CertParams,
+    /// Current time.
+    pub clock: Clock,
+    /// Whether this replica may write.
+    pub leader: Leadership,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
+
+/// One pass: read the Secret and webhook configuration, write what differs. Returns when the
+/// next pass is due.
+#[tracing::instrument(skip(ctx), fields(secret = WEBHOOK_TLS_SECRET, namespace = %ctx.namespace))]
+pub async fn reconcile_certificates(ctx: &CertContext) -> Result<Timestamp, CertSyncError> {
+    let now = (ctx.clock)();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let err = |action, namespace: &str, name: &str| {
+        let (namespace, name) = (namespace.to_owned(), name.to_owned());
+        move |source| CertSyncError::Api {
+            action,
+            namespace,
+            name,
+            source,
+        }
+    };
+    let secret = secrets.get_opt(WEBHOOK_TLS_SECRET).await.map_err(err(
+        "read Secret",
+        &ctx.namespace,
+        WEBHOOK_TLS_SECRET,
+    ))?;
+    let existing: BTreeMap<String, Vec<u8>> = secret
+        .and_then(|s| s.data)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect();
+    let plan = certs::plan(&existing, now, &ctx.params)?;
+    if !ctx.leader.is_leader() {
+        return Ok(now + MAX_RECHECK);
+    }
+
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
+    match mwcs
+        .get_opt(MUTATING_WEBHOOK_CONFIGURATION)
+        .await
+        .map_err(err(
+            "read MutatingWebhookConfiguration",
+            "",
+            MUTATING_WEBHOOK_CONFIGURATION,
+        ))? {
+        Some(mwc) => {
+            if let Some(patch) =
+                ca_bundle_patch(&mwc, &plan.ca_bundle).map_err(CertSyncError::Encode)?
+            {
+                mwcs.patch(
+                    MUTATING_WEBHOOK_CONFIGURATION,
+                    &PatchParams::default(),
+                    &Patch::Json::<()>(patch),
+                )
+                .await
+                .map_err(err(
+                    "patch caBundle of",
+                    "",
+                    MUTATING_WEBHOOK_CONFIGURATION,
+                ))?;
+                ctx.metrics.write(CONTROLLER, "ca-bundle");
+                info!(
+                    cas = certs::bundle_len(&plan.ca_bundle),
+                    "patched caBundle of MutatingWebhookConfiguration {MUTATING_WEBHOOK_CONFIGURATION}"
+                );
+            }
+        }
+        None => warn!(
+            "MutatingWebhookConfiguration {MUTATING_WEBHOOK_CONFIGURATION} not found; its caBundle will be set once it exists"
+        ),
+    }
+
+    if plan.changed() {
+        let data: BTreeMap<&str, ByteString> = plan
+            .data
+            .iter()
+            .map(|(k, v)| (k.as_str(), ByteString(v.clone())))
+            .collect();
+        let body = json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": WEBHOOK_TLS_SECRET,
+                "namespace": ctx.namespace,
+                "labels": { "app.kubernetes.io/managed-by": FIELD_MANAGER_OPERATOR },
+            },
+            "type": "kubernetes.io/tls",
+            "data": data,
+        });
+        secrets
+            .patch(
+                WEBHOOK_TLS_SECRET,
+                &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
+                &Patch::Apply(body),
+            )
+            .await
+            .map_err(err("apply Secret", &ctx.namespace, WEBHOOK_TLS_SECRET))?;
+        ctx.metrics.write(CONTROLLER, "secret");
+        info!(reasons = ?plan.reasons, "webhook certificates written");
+    }
+    let recheck = now + MAX_RECHECK;
+    Ok(if plan.next_renewal < recheck {
+        plan.next_renewal.max(now)
+    } else {
+        recheck
+    })
+}
+
+/// A JSON patch setting `caBundle` on every webhook whose bundle differs, each guarded by a
+/// `test` of the webhook's name so a concurrent reorder fails instead of patching the wrong one.
+pub fn ca_bundle_patch(
+    mwc: &MutatingWebhookConfiguration,
+    bundle: &[u8],
+) -> Result<Option<json_patch::Patch>, serde_json::Error> {
+    let mut ops = Vec::new();
+    for (i, wh) in mwc.webhooks.iter().flatten().enumerate() {
+        if wh.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()) == Some(bundle) {
+            continue;
+        }
+        ops.push(json!({ "op": "test", "path": format!("/webhooks/{i}/name"), "value": wh.name }));
+        ops.push(json!({
+            "op": "add",
+            "path": format!("/webhooks/{i}/clientConfig/caBundle"),
+            "value": ByteString(bundle.to_vec()),
+        }));
+    }
+    if ops.is_empty() {
+        return Ok(None);
+    }
+    serde_json::from_value(serde_json::Value::Array(ops)).map(Some)
+}
