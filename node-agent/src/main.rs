@@ -1,1 +1,160 @@
-fn main() {}
+//! `gpuwarden-node-agent`: flags, logging, then the library's `run` or `inspect`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use gpuwarden_node_agent::agent::error_chain;
+use gpuwarden_node_agent::{Config, InspectConfig};
+
+/// gpuwarden node agent: NVML inventory and health, kubelet pod-resources bindings,
+/// GpuNode status and per-pod GPU metrics.
+#[derive(Parser)]
+#[command(version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent on a node: sweep, write the GpuNode status, renew the Lease, serve metrics.
+    Run(RunArgs),
+    /// Print the GpuNode status the agent would write, as YAML, without a cluster.
+    Inspect(InspectArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Name of the node this agent runs on (the downward API's spec.nodeName).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// Read GPUs from this fake YAML file instead of NVML.
+    #[arg(long, env = "GPUWARDEN_FAKE")]
+    fake: Option<PathBuf>,
+    /// The kubelet's pod-resources socket.
+    #[arg(long, env = "GPUWARDEN_POD_RESOURCES_SOCKET", default_value = gpuwarden_node_agent::podresources::DEFAULT_SOCKET)]
+    pod_resources_socket: PathBuf,
+    /// Where the host's filesystem is mounted: /proc/<pid>/cgroup, the NVIDIA runtime config
+    /// and CDI specs are read under it. Use the host's PID namespace (hostPID) or mount the
+    /// host's /proc there for process attribution.
+    #[arg(long, env = "GPUWARDEN_HOST_ROOT", default_value = "/")]
+    host_root: PathBuf,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "GPUWARDEN_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], gpuwarden_crds::install::NODE_AGENT_PORT)))]
+    listen: SocketAddr,
+    /// Time between sweeps (Go duration).
+    #[arg(long, env = "GPUWARDEN_POLL_INTERVAL", default_value = "10s", value_parser = duration)]
+    poll_interval: Duration,
+    /// Time between checks of the status on the server and of the runtime config (Go duration).
+    #[arg(long, env = "GPUWARDEN_RESYNC_INTERVAL", default_value = "10m", value_parser = duration)]
+    resync_interval: Duration,
+    /// Log format.
+    #[arg(long, env = "GPUWARDEN_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+    log_format: LogFormat,
+}
+
+#[derive(clap::Args)]
+struct InspectArgs {
+    /// Read GPUs from this fake YAML file instead of NVML.
+    #[arg(long, env = "GPUWARDEN_FAKE")]
+    fake: Option<PathBuf>,
+    /// Also read bindings from the kubelet's pod-resources socket.
+    #[arg(long, env = "GPUWARDEN_POD_RESOURCES_SOCKET")]
+    pod_resources_socket: Option<PathBuf>,
+    /// Where the host's filesystem is mounted.
+    #[arg(long, env = "GPUWARDEN_HOST_ROOT", default_value = "/")]
+    host_root: PathBuf,
+    /// Node name in the output.
+    #[arg(long, env = "NODE_NAME", default_value = "this-node")]
+    node_name: String,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Json,
+    Text,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    gpuwarden_crds::duration::parse_duration(s).map_err(|e| e.to_string())
+}
+
+fn init_tracing(format: LogFormat, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Ignore the error: a provider may already be installed.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let result = match cli.command {
+        Command::Run(args) => run(args).await,
+        Command::Inspect(args) => inspect(args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", error_chain(e.as_ref()));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    init_tracing(args.log_format, "info");
+    let config = Config {
+        node_name: args.node_name,
+        fake: args.fake,
+        pod_resources_socket: args.pod_resources_socket,
+        host_root: args.host_root,
+        listen: args.listen,
+        poll_interval: args.poll_interval,
+        resync_interval: args.resync_interval,
+        ..Config::new("")
+    };
+    let client = kube::Client::try_default().await?;
+    let shutdown = async {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => return std::future::pending().await,
+            };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    gpuwarden_node_agent::run(config, client, shutdown).await?;
+    Ok(())
+}
+
+async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
+    // Only problems on stderr: stdout is the YAML.
+    init_tracing(LogFormat::Text, "warn");
+    let config = InspectConfig {
+        node_name: args.node_name.clone(),
+        fake: args.fake,
+        pod_resources_socket: args.pod_resources_socket,
+        host_root: args.host_root,
+    };
+    let status = gpuwarden_node_agent::inspect(&config).await?;
+    let body = gpuwarden_node_agent::writer::apply_object(&args.node_name, &status);
+    print!(
+        "# The GpuNode status gpuwarden-node-agent would apply (field manager {}).\n{}",
+        gpuwarden_crds::FIELD_MANAGER_NODE_AGENT,
+        serde_saphyr::to_string(&body)?
+    );
+    Ok(())
+}

@@ -1,0 +1,561 @@
+//! The agent: one sweep reads the GPUs, the kubelet's allocations and the GPU processes'
+//! cgroups, computes the status and the metrics; `run` repeats it and writes the status,
+//! `inspect` does it once and prints it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use gpuwarden_crds::{GpuNodeStatus, GpuPolicy, RuntimeStatus};
+use jiff::Timestamp;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Resource};
+use tracing::{Instrument, info, info_span, warn};
+
+use crate::backend::{BackendError, GpuBackend};
+use crate::cgroup::{self, ContainerRef};
+use crate::fake::{FakeBackend, FakeNode};
+use crate::health::{HealthRules, HealthTracker};
+use crate::lease::{LeaseKeeper, RENEW_INTERVAL};
+use crate::metrics::{CallLabels, ErrorSource, Metrics};
+use crate::nvml::NvmlBackend;
+use crate::podresources::{
+    DeviceMap, PodResources, PodResourcesClient, PodResourcesError, Timeouts, gpu_allocations,
+};
+use crate::pods::{PodIndex, PodInfo};
+use crate::status::{Computed, ObservedProcess, StatusInput};
+use crate::writer::{Clock, KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusWriter, SystemClock};
+
+/// Errors that stop the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The GPU backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// The kubelet could not be asked (fatal only in `inspect`).
+    #[error(transparent)]
+    PodResources(#[from] PodResourcesError),
+    /// The metrics listener could not bind.
+    #[error("failed to listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where allocations come from.
+pub enum AllocationSource {
+    /// Nowhere: no bindings from the kubelet.
+    None,
+    /// A fixed list (the fake file's `podResources`, for `inspect`).
+    Static(Vec<PodResources>),
+    /// The kubelet's pod-resources socket.
+    Kubelet {
+        /// Socket path.
+        socket: PathBuf,
+        /// Timeouts.
+        timeouts: Timeouts,
+        /// Whether a failure fails the sweep (`inspect`) or is logged and retried (`run`).
+        strict: bool,
+    },
+}
+
+/// Runs sweeps and keeps what must survive between them (health, kubelet connection).
+pub struct Sweeper {
+    backend: Arc<dyn GpuBackend>,
+    health: HealthTracker,
+    allocations: AllocationSource,
+    kubelet: Option<PodResourcesClient>,
+    last_list: Vec<PodResources>,
+    last_kubelet_error: Option<String>,
+    proc_root: PathBuf,
+    host_root: PathBuf,
+    runtime: Option<(Timestamp, RuntimeStatus)>,
+    runtime_refresh: Duration,
+    cgroups: HashMap<u32, Option<ContainerRef>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Sweeper {
+    /// A sweeper over `backend`; `host_root` is where the host's `/` (or at least its `/proc`
+    /// and `/etc`) is visible.
+    pub fn new(
+        backend: Arc<dyn GpuBackend>,
+        allocations: AllocationSource,
+        host_root: &Path,
+        runtime_refresh: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            backend,
+            health: HealthTracker::new(),
+            allocations,
+            kubelet: None,
+            last_list: Vec::new(),
+            last_kubelet_error: None,
+            proc_root: host_root.join("proc"),
+            host_root: host_root.to_path_buf(),
+            runtime: None,
+            runtime_refresh,
+            cgroups: HashMap::new(),
+            metrics,
+        }
+    }
+
+    /// Health so far.
+    pub fn health(&self) -> &HealthTracker {
+        &self.health
+    }
+
+    /// One full sweep at `now`. `pods` are the pods on the node; `authoritative` when they
+    /// come from the API.
+    pub async fn sweep(
+        &mut self,
+        now: Timestamp,
+        pods: &[PodInfo],
+        authoritative: bool,
+        rules: &HealthRules,
+    ) -> Result<Computed, AgentError> {
+        for event in self.backend.take_events(now) {
+            self.health.observe_event(&event, rules);
+        }
+        let started = Instant::now();
+        let read = self.backend.read(now).await;
+        self.metrics
+            .nvml_call_seconds
+            .get_or_create(&CallLabels {
+                call: "read".into(),
+            })
+            .observe(started.elapsed().as_secs_f64());
+        let reading = read.inspect_err(|_| self.metrics.error(ErrorSource::nvml))?;
+        for gpu in &reading.gpus {
+            self.health.observe_reading(gpu, now, rules);
+        }
+
+        let devices = DeviceMap::new(&reading.gpus);
+        let allocations = gpu_allocations(self.list_allocations().await?, &devices);
+
+        let mut observed = Vec::new();
+        let mut live = HashMap::with_capacity(self.cgroups.len());
+        for gpu in &reading.gpus {
+            for p in &gpu.processes {
+                let container = match &p.cgroup {
+                    Some(text) => cgroup::parse(text),
+                    None => match self.cgroups.get(&p.pid) {
+                        Some(cached) => cached.clone(),
+                        None => match cgroup::read_process_cgroup(&self.proc_root, p.pid) {
+                            Ok(Some(text)) => cgroup::parse(&text),
+                            Ok(None) => continue, // exited since NVML listed it
+                            Err(e) => {
+                                self.metrics.error(ErrorSource::proc);
+                                tracing::debug!(pid = p.pid, error = %e, "cannot attribute GPU process");
+                                continue;
+                            }
+                        },
+                    },
+                };
+                live.insert(p.pid, container.clone());
+                observed.push(ObservedProcess {
+                    device_uuid: p.device_uuid.clone(),
+                    pid: p.pid,
+                    container,
+                });
+            }
+        }
+        // Only PIDs still on a GPU stay cached, so a reused PID is read afresh.
+        self.cgroups = live;
+
+        let runtime = match &self.runtime {
+            Some((at, r)) if elapsed(*at, now) < self.runtime_refresh => r.clone(),
+            _ => {
+                let r = crate::runtime::read_runtime(&self.host_root);
+                self.runtime = Some((now, r.clone()));
+                r
+            }
+        };
+        let index = PodIndex::new(pods, authoritative);
+        let computed = crate::status::compute(&StatusInput {
+            reading: &reading,
+            health: &self.health,
+            allocations: &allocations,
+            observed: &observed,
+            pods: &index,
+            devices: &devices,
+            runtime: &runtime,
+        });
+        self.metrics.update(&reading, &self.health, &computed);
+        Ok(computed)
+    }
+
+    async fn list_allocations(&mut self) -> Result<&[PodResources], AgentError> {
+        let (socket, timeouts, strict) = match &self.allocations {
+            AllocationSource::None => return Ok(&[]),
+            AllocationSource::Static(list) => return Ok(list),
+            AllocationSource::Kubelet {
+                socket,
+                timeouts,
+                strict,
+            } => (socket.clone(), *timeouts, *strict),
+        };
+        let result = match self.kubelet.as_mut() {
+            Some(client) => client.list().await,
+            None => match PodResourcesClient::connect(&socket, timeouts).await {
+                Ok(client) => client_list(self.kubelet.insert(client)).await,
+                Err(e) => Err(e),
+            },
+        };
+        match result {
+            Ok(list) => {
+                if self.last_kubelet_error.take().is_some() {
+                    info!("kubelet pod-resources answers again");
+                }
+                self.last_list = list;
+            }
+            Err(e) if strict => return Err(e.into()),
+            Err(e) => {
+                self.metrics.error(ErrorSource::pod_resources);
+                if !matches!(e, PodResourcesError::RateLimited { .. }) {
+                    self.kubelet = None;
+                }
+                let msg = e.to_string();
+                if self.last_kubelet_error.as_deref() != Some(msg.as_str()) {
+                    warn!(error = %msg, "keeping the last known allocations");
+                    self.last_kubelet_error = Some(msg);
+                }
+            }
+        }
+        Ok(&self.last_list)
+    }
+}
+
+async fn client_list(
+    client: &mut PodResourcesClient,
+) -> Result<Vec<PodResources>, PodResourcesError> {
+    client.list().await
+}
+
+fn elapsed(from: Timestamp, to: Timestamp) -> Duration {
+    Duration::try_from(to.duration_since(from)).unwrap_or(Duration::ZERO)
+}
+
+/// The GPU backend a configuration asks for: the fake file, or NVML.
+pub async fn backend(
+    fake: Option<&Path>,
+    start: Timestamp,
+) -> Result<Arc<dyn GpuBackend>, BackendError> {
+    Ok(match fake {
+        Some(path) => Arc::new(FakeBackend::new(FakeNode::load(path)?, start)),
+        None => Arc::new(NvmlBackend::start().await?),
+    })
+}
+
+/// Settings of `run`.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// This node's name.
+    pub node_name: String,
+    /// Fake GPU file instead of NVML.
+    pub fake: Option<PathBuf>,
+    /// Kubelet pod-resources socket.
+    pub pod_resources_socket: PathBuf,
+    /// Where the host's filesystem is visible (`/` or `/host`).
+    pub host_root: PathBuf,
+    /// Metrics and probes listener.
+    pub listen: SocketAddr,
+    /// Time between sweeps.
+    pub poll_interval: Duration,
+    /// Time between checks of the server's copy of the status (and of the runtime config).
+    pub resync_interval: Duration,
+    /// Kubelet timeouts.
+    pub pod_resources_timeouts: Timeouts,
+}
+
+impl Config {
+    /// Defaults for `node_name`.
+    pub fn new(node_name: &str) -> Self {
+        Self {
+            node_name: node_name.to_owned(),
+            fake: None,
+            pod_resources_socket: PathBuf::from(crate::podresources::DEFAULT_SOCKET),
+            host_root: PathBuf::from("/"),
+            listen: SocketAddr::from(([0, 0, 0, 0], gpuwarden_crds::install::NODE_AGENT_PORT)),
+            poll_interval: Duration::from_secs(10),
+            resync_interval: Duration::from_secs(600),
+            pod_resources_timeouts: Timeouts::default(),
+        }
+    }
+}
+
+/// Runs the agent until `shutdown` completes.
+pub async fn run(
+    config: Config,
+    client: kube::Client,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
+    let node = config.node_name.clone();
+    run_inner(config, client, shutdown)
+        .instrument(info_span!("node_agent", node = %node))
+        .await
+}
+
+async fn run_inner(
+    config: Config,
+    client: kube::Client,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), AgentError> {
+    let clock = SystemClock;
+    let node = config.node_name.clone();
+    let metrics = Arc::new(Metrics::new());
+    let ready = Arc::new(AtomicBool::new(false));
+    let backend = backend(config.fake.as_deref(), clock.now()).await?;
+    info!(backend = backend.name(), "GPU backend ready");
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|source| AgentError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let app = crate::http::router(metrics.clone(), ready.clone());
+    let mut http_stop = stop_rx.clone();
+    let http = tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.wait_for(|s| *s).await;
+            })
+            .await;
+        if let Err(e) = served {
+            warn!(error = %e, "metrics server stopped");
+        }
+    });
+
+    // Only this node's pods: never a cluster-wide pod watch.
+    let pods = reflect(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().fields(&format!("spec.nodeName={node}")),
+    );
+    let policies = reflect(
+        Api::<GpuPolicy>::all(client.clone()),
+        watcher::Config::default(),
+    );
+    let nodes = reflect(
+        Api::<Node>::all(client.clone()),
+        watcher::Config::default().fields(&format!("metadata.name={node}")),
+    );
+    let caches_ready = Arc::new(AtomicBool::new(false));
+    {
+        let (pods, policies, nodes, flag) = (
+            pods.clone(),
+            policies.clone(),
+            nodes.clone(),
+            caches_ready.clone(),
+        );
+        tokio::spawn(async move {
+            let ok = pods.wait_until_ready().await.is_ok()
+                && policies.wait_until_ready().await.is_ok()
+                && nodes.wait_until_ready().await.is_ok();
+            flag.store(ok, Ordering::Relaxed);
+            if ok {
+                info!("pod, policy and node caches synced");
+            }
+        });
+    }
+
+    let lease = LeaseKeeper::new(client.clone(), &node, clock.now());
+    let lease_metrics = metrics.clone();
+    let mut lease_stop = stop_rx.clone();
+    let lease_task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(RENEW_INTERVAL);
+        loop {
+            tokio::select! {
+                _ = lease_stop.wait_for(|s| *s) => break,
+                _ = tick.tick() => {}
+            }
+            if let Err(e) = lease.renew(SystemClock.now()).await {
+                lease_metrics.error(ErrorSource::lease);
+                warn!(error = %error_chain(&e), "lease renewal failed");
+            }
+        }
+    });
+
+    let mut sweeper = Sweeper::new(
+        backend,
+        AllocationSource::Kubelet {
+            socket: config.pod_resources_socket.clone(),
+            timeouts: config.pod_resources_timeouts,
+            strict: false,
+        },
+        &config.host_root,
+        config.resync_interval,
+        metrics.clone(),
+    );
+    let mut writer = StatusWriter::new(
+        KubeSink::new(client, &node),
+        MIN_WRITE_INTERVAL,
+        config.resync_interval,
+    );
+    let mut tick = tokio::time::interval(config.poll_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    let mut last_rules: Option<HealthRules> = None;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tick.tick() => {}
+        }
+        let started = Instant::now();
+        let now = clock.now();
+        let synced = caches_ready.load(Ordering::Relaxed);
+        let pod_infos: Vec<PodInfo> = pods
+            .state()
+            .iter()
+            .filter_map(|p| PodInfo::from_pod(p))
+            .collect();
+        let labels: BTreeMap<String, String> = nodes
+            .state()
+            .first()
+            .and_then(|n| n.meta().labels.clone())
+            .unwrap_or_default();
+        let policy_list = policies.state();
+        let policy_refs: Vec<&GpuPolicy> = policy_list.iter().map(|p| p.as_ref()).collect();
+        let rules = crate::policy::health_rules(&policy_refs, &labels);
+        if last_rules.as_ref() != Some(&rules) {
+            info!(policy = %rules.policy, ignored_xids = ?rules.ignored_xids,
+                recover_after = ?rules.recover_after, "health rules");
+            last_rules = Some(rules.clone());
+        }
+        let computed = match sweeper.sweep(now, &pod_infos, synced, &rules).await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %error_chain(&e), "sweep failed");
+                continue;
+            }
+        };
+        ready.store(synced, Ordering::Relaxed);
+        if synced {
+            match writer.tick(now, &computed.status).await {
+                Ok(Outcome::Written) => {
+                    metrics.status_writes.inc();
+                    let (gpus, healthy, oob) = crate::status::counts(&computed.status);
+                    info!(gpus, healthy, out_of_band = oob, "GpuNode status written");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    metrics.error(ErrorSource::status);
+                    warn!(error = %error_chain(&e), "status write failed");
+                }
+            }
+        }
+        metrics
+            .sweep_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+    info!("shutting down");
+    let _ = stop_tx.send(true);
+    let _ = lease_task.await;
+    let _ = http.await;
+    Ok(())
+}
+
+/// A reflector store fed by a watch with `config`, in the background.
+fn reflect<K>(api: Api<K>, config: watcher::Config) -> Store<K>
+where
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let (store, writer) = reflector::store();
+    let stream = watcher(api, config)
+        .default_backoff()
+        .modify(|obj: &mut K| {
+            // Managed fields are the bulk of a Pod and of no use here.
+            obj.meta_mut().managed_fields = None;
+        })
+        .reflect(writer)
+        .touched_objects();
+    tokio::spawn(async move {
+        futures::pin_mut!(stream);
+        while let Some(item) = stream.next().await {
+            if let Err(e) = item {
+                warn!(kind = %K::kind(&K::DynamicType::default()), error = %e, "watch error");
+            }
+        }
+    });
+    store
+}
+
+/// `a: b: c` for an error and its sources, on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// Settings of `inspect`.
+#[derive(Clone, Debug, Default)]
+pub struct InspectConfig {
+    /// Node name written in the output.
+    pub node_name: String,
+    /// Fake GPU file instead of NVML.
+    pub fake: Option<PathBuf>,
+    /// Kubelet socket to read bindings from.
+    pub pod_resources_socket: Option<PathBuf>,
+    /// Host root for `/proc` and the runtime config.
+    pub host_root: PathBuf,
+}
+
+/// One sweep without a cluster: the status the agent would apply, with its pods taken from
+/// the fake file when there is one.
+pub async fn inspect(config: &InspectConfig) -> Result<GpuNodeStatus, AgentError> {
+    let now = Timestamp::now();
+    let fake = config.fake.as_deref().map(FakeNode::load).transpose()?;
+    let backend: Arc<dyn GpuBackend> = match &fake {
+        Some(node) => Arc::new(FakeBackend::new(node.clone(), now)),
+        None => Arc::new(NvmlBackend::start().await?),
+    };
+    let allocations = match (&config.pod_resources_socket, &fake) {
+        (Some(socket), _) => AllocationSource::Kubelet {
+            socket: socket.clone(),
+            timeouts: Timeouts::default(),
+            strict: true,
+        },
+        (None, Some(node)) => AllocationSource::Static(node.pod_resources_list()),
+        (None, None) => AllocationSource::None,
+    };
+    let pods = fake.as_ref().map(FakeNode::pod_infos).unwrap_or_default();
+    let mut sweeper = Sweeper::new(
+        backend,
+        allocations,
+        &config.host_root,
+        Duration::from_secs(600),
+        Arc::new(Metrics::new()),
+    );
+    let computed = sweeper
+        .sweep(now, &pods, false, &HealthRules::default())
+        .await?;
+    Ok(computed.status)
+}

@@ -1,0 +1,112 @@
+//! The agent's liveness Lease, renewed like the kubelet's node lease: the operator reads
+//! `renewTime` to tell a silent agent from a node with no GPUs.
+
+use std::time::Duration;
+
+use gpuwarden_crds::{AGENT_LEASE_NAMESPACE, FIELD_MANAGER_NODE_AGENT, agent_lease_name};
+use jiff::Timestamp;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+
+/// How long a Lease stays valid without renewal (the kubelet's node lease uses 40 s).
+pub const LEASE_DURATION_SECONDS: i32 = 40;
+/// How often the agent renews it (a quarter of the duration, like the kubelet).
+pub const RENEW_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Errors renewing the Lease.
+#[derive(Debug, thiserror::Error)]
+#[error("failed to renew Lease {namespace}/{name}")]
+pub struct LeaseError {
+    namespace: &'static str,
+    name: String,
+    #[source]
+    source: Box<kube::Error>,
+}
+
+/// The apply body of the Lease for `node`.
+pub fn lease_body(node: &str, acquired: Timestamp, now: Timestamp) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": agent_lease_name(node),
+            "namespace": AGENT_LEASE_NAMESPACE,
+            "labels": {
+                "app.kubernetes.io/name": gpuwarden_crds::install::NODE_AGENT_NAME,
+                "app.kubernetes.io/part-of": "gpuwarden",
+            },
+        },
+        "spec": {
+            "holderIdentity": node,
+            "leaseDurationSeconds": LEASE_DURATION_SECONDS,
+            "acquireTime": micro_time(acquired),
+            "renewTime": micro_time(now),
+        },
+    })
+}
+
+/// RFC 3339 with microseconds, as `MicroTime` wants it.
+fn micro_time(t: Timestamp) -> String {
+    t.strftime("%Y-%m-%dT%H:%M:%S.%6fZ").to_string()
+}
+
+/// Renews one node's Lease.
+pub struct LeaseKeeper {
+    api: Api<Lease>,
+    node: String,
+    acquired: Timestamp,
+}
+
+impl LeaseKeeper {
+    /// A keeper for `node`'s Lease; `acquired` is when this agent started holding it.
+    pub fn new(client: kube::Client, node: &str, acquired: Timestamp) -> Self {
+        Self {
+            api: Api::namespaced(client, AGENT_LEASE_NAMESPACE),
+            node: node.to_owned(),
+            acquired,
+        }
+    }
+
+    /// Creates or renews the Lease at `now`.
+    pub async fn renew(&self, now: Timestamp) -> Result<(), LeaseError> {
+        let name = agent_lease_name(&self.node);
+        self.api
+            .patch(
+                &name,
+                &PatchParams::apply(FIELD_MANAGER_NODE_AGENT).force(),
+                &Patch::Apply(lease_body(&self.node, self.acquired, now)),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|e| LeaseError {
+                namespace: AGENT_LEASE_NAMESPACE,
+                name,
+                source: Box::new(e),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_body_is_a_valid_lease() {
+        let t0 = Timestamp::from_second(1_700_000_000).unwrap();
+        let body = lease_body("gpu-node-1", t0, t0);
+        let lease: Lease = serde_json::from_value(body).unwrap();
+        let spec = lease.spec.unwrap();
+        assert_eq!(spec.holder_identity.as_deref(), Some("gpu-node-1"));
+        assert_eq!(spec.lease_duration_seconds, Some(40));
+        assert_eq!(spec.renew_time.unwrap().0, t0);
+        assert_eq!(
+            lease.metadata.name.as_deref(),
+            Some("gpuwarden-agent-gpu-node-1")
+        );
+        assert_eq!(
+            lease.metadata.namespace.as_deref(),
+            Some("gpuwarden-system")
+        );
+    }
+}

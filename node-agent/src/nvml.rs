@@ -1,0 +1,407 @@
+//! The NVML backend. NVML calls block, so they run on threads of their own: a worker thread
+//! owns the `Nvml` handle and answers read requests over a channel, and a second thread
+//! waits on an NVML event set for XID and ECC events. The async runtime only awaits replies.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, mpsc};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use gpuwarden_crds::DriverInfo;
+use gpuwarden_crds::node::{MigDevice, MigMode};
+use jiff::Timestamp;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, Nvml};
+use tokio::sync::oneshot;
+
+use crate::backend::{
+    BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuProcess, GpuReading, Reading,
+    Telemetry,
+};
+
+const MIB: u64 = 1024 * 1024;
+/// How long the event thread waits per call, so it notices a stop request.
+const EVENT_WAIT_MS: u32 = 5_000;
+/// `NVML_DEVICE_MIG_ENABLE` in `nvml.h`.
+const NVML_DEVICE_MIG_ENABLE: u32 = 1;
+
+type ReadReply = oneshot::Sender<Result<Reading, BackendError>>;
+
+/// The NVML backend.
+pub struct NvmlBackend {
+    requests: Mutex<mpsc::Sender<ReadReply>>,
+    events: Mutex<mpsc::Receiver<GpuEvent>>,
+    stop: Arc<AtomicBool>,
+}
+
+/// The one-line error for a node without NVML.
+pub fn unavailable(e: &NvmlError) -> BackendError {
+    let detail = match e {
+        NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound => {
+            format!("libnvidia-ml.so.1 could not be loaded ({e})")
+        }
+        NvmlError::DriverNotLoaded => format!("the NVIDIA kernel driver is not loaded ({e})"),
+        NvmlError::NoPermission => format!("no permission to open the GPU devices ({e})"),
+        other => format!("NVML failed to initialise ({other})"),
+    };
+    BackendError::NvmlUnavailable { detail }
+}
+
+impl NvmlBackend {
+    /// Loads NVML on the worker thread and starts the event thread. Fails with
+    /// [`BackendError::NvmlUnavailable`] when `libnvidia-ml.so.1` or the driver is missing.
+    pub async fn start() -> Result<Self, BackendError> {
+        let (init_tx, init_rx) = oneshot::channel();
+        let (req_tx, req_rx) = mpsc::channel::<ReadReply>();
+        std::thread::Builder::new()
+            .name("nvml".into())
+            .spawn(move || {
+                let nvml = match Nvml::init() {
+                    Ok(n) => n,
+                    Err(e) => {
+                        let _ = init_tx.send(Err(unavailable(&e)));
+                        return;
+                    }
+                };
+                let _ = init_tx.send(Ok(()));
+                let mut known: HashMap<u32, GpuInfo> = HashMap::new();
+                while let Ok(reply) = req_rx.recv() {
+                    let _ = reply.send(read_all(&nvml, &mut known));
+                }
+            })
+            .map_err(|_| BackendError::WorkerStopped)?;
+        init_rx.await.map_err(|_| BackendError::WorkerStopped)??;
+
+        let (ev_tx, ev_rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_events = stop.clone();
+        std::thread::Builder::new()
+            .name("nvml-events".into())
+            .spawn(move || {
+                // A handle of its own: NVML counts initialisations, and EventSet::wait must
+                // not hold up the reads.
+                match Nvml::init() {
+                    Ok(nvml) => watch_events(&nvml, &ev_tx, &stop_events),
+                    Err(e) => tracing::warn!(error = %e, "NVML event thread could not start; XID events are not watched"),
+                }
+            })
+            .map_err(|_| BackendError::WorkerStopped)?;
+        Ok(Self {
+            requests: Mutex::new(req_tx),
+            events: Mutex::new(ev_rx),
+            stop,
+        })
+    }
+}
+
+impl Drop for NvmlBackend {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+#[async_trait]
+impl GpuBackend for NvmlBackend {
+    fn name(&self) -> &'static str {
+        "nvml"
+    }
+
+    async fn read(&self, _now: Timestamp) -> Result<Reading, BackendError> {
+        let (tx, rx) = oneshot::channel();
+        self.requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .send(tx)
+            .map_err(|_| BackendError::WorkerStopped)?;
+        rx.await.map_err(|_| BackendError::WorkerStopped)?
+    }
+
+    fn take_events(&self, _now: Timestamp) -> Vec<GpuEvent> {
+        let rx = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        rx.try_iter().collect()
+    }
+}
+
+fn read_all(nvml: &Nvml, known: &mut HashMap<u32, GpuInfo>) -> Result<Reading, BackendError> {
+    let call = |call: &'static str| move |source| BackendError::Nvml { call, source };
+    let cuda = nvml.sys_cuda_driver_version().ok().map(|v| {
+        format!(
+            "{}.{}",
+            nvml_wrapper::cuda_driver_version_major(v),
+            nvml_wrapper::cuda_driver_version_minor(v)
+        )
+    });
+    let driver = DriverInfo {
+        driver_version: nvml
+            .sys_driver_version()
+            .map_err(call("nvmlSystemGetDriverVersion"))?,
+        cuda_driver_version: cuda,
+        nvml_version: nvml.sys_nvml_version().ok(),
+    };
+    let count = nvml.device_count().map_err(call("nvmlDeviceGetCount"))?;
+    let mut gpus = Vec::with_capacity(count as usize);
+    for index in 0..count {
+        let read = nvml
+            .device_by_index(index)
+            .and_then(|dev| read_gpu(&dev, index));
+        match read {
+            Ok(gpu) => {
+                known.insert(index, gpu.info.clone());
+                gpus.push(gpu);
+            }
+            Err(e) => {
+                // A GPU that stops answering keeps the identity it had when it last did.
+                tracing::warn!(gpu = index, error = %e, "GPU does not answer NVML");
+                let info = known.get(&index).cloned().unwrap_or_else(|| GpuInfo {
+                    index,
+                    uuid: format!("unknown-gpu-{index}"),
+                    ..Default::default()
+                });
+                gpus.push(GpuReading {
+                    info,
+                    answering: false,
+                    telemetry: Telemetry::default(),
+                    ecc_uncorrected: None,
+                    pages_pending_retirement: None,
+                    processes: Vec::new(),
+                });
+            }
+        }
+    }
+    Ok(Reading { driver, gpus })
+}
+
+fn mig_mode_name(mode: u32) -> String {
+    if mode == NVML_DEVICE_MIG_ENABLE {
+        "Enabled".into()
+    } else {
+        "Disabled".into()
+    }
+}
+
+fn read_gpu(dev: &Device<'_>, index: u32) -> Result<GpuReading, NvmlError> {
+    let uuid = dev.uuid()?;
+    let memory = dev.memory_info()?;
+    let mig_mode = match dev.mig_mode() {
+        Ok(m) => Some(MigMode {
+            current: mig_mode_name(m.current),
+            pending: mig_mode_name(m.pending),
+        }),
+        Err(NvmlError::NotSupported) => None,
+        Err(e) => return Err(e),
+    };
+    let mig_enabled = mig_mode.as_ref().is_some_and(|m| m.current == "Enabled");
+    let mut mig_devices = Vec::new();
+    let mut processes = Vec::new();
+    if mig_enabled {
+        let slots = dev.mig_device_count().unwrap_or(0);
+        for slot in 0..slots {
+            let Ok(mig) = dev.mig_device_by_index(slot) else {
+                continue; // an empty slot
+            };
+            let Ok(mig_uuid) = mig.uuid() else { continue };
+            mig_devices.push(MigDevice {
+                uuid: mig_uuid.clone(),
+                profile: mig.name().ok().and_then(|n| mig_profile(&n)),
+                gpu_instance_id: None,
+                compute_instance_id: None,
+                memory_mi_b: mig.memory_info().ok().map(|m| m.total / MIB),
+            });
+            processes.extend(compute_processes(&mig, &mig_uuid));
+        }
+    } else {
+        processes = compute_processes(dev, &uuid);
+    }
+    Ok(GpuReading {
+        info: GpuInfo {
+            index,
+            uuid,
+            model: dev.name()?,
+            memory_mib: memory.total / MIB,
+            pci_bus_id: dev.pci_info().map(|p| p.bus_id).unwrap_or_default(),
+            minor_number: dev.minor_number().ok(),
+            mig_mode,
+            mig_devices,
+        },
+        answering: true,
+        telemetry: Telemetry {
+            utilization_percent: dev.utilization_rates().ok().map(|u| u.gpu),
+            memory_used_bytes: Some(memory.used),
+            temperature_celsius: dev.temperature(TemperatureSensor::Gpu).ok(),
+            power_watts: dev.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
+        },
+        ecc_uncorrected: dev
+            .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+            .ok(),
+        pages_pending_retirement: dev.are_pages_pending_retired().ok(),
+        processes,
+    })
+}
+
+fn compute_processes(dev: &Device<'_>, device_uuid: &str) -> Vec<GpuProcess> {
+    match dev.running_compute_processes() {
+        Ok(list) => list
+            .into_iter()
+            .map(|p| GpuProcess {
+                pid: p.pid,
+                device_uuid: device_uuid.to_owned(),
+                used_memory_bytes: match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => Some(b),
+                    UsedGpuMemory::Unavailable => None,
+                },
+                cgroup: None,
+            })
+            .collect(),
+        Err(e) => {
+            tracing::debug!(device = device_uuid, error = %e, "no process list");
+            Vec::new()
+        }
+    }
+}
+
+/// `NVIDIA H100 80GB HBM3 MIG 1g.10gb` → `1g.10gb`.
+fn mig_profile(name: &str) -> Option<String> {
+    name.rsplit_once("MIG ").map(|(_, p)| p.trim().to_owned())
+}
+
+fn watch_events(nvml: &Nvml, tx: &mpsc::Sender<GpuEvent>, stop: &AtomicBool) {
+    let wanted = EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR;
+    let count = match nvml.device_count() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "XID events are not watched");
+            return;
+        }
+    };
+    let mut registered: Vec<u32> = Vec::new();
+    let mut set = match nvml.create_event_set() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "XID events are not watched");
+            return;
+        }
+    };
+    for index in 0..count {
+        let Ok(dev) = nvml.device_by_index(index) else {
+            continue;
+        };
+        let types = dev.supported_event_types().unwrap_or(EventTypes::empty()) & wanted;
+        if types.is_empty() {
+            continue;
+        }
+        match dev.register_events(types, set) {
+            Ok(s) => {
+                set = s;
+                registered.push(index);
+            }
+            Err(e) => {
+                // NVML frees the set on failure: start a new one with the GPUs that worked.
+                tracing::warn!(gpu = index, error = %e, "XID events of this GPU are not watched");
+                set = match rebuild(nvml, &registered, wanted) {
+                    Some(s) => s,
+                    None => return,
+                };
+            }
+        }
+    }
+    tracing::info!(gpus = registered.len(), "watching XID and ECC events");
+    while !stop.load(Ordering::Relaxed) {
+        match set.wait(EVENT_WAIT_MS) {
+            Ok(data) => {
+                let uuid = event_gpu_uuid(&data.device);
+                let at = Timestamp::now();
+                let send = |kind| {
+                    let _ = tx.send(GpuEvent {
+                        uuid: uuid.clone(),
+                        at,
+                        kind,
+                    });
+                };
+                if data.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                    let code = match data.event_data {
+                        Some(XidError::Value(v)) => v,
+                        _ => 0,
+                    };
+                    send(GpuEventKind::Xid(code));
+                }
+                if data.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+                    send(GpuEventKind::EccUncorrected);
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                // GpuLost and friends: the next read marks the GPU; avoid a hot loop.
+                tracing::warn!(error = %e, "waiting for NVML events failed");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+fn rebuild<'n>(
+    nvml: &'n Nvml,
+    indexes: &[u32],
+    wanted: EventTypes,
+) -> Option<nvml_wrapper::EventSet<'n>> {
+    let mut set = nvml.create_event_set().ok()?;
+    for &index in indexes {
+        let dev = nvml.device_by_index(index).ok()?;
+        let types = dev.supported_event_types().unwrap_or(EventTypes::empty()) & wanted;
+        set = dev.register_events(types, set).ok()?;
+    }
+    Some(set)
+}
+
+/// The physical GPU's UUID for an event on a GPU or on one of its MIG devices.
+fn event_gpu_uuid(dev: &Device<'_>) -> String {
+    if dev.mig_is_mig_device_handle().unwrap_or(false)
+        && let Ok(parent) = dev.mig_parent_device()
+        && let Ok(uuid) = parent.uuid()
+    {
+        return uuid;
+    }
+    dev.uuid().unwrap_or_else(|_| "unknown-gpu".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mig_profile_from_name() {
+        assert_eq!(
+            mig_profile("NVIDIA H100 80GB HBM3 MIG 1g.10gb").as_deref(),
+            Some("1g.10gb")
+        );
+        assert_eq!(mig_profile("NVIDIA H100"), None);
+    }
+
+    #[test]
+    fn unavailable_message_is_one_clear_line() {
+        let e = unavailable(&NvmlError::LibraryNotFound).to_string();
+        assert!(
+            e.starts_with("NVML is not available: libnvidia-ml.so.1 could not be loaded")
+                && e.ends_with("run on a GPU node with the NVIDIA driver, or pass --fake FILE")
+                && !e.contains('\n'),
+            "{e}"
+        );
+    }
+
+    /// On a machine without the NVIDIA driver the real start fails with the clear error.
+    #[tokio::test]
+    async fn start_without_driver_says_so() {
+        match NvmlBackend::start().await {
+            Ok(_) => eprintln!("NVML is present here; nothing to check"),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.starts_with("NVML is not available: "), "{msg}");
+                assert!(msg.contains("--fake FILE"), "{msg}");
+            }
+        }
+    }
+}

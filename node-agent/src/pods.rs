@@ -1,0 +1,272 @@
+//! The pods on this node, reduced to what attribution needs: UID, name, and per container
+//! its runtime id, whether it is privileged and whether it shows a GPU signal.
+
+use std::collections::{BTreeMap, HashMap};
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+
+use crate::cgroup::strip_runtime_scheme;
+
+/// Annotation the kubelet puts on a mirror pod: the static pod's UID (used in its cgroups).
+const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
+/// One pod on the node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodInfo {
+    /// UID in the API.
+    pub uid: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// For a mirror pod, the static pod's UID, which its cgroups are named after.
+    pub mirror_uid: Option<String>,
+    /// Containers (init containers included).
+    pub containers: Vec<ContainerInfo>,
+}
+
+/// One container of a pod.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContainerInfo {
+    /// Name.
+    pub name: String,
+    /// `containerd://<id>` from the container status, once it has started.
+    pub container_id: Option<String>,
+    /// `securityContext.privileged`.
+    pub privileged: bool,
+    /// Whether it shows a GPU signal (GPU limit, `NVIDIA_VISIBLE_DEVICES`, device mounts,
+    /// NVIDIA CDI annotation on the pod).
+    pub gpu: bool,
+}
+
+impl PodInfo {
+    /// The pod's facts; `None` for a pod without a UID or one that has finished.
+    pub fn from_pod(pod: &Pod) -> Option<Self> {
+        let uid = pod.metadata.uid.clone()?;
+        let status = pod.status.as_ref();
+        if matches!(
+            status.and_then(|s| s.phase.as_deref()),
+            Some("Succeeded" | "Failed")
+        ) {
+            return None;
+        }
+        let spec = pod.spec.as_ref()?;
+        let annotations = pod.metadata.annotations.as_ref();
+        let cdi = annotations.is_some_and(|a| {
+            a.iter().any(|(k, v)| {
+                k.starts_with(gpuwarden_crds::CDI_ANNOTATION_PREFIX) && v.contains("nvidia.com/")
+            })
+        });
+        let mut ids: HashMap<&str, &str> = HashMap::new();
+        if let Some(s) = status {
+            for cs in s
+                .container_statuses
+                .iter()
+                .flatten()
+                .chain(s.init_container_statuses.iter().flatten())
+            {
+                if let Some(id) = cs.container_id.as_deref() {
+                    ids.insert(cs.name.as_str(), id);
+                }
+            }
+        }
+        let device_volumes: Vec<&str> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .filter(|v| {
+                v.host_path
+                    .as_ref()
+                    .is_some_and(|h| is_device_path(&h.path))
+            })
+            .map(|v| v.name.as_str())
+            .collect();
+        let containers = spec
+            .containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .map(|c| ContainerInfo {
+                name: c.name.clone(),
+                container_id: ids.get(c.name.as_str()).map(|s| s.to_string()),
+                privileged: c
+                    .security_context
+                    .as_ref()
+                    .and_then(|s| s.privileged)
+                    .unwrap_or(false),
+                gpu: cdi || is_gpu_container(c, &device_volumes),
+            })
+            .collect();
+        Some(PodInfo {
+            uid,
+            namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            mirror_uid: annotations.and_then(|a| a.get(MIRROR_ANNOTATION).cloned()),
+            containers,
+        })
+    }
+
+    /// Whether a privileged container of this pod shows a GPU signal.
+    pub fn has_privileged_gpu_container(&self) -> bool {
+        self.containers.iter().any(|c| c.privileged && c.gpu)
+    }
+}
+
+fn is_device_path(path: &str) -> bool {
+    let p = path.trim_end_matches('/');
+    p == "/dev" || p.starts_with("/dev/nvidia") || p == "/dev/dri" || p.starts_with("/dev/dri/")
+}
+
+/// A GPU container as the webhook defines it: a GPU resource limit, a meaningful
+/// `NVIDIA_VISIBLE_DEVICES`, or a device hostPath mount.
+fn is_gpu_container(c: &Container, device_volumes: &[&str]) -> bool {
+    let gpu_limit = c
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .is_some_and(|l: &BTreeMap<_, _>| l.keys().any(|k: &String| is_gpu_resource(k)));
+    let env = c.env.iter().flatten().any(|e| {
+        e.name == "NVIDIA_VISIBLE_DEVICES"
+            && e.value
+                .as_deref()
+                .is_some_and(|v| !matches!(v.trim(), "" | "none" | "void"))
+    });
+    let mounts = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .any(|m| device_volumes.contains(&m.name.as_str()));
+    gpu_limit || env || mounts
+}
+
+/// `nvidia.com/gpu`, `nvidia.com/gpu.shared`, `nvidia.com/mig-*`.
+pub fn is_gpu_resource(name: &str) -> bool {
+    name == gpuwarden_crds::RESOURCE_GPU
+        || name == gpuwarden_crds::RESOURCE_GPU_SHARED
+        || name.starts_with(gpuwarden_crds::RESOURCE_MIG_PREFIX)
+}
+
+/// Lookups over the pods on the node, built once per sweep.
+#[derive(Debug, Default)]
+pub struct PodIndex<'a> {
+    pods: &'a [PodInfo],
+    by_uid: HashMap<&'a str, &'a PodInfo>,
+    by_name: HashMap<(&'a str, &'a str), &'a PodInfo>,
+    by_container_id: HashMap<&'a str, (&'a PodInfo, &'a str)>,
+    /// Whether the pods come from the API (a miss means "not a pod we know") rather than
+    /// being absent (`inspect` without a cluster).
+    authoritative: bool,
+}
+
+impl<'a> PodIndex<'a> {
+    /// An index over `pods`; `authoritative` when they are the node's full pod list.
+    pub fn new(pods: &'a [PodInfo], authoritative: bool) -> Self {
+        let mut index = Self {
+            pods,
+            authoritative,
+            ..Default::default()
+        };
+        for pod in pods {
+            index.by_uid.insert(pod.uid.as_str(), pod);
+            if let Some(m) = &pod.mirror_uid {
+                index.by_uid.insert(m.as_str(), pod);
+            }
+            index
+                .by_name
+                .insert((pod.namespace.as_str(), pod.name.as_str()), pod);
+            for c in &pod.containers {
+                if let Some(id) = &c.container_id {
+                    index
+                        .by_container_id
+                        .insert(strip_runtime_scheme(id), (pod, c.name.as_str()));
+                }
+            }
+        }
+        index
+    }
+
+    /// Every pod.
+    pub fn all(&self) -> &'a [PodInfo] {
+        self.pods
+    }
+
+    /// Whether a miss means the pod does not exist.
+    pub fn authoritative(&self) -> bool {
+        self.authoritative
+    }
+
+    /// A pod by its UID (or a static pod's config UID).
+    pub fn by_uid(&self, uid: &str) -> Option<&'a PodInfo> {
+        self.by_uid.get(uid).copied()
+    }
+
+    /// A pod by namespace and name.
+    pub fn by_name(&self, namespace: &str, name: &str) -> Option<&'a PodInfo> {
+        self.by_name.get(&(namespace, name)).copied()
+    }
+
+    /// A container by its runtime id (without scheme): the pod and the container name.
+    pub fn by_container_id(&self, id: &str) -> Option<(&'a PodInfo, &'a str)> {
+        self.by_container_id.get(id).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(json: serde_json::Value) -> Pod {
+        serde_json::from_value(json).unwrap()
+    }
+
+    #[test]
+    fn reads_containers_ids_and_privileged_gpu() {
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "train", "namespace": "ml", "uid": "u1",
+                         "annotations": {"kubernetes.io/config.mirror": "abc"}},
+            "spec": {
+                "containers": [
+                    {"name": "main", "securityContext": {"privileged": true},
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+                    {"name": "sidecar", "securityContext": {"privileged": true},
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]},
+                    {"name": "limited", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                    {"name": "devmount", "volumeMounts": [{"name": "dev", "mountPath": "/dev"}]}
+                ],
+                "volumes": [{"name": "dev", "hostPath": {"path": "/dev"}}]
+            },
+            "status": {"phase": "Running", "containerStatuses": [
+                {"name": "main", "containerID": "containerd://aaa", "image": "", "imageID": "",
+                 "ready": true, "restartCount": 0}
+            ]}
+        }));
+        let info = PodInfo::from_pod(&p).unwrap();
+        let by: HashMap<_, _> = info
+            .containers
+            .iter()
+            .map(|c| (c.name.as_str(), c))
+            .collect();
+        assert!(by["main"].gpu && by["main"].privileged);
+        assert_eq!(by["main"].container_id.as_deref(), Some("containerd://aaa"));
+        assert!(!by["sidecar"].gpu);
+        assert!(by["limited"].gpu && !by["limited"].privileged);
+        assert!(by["devmount"].gpu);
+        assert!(info.has_privileged_gpu_container());
+        assert_eq!(info.mirror_uid.as_deref(), Some("abc"));
+
+        let pods = vec![info];
+        let idx = PodIndex::new(&pods, true);
+        assert_eq!(idx.by_container_id("aaa").unwrap().1, "main");
+        assert_eq!(idx.by_uid("abc").unwrap().name, "train");
+        assert_eq!(idx.by_name("ml", "train").unwrap().uid, "u1");
+    }
+
+    #[test]
+    fn finished_pods_are_left_out() {
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "done", "namespace": "ml", "uid": "u2"},
+            "spec": {"containers": [{"name": "c"}]},
+            "status": {"phase": "Succeeded"}
+        }));
+        assert_eq!(PodInfo::from_pod(&p), None);
+    }
+}

@@ -1,0 +1,264 @@
+//! The agent's part of `GpuNode.status`, computed from one sweep's readings. Pure: the same
+//! inputs give the same value, sorted, so "did it change" is a plain comparison.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use gpuwarden_crds::{
+    Binding, BindingSource, GpuNodeStatus, GpuStatus, HealthState, PodRef, RuntimeStatus,
+};
+
+use crate::backend::Reading;
+use crate::cgroup::ContainerRef;
+use crate::health::HealthTracker;
+use crate::podresources::{Allocation, DeviceMap};
+use crate::pods::PodIndex;
+
+/// A compute process NVML reported, with the pod container it belongs to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObservedProcess {
+    /// GPU or MIG device UUID.
+    pub device_uuid: String,
+    /// Process id.
+    pub pid: u32,
+    /// Its pod and container; `None` for a process outside any pod (a host service).
+    pub container: Option<ContainerRef>,
+}
+
+/// Who holds a GPU, for metric labels.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Holder {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Container name.
+    pub container: String,
+}
+
+/// Everything one sweep produces besides the raw readings.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Computed {
+    /// The agent's status fields.
+    pub status: GpuNodeStatus,
+    /// Holders per physical GPU UUID (allocated or observed).
+    pub holders: BTreeMap<String, Vec<Holder>>,
+    /// Processes outside any pod, per physical GPU UUID.
+    pub host_processes: BTreeMap<String, u32>,
+}
+
+/// The inputs of [`compute`].
+pub struct StatusInput<'a> {
+    /// This sweep's GPU reading.
+    pub reading: &'a Reading,
+    /// Health so far.
+    pub health: &'a HealthTracker,
+    /// GPU allocations from the kubelet.
+    pub allocations: &'a [Allocation],
+    /// Compute processes with their pods.
+    pub observed: &'a [ObservedProcess],
+    /// The pods on the node.
+    pub pods: &'a PodIndex<'a>,
+    /// Device IDs to UUIDs.
+    pub devices: &'a DeviceMap,
+    /// Runtime diagnostics.
+    pub runtime: &'a RuntimeStatus,
+}
+
+#[derive(Default)]
+struct Entry {
+    namespace: String,
+    pod: String,
+    resource_name: Option<String>,
+    allocated: BTreeSet<String>,
+    observed: BTreeSet<String>,
+}
+
+/// Computes the agent's status fields and the metric holders.
+pub fn compute(input: &StatusInput<'_>) -> Computed {
+    let gpus: Vec<GpuStatus> = input
+        .reading
+        .gpus
+        .iter()
+        .map(|g| GpuStatus {
+            index: g.info.index,
+            uuid: g.info.uuid.clone(),
+            model: g.info.model.clone(),
+            memory_mi_b: g.info.memory_mib,
+            pci_bus_id: g.info.pci_bus_id.clone(),
+            minor_number: g.info.minor_number,
+            mig_mode: g.info.mig_mode.clone(),
+            mig_devices: g.info.mig_devices.clone(),
+            health: input.health.health(&g.info.uuid),
+        })
+        .collect();
+
+    let mut entries: BTreeMap<(String, String), Entry> = BTreeMap::new();
+    for a in input.allocations {
+        let uid = match input.pods.by_name(&a.namespace, &a.pod) {
+            Some(p) => p.uid.clone(),
+            // The pod is gone from the API but the kubelet still lists it: skip until it
+            // settles. Without an API (inspect) there is no UID to give.
+            None if input.pods.authoritative() => continue,
+            None => String::new(),
+        };
+        let e = entries.entry((uid, a.container.clone())).or_default();
+        e.namespace.clone_from(&a.namespace);
+        e.pod.clone_from(&a.pod);
+        if e.resource_name.is_none() {
+            e.resource_name = Some(a.resource_name.clone());
+        }
+        e.allocated.extend(a.device_uuids.iter().cloned());
+    }
+
+    let mut host_processes: BTreeMap<String, u32> = BTreeMap::new();
+    let mut privileged_observed: BTreeSet<String> = BTreeSet::new();
+    for p in input.observed {
+        let Some(cref) = &p.container else {
+            let gpu = parent(input.devices, &p.device_uuid);
+            *host_processes.entry(gpu).or_default() += 1;
+            continue;
+        };
+        let pod = input.pods.by_uid(&cref.pod_uid);
+        let by_id = cref
+            .container_id
+            .as_deref()
+            .and_then(|id| input.pods.by_container_id(id));
+        let container = match (by_id, &cref.container_id) {
+            (Some((_, name)), _) => name.to_owned(),
+            // Not (yet) in the pod's container statuses: name it by its short id.
+            (None, Some(id)) => id.chars().take(12).collect(),
+            (None, None) => String::new(),
+        };
+        let (uid, namespace, name) = match pod {
+            Some(pod) => (pod.uid.clone(), pod.namespace.clone(), pod.name.clone()),
+            None => (cref.pod_uid.clone(), String::new(), String::new()),
+        };
+        if let Some(pod) = pod
+            && pod
+                .containers
+                .iter()
+                .any(|c| c.name == container && c.privileged)
+        {
+            privileged_observed.insert(pod.uid.clone());
+        }
+        let e = entries.entry((uid, container)).or_default();
+        if e.pod.is_empty() {
+            e.namespace = namespace;
+            e.pod = name;
+        }
+        e.observed.insert(p.device_uuid.clone());
+    }
+
+    let mut bindings = Vec::with_capacity(entries.len());
+    let mut holders: BTreeMap<String, Vec<Holder>> = BTreeMap::new();
+    for ((pod_uid, container), e) in entries {
+        let explained = e.observed.iter().all(|o| {
+            e.allocated.iter().any(|a| {
+                a == o
+                    || input.devices.parent(o) == Some(a.as_str())
+                    || input.devices.parent(a) == Some(o.as_str())
+            })
+        });
+        let source = match (e.allocated.is_empty(), e.observed.is_empty()) {
+            (false, true) => BindingSource::Allocated,
+            (false, false) if explained => BindingSource::AllocatedAndObserved,
+            // Observed only, or on GPUs beyond the allocation: out of band.
+            _ => BindingSource::Observed,
+        };
+        let gpu_uuids: Vec<String> = e.allocated.union(&e.observed).cloned().collect();
+        let holder = Holder {
+            namespace: e.namespace.clone(),
+            pod: e.pod.clone(),
+            container: container.clone(),
+        };
+        for u in &gpu_uuids {
+            let list = holders.entry(parent(input.devices, u)).or_default();
+            if !list.contains(&holder) {
+                list.push(holder.clone());
+            }
+        }
+        bindings.push(Binding {
+            pod_uid,
+            container,
+            namespace: e.namespace,
+            pod: e.pod,
+            resource_name: e.resource_name,
+            gpu_uuids,
+            source,
+        });
+    }
+    for list in holders.values_mut() {
+        list.sort();
+    }
+
+    let mut privileged: BTreeMap<String, PodRef> = BTreeMap::new();
+    for uid in privileged_observed {
+        if let Some(p) = input.pods.by_uid(&uid) {
+            privileged.insert(uid.clone(), pod_ref(p));
+        }
+    }
+    for p in input.pods.all() {
+        if p.has_privileged_gpu_container() {
+            privileged.insert(p.uid.clone(), pod_ref(p));
+        }
+    }
+
+    Computed {
+        status: GpuNodeStatus {
+            driver: Some(input.reading.driver.clone()),
+            gpus: Some(gpus),
+            bindings: Some(bindings),
+            privileged_pods: Some(privileged.into_values().collect()),
+            runtime: Some(input.runtime.clone()),
+            conditions: None,
+            summary: None,
+        },
+        holders,
+        host_processes,
+    }
+}
+
+fn pod_ref(p: &crate::pods::PodInfo) -> PodRef {
+    PodRef {
+        uid: p.uid.clone(),
+        namespace: p.namespace.clone(),
+        name: p.name.clone(),
+    }
+}
+
+fn parent(devices: &DeviceMap, uuid: &str) -> String {
+    devices.parent(uuid).unwrap_or(uuid).to_owned()
+}
+
+/// Only the agent's fields of a status, with empty lists and absent lists made equal, so a
+/// status read back from the API compares equal to the one that was applied.
+pub fn agent_fields(status: &GpuNodeStatus) -> GpuNodeStatus {
+    fn non_empty<T: Clone>(v: &Option<Vec<T>>) -> Option<Vec<T>> {
+        v.as_ref().filter(|v| !v.is_empty()).cloned()
+    }
+    GpuNodeStatus {
+        driver: status.driver.clone(),
+        gpus: non_empty(&status.gpus),
+        bindings: non_empty(&status.bindings),
+        privileged_pods: non_empty(&status.privileged_pods),
+        runtime: status.runtime.clone(),
+        conditions: None,
+        summary: None,
+    }
+}
+
+/// Counts for logs: (GPUs, healthy, out-of-band bindings).
+pub fn counts(status: &GpuNodeStatus) -> (usize, usize, usize) {
+    let gpus = status.gpus.as_deref().unwrap_or_default();
+    let healthy = gpus
+        .iter()
+        .filter(|g| g.health.state == HealthState::Healthy)
+        .count();
+    let oob = status
+        .bindings
+        .iter()
+        .flatten()
+        .filter(|b| b.is_out_of_band())
+        .count();
+    (gpus.len(), healthy, oob)
+}
