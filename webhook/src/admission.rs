@@ -14,6 +14,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpuwarden_crds::GpuPolicy;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::engine::{self, Decision, Input, Operation, Verdict};
 
 /// Where the webhook reads policies and namespace labels from.
 pub trait PolicySource: Send + Sync {
@@ -67,8 +71,456 @@ impl Outcome {
     }
 }
 
+/// A [`PolicySource`] with fixed contents: for tests, benchmarks and the offline command.
+#[derive(Clone, Debug, Default)]
+pub struct StaticSource {
+    /// The policies.
+    pub policies: Vec<Arc<GpuPolicy>>,
+    /// Known namespaces and their labels.
+    pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl StaticSource {
+    /// A source holding `policies` and no known namespaces.
+    pub fn new(policies: impl IntoIterator<Item = GpuPolicy>) -> Self {
+        Self {
+            policies: policies.into_iter().map(Arc::new).collect(),
+            namespaces: BTreeMap::new(),
+        }
+    }
+
+    /// Adds a namespace with labels.
+    pub fn with_namespace(mut self, name: &str, labels: &[(&str, &str)]) -> Self {
+        self.namespaces.insert(
+            name.to_owned(),
+            labels
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        self
+    }
+}
+
+impl PolicySource for StaticSource {
+    fn policies(&self) -> Vec<Arc<GpuPolicy>> {
+        self.policies.clone()
+    }
+    fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+        self.namespaces.get(name).cloned()
+    }
+}
+
+/// Why a request could not be judged. Each becomes a rejected review with the message.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ReviewError {
+    /// The body is not JSON.
+    #[error("request body is not JSON: {0}")]
+    NotJson(String),
+    /// JSON, but not an AdmissionReview.
+    #[error("request body is not an admission.k8s.io/v1 AdmissionReview: {0}")]
+    NotAReview(String),
+    /// No `request`.
+    #[error("AdmissionReview has no request")]
+    MissingRequest,
+    /// No `request.uid`.
+    #[error("AdmissionReview request has no uid")]
+    MissingUid,
+    /// Not about a Pod.
+    #[error("AdmissionReview is for {0}, not a Pod; this webhook only handles pods")]
+    NotAPod(String),
+    /// No usable `request.object`.
+    #[error("AdmissionReview request for {operation} has no pod in request.object")]
+    MissingObject {
+        /// The operation.
+        operation: String,
+    },
+    /// No usable `request.oldObject` on an ephemeral-container update.
+    #[error("AdmissionReview request for pods/ephemeralcontainers has no pod in request.oldObject")]
+    MissingOldObject,
+}
+
+/// The incoming review: only what the engine needs, everything optional so that a
+/// malformed review gets a precise answer instead of a parse error.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ReviewIn {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    request: Option<RequestIn>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RequestIn {
+    #[serde(default)]
+    uid: Option<String>,
+    #[serde(default)]
+    kind: Option<GroupVersionKind>,
+    #[serde(default)]
+    resource: Option<GroupVersionResource>,
+    #[serde(default)]
+    sub_resource: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    operation: Option<String>,
+    #[serde(default)]
+    object: Option<Value>,
+    #[serde(default)]
+    old_object: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct GroupVersionKind {
+    #[serde(default)]
+    group: String,
+    #[serde(default)]
+    kind: String,
+}
+
+#[derive(serde::Deserialize)]
+struct GroupVersionResource {
+    #[serde(default)]
+    group: String,
+    #[serde(default)]
+    resource: String,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ReviewOut<'a> {
+    api_version: &'a str,
+    kind: &'static str,
+    response: ResponseOut,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ResponseOut {
+    uid: String,
+    allowed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<StatusOut>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch_type: Option<&'static str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    warnings: Vec<String>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    audit_annotations: BTreeMap<String, String>,
+}
+
+#[derive(Serialize)]
+struct StatusOut {
+    status: &'static str,
+    code: u16,
+    reason: &'static str,
+    message: String,
+}
+
+const API_VERSION: &str = "admission.k8s.io/v1";
+
 /// Answers one AdmissionReview body. See the module docs.
 pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
-    let _ = (body, source);
-    unimplemented!("engine owner fills this in")
+    let review: ReviewIn = match serde_json::from_slice(body) {
+        Ok(review) => review,
+        Err(e) => {
+            // Say whether it was JSON at all, and echo the uid if one can be found.
+            let (error, uid) = match serde_json::from_slice::<Value>(body) {
+                Err(_) => (ReviewError::NotJson(e.to_string()), String::new()),
+                Ok(v) => (
+                    ReviewError::NotAReview(e.to_string()),
+                    v.pointer("/request/uid")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_owned(),
+                ),
+            };
+            return invalid(API_VERSION, uid, None, &error);
+        }
+    };
+    let api_version = match review.api_version.as_deref() {
+        Some(v @ "admission.k8s.io/v1beta1") => v,
+        _ => API_VERSION,
+    };
+    if review.kind.as_deref() != Some("AdmissionReview") {
+        let uid = review
+            .request
+            .as_ref()
+            .and_then(|r| r.uid.clone())
+            .unwrap_or_default();
+        let what = match review.kind {
+            Some(kind) => format!("kind is {kind:?}"),
+            None => "kind is missing".to_owned(),
+        };
+        return invalid(api_version, uid, None, &ReviewError::NotAReview(what));
+    }
+    let Some(request) = review.request else {
+        return invalid(
+            api_version,
+            String::new(),
+            None,
+            &ReviewError::MissingRequest,
+        );
+    };
+    let uid = match request.uid.as_deref() {
+        Some(uid) if !uid.is_empty() => uid.to_owned(),
+        _ => return invalid(api_version, String::new(), None, &ReviewError::MissingUid),
+    };
+    match review_request(&request, source) {
+        Ok((decision, pod)) => respond(api_version, uid, pod, decision, request.object.as_ref()),
+        Err(error) => {
+            let pod = request
+                .object
+                .as_ref()
+                .map(|o| display_name(o, request.namespace.as_deref(), request.name.as_deref()));
+            invalid(api_version, uid, pod, &error)
+        }
+    }
+}
+
+/// Runs the engine on a parsed request. `Ok` carries the decision and the pod's display name.
+fn review_request(
+    request: &RequestIn,
+    source: &dyn PolicySource,
+) -> Result<(Decision, Option<String>), ReviewError> {
+    let is_pod = match (&request.kind, &request.resource) {
+        (Some(k), _) if !k.kind.is_empty() => k.group.is_empty() && k.kind == "Pod",
+        (_, Some(r)) => r.group.is_empty() && r.resource == "pods",
+        _ => false,
+    };
+    if !is_pod {
+        let what = match (&request.kind, &request.resource) {
+            (Some(k), _) if !k.kind.is_empty() => {
+                if k.group.is_empty() {
+                    k.kind.clone()
+                } else {
+                    format!("{}.{}", k.kind, k.group)
+                }
+            }
+            (_, Some(r)) if !r.resource.is_empty() => r.resource.clone(),
+            _ => "an unnamed kind".to_owned(),
+        };
+        return Err(ReviewError::NotAPod(what));
+    }
+    let operation = request.operation.as_deref().unwrap_or("");
+    let sub = request.sub_resource.as_deref().unwrap_or("");
+    let op = match (operation, sub) {
+        ("CREATE", "") => Operation::Create,
+        ("UPDATE", "ephemeralcontainers") => {
+            let old = request
+                .old_object
+                .as_ref()
+                .filter(|o| o.is_object())
+                .ok_or(ReviewError::MissingOldObject)?;
+            Operation::AddEphemeral { old }
+        }
+        // DELETE, CONNECT, plain UPDATE (privilege is immutable) and other subresources.
+        _ => return Ok((Decision::default(), None)),
+    };
+    let pod = request
+        .object
+        .as_ref()
+        .filter(|o| o.is_object())
+        .ok_or_else(|| ReviewError::MissingObject {
+            operation: operation.to_owned(),
+        })?;
+    let namespace = request
+        .namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        .or_else(|| pod.pointer("/metadata/namespace").and_then(Value::as_str))
+        .unwrap_or("default");
+    let name = display_name(pod, Some(namespace), request.name.as_deref());
+    let labels = engine::namespace_labels_or_default(namespace, source.namespace_labels(namespace));
+    let policies = source.policies();
+    let input = Input {
+        pod,
+        namespace,
+        namespace_labels: &labels,
+        operation: op,
+        display_name: &name,
+    };
+    let decision = engine::decide(&input, &policies);
+    Ok((decision, Some(name)))
+}
+
+/// `namespace/name`, or `namespace/generateName*` for a pod not yet named.
+fn display_name(pod: &Value, namespace: Option<&str>, name: Option<&str>) -> String {
+    let namespace = namespace
+        .filter(|n| !n.is_empty())
+        .or_else(|| pod.pointer("/metadata/namespace").and_then(Value::as_str))
+        .unwrap_or("default");
+    let name = name
+        .filter(|n| !n.is_empty())
+        .or_else(|| pod.pointer("/metadata/name").and_then(Value::as_str))
+        .map(str::to_owned)
+        .or_else(|| {
+            pod.pointer("/metadata/generateName")
+                .and_then(Value::as_str)
+                .map(|g| format!("{g}*"))
+        })
+        .unwrap_or_else(|| "<unnamed>".to_owned());
+    format!("{namespace}/{name}")
+}
+
+fn respond(
+    api_version: &str,
+    uid: String,
+    pod_name: Option<String>,
+    decision: Decision,
+    pod: Option<&Value>,
+) -> (Vec<u8>, ReviewSummary) {
+    let outcome = match decision.verdict() {
+        Verdict::NotGoverned | Verdict::Unchanged => Outcome::Allowed,
+        Verdict::Exempt => Outcome::Exempt,
+        Verdict::Rewritten => Outcome::Rewritten,
+        Verdict::Audited => Outcome::Audited,
+        Verdict::Denied => Outcome::Denied,
+    };
+    let mut response = ResponseOut {
+        uid: uid.clone(),
+        allowed: outcome != Outcome::Denied,
+        status: None,
+        patch: None,
+        patch_type: None,
+        warnings: decision.warnings,
+        audit_annotations: decision.audit_annotations,
+    };
+    if let Some(message) = decision.denial {
+        response.status = Some(StatusOut {
+            status: "Failure",
+            code: 403,
+            reason: "Forbidden",
+            message,
+        });
+    }
+    if response.allowed
+        && !decision.changes.is_empty()
+        && let Some(pod) = pod
+    {
+        let patch = engine::patch_for(pod, &decision.changes);
+        if !patch.0.is_empty() {
+            match serde_json::to_vec(&patch) {
+                Ok(bytes) => {
+                    response.patch = Some(base64(&bytes));
+                    response.patch_type = Some("JSONPatch");
+                }
+                Err(e) => {
+                    // Cannot happen for values built from JSON; fail closed if it ever does.
+                    response.allowed = false;
+                    response.status = Some(StatusOut {
+                        status: "Failure",
+                        code: 500,
+                        reason: "InternalError",
+                        message: format!("gpuwarden: failed to serialise the patch: {e}"),
+                    });
+                }
+            }
+        }
+    }
+    tracing::debug!(uid = %uid, pod = pod_name.as_deref().unwrap_or(""), outcome = outcome.as_str(), "admission review answered");
+    let summary = ReviewSummary {
+        uid,
+        outcome,
+        policy: decision.policy,
+        pod: pod_name,
+    };
+    (encode(api_version, response), summary)
+}
+
+fn invalid(
+    api_version: &str,
+    uid: String,
+    pod: Option<String>,
+    error: &ReviewError,
+) -> (Vec<u8>, ReviewSummary) {
+    tracing::debug!(uid = %uid, error = %error, "malformed admission review");
+    let response = ResponseOut {
+        uid: uid.clone(),
+        allowed: false,
+        status: Some(StatusOut {
+            status: "Failure",
+            code: 400,
+            reason: "BadRequest",
+            message: format!("gpuwarden: {error}"),
+        }),
+        patch: None,
+        patch_type: None,
+        warnings: Vec::new(),
+        audit_annotations: BTreeMap::new(),
+    };
+    let summary = ReviewSummary {
+        uid,
+        outcome: Outcome::Invalid,
+        policy: None,
+        pod,
+    };
+    (encode(api_version, response), summary)
+}
+
+fn encode(api_version: &str, response: ResponseOut) -> Vec<u8> {
+    let review = ReviewOut {
+        api_version,
+        kind: "AdmissionReview",
+        response,
+    };
+    // Serialising these plain structs cannot fail; the fallback keeps the contract anyway.
+    serde_json::to_vec(&review).unwrap_or_else(|_| {
+        br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":"","allowed":false}}"#.to_vec()
+    })
+}
+
+/// Standard base64 with padding (RFC 4648), as the `patch` field is encoded.
+fn base64(input: &[u8]) -> String {
+    const TABLE: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+    for chunk in input.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        out.push(char::from(TABLE[(n >> 18) as usize & 63]));
+        out.push(char::from(TABLE[(n >> 12) as usize & 63]));
+        out.push(if chunk.len() > 1 {
+            char::from(TABLE[(n >> 6) as usize & 63])
+        } else {
+            '='
+        });
+        out.push(if chunk.len() > 2 {
+            char::from(TABLE[n as usize & 63])
+        } else {
+            '='
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_rfc4648_vectors() {
+        for (input, expected) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(input.as_bytes()), expected);
+        }
+    }
 }

@@ -1,1 +1,1590 @@
-//! The pure rewrite engine (engine owner fills this in).
+//! The rewrite engine: a pure function from a pod, the policies and the namespace's labels to
+//! a [`Decision`] (a verdict, the list of [`Change`]s, warnings and audit annotations), and
+//! from the changes to an RFC 6902 patch.
+//!
+//! The engine reads the pod as raw JSON (`serde_json::Value`) rather than a typed `Pod`: it
+//! never drops fields it does not know, costs one parse per review, and the patch it derives
+//! touches only the fields DESIGN.md lists (container `securityContext.privileged`,
+//! `allowPrivilegeEscalation`, `capabilities`, GPU limits, `env`, `volumeMounts`; pod
+//! `volumes` and `metadata.annotations`).
+//!
+//! The same functions serve admission reviews ([`crate::admission`]) and the offline
+//! `mutate` command ([`crate::mutate`]), where the "pod" is a workload's pod template.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use gpuwarden_crds::{
+    ANNOTATION_AUDIT, ANNOTATION_GPU_COUNT, ANNOTATION_POLICY, ANNOTATION_REWRITTEN,
+    CDI_ANNOTATION_PREFIX, GpuPolicy, PolicyMode, PrivilegedMatch, RESOURCE_GPU,
+    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll, selector,
+};
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation};
+use serde::Serialize;
+use serde_json::{Map, Value, json};
+
+/// Environment variable the NVIDIA runtime reads to pick the GPUs it exposes.
+pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// Environment variable naming the driver capabilities (libraries) the runtime mounts.
+pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
+/// MIG configuration access; the runtime refuses it in unprivileged containers.
+pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
+/// MIG monitoring access; the runtime refuses it in unprivileged containers.
+pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
+/// Label the API server sets on every namespace.
+pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
+/// The command a denial message points users to.
+pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
+/// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
+pub const MAX_WARNING_LEN: usize = 256;
+
+/// Where a container sits in the pod spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum ContainerKind {
+    /// `spec.initContainers`.
+    Init,
+    /// `spec.containers`.
+    Regular,
+    /// `spec.ephemeralContainers`.
+    Ephemeral,
+}
+
+impl ContainerKind {
+    /// The pod spec field holding containers of this kind.
+    pub fn field(self) -> &'static str {
+        match self {
+            Self::Init => "initContainers",
+            Self::Regular => "containers",
+            Self::Ephemeral => "ephemeralContainers",
+        }
+    }
+
+    /// How a message names a container of this kind.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Self::Init => "init container",
+            Self::Regular => "container",
+            Self::Ephemeral => "ephemeral container",
+        }
+    }
+}
+
+/// One container of the pod, by position and name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContainerRef {
+    /// Which list it is in.
+    pub kind: ContainerKind,
+    /// Index in that list.
+    pub index: usize,
+    /// `name` (may be empty in a malformed pod).
+    pub name: String,
+}
+
+/// One change to the pod. The patch is derived from these; nothing else is written.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// Rules 1 and 2: `privileged: false`, `allowPrivilegeEscalation: false` and the given
+    /// capabilities (`None`: leave that list as it is).
+    SecurityContext {
+        /// The container.
+        container: ContainerRef,
+        /// `capabilities.add` after the rewrite.
+        add: Vec<String>,
+        /// `capabilities.drop` after the rewrite.
+        drop: Option<Vec<String>>,
+    },
+    /// Rule 3: `resources.limits[resource] = count`.
+    GpuLimit {
+        /// The container.
+        container: ContainerRef,
+        /// Extended resource name, e.g. `nvidia.com/gpu`.
+        resource: String,
+        /// Quantity as written into the limit.
+        quantity: String,
+    },
+    /// Rule 4: the container's whole new `env` list (`None`: remove `env`).
+    Env {
+        /// The container.
+        container: ContainerRef,
+        /// The new list.
+        env: Option<Vec<Value>>,
+    },
+    /// Rule 5: the container's new `volumeMounts` list (`None`: remove it).
+    VolumeMounts {
+        /// The container.
+        container: ContainerRef,
+        /// The new list.
+        mounts: Option<Vec<Value>>,
+    },
+    /// Rule 5: the pod's new `spec.volumes` list (`None`: remove it).
+    Volumes {
+        /// The new list.
+        volumes: Option<Vec<Value>>,
+    },
+    /// Rule 5: remove these pod annotations.
+    RemoveAnnotations {
+        /// Annotation keys.
+        keys: Vec<String>,
+    },
+    /// Rule 6 and Audit: set these pod annotations.
+    SetAnnotations {
+        /// Key, value.
+        pairs: Vec<(String, String)>,
+    },
+}
+
+/// What the engine decided about a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// No policy selects the pod.
+    NotGoverned,
+    /// The governing policy exempts the pod (namespace, service account, or every privileged
+    /// GPU container by image).
+    Exempt,
+    /// Governed, but nothing to do (no privileged GPU container).
+    Unchanged,
+    /// Enforce: the changes rewrite the pod.
+    Rewritten,
+    /// Audit: admitted; the changes only add the audit annotation.
+    Audited,
+    /// Rejected: `Decision::denial` says why.
+    Denied,
+}
+
+/// The engine's answer for one pod.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decision {
+    /// The verdict (`None` only on the default value).
+    pub verdict: Option<Verdict>,
+    /// `name@generation` of the governing policy.
+    pub policy: Option<String>,
+    /// Changes to apply (empty unless the verdict is `Rewritten` or `Audited`).
+    pub changes: Vec<Change>,
+    /// Short warnings for the user (kubectl prints them).
+    pub warnings: Vec<String>,
+    /// Why the pod is rejected (set when the verdict is `Denied`).
+    pub denial: Option<String>,
+    /// Audit annotations for the API server's audit log.
+    pub audit_annotations: BTreeMap<String, String>,
+}
+
+impl Decision {
+    fn new(verdict: Verdict) -> Self {
+        Self {
+            verdict: Some(verdict),
+            ..Self::default()
+        }
+    }
+
+    /// The verdict, `NotGoverned` for a default value.
+    pub fn verdict(&self) -> Verdict {
+        self.verdict.unwrap_or(Verdict::NotGoverned)
+    }
+}
+
+/// What the engine is asked to judge.
+#[derive(Clone, Copy, Debug)]
+pub enum Operation<'a> {
+    /// A new pod (or a pod template, offline).
+    Create,
+    /// `pods/ephemeralcontainers` UPDATE; the previous pod tells which containers are new.
+    AddEphemeral {
+        /// The pod before the update.
+        old: &'a Value,
+    },
+}
+
+/// Everything the engine reads, besides the policies.
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    /// The pod (or a pod template: an object with `metadata` and `spec`).
+    pub pod: &'a Value,
+    /// The pod's namespace.
+    pub namespace: &'a str,
+    /// The namespace's labels (see [`namespace_labels_or_default`]).
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// What is being done.
+    pub operation: Operation<'a>,
+    /// How the pod is named in messages (`namespace/name`).
+    pub display_name: &'a str,
+}
+
+/// The labels of namespace `name`: the known ones, or what the API server sets on every
+/// namespace when the namespace is unknown. `kubernetes.io/metadata.name` is always present.
+pub fn namespace_labels_or_default(
+    name: &str,
+    known: Option<BTreeMap<String, String>>,
+) -> BTreeMap<String, String> {
+    let mut labels = known.unwrap_or_default();
+    labels
+        .entry(LABEL_NAMESPACE_NAME.to_owned())
+        .or_insert_with(|| name.to_owned());
+    labels
+}
+
+/// The result of choosing a policy.
+#[derive(Debug)]
+pub struct Selection<'p> {
+    /// The governing policy, if any.
+    pub policy: Option<&'p GpuPolicy>,
+    /// Policies skipped because a selector is invalid, with the reason.
+    pub skipped: Vec<String>,
+}
+
+/// Picks the policy that governs a pod: the highest priority whose `namespaceSelector`
+/// matches the namespace labels and whose `podSelector` (if any) matches the pod labels;
+/// ties go to the name that sorts first. A policy with an invalid selector is skipped and
+/// named in `skipped`, never a panic.
+pub fn select_policy<'p>(
+    policies: &'p [Arc<GpuPolicy>],
+    namespace_labels: &BTreeMap<String, String>,
+    pod_labels: &BTreeMap<String, String>,
+) -> Selection<'p> {
+    let mut ordered: Vec<&GpuPolicy> = policies.iter().map(Arc::as_ref).collect();
+    ordered.sort_by(|a, b| {
+        b.spec
+            .priority
+            .cmp(&a.spec.priority)
+            .then_with(|| a.metadata.name.cmp(&b.metadata.name))
+    });
+    let mut skipped = Vec::new();
+    for policy in ordered {
+        let name = policy.metadata.name.as_deref().unwrap_or("");
+        match selector::matches(&policy.spec.namespace_selector, namespace_labels) {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                skipped.push(format!(
+                    "GpuPolicy {name} ignored: invalid namespaceSelector: {e}"
+                ));
+                continue;
+            }
+        }
+        if let Some(pod_selector) = &policy.spec.pod_selector {
+            match selector::matches(pod_selector, pod_labels) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(e) => {
+                    skipped.push(format!(
+                        "GpuPolicy {name} ignored: invalid podSelector: {e}"
+                    ));
+                    continue;
+                }
+            }
+        }
+        return Selection {
+            policy: Some(policy),
+            skipped,
+        };
+    }
+    Selection {
+        policy: None,
+        skipped,
+    }
+}
+
+/// Judges one pod: selects the policy, applies exemptions and the policy's mode.
+pub fn decide(input: &Input<'_>, policies: &[Arc<GpuPolicy>]) -> Decision {
+    let pod_labels = string_map(input.pod.pointer("/metadata/labels"));
+    let selection = select_policy(policies, input.namespace_labels, &pod_labels);
+    let mut decision = match selection.policy {
+        None => Decision::new(Verdict::NotGoverned),
+        Some(policy) => match input.operation {
+            Operation::Create => decide_create(input, policy),
+            Operation::AddEphemeral { old } => decide_ephemeral(input, old, policy),
+        },
+    };
+    for skipped in selection.skipped {
+        decision
+            .warnings
+            .insert(0, clip(format!("gpuwarden: {skipped}")));
+    }
+    decision
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading the pod.
+
+/// How a container's `NVIDIA_VISIBLE_DEVICES` reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VisibleDevices {
+    /// Not set in the pod spec.
+    Unset,
+    /// `none`, `void` or empty: no GPU.
+    NoGpu,
+    /// `all`.
+    All,
+    /// A list of indices, GPU UUIDs or MIG identifiers; the number of distinct entries.
+    Devices(u32),
+    /// Set from a ConfigMap, Secret or field reference: the value is unknown here.
+    Indirect,
+}
+
+impl VisibleDevices {
+    /// Parses an `NVIDIA_VISIBLE_DEVICES` value.
+    pub fn parse(value: &str) -> Self {
+        let value = value.trim();
+        if value.is_empty()
+            || value.eq_ignore_ascii_case("none")
+            || value.eq_ignore_ascii_case("void")
+        {
+            return Self::NoGpu;
+        }
+        if value.eq_ignore_ascii_case("all") {
+            return Self::All;
+        }
+        let ids: BTreeSet<&str> = value
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        if ids.iter().any(|id| id.eq_ignore_ascii_case("all")) {
+            return Self::All;
+        }
+        if ids.is_empty() {
+            return Self::NoGpu;
+        }
+        Self::Devices(u32::try_from(ids.len()).unwrap_or(u32::MAX))
+    }
+
+    /// Whether this value hands GPUs to the container.
+    pub fn is_gpu_signal(&self) -> bool {
+        matches!(self, Self::All | Self::Devices(_) | Self::Indirect)
+    }
+}
+
+/// Reads `NVIDIA_VISIBLE_DEVICES` from a container's `env` (the last entry wins, as in the
+/// kubelet).
+fn visible_devices(container: &Value) -> (VisibleDevices, Option<String>) {
+    let mut found = (VisibleDevices::Unset, None);
+    for entry in array(container.get("env")) {
+        if entry.get("name").and_then(Value::as_str) != Some(ENV_VISIBLE_DEVICES) {
+            continue;
+        }
+        found = match entry.get("value").and_then(Value::as_str) {
+            Some(v) => (VisibleDevices::parse(v), Some(v.to_owned())),
+            None if entry.get("valueFrom").is_some_and(|v| !v.is_null()) => {
+                (VisibleDevices::Indirect, None)
+            }
+            None => (VisibleDevices::NoGpu, Some(String::new())),
+        };
+    }
+    found
+}
+
+/// Whether `name` is a GPU resource under `policy`.
+fn is_gpu_resource(name: &str, policy_resource: &str) -> bool {
+    name == RESOURCE_GPU
+        || name == RESOURCE_GPU_SHARED
+        || name.starts_with(RESOURCE_MIG_PREFIX)
+        || name == policy_resource
+}
+
+/// Whether a hostPath is a device path: `/dev`, `/dev/nvidia*`, `/dev/dri`, `/dev/dri/...`.
+pub fn is_device_host_path(path: &str) -> bool {
+    let clean = clean_path(path);
+    clean == "/dev"
+        || clean.starts_with("/dev/nvidia")
+        || clean == "/dev/dri"
+        || clean.starts_with("/dev/dri/")
+}
+
+/// Lexically cleans an absolute path (`//`, `.`, `..`, trailing `/`), as the kubelet would
+/// resolve it, so `/dev/./nvidia0/` and `/dev//dri` are recognised.
+fn clean_path(path: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    let mut out = String::with_capacity(path.len() + 1);
+    for p in parts {
+        out.push('/');
+        out.push_str(p);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    out
+}
+
+/// Matches `text` against a glob with `*` (any run of characters) and `?` (one character).
+/// Every other character is literal.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    let (mut pi, mut ti) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    while pi < p.len() && p[pi] == '*' {
+        pi += 1;
+    }
+    pi == p.len()
+}
+
+/// Whether a container image matches one of the exempt image patterns. An image with neither
+/// tag nor digest is also tried as `<image>:latest`, which is what the runtime pulls.
+pub fn image_exempt(image: &str, patterns: &[String]) -> bool {
+    if image.is_empty() || patterns.is_empty() {
+        return false;
+    }
+    let last = image.rsplit('/').next().unwrap_or(image);
+    let untagged = !last.contains(':') && !image.contains('@');
+    patterns.iter().any(|pattern| {
+        glob_match(pattern, image) || (untagged && glob_match(pattern, &format!("{image}:latest")))
+    })
+}
+
+/// One container, as the engine sees it.
+#[derive(Debug)]
+struct ContainerInfo<'a> {
+    at: ContainerRef,
+    value: &'a Value,
+    privileged: bool,
+    image_exempt: bool,
+    gpu_limit: bool,
+    gpu_request: Option<(String, Value)>,
+    visible: VisibleDevices,
+    visible_raw: Option<String>,
+    device_mounts: Vec<String>,
+    gpu: bool,
+}
+
+/// Pod-level facts.
+struct PodFacts<'a> {
+    containers: Vec<ContainerInfo<'a>>,
+    /// Device hostPath volumes: name → path.
+    device_volumes: BTreeMap<String, String>,
+    cdi_keys: Vec<String>,
+    annotations: Option<&'a Map<String, Value>>,
+}
+
+fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> PodFacts<'a> {
+    let spec = pod.get("spec");
+    let annotations = pod
+        .pointer("/metadata/annotations")
+        .and_then(Value::as_object);
+    let mut cdi_keys = Vec::new();
+    let mut cdi_nvidia = false;
+    for (key, value) in annotations.into_iter().flatten() {
+        if key.starts_with(CDI_ANNOTATION_PREFIX) {
+            cdi_keys.push(key.clone());
+            if value.as_str().is_some_and(|v| v.contains("nvidia.com/")) {
+                cdi_nvidia = true;
+            }
+        }
+    }
+    let mut device_volumes = BTreeMap::new();
+    for volume in array(spec.and_then(|s| s.get("volumes"))) {
+        let (Some(name), Some(path)) = (
+            volume.get("name").and_then(Value::as_str),
+            volume.pointer("/hostPath/path").and_then(Value::as_str),
+        ) else {
+            continue;
+        };
+        if is_device_host_path(path) {
+            device_volumes.insert(name.to_owned(), path.to_owned());
+        }
+    }
+    let all = policy.spec.match_.privileged_containers == PrivilegedMatch::All;
+    let resource = policy.spec.gpu.resource_name.as_str();
+    let images = &policy.spec.exemptions.images;
+    let mut containers = Vec::new();
+    for &kind in kinds {
+        for (index, value) in array(spec.and_then(|s| s.get(kind.field())))
+            .iter()
+            .enumerate()
+        {
+            let name = value.get("name").and_then(Value::as_str).unwrap_or("");
+            let privileged = value
+                .pointer("/securityContext/privileged")
+                .and_then(Value::as_bool)
+                == Some(true);
+            let image = value.get("image").and_then(Value::as_str).unwrap_or("");
+            let limits = value
+                .pointer("/resources/limits")
+                .and_then(Value::as_object);
+            let gpu_limit = limits.is_some_and(|l| l.keys().any(|k| is_gpu_resource(k, resource)));
+            let gpu_request = if gpu_limit {
+                None
+            } else {
+                value
+                    .pointer("/resources/requests")
+                    .and_then(Value::as_object)
+                    .and_then(|r| r.iter().find(|(k, _)| is_gpu_resource(k, resource)))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+            };
+            let (visible, visible_raw) = visible_devices(value);
+            let device_mounts: Vec<String> = array(value.get("volumeMounts"))
+                .iter()
+                .filter_map(|m| m.get("name").and_then(Value::as_str))
+                .filter(|n| device_volumes.contains_key(*n))
+                .map(str::to_owned)
+                .collect();
+            let gpu = all
+                || gpu_limit
+                || gpu_request.is_some()
+                || visible.is_gpu_signal()
+                || !device_mounts.is_empty()
+                || cdi_nvidia;
+            containers.push(ContainerInfo {
+                at: ContainerRef {
+                    kind,
+                    index,
+                    name: name.to_owned(),
+                },
+                value,
+                privileged,
+                image_exempt: image_exempt(image, images),
+                gpu_limit,
+                gpu_request,
+                visible,
+                visible_raw,
+                device_mounts,
+                gpu,
+            });
+        }
+    }
+    PodFacts {
+        containers,
+        device_volumes,
+        cdi_keys,
+        annotations,
+    }
+}
+
+/// Namespace or service-account exemption of the whole pod, with the reason.
+fn pod_exemption(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Option<String> {
+    let ex = &policy.spec.exemptions;
+    if ex.namespaces.iter().any(|n| n == namespace) {
+        return Some(format!("namespace {namespace} is exempt"));
+    }
+    let sa = pod
+        .pointer("/spec/serviceAccountName")
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .unwrap_or("default");
+    let full = format!("{namespace}/{sa}");
+    if ex.service_accounts.contains(&full) {
+        return Some(format!("service account {full} is exempt"));
+    }
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// Planning.
+
+/// What the rewrite does to one container, as recorded in `gpuwarden.io/rewritten`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerReport {
+    /// `init`, `ephemeral`, or absent for a regular container.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// Always `false`: the container lost privilege.
+    pub privileged: bool,
+    /// Whether it is a GPU container (false: a privileged sidecar de-privileged with it).
+    pub gpu: bool,
+    /// `capabilities.add` after the rewrite.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub capabilities_added: Vec<String>,
+    /// `capabilities.drop` after the rewrite.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub capabilities_dropped: Vec<String>,
+    /// Capabilities the container asked for that the policy does not allow.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub capabilities_refused: Vec<String>,
+    /// GPU limit added: resource → quantity.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub limits: BTreeMap<String, String>,
+    /// Where the GPU count came from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_count_from: Option<String>,
+    /// Environment variables removed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub env_removed: Vec<String>,
+    /// Environment variables set.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub env_set: BTreeMap<String, String>,
+    /// Volume mounts removed (by volume name).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts_removed: Vec<String>,
+}
+
+/// The `gpuwarden.io/rewritten` (and `gpuwarden.io/audit`) annotation value.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    /// Per container name.
+    pub containers: BTreeMap<String, ContainerReport>,
+    /// Pod volumes removed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub volumes_removed: Vec<String>,
+    /// Pod annotations removed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub annotations_removed: Vec<String>,
+    /// Why Enforce would deny the pod (Audit only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub denials: Vec<String>,
+}
+
+/// The plan for one pod: the changes, what they mean, and what cannot be rewritten.
+struct Plan {
+    changes: Vec<Change>,
+    report: Report,
+    /// Per container: (noun + name, short phrases).
+    notes: Vec<(String, Vec<String>)>,
+    /// Pod-level phrases (volumes, annotations).
+    pod_notes: Vec<String>,
+    denials: Vec<String>,
+}
+
+fn normalise_cap(cap: &str) -> String {
+    let upper = cap.trim().to_ascii_uppercase();
+    upper
+        .strip_prefix("CAP_")
+        .map(str::to_owned)
+        .unwrap_or(upper)
+}
+
+fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
+    let spec = &policy.spec;
+    let mut plan = Plan {
+        changes: Vec::new(),
+        report: Report::default(),
+        notes: Vec::new(),
+        pod_notes: Vec::new(),
+        denials: Vec::new(),
+    };
+    let defaults: Vec<String> = spec
+        .capabilities
+        .default
+        .iter()
+        .map(|c| normalise_cap(c))
+        .collect();
+    let allowed: BTreeSet<String> = spec
+        .capabilities
+        .allowed
+        .iter()
+        .map(|c| normalise_cap(c))
+        .collect();
+    let driver_caps = spec.driver_capabilities.join(",");
+
+    // Device volumes that go: those no exempt container mounts.
+    let strip_volumes: BTreeSet<&str> = if spec.strip_device_host_paths {
+        facts
+            .device_volumes
+            .keys()
+            .map(String::as_str)
+            .filter(|v| !mounted_by_exempt(facts, v))
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+
+    for c in &facts.containers {
+        let target = c.privileged && !c.image_exempt;
+        let mut report = ContainerReport {
+            kind: match c.at.kind {
+                ContainerKind::Init => Some("init"),
+                ContainerKind::Regular => None,
+                ContainerKind::Ephemeral => Some("ephemeral"),
+            },
+            gpu: c.gpu,
+            ..ContainerReport::default()
+        };
+        let mut notes = Vec::new();
+        let label = format!("{} {}", c.at.kind.noun(), c.at.name);
+
+        if target {
+            // Rules 1 and 2.
+            let asked: Vec<String> = array(c.value.pointer("/securityContext/capabilities/add"))
+                .iter()
+                .filter_map(Value::as_str)
+                .map(normalise_cap)
+                .collect();
+            let mut add: Vec<String> = Vec::new();
+            for cap in defaults
+                .iter()
+                .chain(asked.iter().filter(|a| allowed.contains(*a)))
+            {
+                if !add.contains(cap) {
+                    add.push(cap.clone());
+                }
+            }
+            let refused: Vec<String> = asked
+                .iter()
+                .filter(|a| !add.contains(a))
+                .cloned()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            let drop = if spec.capabilities.drop_all {
+                Some(vec!["ALL".to_owned()])
+            } else {
+                None
+            };
+            notes.push("privileged removed".to_owned());
+            if !refused.is_empty() {
+                notes.push(format!(
+                    "capabilities {} dropped (not allowed)",
+                    refused.join(",")
+                ));
+            }
+            report.privileged = false;
+            report.capabilities_added = add.clone();
+            report.capabilities_dropped = drop.clone().unwrap_or_default();
+            report.capabilities_refused = refused;
+            plan.changes.push(Change::SecurityContext {
+                container: c.at.clone(),
+                add,
+                drop,
+            });
+
+            // Rule 3.
+            if c.gpu && !c.gpu_limit {
+                if let Some((resource, quantity)) = &c.gpu_request {
+                    let q = quantity_string(quantity);
+                    notes.push(format!("limits {resource}={q} (from its request)"));
+                    report.limits.insert(resource.clone(), q.clone());
+                    report.gpu_count_from = Some("request".to_owned());
+                    plan.changes.push(Change::GpuLimit {
+                        container: c.at.clone(),
+                        resource: resource.clone(),
+                        quantity: q,
+                    });
+                } else {
+                    match gpu_count(c, facts, policy) {
+                        Ok((n, from)) if n > spec.gpu.max_per_container => {
+                            plan.denials.push(format!(
+                                "{label} would need {n} GPUs ({from}), more than maxPerContainer {}",
+                                spec.gpu.max_per_container
+                            ));
+                        }
+                        Ok((n, from)) => {
+                            let resource = spec.gpu.resource_name.clone();
+                            notes.push(format!("requests {resource}={n} ({from})"));
+                            report.limits.insert(resource.clone(), n.to_string());
+                            report.gpu_count_from = Some(from);
+                            plan.changes.push(Change::GpuLimit {
+                                container: c.at.clone(),
+                                resource,
+                                quantity: n.to_string(),
+                            });
+                        }
+                        Err(denial) => plan.denials.push(format!("{label}: {denial}")),
+                    }
+                }
+            }
+
+            // Rule 4.
+            let (remove, set): (&[&str], (&str, &str)) = if c.gpu {
+                (
+                    &[
+                        ENV_VISIBLE_DEVICES,
+                        ENV_MIG_CONFIG_DEVICES,
+                        ENV_MIG_MONITOR_DEVICES,
+                    ],
+                    (ENV_DRIVER_CAPABILITIES, driver_caps.as_str()),
+                )
+            } else {
+                (
+                    &[ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES],
+                    (ENV_VISIBLE_DEVICES, "void"),
+                )
+            };
+            let set = if c.gpu && spec.driver_capabilities.is_empty() {
+                None
+            } else {
+                Some(set)
+            };
+            if let Some((env, removed, was_set)) = rewrite_env(c.value, remove, set) {
+                if !removed.is_empty() {
+                    notes.push(format!("env {} removed", removed.join(",")));
+                }
+                if let Some((k, v)) = was_set {
+                    notes.push(format!("{k}={v}"));
+                    report.env_set.insert(k.to_owned(), v.to_owned());
+                }
+                report.env_removed = removed;
+                plan.changes.push(Change::Env {
+                    container: c.at.clone(),
+                    env: (!env.is_empty()).then_some(env),
+                });
+            }
+        }
+
+        // Rule 5: mounts of removed device volumes go from every container that is not
+        // exempt; a rewritten container also loses its mounts of device volumes that stay
+        // because an exempt container still mounts them.
+        let strips = |name: &str| {
+            strip_volumes.contains(name)
+                || (target
+                    && spec.strip_device_host_paths
+                    && facts.device_volumes.contains_key(name))
+        };
+        if !c.image_exempt && c.device_mounts.iter().any(|m| strips(m)) {
+            let mut removed = Vec::new();
+            let kept: Vec<Value> = array(c.value.get("volumeMounts"))
+                .iter()
+                .filter(|m| {
+                    let name = m.get("name").and_then(Value::as_str).unwrap_or("");
+                    let strip = strips(name);
+                    if strip && !removed.iter().any(|r| r == name) {
+                        removed.push(name.to_owned());
+                    }
+                    !strip
+                })
+                .cloned()
+                .collect();
+            let paths: Vec<String> = removed
+                .iter()
+                .map(|n| {
+                    facts
+                        .device_volumes
+                        .get(n)
+                        .map_or(n.clone(), |p| format!("{n} ({p})"))
+                })
+                .collect();
+            notes.push(format!("device mount {} removed", paths.join(",")));
+            report.volume_mounts_removed = removed;
+            plan.changes.push(Change::VolumeMounts {
+                container: c.at.clone(),
+                mounts: (!kept.is_empty()).then_some(kept),
+            });
+        }
+
+        if !notes.is_empty() {
+            plan.notes.push((label, notes));
+            plan.report.containers.insert(c.at.name.clone(), report);
+        }
+    }
+    plan
+}
+
+/// Whether an exempt container mounts volume `name` (it then stays in the pod).
+fn mounted_by_exempt(facts: &PodFacts<'_>, name: &str) -> bool {
+    facts
+        .containers
+        .iter()
+        .any(|c| c.image_exempt && c.device_mounts.iter().any(|m| m == name))
+}
+
+/// How many GPUs a container gets, and where that number came from.
+fn gpu_count(
+    c: &ContainerInfo<'_>,
+    facts: &PodFacts<'_>,
+    policy: &GpuPolicy,
+) -> Result<(u32, String), String> {
+    let per_container = format!("{ANNOTATION_GPU_COUNT}.{}", c.at.name);
+    for key in [per_container.as_str(), ANNOTATION_GPU_COUNT] {
+        if let Some(raw) = facts.annotations.and_then(|a| a.get(key)) {
+            let text = raw.as_str().map(str::trim).unwrap_or("");
+            return match text.parse::<u32>() {
+                Ok(n) if n >= 1 => Ok((n, format!("annotation {key}"))),
+                _ => Err(format!(
+                    "annotation {key}={raw} is not a whole number of GPUs of at least 1"
+                )),
+            };
+        }
+    }
+    let default = policy.spec.gpu.default_count;
+    match &c.visible {
+        VisibleDevices::All => match policy.spec.gpu.visible_devices_all {
+            VisibleDevicesAll::DefaultCount => Ok((
+                default,
+                format!("{ENV_VISIBLE_DEVICES}=all, policy default"),
+            )),
+            VisibleDevicesAll::Deny => Err(format!(
+                "{ENV_VISIBLE_DEVICES}=all is not allowed: request GPUs with limits {} or annotation {ANNOTATION_GPU_COUNT}",
+                policy.spec.gpu.resource_name
+            )),
+        },
+        VisibleDevices::Devices(n) => Ok((
+            *n,
+            format!(
+                "{ENV_VISIBLE_DEVICES}={}",
+                c.visible_raw.as_deref().unwrap_or_default()
+            ),
+        )),
+        _ => Ok((default, "policy default".to_owned())),
+    }
+}
+
+/// The container's new env with `remove` gone and `set` set, or `None` when it is already
+/// so. Returns (new env, removed names, the pair set when it changed).
+#[allow(clippy::type_complexity)]
+fn rewrite_env<'s>(
+    container: &Value,
+    remove: &[&str],
+    set: Option<(&'s str, &'s str)>,
+) -> Option<(Vec<Value>, Vec<String>, Option<(&'s str, &'s str)>)> {
+    let env = array(container.get("env"));
+    let mut removed: Vec<String> = Vec::new();
+    let mut out: Vec<Value> = Vec::with_capacity(env.len() + 1);
+    let mut set_done = false;
+    let mut set_changed = false;
+    for entry in env {
+        let name = entry.get("name").and_then(Value::as_str).unwrap_or("");
+        if remove.contains(&name) {
+            if !removed.iter().any(|r| r == name) {
+                removed.push(name.to_owned());
+            }
+            continue;
+        }
+        if let Some((k, v)) = set
+            && name == k
+        {
+            let same = entry.get("value").and_then(Value::as_str) == Some(v)
+                && entry.get("valueFrom").is_none_or(Value::is_null);
+            if same && !set_done {
+                set_done = true;
+                out.push(entry.clone());
+            } else {
+                // A different value, or a duplicate: replaced by the one entry below.
+                set_changed = true;
+            }
+            continue;
+        }
+        out.push(entry.clone());
+    }
+    if let Some((k, v)) = set
+        && !set_done
+    {
+        set_changed = true;
+        out.push(json!({"name": k, "value": v}));
+    }
+    if removed.is_empty() && !set_changed {
+        return None;
+    }
+    Some((out, removed, set.filter(|_| set_changed)))
+}
+
+fn quantity_string(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Deciding.
+
+fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
+    let reference = policy.reference();
+    if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
+        let mut d = Decision::new(Verdict::Exempt);
+        d.audit_annotations.insert("exempt".into(), reason);
+        d.policy = Some(reference);
+        return d;
+    }
+    let facts = read_pod(
+        input.pod,
+        policy,
+        &[
+            ContainerKind::Init,
+            ContainerKind::Regular,
+            ContainerKind::Ephemeral,
+        ],
+    );
+    let triggered = facts
+        .containers
+        .iter()
+        .any(|c| c.privileged && c.gpu && !c.image_exempt);
+    if !triggered {
+        let exempt = facts
+            .containers
+            .iter()
+            .any(|c| c.privileged && c.gpu && c.image_exempt);
+        let mut d = Decision::new(if exempt {
+            Verdict::Exempt
+        } else {
+            Verdict::Unchanged
+        });
+        if exempt {
+            d.audit_annotations.insert(
+                "exempt".into(),
+                "every privileged GPU container has an exempt image".into(),
+            );
+        }
+        d.policy = Some(reference);
+        return d;
+    }
+    let mut plan = plan_pod(&facts, policy);
+    let spec = &policy.spec;
+
+    // Pod-level rule 5.
+    let strip: BTreeSet<&str> = if spec.strip_device_host_paths {
+        facts
+            .device_volumes
+            .keys()
+            .map(String::as_str)
+            .filter(|v| !mounted_by_exempt(&facts, v))
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+    if !strip.is_empty() {
+        let volumes = array(input.pod.pointer("/spec/volumes"));
+        let kept: Vec<Value> = volumes
+            .iter()
+            .filter(|v| {
+                v.get("name")
+                    .and_then(Value::as_str)
+                    .is_none_or(|n| !strip.contains(n))
+            })
+            .cloned()
+            .collect();
+        if kept.len() != volumes.len() {
+            plan.report.volumes_removed = strip.iter().map(|s| (*s).to_owned()).collect();
+            plan.pod_notes.push(format!(
+                "device hostPath volume {} removed",
+                plan.report.volumes_removed.join(",")
+            ));
+            plan.changes.push(Change::Volumes {
+                volumes: (!kept.is_empty()).then_some(kept),
+            });
+        }
+    }
+    if spec.strip_cdi_annotations && !facts.cdi_keys.is_empty() {
+        plan.report.annotations_removed = facts.cdi_keys.clone();
+        plan.pod_notes
+            .push(format!("annotation {} removed", facts.cdi_keys.join(",")));
+        plan.changes.push(Change::RemoveAnnotations {
+            keys: facts.cdi_keys.clone(),
+        });
+    }
+
+    let mut d = Decision::new(Verdict::Unchanged);
+    d.policy = Some(reference.clone());
+    d.audit_annotations
+        .insert("policy".into(), reference.clone());
+    let summary = summary_line(&plan);
+    match spec.mode {
+        PolicyMode::Enforce if !plan.denials.is_empty() => {
+            d.verdict = Some(Verdict::Denied);
+            d.denial = Some(format!(
+                "gpuwarden: pod {} is denied by GpuPolicy {reference} (Enforce): {}",
+                input.display_name,
+                plan.denials.join("; ")
+            ));
+            d.audit_annotations
+                .insert("decision".into(), "denied".into());
+            d.audit_annotations
+                .insert("reason".into(), plan.denials.join("; "));
+        }
+        PolicyMode::Enforce => {
+            d.verdict = Some(Verdict::Rewritten);
+            for (label, notes) in &plan.notes {
+                d.warnings
+                    .push(clip(format!("gpuwarden: {label}: {}", notes.join("; "))));
+            }
+            if !plan.pod_notes.is_empty() {
+                d.warnings.push(clip(format!(
+                    "gpuwarden: pod: {}",
+                    plan.pod_notes.join("; ")
+                )));
+            }
+            let report = serde_json::to_string(&plan.report).unwrap_or_default();
+            let mut pairs = Vec::new();
+            push_if_changed(&mut pairs, facts.annotations, ANNOTATION_REWRITTEN, report);
+            push_if_changed(&mut pairs, facts.annotations, ANNOTATION_POLICY, reference);
+            plan.changes.push(Change::SetAnnotations { pairs });
+            d.changes = plan.changes;
+            d.audit_annotations
+                .insert("decision".into(), "rewritten".into());
+            d.audit_annotations.insert("changes".into(), summary);
+        }
+        PolicyMode::Audit => {
+            d.verdict = Some(Verdict::Audited);
+            for (label, notes) in &plan.notes {
+                d.warnings.push(clip(format!(
+                    "gpuwarden audit: {label} would change: {}",
+                    notes.join("; ")
+                )));
+            }
+            if !plan.pod_notes.is_empty() {
+                d.warnings.push(clip(format!(
+                    "gpuwarden audit: pod would change: {}",
+                    plan.pod_notes.join("; ")
+                )));
+            }
+            for denial in &plan.denials {
+                d.warnings.push(clip(format!(
+                    "gpuwarden audit: Enforce would deny: {denial}"
+                )));
+            }
+            plan.report.denials = plan.denials.clone();
+            let report = serde_json::to_string(&plan.report).unwrap_or_default();
+            let mut pairs = Vec::new();
+            push_if_changed(&mut pairs, facts.annotations, ANNOTATION_AUDIT, report);
+            if !pairs.is_empty() {
+                d.changes.push(Change::SetAnnotations { pairs });
+            }
+            d.audit_annotations
+                .insert("decision".into(), "audited".into());
+            d.audit_annotations.insert("changes".into(), summary);
+        }
+        PolicyMode::Deny => {
+            d.verdict = Some(Verdict::Denied);
+            let mut parts: Vec<String> = plan
+                .notes
+                .iter()
+                .map(|(label, notes)| format!("{label}: {}", notes.join(", ")))
+                .collect();
+            if !plan.pod_notes.is_empty() {
+                parts.push(format!("pod: {}", plan.pod_notes.join(", ")));
+            }
+            let mut message = format!(
+                "gpuwarden: pod {} has privileged GPU containers, which GpuPolicy {reference} (Deny) rejects. To be admitted it needs: {}",
+                input.display_name,
+                parts.join("; ")
+            );
+            if !plan.denials.is_empty() {
+                message.push_str(&format!(
+                    ". It also cannot be rewritten as is: {}",
+                    plan.denials.join("; ")
+                ));
+            }
+            message.push_str(&format!(
+                ". `{OFFLINE_COMMAND}` writes the admissible manifest."
+            ));
+            d.denial = Some(message);
+            d.audit_annotations
+                .insert("decision".into(), "denied".into());
+            d.audit_annotations.insert("changes".into(), summary);
+        }
+    }
+    d
+}
+
+fn push_if_changed(
+    pairs: &mut Vec<(String, String)>,
+    annotations: Option<&Map<String, Value>>,
+    key: &str,
+    value: String,
+) {
+    if annotations.and_then(|a| a.get(key)).and_then(Value::as_str) != Some(value.as_str()) {
+        pairs.push((key.to_owned(), value));
+    }
+}
+
+/// One line for the audit log: `train: privileged removed, ...; pod: ...`.
+fn summary_line(plan: &Plan) -> String {
+    let mut parts: Vec<String> = plan
+        .notes
+        .iter()
+        .map(|(label, notes)| format!("{label}: {}", notes.join(", ")))
+        .collect();
+    if !plan.pod_notes.is_empty() {
+        parts.push(format!("pod: {}", plan.pod_notes.join(", ")));
+    }
+    parts.join("; ")
+}
+
+fn decide_ephemeral(input: &Input<'_>, old: &Value, policy: &GpuPolicy) -> Decision {
+    let reference = policy.reference();
+    if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
+        let mut d = Decision::new(Verdict::Exempt);
+        d.audit_annotations.insert("exempt".into(), reason);
+        d.policy = Some(reference);
+        return d;
+    }
+    let existing: BTreeSet<&str> = array(old.pointer("/spec/ephemeralContainers"))
+        .iter()
+        .filter_map(|c| c.get("name").and_then(Value::as_str))
+        .collect();
+    let images = &policy.spec.exemptions.images;
+    let offending: Vec<String> = array(input.pod.pointer("/spec/ephemeralContainers"))
+        .iter()
+        .filter(|c| {
+            let name = c.get("name").and_then(Value::as_str).unwrap_or("");
+            let privileged = c
+                .pointer("/securityContext/privileged")
+                .and_then(Value::as_bool)
+                == Some(true);
+            let image = c.get("image").and_then(Value::as_str).unwrap_or("");
+            !existing.contains(name) && privileged && !image_exempt(image, images)
+        })
+        .map(|c| {
+            c.get("name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned()
+        })
+        .collect();
+    let mut d = Decision::new(Verdict::Unchanged);
+    d.policy = Some(reference.clone());
+    if offending.is_empty() {
+        return d;
+    }
+    d.audit_annotations
+        .insert("policy".into(), reference.clone());
+    let names = offending.join(", ");
+    if policy.spec.mode == PolicyMode::Audit {
+        d.verdict = Some(Verdict::Audited);
+        d.warnings.push(clip(format!(
+            "gpuwarden audit: privileged ephemeral container {names} would be denied by GpuPolicy {reference}; it sees every GPU on the node"
+        )));
+        d.audit_annotations
+            .insert("decision".into(), "audited".into());
+    } else {
+        d.verdict = Some(Verdict::Denied);
+        d.denial = Some(format!(
+            "gpuwarden: privileged ephemeral container {names} on pod {} is denied by GpuPolicy {reference} ({}): a privileged container sees every GPU on the node and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general`",
+            input.display_name, policy.spec.mode
+        ));
+        d.audit_annotations
+            .insert("decision".into(), "denied".into());
+    }
+    d
+}
+
+// ---------------------------------------------------------------------------------------
+// The patch.
+
+fn container_path(at: &ContainerRef) -> PointerBuf {
+    PointerBuf::from_tokens(["spec", at.kind.field(), &at.index.to_string()])
+}
+
+fn child(base: &PointerBuf, tokens: &[&str]) -> PointerBuf {
+    let mut p = base.clone();
+    for t in tokens {
+        p.push_back(*t);
+    }
+    p
+}
+
+fn add(path: PointerBuf, value: Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation { path, value })
+}
+
+fn remove(path: PointerBuf) -> PatchOperation {
+    PatchOperation::Remove(RemoveOperation { path })
+}
+
+/// The RFC 6902 patch that applies `changes` to `pod`: pointers escaped, missing parents
+/// created, arrays replaced whole (so removals never shift the index of a later operation).
+pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
+    let mut ops = Vec::new();
+    for change in changes {
+        match change {
+            Change::SecurityContext {
+                container,
+                add: caps_add,
+                drop,
+            } => {
+                let base = container_path(container);
+                let current = pod
+                    .pointer(base.as_str())
+                    .and_then(|c| c.get("securityContext"));
+                let mut caps = Map::new();
+                if !caps_add.is_empty() {
+                    caps.insert("add".into(), json!(caps_add));
+                }
+                match drop {
+                    Some(d) => {
+                        caps.insert("drop".into(), json!(d));
+                    }
+                    None => {
+                        if let Some(d) = current.and_then(|s| s.pointer("/capabilities/drop")) {
+                            caps.insert("drop".into(), d.clone());
+                        }
+                    }
+                }
+                match current {
+                    Some(Value::Object(_)) => {
+                        ops.push(add(
+                            child(&base, &["securityContext", "privileged"]),
+                            json!(false),
+                        ));
+                        ops.push(add(
+                            child(&base, &["securityContext", "allowPrivilegeEscalation"]),
+                            json!(false),
+                        ));
+                        ops.push(add(
+                            child(&base, &["securityContext", "capabilities"]),
+                            Value::Object(caps),
+                        ));
+                    }
+                    _ => ops.push(add(
+                        child(&base, &["securityContext"]),
+                        json!({
+                            "privileged": false,
+                            "allowPrivilegeEscalation": false,
+                            "capabilities": caps,
+                        }),
+                    )),
+                }
+            }
+            Change::GpuLimit {
+                container,
+                resource,
+                quantity,
+            } => {
+                let base = container_path(container);
+                let c = pod.pointer(base.as_str());
+                let resources = c.and_then(|c| c.get("resources")).filter(|r| r.is_object());
+                let limits = resources
+                    .and_then(|r| r.get("limits"))
+                    .filter(|l| l.is_object());
+                if resources.is_none() {
+                    ops.push(add(
+                        child(&base, &["resources"]),
+                        json!({"limits": {resource.as_str(): quantity}}),
+                    ));
+                } else if limits.is_none() {
+                    ops.push(add(
+                        child(&base, &["resources", "limits"]),
+                        json!({resource.as_str(): quantity}),
+                    ));
+                } else {
+                    ops.push(add(
+                        child(&base, &["resources", "limits", resource]),
+                        json!(quantity),
+                    ));
+                }
+            }
+            Change::Env { container, env } => {
+                list_op(
+                    &mut ops,
+                    pod,
+                    &child(&container_path(container), &["env"]),
+                    env,
+                );
+            }
+            Change::VolumeMounts { container, mounts } => {
+                list_op(
+                    &mut ops,
+                    pod,
+                    &child(&container_path(container), &["volumeMounts"]),
+                    mounts,
+                );
+            }
+            Change::Volumes { volumes } => {
+                list_op(
+                    &mut ops,
+                    pod,
+                    &PointerBuf::from_tokens(["spec", "volumes"]),
+                    volumes,
+                );
+            }
+            Change::RemoveAnnotations { keys } => {
+                for key in keys {
+                    if pod
+                        .pointer("/metadata/annotations")
+                        .and_then(|a| a.get(key))
+                        .is_some()
+                    {
+                        ops.push(remove(PointerBuf::from_tokens([
+                            "metadata",
+                            "annotations",
+                            key.as_str(),
+                        ])));
+                    }
+                }
+            }
+            Change::SetAnnotations { pairs } => {
+                if pairs.is_empty() {
+                    continue;
+                }
+                let metadata = pod.get("metadata").filter(|m| m.is_object());
+                let has_annotations = metadata
+                    .and_then(|m| m.get("annotations"))
+                    .is_some_and(Value::is_object);
+                let object: Map<String, Value> = pairs
+                    .iter()
+                    .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                    .collect();
+                if metadata.is_none() {
+                    ops.push(add(
+                        PointerBuf::from_tokens(["metadata"]),
+                        json!({"annotations": object}),
+                    ));
+                } else if !has_annotations {
+                    ops.push(add(
+                        PointerBuf::from_tokens(["metadata", "annotations"]),
+                        Value::Object(object),
+                    ));
+                } else {
+                    for (k, v) in pairs {
+                        ops.push(add(
+                            PointerBuf::from_tokens(["metadata", "annotations", k.as_str()]),
+                            json!(v),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Patch(ops)
+}
+
+/// Writes a whole list: `add` (which replaces or creates), or `remove` when it goes empty.
+fn list_op(
+    ops: &mut Vec<PatchOperation>,
+    pod: &Value,
+    path: &PointerBuf,
+    list: &Option<Vec<Value>>,
+) {
+    match list {
+        Some(items) => ops.push(add(path.clone(), Value::Array(items.clone()))),
+        None => {
+            if pod.pointer(path.as_str()).is_some() {
+                ops.push(remove(path.clone()));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Small helpers.
+
+fn array(v: Option<&Value>) -> &[Value] {
+    v.and_then(Value::as_array).map_or(&[], Vec::as_slice)
+}
+
+fn string_map(v: Option<&Value>) -> BTreeMap<String, String> {
+    v.and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Cuts a warning to [`MAX_WARNING_LEN`] bytes on a character boundary.
+fn clip(mut s: String) -> String {
+    if s.len() > MAX_WARNING_LEN {
+        let mut end = MAX_WARNING_LEN - 3;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("...");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn visible_devices_parsing() {
+        assert_eq!(VisibleDevices::parse("all"), VisibleDevices::All);
+        assert_eq!(VisibleDevices::parse(" ALL "), VisibleDevices::All);
+        assert_eq!(VisibleDevices::parse("none"), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse("void"), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse(""), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse(" , "), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse("0,1"), VisibleDevices::Devices(2));
+        assert_eq!(VisibleDevices::parse("0, 1,1"), VisibleDevices::Devices(2));
+        assert_eq!(
+            VisibleDevices::parse("GPU-8f2c3b1a-1111-2222-3333-444455556666"),
+            VisibleDevices::Devices(1)
+        );
+        assert_eq!(
+            VisibleDevices::parse(
+                "MIG-2a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff,MIG-GPU-8f2c3b1a-1111-2222-3333-444455556666/1/0,0:1"
+            ),
+            VisibleDevices::Devices(3)
+        );
+        assert!(!VisibleDevices::parse("void").is_gpu_signal());
+        assert!(VisibleDevices::parse("3").is_gpu_signal());
+    }
+
+    #[test]
+    fn device_paths() {
+        for p in [
+            "/dev",
+            "/dev/",
+            "/dev/nvidia0",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/dri",
+            "/dev/dri/card0",
+            "//dev/./nvidia1",
+            "/host/../dev",
+        ] {
+            assert!(is_device_host_path(p), "{p}");
+        }
+        for p in [
+            "/dev/shm",
+            "/devices",
+            "/var/lib/nvidia",
+            "/dev/fuse",
+            "/",
+            "/driver",
+        ] {
+            assert!(!is_device_host_path(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob_match(
+            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
+            "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04"
+        ));
+        assert!(!glob_match(
+            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
+            "nvcr.io/nvidia/k8s/dcgm-exporter-evil:1"
+        ));
+        assert!(glob_match(
+            "registry.local/*/gpu-?",
+            "registry.local/a/b/gpu-1"
+        ));
+        assert!(!glob_match(
+            "registry.local/*/gpu-?",
+            "registry.local/a/gpu-12"
+        ));
+        assert!(glob_match("*", ""));
+        assert!(glob_match("a[1]", "a[1]"));
+        assert!(image_exempt(
+            "nvcr.io/nvidia/k8s/dcgm-exporter",
+            &["nvcr.io/nvidia/k8s/dcgm-exporter:*".to_owned()]
+        ));
+        assert!(!image_exempt(
+            "docker.io/me/dcgm-exporter:1",
+            &["nvcr.io/nvidia/k8s/dcgm-exporter:*".to_owned()]
+        ));
+    }
+
+    #[test]
+    fn warnings_are_clipped_on_char_boundaries() {
+        let s = clip("é".repeat(300));
+        assert!(s.len() <= MAX_WARNING_LEN);
+        assert!(s.ends_with("..."));
+    }
+
+    #[test]
+    fn unknown_namespace_gets_the_name_label() {
+        let labels = namespace_labels_or_default("ml", None);
+        assert_eq!(
+            labels.get(LABEL_NAMESPACE_NAME).map(String::as_str),
+            Some("ml")
+        );
+    }
+}

@@ -1,0 +1,677 @@
+//! The rewrite rules of DESIGN.md, each mode, exemptions, policy selection, init and
+//! ephemeral containers, driven through `handle_review` as the server calls it.
+
+mod engine_support;
+
+use engine_support::*;
+use gpuwarden_crds::{
+    ANNOTATION_AUDIT, ANNOTATION_POLICY, ANNOTATION_REWRITTEN, PolicyMode, PrivilegedMatch,
+    VisibleDevicesAll,
+};
+use gpuwarden_webhook::admission::{Outcome, StaticSource};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+
+fn source() -> StaticSource {
+    StaticSource::new([default_policy()])
+}
+
+fn env_names(container: &Value) -> Vec<String> {
+    container["env"]
+        .as_array()
+        .map(|e| {
+            e.iter()
+                .map(|v| v["name"].as_str().unwrap_or("").to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn env_value<'a>(container: &'a Value, name: &str) -> Option<&'a str> {
+    container["env"]
+        .as_array()?
+        .iter()
+        .rev()
+        .find(|v| v["name"] == name)?["value"]
+        .as_str()
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[test]
+fn privileged_training_pod_is_rewritten_by_every_rule() {
+    let pod = training_pod();
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    assert!(answer.allowed());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    assert_eq!(answer.summary.policy.as_deref(), Some("default@1"));
+    assert_eq!(answer.summary.pod.as_deref(), Some("ml/train"));
+    let c = &out["spec"]["containers"][0];
+    // Rule 1.
+    assert_eq!(c["securityContext"]["privileged"], false);
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    // Rule 2.
+    assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+    // Rule 3: `all` with visibleDevicesAll DefaultCount → defaultCount (1).
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
+    assert_eq!(
+        c["resources"]["requests"]["cpu"], "4",
+        "other resources untouched"
+    );
+    // Rule 4.
+    assert_eq!(env_names(c), ["EPOCHS", "NVIDIA_DRIVER_CAPABILITIES"]);
+    assert_eq!(
+        env_value(c, "NVIDIA_DRIVER_CAPABILITIES"),
+        Some("compute,utility")
+    );
+    // Rule 6.
+    let annotations = &out["metadata"]["annotations"];
+    assert_eq!(annotations[ANNOTATION_POLICY], "default@1");
+    let rewritten: Value =
+        serde_json::from_str(annotations[ANNOTATION_REWRITTEN].as_str().unwrap()).unwrap();
+    assert_eq!(rewritten["containers"]["trainer"]["privileged"], false);
+    assert_eq!(
+        rewritten["containers"]["trainer"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    assert_eq!(
+        rewritten["containers"]["trainer"]["envRemoved"],
+        json!(["NVIDIA_VISIBLE_DEVICES"])
+    );
+    let warnings = answer.warnings();
+    assert_eq!(warnings.len(), 1, "one warning per container: {warnings:?}");
+    assert!(warnings[0].contains("container trainer"), "{warnings:?}");
+    assert!(warnings[0].contains("privileged removed"), "{warnings:?}");
+    let audit = &answer.response()["auditAnnotations"];
+    assert_eq!(audit["decision"], "rewritten");
+    assert_eq!(audit["policy"], "default@1");
+    // Everything else is as it was.
+    assert_eq!(c["command"], pod["spec"]["containers"][0]["command"]);
+    assert_eq!(out["metadata"]["labels"], pod["metadata"]["labels"]);
+}
+
+#[test]
+fn capabilities_keep_allowed_and_defaults_and_name_the_refused() {
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["securityContext"]["capabilities"] =
+        json!({"add": ["SYS_ADMIN", "IPC_LOCK", "CAP_SYS_NICE", "NET_ADMIN"]});
+    let src = StaticSource::new([policy("caps", |p| {
+        p.spec.capabilities.default = vec!["SYS_PTRACE".into()];
+    })]);
+    let (answer, out) = rewrite(&pod, "ml", &src);
+    let caps = &out["spec"]["containers"][0]["securityContext"]["capabilities"];
+    assert_eq!(caps["add"], json!(["SYS_PTRACE", "IPC_LOCK", "SYS_NICE"]));
+    assert_eq!(caps["drop"], json!(["ALL"]));
+    let w = answer.warnings().join("\n");
+    assert!(
+        w.contains("NET_ADMIN,SYS_ADMIN dropped (not allowed)"),
+        "{w}"
+    );
+
+    // dropAll false keeps the pod's own drop list.
+    pod["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"] = json!(["NET_RAW"]);
+    let src = StaticSource::new([policy("nodrop", |p| p.spec.capabilities.drop_all = false)]);
+    let (_, out) = rewrite(&pod, "ml", &src);
+    let caps = &out["spec"]["containers"][0]["securityContext"]["capabilities"];
+    assert_eq!(caps["drop"], json!(["NET_RAW"]));
+}
+
+#[test]
+fn gpu_count_comes_from_annotation_then_visible_devices_then_default() {
+    let set_visible = |pod: &mut Value, v: &str| {
+        pod["spec"]["containers"][0]["env"][0]["value"] = json!(v);
+    };
+    let count = |pod: &Value| {
+        let (_, out) = rewrite(pod, "ml", &source());
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"].clone()
+    };
+    let mut pod = training_pod();
+    set_visible(&mut pod, "0,1");
+    assert_eq!(count(&pod), "2");
+    set_visible(&mut pod, "GPU-8f2c3b1a-1111-2222-3333-444455556666");
+    assert_eq!(count(&pod), "1");
+    set_visible(
+        &mut pod,
+        "MIG-2a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff,MIG-3a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff,2",
+    );
+    assert_eq!(count(&pod), "3");
+    pod["metadata"]["annotations"] = json!({"gpuwarden.io/gpu-count": "4"});
+    assert_eq!(count(&pod), "4");
+    pod["metadata"]["annotations"]["gpuwarden.io/gpu-count.trainer"] = json!("6");
+    assert_eq!(count(&pod), "6");
+
+    // No signal for the count at all (GPU via a hostPath mount): defaultCount.
+    let src = StaticSource::new([policy("two", |p| p.spec.gpu.default_count = 2)]);
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["env"] = json!([]);
+    pod["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "nv", "mountPath": "/dev/nvidia0"}]);
+    pod["spec"]["volumes"] = json!([{"name": "nv", "hostPath": {"path": "/dev/nvidia0"}}]);
+    let (_, out) = rewrite(&pod, "ml", &src);
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "2"
+    );
+}
+
+#[test]
+fn existing_gpu_limits_are_kept_and_the_pointer_is_escaped() {
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["resources"]["limits"] = json!({"nvidia.com/mig-1g.10gb": 1});
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    let limits = &out["spec"]["containers"][0]["resources"]["limits"];
+    assert_eq!(limits, &json!({"nvidia.com/mig-1g.10gb": 1}));
+    assert!(answer.patch.is_some());
+
+    // A limits object without GPUs: the limit is added at an escaped pointer.
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["resources"]["limits"] = json!({"memory": "16Gi"});
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    let patch = serde_json::to_string(answer.patch.as_ref().unwrap()).unwrap();
+    assert!(
+        patch.contains("/resources/limits/nvidia.com~1gpu"),
+        "{patch}"
+    );
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["memory"],
+        "16Gi"
+    );
+
+    // A GPU request without a limit gets the same limit (extended resources need both).
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] = json!("3");
+    let (_, out) = rewrite(&pod, "ml", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "3"
+    );
+}
+
+#[test]
+fn missing_parents_are_created() {
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "bare"},
+        "spec": {"containers": [{
+            "name": "c", "image": "cuda:12",
+            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}],
+            "securityContext": {"privileged": true}
+        }]}
+    });
+    let (_, out) = rewrite(&pod, "default", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    assert!(out["metadata"]["annotations"][ANNOTATION_REWRITTEN].is_string());
+
+    // A pod whose only GPU signal is the limit, with no env at all.
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "bare"},
+        "spec": {"containers": [{
+            "name": "c", "image": "cuda:12",
+            "resources": {"limits": {"nvidia.com/gpu": "1"}},
+            "securityContext": {"privileged": true}
+        }]}
+    });
+    let (_, out) = rewrite(&pod, "default", &source());
+    let c = &out["spec"]["containers"][0];
+    assert_eq!(
+        env_value(c, "NVIDIA_DRIVER_CAPABILITIES"),
+        Some("compute,utility")
+    );
+}
+
+#[test]
+fn too_many_gpus_and_visible_all_can_be_denials() {
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["env"][0]["value"] = json!("0,1,2,3,4,5,6,7,8");
+    let answer = review_pod(&pod, "ml", &source());
+    assert!(!answer.allowed());
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    assert!(answer.message().contains("9 GPUs"), "{}", answer.message());
+    assert!(
+        answer.message().contains("maxPerContainer 8"),
+        "{}",
+        answer.message()
+    );
+    assert_eq!(answer.response()["status"]["code"], 403);
+
+    let src = StaticSource::new([policy("strict", |p| {
+        p.spec.gpu.visible_devices_all = VisibleDevicesAll::Deny;
+    })]);
+    let answer = review_pod(&training_pod(), "ml", &src);
+    assert!(!answer.allowed());
+    assert!(
+        answer
+            .message()
+            .contains("NVIDIA_VISIBLE_DEVICES=all is not allowed"),
+        "{}",
+        answer.message()
+    );
+    // The count annotation makes it admissible.
+    let mut pod = training_pod();
+    pod["metadata"]["annotations"] = json!({"gpuwarden.io/gpu-count": "2"});
+    let (answer, _) = rewrite(&pod, "ml", &src);
+    assert!(answer.allowed());
+
+    // A bad count annotation is a clear denial, not a panic or a silent default.
+    pod["metadata"]["annotations"] = json!({"gpuwarden.io/gpu-count": "two"});
+    let answer = review_pod(&pod, "ml", &source());
+    assert!(!answer.allowed());
+    assert!(
+        answer.message().contains("gpuwarden.io/gpu-count"),
+        "{}",
+        answer.message()
+    );
+}
+
+#[test]
+fn privileged_sidecar_loses_privilege_and_gets_void() {
+    let mut pod = training_pod();
+    pod["spec"]["containers"].as_array_mut().unwrap().extend([
+        json!({
+            "name": "log-shipper", "image": "fluent/fluent-bit:3.0",
+            "env": [{"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}],
+            "securityContext": {"privileged": true, "capabilities": {"add": ["SYS_ADMIN"]}}
+        }),
+        json!({"name": "plain", "image": "busybox", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}),
+    ]);
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    let sidecar = &out["spec"]["containers"][1];
+    assert_eq!(sidecar["securityContext"]["privileged"], false);
+    assert_eq!(env_value(sidecar, "NVIDIA_VISIBLE_DEVICES"), Some("void"));
+    assert!(!env_names(sidecar).contains(&"NVIDIA_MIG_MONITOR_DEVICES".to_owned()));
+    assert!(
+        sidecar["resources"].is_null(),
+        "a non-GPU container gets no GPU"
+    );
+    assert_eq!(
+        out["spec"]["containers"][2], pod["spec"]["containers"][2],
+        "unprivileged container untouched"
+    );
+    assert_eq!(answer.warnings().len(), 2, "{:?}", answer.warnings());
+
+    // Without a privileged GPU container a privileged sidecar is none of our business.
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["securityContext"]["privileged"] = json!(false);
+    pod["spec"]["containers"].as_array_mut().unwrap().push(json!({
+        "name": "sidecar", "image": "istio/proxyv2:1.22", "securityContext": {"privileged": true}
+    }));
+    let answer = review_pod(&pod, "ml", &source());
+    assert!(answer.allowed() && answer.patch.is_none());
+    assert_eq!(answer.summary.outcome, Outcome::Allowed);
+
+    // With match All it counts as a GPU container.
+    let src = StaticSource::new([policy("all", |p| {
+        p.spec.match_.privileged_containers = PrivilegedMatch::All
+    })]);
+    let (_, out) = rewrite(&pod, "ml", &src);
+    assert_eq!(
+        out["spec"]["containers"][1]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+}
+
+#[test]
+fn device_host_paths_go_unless_an_exempt_container_mounts_them() {
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "hostdev", "namespace": "ml"},
+        "spec": {
+            "containers": [
+                {"name": "app", "image": "cuda:12",
+                 "volumeMounts": [{"name": "nvidia0", "mountPath": "/dev/nvidia0"}, {"name": "data", "mountPath": "/data"}, {"name": "dri", "mountPath": "/dev/dri"}],
+                 "securityContext": {"privileged": true}},
+                {"name": "exporter", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
+                 "volumeMounts": [{"name": "dri", "mountPath": "/dev/dri"}],
+                 "securityContext": {"privileged": true}}
+            ],
+            "volumes": [
+                {"name": "nvidia0", "hostPath": {"path": "/dev/nvidia0", "type": "CharDevice"}},
+                {"name": "data", "emptyDir": {}},
+                {"name": "dri", "hostPath": {"path": "/dev/dri"}},
+                {"name": "shm", "hostPath": {"path": "/dev/shm"}}
+            ]
+        }
+    });
+    let (_, out) = rewrite(&pod, "ml", &source());
+    let names: Vec<&str> = out["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["data", "dri", "shm"]);
+    let mounts: Vec<&str> = out["spec"]["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(mounts, ["data"]);
+    assert_eq!(
+        out["spec"]["containers"][1], pod["spec"]["containers"][1],
+        "exempt image untouched"
+    );
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+
+    let src = StaticSource::new([policy("keep", |p| p.spec.strip_device_host_paths = false)]);
+    let (_, out) = rewrite(&pod, "ml", &src);
+    assert_eq!(out["spec"]["volumes"], pod["spec"]["volumes"]);
+}
+
+#[test]
+fn cdi_annotations_are_a_signal_and_are_removed() {
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "cdi", "annotations": {"cdi.k8s.io/gpus": "nvidia.com/gpu=all", "team": "vision"}},
+        "spec": {"containers": [{"name": "c", "image": "cuda:12", "securityContext": {"privileged": true}}]}
+    });
+    let (_, out) = rewrite(&pod, "default", &source());
+    let annotations = out["metadata"]["annotations"].as_object().unwrap();
+    assert!(!annotations.contains_key("cdi.k8s.io/gpus"));
+    assert_eq!(annotations["team"], "vision");
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+
+    let src = StaticSource::new([policy("keepcdi", |p| p.spec.strip_cdi_annotations = false)]);
+    let (_, out) = rewrite(&pod, "default", &src);
+    assert!(out["metadata"]["annotations"]["cdi.k8s.io/gpus"].is_string());
+}
+
+#[test]
+fn init_containers_are_rewritten_too() {
+    let mut pod = training_pod();
+    pod["spec"]["initContainers"] = json!([{
+        "name": "warmup", "image": "cuda:12",
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}],
+        "securityContext": {"privileged": true}
+    }]);
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    let init = &out["spec"]["initContainers"][0];
+    assert_eq!(init["securityContext"]["privileged"], false);
+    assert_eq!(init["resources"]["limits"]["nvidia.com/gpu"], "1");
+    assert!(
+        answer
+            .warnings()
+            .iter()
+            .any(|w| w.contains("init container warmup"))
+    );
+    let report: Value = serde_json::from_str(
+        out["metadata"]["annotations"][ANNOTATION_REWRITTEN]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(report["containers"]["warmup"]["kind"], "init");
+}
+
+#[test]
+fn audit_mode_only_annotates_and_warns() {
+    let src = StaticSource::new([policy("audit", |p| p.spec.mode = PolicyMode::Audit)]);
+    let pod = training_pod();
+    let (answer, out) = rewrite(&pod, "ml", &src);
+    assert!(answer.allowed());
+    assert_eq!(answer.summary.outcome, Outcome::Audited);
+    assert_eq!(
+        out["spec"], pod["spec"],
+        "Audit changes nothing in the spec"
+    );
+    let audit: Value = serde_json::from_str(
+        out["metadata"]["annotations"][ANNOTATION_AUDIT]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        audit["containers"]["trainer"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    assert!(
+        out["metadata"]["annotations"]
+            .get(ANNOTATION_REWRITTEN)
+            .is_none()
+    );
+    assert!(
+        answer
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("gpuwarden audit: container trainer")),
+        "{:?}",
+        answer.warnings()
+    );
+    assert_eq!(answer.response()["auditAnnotations"]["decision"], "audited");
+}
+
+#[test]
+fn deny_mode_names_each_change_and_the_offline_command() {
+    let src = StaticSource::new([policy("deny", |p| p.spec.mode = PolicyMode::Deny)]);
+    let answer = review_pod(&training_pod(), "ml", &src);
+    assert!(!answer.allowed());
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    let m = answer.message();
+    assert!(m.contains("ml/train"), "{m}");
+    assert!(m.contains("deny@1"), "{m}");
+    assert!(m.contains("container trainer: privileged removed"), "{m}");
+    assert!(m.contains("requests nvidia.com/gpu=1"), "{m}");
+    assert!(m.contains("env NVIDIA_VISIBLE_DEVICES removed"), "{m}");
+    assert!(m.contains("gpuwarden-webhook mutate -f"), "{m}");
+    assert!(answer.patch.is_none());
+}
+
+#[test]
+fn exemptions_by_namespace_service_account_and_image() {
+    let pod = training_pod();
+    for ns in ["kube-system", "gpu-operator", "gpuwarden-system"] {
+        let answer = review_pod(&pod, ns, &source());
+        assert_eq!(answer.summary.outcome, Outcome::Exempt, "{ns}");
+        assert!(answer.allowed() && answer.patch.is_none());
+    }
+    let src = StaticSource::new([policy("sa", |p| {
+        p.spec.exemptions.service_accounts = vec!["ml/trainer".into()]
+    })]);
+    let answer = review_pod(&pod, "ml", &src);
+    assert_eq!(answer.summary.outcome, Outcome::Exempt);
+    // The same service account name in another namespace is not exempt.
+    let answer = review_pod(&pod, "other", &src);
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+
+    let src = StaticSource::new([policy("img", |p| {
+        p.spec.exemptions.images = vec!["nvcr.io/nvidia/pytorch:*".into()]
+    })]);
+    let answer = review_pod(&pod, "ml", &src);
+    assert_eq!(answer.summary.outcome, Outcome::Exempt);
+    assert!(answer.patch.is_none());
+
+    // A pod cannot exempt itself with labels or annotations.
+    let mut pod = training_pod();
+    pod["metadata"]["labels"]["gpuwarden.io/exempt"] = json!("true");
+    pod["metadata"]["annotations"] =
+        json!({"gpuwarden.io/exempt": "true", ANNOTATION_REWRITTEN: "{}"});
+    let answer = review_pod(&pod, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+}
+
+#[test]
+fn policy_selection_by_namespace_labels_pod_labels_and_priority() {
+    let team = LabelSelector {
+        match_labels: Some(labels(&[("team", "research")])),
+        ..Default::default()
+    };
+    let audit = policy("research-audit", |p| {
+        p.spec.priority = 10;
+        p.spec.mode = PolicyMode::Audit;
+        p.spec.namespace_selector = team.clone();
+    });
+    let deny = policy("prod-deny", |p| {
+        p.spec.priority = 20;
+        p.spec.mode = PolicyMode::Deny;
+        p.spec.namespace_selector = LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "kubernetes.io/metadata.name".into(),
+                operator: "In".into(),
+                values: Some(vec!["prod".into()]),
+            }]),
+            ..Default::default()
+        };
+        p.spec.pod_selector = Some(LabelSelector {
+            match_labels: Some(labels(&[("app", "train")])),
+            ..Default::default()
+        });
+    });
+    let src = StaticSource::new([default_policy(), audit, deny])
+        .with_namespace("ml", &[("team", "research")]);
+    let pod = training_pod();
+    assert_eq!(
+        review_pod(&pod, "ml", &src).summary.policy.as_deref(),
+        Some("research-audit@1")
+    );
+    // Unknown namespace "prod": the API server's name label still selects it.
+    assert_eq!(
+        review_pod(&pod, "prod", &src).summary.outcome,
+        Outcome::Denied
+    );
+    // The podSelector narrows: another pod in prod falls to the next policy, not out.
+    let mut other = training_pod();
+    other["metadata"]["labels"] = json!({"app": "other"});
+    assert_eq!(
+        review_pod(&other, "prod", &src).summary.policy.as_deref(),
+        Some("default@1")
+    );
+    assert_eq!(
+        review_pod(&other, "prod", &src).summary.outcome,
+        Outcome::Rewritten
+    );
+
+    // Ties go to the name that sorts first.
+    let a = policy("a-audit", |p| {
+        p.spec.priority = 5;
+        p.spec.mode = PolicyMode::Audit;
+    });
+    let b = policy("b-deny", |p| {
+        p.spec.priority = 5;
+        p.spec.mode = PolicyMode::Deny;
+    });
+    let src = StaticSource::new([b, a]);
+    assert_eq!(
+        review_pod(&pod, "ml", &src).summary.policy.as_deref(),
+        Some("a-audit@1")
+    );
+
+    // No policy selects the pod: allowed unchanged.
+    let src = StaticSource::new([policy("only-prod", |p| {
+        p.spec.namespace_selector = LabelSelector {
+            match_labels: Some(labels(&[("env", "prod")])),
+            ..Default::default()
+        }
+    })]);
+    let answer = review_pod(&pod, "ml", &src);
+    assert_eq!(answer.summary.outcome, Outcome::Allowed);
+    assert_eq!(answer.summary.policy, None);
+    assert!(answer.patch.is_none());
+}
+
+#[test]
+fn an_invalid_policy_is_skipped_with_a_warning() {
+    let broken = policy("broken", |p| {
+        p.spec.priority = 100;
+        p.spec.mode = PolicyMode::Deny;
+        p.spec.namespace_selector = LabelSelector {
+            match_expressions: Some(vec![LabelSelectorRequirement {
+                key: "team".into(),
+                operator: "Equals".into(),
+                values: Some(vec!["x".into()]),
+            }]),
+            ..Default::default()
+        };
+    });
+    let src = StaticSource::new([broken, default_policy()]);
+    let (answer, _) = rewrite(&training_pod(), "ml", &src);
+    assert_eq!(answer.summary.policy.as_deref(), Some("default@1"));
+    assert!(
+        answer
+            .warnings()
+            .iter()
+            .any(|w| w.contains("GpuPolicy broken ignored")),
+        "{:?}",
+        answer.warnings()
+    );
+}
+
+#[test]
+fn unprivileged_and_non_gpu_pods_pass_unchanged() {
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    let answer = review_pod(&pod, "ml", &source());
+    assert!(answer.allowed() && answer.patch.is_none());
+    assert!(answer.warnings().is_empty());
+
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "c", "image": "nginx", "securityContext": {"privileged": true},
+                                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}});
+    let answer = review_pod(&pod, "ml", &source());
+    assert!(answer.allowed() && answer.patch.is_none());
+}
+
+fn pod_with_ephemeral(names: &[(&str, bool, &str)]) -> Value {
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["securityContext"]["privileged"] = json!(false);
+    pod["spec"]["ephemeralContainers"] = names
+        .iter()
+        .map(|(n, privileged, image)| json!({"name": n, "image": image, "securityContext": {"privileged": privileged}}))
+        .collect();
+    pod
+}
+
+#[test]
+fn privileged_ephemeral_containers_are_denied_in_enforce_and_deny() {
+    let old = pod_with_ephemeral(&[("debugger-old", true, "busybox")]);
+    let new = pod_with_ephemeral(&[
+        ("debugger-old", true, "busybox"),
+        ("debugger-x7k", true, "busybox"),
+    ]);
+    for mode in [PolicyMode::Enforce, PolicyMode::Deny] {
+        let src = StaticSource::new([policy("p", |p| p.spec.mode = mode)]);
+        let answer = answer(&ephemeral_review(&old, &new, "ml"), &src);
+        assert!(!answer.allowed(), "{mode}");
+        assert_eq!(answer.summary.outcome, Outcome::Denied);
+        assert!(
+            answer.message().contains("debugger-x7k"),
+            "{}",
+            answer.message()
+        );
+        assert!(
+            !answer.message().contains("debugger-old"),
+            "only the new one: {}",
+            answer.message()
+        );
+    }
+    let src = StaticSource::new([policy("p", |p| p.spec.mode = PolicyMode::Audit)]);
+    let answer = answer(&ephemeral_review(&old, &new, "ml"), &src);
+    assert!(answer.allowed());
+    assert_eq!(answer.summary.outcome, Outcome::Audited);
+    assert!(answer.warnings()[0].contains("debugger-x7k"));
+
+    // Unprivileged, exempt image, exempt namespace: allowed.
+    let plain = pod_with_ephemeral(&[("debugger-old", true, "busybox"), ("dbg", false, "busybox")]);
+    assert!(self::answer(&ephemeral_review(&old, &plain, "ml"), &source()).allowed());
+    let exempt = pod_with_ephemeral(&[
+        ("debugger-old", true, "busybox"),
+        ("dcgm", true, "nvcr.io/nvidia/cloud-native/dcgm:3.3.5"),
+    ]);
+    assert!(self::answer(&ephemeral_review(&old, &exempt, "ml"), &source()).allowed());
+    assert!(self::answer(&ephemeral_review(&old, &new, "kube-system"), &source()).allowed());
+}
