@@ -1,0 +1,381 @@
+//! The agent's sweeps and status writes against in-process fakes: a fake GPU backend, a fake
+//! kubelet pod-resources server on a temporary unix socket, a fake /proc under a temporary
+//! host root, and a mock API server that counts requests.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuwarden_crds::{BindingSource, HealthState};
+use gpuwarden_node_agent::agent::{AllocationSource, Sweeper};
+use gpuwarden_node_agent::fake::{FakeBackend, FakeNode};
+use gpuwarden_node_agent::health::HealthRules;
+use gpuwarden_node_agent::metrics::Metrics;
+use gpuwarden_node_agent::podresources::Timeouts;
+use gpuwarden_node_agent::status::Holder;
+use gpuwarden_node_agent::testing::{FakeKubelet, FakeKubeletServer};
+use gpuwarden_node_agent::writer::{KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusWriter};
+use http::Method;
+use support::*;
+
+fn sweeper(node: FakeNode, allocations: AllocationSource, host: &std::path::Path) -> Sweeper {
+    Sweeper::new(
+        Arc::new(FakeBackend::new(node, t0())),
+        allocations,
+        host,
+        Duration::from_secs(600),
+        Arc::new(Metrics::new()),
+    )
+}
+
+fn kubelet(socket: &std::path::Path, strict: bool) -> AllocationSource {
+    AllocationSource::Kubelet {
+        socket: socket.to_path_buf(),
+        timeouts: Timeouts {
+            connect: Duration::from_secs(2),
+            request: Duration::from_secs(2),
+        },
+        strict,
+    }
+}
+
+#[tokio::test]
+async fn bindings_from_fake_kubelet_and_an_out_of_band_process() {
+    let sock = tempfile::tempdir().unwrap();
+    let server = FakeKubeletServer::start(
+        &sock.path().join("kubelet.sock"),
+        FakeKubelet {
+            pods: allocations(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let host = host_root();
+    let mut s = sweeper(fake_node(), kubelet(server.socket(), true), host.path());
+    let pods = pods();
+    let c = s
+        .sweep(t0(), &pods, true, &HealthRules::default())
+        .await
+        .unwrap();
+
+    let bindings = c.status.bindings.clone().unwrap();
+    assert_eq!(bindings.len(), 2, "{bindings:#?}");
+    let trainer = bindings.iter().find(|b| b.container == "trainer").unwrap();
+    assert_eq!(trainer.pod_uid, POD_UID);
+    assert_eq!(
+        (trainer.namespace.as_str(), trainer.pod.as_str()),
+        ("ml", "trainer-0")
+    );
+    assert_eq!(trainer.resource_name.as_deref(), Some("nvidia.com/gpu"));
+    assert_eq!(trainer.gpu_uuids, vec!["GPU-aaaa"]);
+    assert_eq!(trainer.source, BindingSource::AllocatedAndObserved);
+
+    // A privileged pod that asked for nothing but runs on GPU 1: out of band.
+    let rogue = bindings.iter().find(|b| b.container == "render").unwrap();
+    assert_eq!(rogue.pod_uid, ROGUE_UID);
+    assert_eq!(
+        (rogue.namespace.as_str(), rogue.pod.as_str()),
+        ("research", "legacy")
+    );
+    assert_eq!(rogue.source, BindingSource::Observed);
+    assert!(rogue.is_out_of_band());
+    assert_eq!(rogue.resource_name, None);
+    assert_eq!(rogue.gpu_uuids, vec!["GPU-bbbb"]);
+    let privileged = c.status.privileged_pods.clone().unwrap();
+    assert_eq!(privileged.len(), 1);
+    assert_eq!(privileged[0].name, "legacy");
+
+    // Metrics name the holder, even for the pod that got its GPU without a request.
+    assert_eq!(
+        c.holders["GPU-bbbb"],
+        vec![Holder {
+            namespace: "research".into(),
+            pod: "legacy".into(),
+            container: "render".into()
+        }]
+    );
+    assert!(server.calls() >= 1);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_idle_allocation_is_allocated_only() {
+    let mut node = fake_node();
+    node.processes.clear();
+    let host = tempfile::tempdir().unwrap();
+    let mut s = sweeper(node, AllocationSource::Static(allocations()), host.path());
+    let pods = pods();
+    let c = s
+        .sweep(t0(), &pods, true, &HealthRules::default())
+        .await
+        .unwrap();
+    let bindings = c.status.bindings.unwrap();
+    assert_eq!(bindings.len(), 1);
+    assert_eq!(bindings[0].source, BindingSource::Allocated);
+}
+
+#[tokio::test]
+async fn a_container_using_more_gpus_than_allocated_is_out_of_band() {
+    let mut node = fake_node();
+    // The trainer (allocated GPU 0) also runs a process on GPU 1, e.g. NVIDIA_VISIBLE_DEVICES=all.
+    node.processes[1].pid = 4243;
+    let host = host_root();
+    let uid_ = POD_UID.replace('-', "_");
+    write_cgroup(
+        host.path(),
+        4243,
+        &format!("0::/kubepods.slice/kubepods-pod{uid_}.slice/cri-containerd-{TRAINER_ID}.scope\n"),
+    );
+    let mut s = sweeper(node, AllocationSource::Static(allocations()), host.path());
+    let pods = pods();
+    let c = s
+        .sweep(t0(), &pods, true, &HealthRules::default())
+        .await
+        .unwrap();
+    let bindings = c.status.bindings.unwrap();
+    assert_eq!(bindings.len(), 1);
+    assert_eq!(bindings[0].gpu_uuids, vec!["GPU-aaaa", "GPU-bbbb"]);
+    assert_eq!(bindings[0].source, BindingSource::Observed);
+}
+
+#[tokio::test]
+async fn kubelet_rate_limit_is_respected() {
+    let sock = tempfile::tempdir().unwrap();
+    let server = FakeKubeletServer::start(
+        &sock.path().join("kubelet.sock"),
+        FakeKubelet {
+            pods: allocations(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let host = host_root();
+    let mut s = sweeper(fake_node(), kubelet(server.socket(), false), host.path());
+    let pods = pods();
+    let rules = HealthRules::default();
+    s.sweep(t0(), &pods, true, &rules).await.unwrap();
+    assert_eq!(server.calls(), 1);
+
+    server.reject_next(1);
+    let c = s.sweep(at(10), &pods, true, &rules).await.unwrap();
+    assert_eq!(server.calls(), 2);
+    // The last known allocations stand in while the kubelet refuses.
+    let trainer = c.status.bindings.unwrap();
+    assert!(
+        trainer
+            .iter()
+            .any(|b| b.source == BindingSource::AllocatedAndObserved)
+    );
+
+    // Within the backoff the kubelet is not asked at all.
+    s.sweep(at(11), &pods, true, &rules).await.unwrap();
+    assert_eq!(server.calls(), 2);
+
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    s.sweep(at(20), &pods, true, &rules).await.unwrap();
+    assert_eq!(server.calls(), 3);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn kubelet_missing_is_clear_and_retried() {
+    let sock = tempfile::tempdir().unwrap();
+    let path = sock.path().join("kubelet.sock");
+    let host = host_root();
+    let pods = pods();
+    let rules = HealthRules::default();
+
+    // inspect --pod-resources-socket: a clear error.
+    let mut strict = sweeper(fake_node(), kubelet(&path, true), host.path());
+    let err = strict
+        .sweep(t0(), &pods, true, &rules)
+        .await
+        .expect_err("a missing socket fails a strict sweep")
+        .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "kubelet pod-resources socket {} does not exist: is the kubelet running, and is its pod-resources directory mounted into the agent? (--pod-resources-socket)",
+            path.display()
+        )
+    );
+
+    // run: the sweep goes on without allocations, and picks them up once the kubelet is back.
+    let mut s = sweeper(fake_node(), kubelet(&path, false), host.path());
+    let c = s.sweep(t0(), &pods, true, &rules).await.unwrap();
+    assert!(
+        c.status
+            .bindings
+            .unwrap()
+            .iter()
+            .all(|b| b.source == BindingSource::Observed)
+    );
+    let server = FakeKubeletServer::start(
+        &path,
+        FakeKubelet {
+            pods: allocations(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let c = s.sweep(at(10), &pods, true, &rules).await.unwrap();
+    assert!(
+        c.status
+            .bindings
+            .unwrap()
+            .iter()
+            .any(|b| b.source == BindingSource::AllocatedAndObserved)
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn no_write_when_nothing_changed_and_exactly_one_after_a_change() {
+    let (client, api) = MockApi::start();
+    let mut writer = StatusWriter::new(
+        KubeSink::new(client, NODE),
+        MIN_WRITE_INTERVAL,
+        Duration::from_secs(600),
+    );
+    let host = host_root();
+    let mut s = sweeper(
+        fake_node(),
+        AllocationSource::Static(allocations()),
+        host.path(),
+    );
+    let pods = pods();
+    let rules = HealthRules::default();
+
+    let c = s.sweep(at(0), &pods, true, &rules).await.unwrap();
+    assert_eq!(
+        writer.tick(at(0), &c.status).await.unwrap(),
+        Outcome::Written
+    );
+    assert_eq!(api.patches().len(), 1);
+
+    // Nothing changes for almost five minutes: no write.
+    for sec in (10..300).step_by(10) {
+        let c = s.sweep(at(sec), &pods, true, &rules).await.unwrap();
+        assert_eq!(
+            writer.tick(at(sec), &c.status).await.unwrap(),
+            Outcome::Unchanged
+        );
+    }
+    assert_eq!(api.patches().len(), 1);
+
+    // XID 79 on GPU 1 at 5m: exactly one write.
+    let c = s.sweep(at(300), &pods, true, &rules).await.unwrap();
+    assert_eq!(
+        writer.tick(at(300), &c.status).await.unwrap(),
+        Outcome::Written
+    );
+    for sec in (310..=620).step_by(10) {
+        let c = s.sweep(at(sec), &pods, true, &rules).await.unwrap();
+        writer.tick(at(sec), &c.status).await.unwrap();
+    }
+    let patches = api.patches();
+    assert_eq!(patches.len(), 2);
+    // The resync at 10m read the object instead of writing it.
+    assert!(
+        api.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.method == Method::GET
+                && r.path_and_query.ends_with("/gpunodes/gpu-node-1/status"))
+    );
+
+    // The apply: the status subresource, the agent's field manager, only the agent's fields.
+    let p = &patches[1];
+    assert!(
+        p.path_and_query
+            .starts_with("/apis/gpuwarden.io/v1alpha1/gpunodes/gpu-node-1/status?"),
+        "{}",
+        p.path_and_query
+    );
+    assert!(
+        p.path_and_query
+            .contains("fieldManager=gpuwarden-node-agent")
+    );
+    assert!(p.path_and_query.contains("force=true"));
+    assert_eq!(p.content_type, "application/apply-patch+yaml");
+    let mut keys: Vec<&str> = p.body["status"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["bindings", "driver", "gpus", "privilegedPods", "runtime"]
+    );
+    assert_eq!(p.body["status"]["gpus"][1]["health"]["state"], "Unhealthy");
+    assert_eq!(
+        p.body["status"]["gpus"][1]["health"]["reasons"][0],
+        "Xid79: GPU has fallen off the bus"
+    );
+    // No per-poll values in status.
+    let text = p.body.to_string();
+    assert!(!text.contains("utilization") && !text.contains("temperature"));
+}
+
+#[tokio::test]
+async fn waits_while_the_gpunode_does_not_exist() {
+    let (client, api) = MockApi::start();
+    *api.exists.lock().unwrap() = false;
+    let mut writer = StatusWriter::new(
+        KubeSink::new(client, NODE),
+        MIN_WRITE_INTERVAL,
+        Duration::from_secs(600),
+    );
+    let host = host_root();
+    let mut s = sweeper(fake_node(), AllocationSource::None, host.path());
+    let c = s
+        .sweep(at(0), &[], true, &HealthRules::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        writer.tick(at(0), &c.status).await.unwrap(),
+        Outcome::WaitingForGpuNode
+    );
+    // Within the backoff: no request at all.
+    let before = api.seen.lock().unwrap().len();
+    assert_eq!(
+        writer.tick(at(1), &c.status).await.unwrap(),
+        Outcome::WaitingForGpuNode
+    );
+    assert_eq!(api.seen.lock().unwrap().len(), before);
+    // The operator creates it: the next attempt writes.
+    *api.exists.lock().unwrap() = true;
+    assert_eq!(
+        writer.tick(at(2), &c.status).await.unwrap(),
+        Outcome::Written
+    );
+}
+
+#[tokio::test]
+async fn health_follows_the_script_and_recovers() {
+    let host = host_root();
+    let mut s = sweeper(fake_node(), AllocationSource::None, host.path());
+    let rules = HealthRules {
+        recover_after: Duration::from_secs(120),
+        ..HealthRules::default()
+    };
+    let gpu1 = |c: &gpuwarden_node_agent::status::Computed| {
+        c.status.gpus.as_ref().unwrap()[1].health.clone()
+    };
+    let c = s.sweep(at(0), &[], true, &rules).await.unwrap();
+    assert_eq!(gpu1(&c).state, HealthState::Healthy);
+    let c = s.sweep(at(300), &[], true, &rules).await.unwrap();
+    assert_eq!(gpu1(&c).state, HealthState::Unhealthy);
+    let c = s.sweep(at(419), &[], true, &rules).await.unwrap();
+    assert_eq!(gpu1(&c).state, HealthState::Unhealthy);
+    let c = s.sweep(at(420), &[], true, &rules).await.unwrap();
+    assert_eq!(gpu1(&c).state, HealthState::Healthy);
+    assert_eq!(s.health().xid_count("GPU-bbbb"), 1);
+}

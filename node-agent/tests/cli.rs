@@ -1,0 +1,183 @@
+//! The binary as a new user runs it, and the size of an 8-GPU status.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuwarden_node_agent::agent::{AllocationSource, Sweeper};
+use gpuwarden_node_agent::fake::{FakeBackend, FakeNode};
+use gpuwarden_node_agent::health::HealthRules;
+use gpuwarden_node_agent::metrics::Metrics;
+use gpuwarden_node_agent::writer::apply_body;
+use gpuwarden_node_agent::{InspectConfig, inspect};
+
+fn sample() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/h100-8gpu.fake.yaml")
+}
+
+fn agent() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gpuwarden-node-agent"))
+}
+
+#[test]
+fn inspect_the_sample_node_prints_a_complete_status() {
+    let out = agent()
+        .args(["inspect", "--fake"])
+        .arg(sample())
+        .env_remove("NODE_NAME")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_saphyr::from_str(&stdout).unwrap();
+    assert_eq!(doc["kind"], "GpuNode");
+    let status = &doc["status"];
+    assert_eq!(status["driver"]["driverVersion"], "550.90.07");
+    let gpus = status["gpus"].as_array().unwrap();
+    assert_eq!(gpus.len(), 8);
+    assert!(gpus.iter().all(|g| g["model"] == "NVIDIA H100 80GB HBM3"));
+    assert_eq!(gpus[7]["health"]["state"], "Unhealthy");
+    // XID 13 is an application error: GPU 0 stays healthy.
+    assert_eq!(gpus[0]["health"]["state"], "Healthy");
+    assert_eq!(gpus[6]["migDevices"].as_array().unwrap().len(), 2);
+    let bindings = status["bindings"].as_array().unwrap();
+    let sources: Vec<&str> = bindings
+        .iter()
+        .map(|b| b["source"].as_str().unwrap())
+        .collect();
+    assert_eq!(bindings.len(), 4, "{sources:?}");
+    assert_eq!(sources.iter().filter(|s| **s == "Observed").count(), 1);
+    assert_eq!(status["privilegedPods"][0]["name"], "legacy-render");
+    assert!(status["runtime"].is_object());
+}
+
+#[test]
+fn nvml_missing_is_one_clear_line() {
+    let out = agent()
+        .args(["inspect"])
+        .env_remove("GPUWARDEN_FAKE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        eprintln!("NVML is present on this machine; nothing to check");
+        return;
+    }
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("NVML is not available: ")
+            && stderr.contains("libnvidia-ml.so.1")
+            && stderr
+                .trim_end()
+                .ends_with("run on a GPU node with the NVIDIA driver, or pass --fake FILE"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn kubelet_missing_is_one_clear_line() {
+    let out = agent()
+        .args([
+            "inspect",
+            "--pod-resources-socket",
+            "/nonexistent/kubelet.sock",
+            "--fake",
+        ])
+        .arg(sample())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        stderr.trim_end(),
+        "kubelet pod-resources socket /nonexistent/kubelet.sock does not exist: is the kubelet running, and is its pod-resources directory mounted into the agent? (--pod-resources-socket)"
+    );
+}
+
+#[tokio::test]
+async fn the_sample_status_is_under_8_kib() {
+    let status = inspect(&InspectConfig {
+        node_name: "gpu-node-1".into(),
+        fake: Some(sample()),
+        pod_resources_socket: None,
+        host_root: PathBuf::from("/nonexistent-host-root"),
+    })
+    .await
+    .unwrap();
+    let bytes = serde_json::to_vec(&apply_body("gpu-node-1", &status)).unwrap();
+    assert!(bytes.len() < 8 * 1024, "{} bytes", bytes.len());
+}
+
+/// A busy 8-GPU node: every GPU unhealthy with the most reasons kept, one long-named pod per
+/// GPU using it, all allocated and observed.
+#[tokio::test]
+async fn a_busy_8_gpu_status_is_under_8_kib() {
+    let mut yaml = String::from(
+        "driver: {driverVersion: \"550.90.07\", cudaDriverVersion: \"12.4\", nvmlVersion: \"12.550.90.07\"}\ngpus:\n",
+    );
+    for i in 0..8 {
+        yaml += &format!(
+            "  - {{index: {i}, uuid: GPU-{i:08x}-1111-2222-3333-444455556666, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:{i:02X}:00.0\", minorNumber: {i}, migMode: Disabled}}\n"
+        );
+    }
+    yaml += "processes:\n";
+    for i in 0..8 {
+        yaml += &format!(
+            "  - {{pid: {}, gpu: \"{i}\", cgroup: \"0::/kubepods.slice/kubepods-pod{i:08x}_aaaa_bbbb_cccc_dddddddddddd.slice/cri-containerd-{:064x}.scope\"}}\n",
+            1000 + i,
+            i
+        );
+    }
+    yaml += "events:\n";
+    for i in 0..8 {
+        for xid in [48, 63, 74, 79, 94] {
+            yaml += &format!("  - {{after: 0s, gpu: \"{i}\", xid: {xid}}}\n");
+        }
+    }
+    yaml += "pods:\n";
+    let long = "a-rather-long-workload-name-for-a-distributed-training-job";
+    for i in 0..8 {
+        yaml += &format!(
+            "  - {{namespace: ml-research-team, name: {long}-{i}, uid: {i:08x}-aaaa-bbbb-cccc-dddddddddddd, containers: [{{name: pytorch-worker, gpu: true, containerId: \"containerd://{i:064x}\"}}]}}\n"
+        );
+    }
+    yaml += "podResources:\n";
+    for i in 0..8 {
+        yaml += &format!(
+            "  - {{namespace: ml-research-team, pod: {long}-{i}, containers: [{{name: pytorch-worker, resourceName: nvidia.com/gpu, deviceIds: [GPU-{i:08x}-1111-2222-3333-444455556666]}}]}}\n"
+        );
+    }
+    let node = FakeNode::parse(&yaml, "busy").unwrap();
+    let pods = node.pod_infos();
+    let allocations = AllocationSource::Static(node.pod_resources_list());
+    let now = jiff::Timestamp::now();
+    let mut sweeper = Sweeper::new(
+        Arc::new(FakeBackend::new(node, now)),
+        allocations,
+        std::path::Path::new("/nonexistent-host-root"),
+        Duration::from_secs(600),
+        Arc::new(Metrics::new()),
+    );
+    let c = sweeper
+        .sweep(now, &pods, true, &HealthRules::default())
+        .await
+        .unwrap();
+    let bindings = c.status.bindings.as_ref().unwrap();
+    assert_eq!(bindings.len(), 8);
+    assert!(
+        c.status
+            .gpus
+            .as_ref()
+            .unwrap()
+            .iter()
+            .all(|g| g.health.reasons.len() == 4)
+    );
+    let bytes = serde_json::to_vec(&apply_body("gpu-node-1", &c.status)).unwrap();
+    assert!(bytes.len() < 8 * 1024, "{} bytes", bytes.len());
+    eprintln!("busy 8-GPU status: {} bytes", bytes.len());
+}
