@@ -1,0 +1,611 @@
+//! Generated tests: thousands of varied pods under varied policies, each checked against the
+//! engine's invariants (DESIGN.md "Invariants the tests hold"). Seeded, so a failure names
+//! the seed and case that reproduce it.
+
+mod engine_support;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use engine_support::*;
+use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, VisibleDevicesAll};
+use gpuwarden_webhook::admission::{Outcome, StaticSource};
+use gpuwarden_webhook::engine::{image_exempt, is_device_host_path};
+use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
+use serde_json::{Map, Value, json};
+
+const CASES: usize = 2000;
+
+const NAMESPACES: &[&str] = &[
+    "ml",
+    "research",
+    "prod",
+    "kube-system",
+    "gpu-operator",
+    "batch",
+];
+const SERVICE_ACCOUNTS: &[&str] = &["default", "trainer", "dcgm", ""];
+const IMAGES: &[&str] = &[
+    "nvcr.io/nvidia/pytorch:24.05-py3",
+    "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04",
+    "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
+    "nvcr.io/nvidia/k8s-device-plugin:v0.15.0",
+    "registry.example.com/team/trainer",
+    "busybox",
+    "fluent/fluent-bit:3.0@sha256:0123456789abcdef",
+    "ghcr.io/example/sidecar:1.2",
+];
+const VISIBLE: &[&str] = &[
+    "all",
+    "none",
+    "void",
+    "",
+    "0",
+    "0,1",
+    "1,2,3",
+    " 0 , 1 ",
+    "ALL",
+    "GPU-8f2c3b1a-1111-2222-3333-444455556666",
+    "MIG-2a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff,MIG-GPU-8f2c3b1a-1111-2222-3333-444455556666/1/0",
+    "0,1,2,3,4,5,6,7,8,9",
+];
+const HOST_PATHS: &[&str] = &[
+    "/dev",
+    "/dev/nvidia0",
+    "/dev/nvidiactl",
+    "/dev/dri",
+    "/dev/dri/card1",
+    "/dev/shm",
+    "/var/log",
+    "/dev//nvidia1/",
+];
+const CAPS: &[&str] = &[
+    "SYS_ADMIN",
+    "IPC_LOCK",
+    "CAP_SYS_NICE",
+    "NET_ADMIN",
+    "SYS_PTRACE",
+    "sys_resource",
+    "ALL",
+];
+const GPU_RESOURCES: &[&str] = &[
+    "nvidia.com/gpu",
+    "nvidia.com/mig-1g.10gb",
+    "nvidia.com/gpu.shared",
+    "example.com/accelerator",
+];
+
+fn pick<'a>(rng: &mut StdRng, items: &'a [&'a str]) -> &'a str {
+    items.choose(rng).copied().unwrap_or_default()
+}
+
+fn gen_container(rng: &mut StdRng, name: &str, volumes: &[String]) -> Value {
+    let mut c = Map::new();
+    c.insert("name".into(), json!(name));
+    c.insert("image".into(), json!(pick(rng, IMAGES)));
+    if rng.random_bool(0.3) {
+        c.insert("command".into(), json!(["sh", "-c", "sleep infinity"]));
+    }
+    // Environment.
+    if rng.random_bool(0.8) {
+        let mut env = Vec::new();
+        if rng.random_bool(0.5) {
+            env.push(json!({"name": "HOME", "value": "/root"}));
+        }
+        let n = rng.random_range(0..3);
+        for _ in 0..n {
+            env.push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": pick(rng, VISIBLE)}));
+        }
+        if rng.random_bool(0.1) {
+            env.push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"configMapKeyRef": {"name": "gpus", "key": "ids"}}}));
+        }
+        if rng.random_bool(0.2) {
+            env.push(json!({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": pick(rng, &["all", "compute,utility", "graphics"])}));
+        }
+        if rng.random_bool(0.15) {
+            env.push(json!({"name": pick(rng, &["NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES"]), "value": "all"}));
+        }
+        if rng.random_bool(0.3) {
+            env.push(json!({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}));
+        }
+        c.insert("env".into(), Value::Array(env));
+    }
+    // Resources.
+    match rng.random_range(0..6) {
+        0 => {}
+        1 => {
+            c.insert(
+                "resources".into(),
+                json!({"requests": {"cpu": "1", "memory": "2Gi"}}),
+            );
+        }
+        2 => {
+            c.insert(
+                "resources".into(),
+                json!({"limits": {pick(rng, GPU_RESOURCES): rng.random_range(1..4).to_string()}}),
+            );
+        }
+        3 => {
+            c.insert(
+                "resources".into(),
+                json!({"limits": {"memory": "8Gi"}, "requests": {"cpu": "2"}}),
+            );
+        }
+        4 => {
+            c.insert(
+                "resources".into(),
+                json!({"requests": {"nvidia.com/gpu": 2}}),
+            );
+        }
+        _ => {
+            c.insert("resources".into(), json!({}));
+        }
+    }
+    // Security context.
+    let privileged = rng.random_bool(0.6);
+    match rng.random_range(0..5) {
+        0 if !privileged => {}
+        _ => {
+            let mut sc = Map::new();
+            sc.insert("privileged".into(), json!(privileged));
+            if rng.random_bool(0.3) {
+                sc.insert("runAsUser".into(), json!(1000));
+            }
+            if rng.random_bool(0.2) {
+                sc.insert("allowPrivilegeEscalation".into(), json!(true));
+            }
+            if rng.random_bool(0.4) {
+                let n = rng.random_range(0..4);
+                let add: Vec<&str> = (0..n).map(|_| pick(rng, CAPS)).collect();
+                let mut caps = json!({"add": add});
+                if rng.random_bool(0.3) {
+                    caps["drop"] = json!(["NET_RAW"]);
+                }
+                sc.insert("capabilities".into(), caps);
+            }
+            c.insert("securityContext".into(), Value::Object(sc));
+        }
+    }
+    // Mounts.
+    let mut mounts = Vec::new();
+    for v in volumes {
+        if rng.random_bool(0.35) {
+            mounts.push(json!({"name": v, "mountPath": format!("/mnt/{v}")}));
+        }
+    }
+    if !mounts.is_empty() {
+        c.insert("volumeMounts".into(), Value::Array(mounts));
+    }
+    Value::Object(c)
+}
+
+fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
+    let namespace = pick(rng, NAMESPACES).to_owned();
+    let mut volumes = Vec::new();
+    let mut volume_names = Vec::new();
+    for i in 0..rng.random_range(0..4) {
+        let name = format!("vol{i}");
+        if rng.random_bool(0.7) {
+            volumes.push(json!({"name": name, "hostPath": {"path": pick(rng, HOST_PATHS)}}));
+        } else {
+            volumes.push(json!({"name": name, "emptyDir": {}}));
+        }
+        volume_names.push(name);
+    }
+    let containers: Vec<Value> = (0..rng.random_range(1..4))
+        .map(|i| gen_container(rng, &format!("main-{i}"), &volume_names))
+        .collect();
+    let mut spec = Map::new();
+    spec.insert("containers".into(), Value::Array(containers));
+    if rng.random_bool(0.3) {
+        let init: Vec<Value> = (0..rng.random_range(1..3))
+            .map(|i| gen_container(rng, &format!("init-{i}"), &volume_names))
+            .collect();
+        spec.insert("initContainers".into(), Value::Array(init));
+    }
+    if !volumes.is_empty() {
+        spec.insert("volumes".into(), Value::Array(volumes));
+    }
+    let sa = pick(rng, SERVICE_ACCOUNTS);
+    if !sa.is_empty() {
+        spec.insert("serviceAccountName".into(), json!(sa));
+    }
+    spec.insert("restartPolicy".into(), json!("Never"));
+    if rng.random_bool(0.2) {
+        spec.insert(
+            "nodeSelector".into(),
+            json!({"nvidia.com/gpu.present": "true"}),
+        );
+    }
+    let mut metadata = Map::new();
+    metadata.insert("name".into(), json!(format!("pod-{case}")));
+    metadata.insert("namespace".into(), json!(namespace));
+    metadata.insert(
+        "labels".into(),
+        json!({"app": pick(rng, &["train", "serve", "debug"])}),
+    );
+    let mut annotations = Map::new();
+    if rng.random_bool(0.15) {
+        annotations.insert(
+            "cdi.k8s.io/gpu".into(),
+            json!(pick(
+                rng,
+                &[
+                    "nvidia.com/gpu=all",
+                    "nvidia.com/gpu=0",
+                    "example.com/fpga=1"
+                ]
+            )),
+        );
+    }
+    if rng.random_bool(0.15) {
+        annotations.insert(
+            "gpuwarden.io/gpu-count".into(),
+            json!(pick(rng, &["1", "2", "16", "0", "x"])),
+        );
+    }
+    if rng.random_bool(0.1) {
+        annotations.insert("gpuwarden.io/gpu-count.main-0".into(), json!("3"));
+    }
+    if rng.random_bool(0.3) {
+        annotations.insert("team".into(), json!("vision"));
+    }
+    if !annotations.is_empty() || rng.random_bool(0.5) {
+        metadata.insert("annotations".into(), Value::Object(annotations));
+    }
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec});
+    (pod, namespace)
+}
+
+fn gen_policy(rng: &mut StdRng) -> GpuPolicy {
+    let mut p = default_policy();
+    p.spec.mode = *[
+        PolicyMode::Enforce,
+        PolicyMode::Enforce,
+        PolicyMode::Audit,
+        PolicyMode::Deny,
+    ]
+    .choose(rng)
+    .unwrap_or(&PolicyMode::Enforce);
+    if rng.random_bool(0.2) {
+        p.spec.match_.privileged_containers = PrivilegedMatch::All;
+    }
+    if rng.random_bool(0.2) {
+        p.spec.gpu.visible_devices_all = VisibleDevicesAll::Deny;
+    }
+    if rng.random_bool(0.2) {
+        p.spec.gpu.resource_name = "example.com/accelerator".into();
+    }
+    p.spec.gpu.default_count = rng.random_range(1..3);
+    p.spec.gpu.max_per_container = rng.random_range(2..9);
+    p.spec.capabilities.drop_all = rng.random_bool(0.8);
+    if rng.random_bool(0.3) {
+        p.spec.capabilities.default = vec!["SYS_PTRACE".into()];
+    }
+    if rng.random_bool(0.2) {
+        p.spec.driver_capabilities = vec!["compute".into(), "utility".into(), "video".into()];
+    }
+    p.spec.strip_device_host_paths = rng.random_bool(0.8);
+    p.spec.strip_cdi_annotations = rng.random_bool(0.8);
+    if rng.random_bool(0.3) {
+        p.spec.exemptions.service_accounts = vec!["ml/dcgm".into(), "batch/trainer".into()];
+    }
+    if rng.random_bool(0.2) {
+        p.spec
+            .exemptions
+            .images
+            .push("registry.example.com/team/*".into());
+    }
+    p
+}
+
+fn containers_of(pod: &Value) -> impl Iterator<Item = &Value> {
+    ["initContainers", "containers", "ephemeralContainers"]
+        .into_iter()
+        .flat_map(move |f| pod["spec"][f].as_array().into_iter().flatten())
+}
+
+/// An independent reading of "privileged GPU container" (DESIGN.md), for the Enforce check.
+fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
+    let device_volumes: BTreeSet<&str> = pod["spec"]["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|v| {
+            v["hostPath"]["path"]
+                .as_str()
+                .is_some_and(is_device_host_path)
+        })
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    let cdi = pod["metadata"]["annotations"].as_object().is_some_and(|a| {
+        a.iter().any(|(k, v)| {
+            k.starts_with("cdi.k8s.io/") && v.as_str().is_some_and(|v| v.contains("nvidia.com/"))
+        })
+    });
+    containers_of(pod)
+        .filter(|c| c["securityContext"]["privileged"] == json!(true))
+        .filter(|c| {
+            !image_exempt(
+                c["image"].as_str().unwrap_or(""),
+                &policy.spec.exemptions.images,
+            )
+        })
+        .filter(|c| {
+            let resource = |r: &Value| {
+                r.as_object().is_some_and(|m| {
+                    m.keys().any(|k| {
+                        k.starts_with("nvidia.com/") || *k == policy.spec.gpu.resource_name
+                    })
+                })
+            };
+            // The last entry of a duplicated name wins, as in the kubelet.
+            let env = c["env"]
+                .as_array()
+                .map(|a| a.as_slice())
+                .unwrap_or_default()
+                .iter()
+                .rev()
+                .find(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
+                .is_some_and(|e| match e["value"].as_str() {
+                    Some(v) => {
+                        !["none", "void", ""].contains(&v.trim().to_ascii_lowercase().as_str())
+                    }
+                    None => e.get("valueFrom").is_some(),
+                });
+            let mounts = c["volumeMounts"].as_array().into_iter().flatten().any(|m| {
+                m["name"]
+                    .as_str()
+                    .is_some_and(|n| device_volumes.contains(n))
+            });
+            policy.spec.match_.privileged_containers == PrivilegedMatch::All
+                || resource(&c["resources"]["limits"])
+                || resource(&c["resources"]["requests"])
+                || env
+                || mounts
+                || cdi
+        })
+        .map(|c| c["name"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+/// `pod` with every field the engine may change taken out, and empty objects pruned, so two
+/// pods that differ only in those fields compare equal.
+fn without_allowed_fields(
+    pod: &Value,
+    device_volumes: &BTreeSet<String>,
+    gpu_resource: &str,
+) -> Value {
+    let mut pod = pod.clone();
+    if let Some(a) = pod
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    {
+        a.retain(|k, _| {
+            !k.starts_with("gpuwarden.io/") && !k.starts_with("cdi.k8s.io/")
+                || k.starts_with("gpuwarden.io/gpu-count")
+        });
+    }
+    if let Some(v) = pod
+        .pointer_mut("/spec/volumes")
+        .and_then(Value::as_array_mut)
+    {
+        v.retain(|v| {
+            !v["name"]
+                .as_str()
+                .is_some_and(|n| device_volumes.contains(n))
+        });
+    }
+    for field in ["initContainers", "containers", "ephemeralContainers"] {
+        let Some(list) = pod
+            .pointer_mut(&format!("/spec/{field}"))
+            .and_then(Value::as_array_mut)
+        else {
+            continue;
+        };
+        for c in list {
+            let Some(c) = c.as_object_mut() else { continue };
+            if let Some(sc) = c.get_mut("securityContext").and_then(Value::as_object_mut) {
+                sc.remove("privileged");
+                sc.remove("allowPrivilegeEscalation");
+                sc.remove("capabilities");
+            }
+            if let Some(l) = c
+                .get_mut("resources")
+                .and_then(|r| r.get_mut("limits"))
+                .and_then(Value::as_object_mut)
+            {
+                for r in ["nvidia.com/gpu", gpu_resource] {
+                    // Only a limit equal to a same-named request may have been added; keep others.
+                    l.remove(r);
+                }
+            }
+            if let Some(env) = c.get_mut("env").and_then(Value::as_array_mut) {
+                env.retain(|e| !e["name"].as_str().is_some_and(|n| n.starts_with("NVIDIA_")));
+            }
+            if let Some(m) = c.get_mut("volumeMounts").and_then(Value::as_array_mut) {
+                m.retain(|m| {
+                    !m["name"]
+                        .as_str()
+                        .is_some_and(|n| device_volumes.contains(n))
+                });
+            }
+        }
+    }
+    prune(&mut pod);
+    pod
+}
+
+fn prune(v: &mut Value) {
+    match v {
+        Value::Object(m) => {
+            for child in m.values_mut() {
+                prune(child);
+            }
+            m.retain(|_, c| {
+                !matches!(c, Value::Object(o) if o.is_empty())
+                    && !matches!(c, Value::Array(a) if a.is_empty())
+            });
+        }
+        Value::Array(a) => a.iter_mut().for_each(prune),
+        _ => {}
+    }
+}
+
+#[test]
+fn generated_pods_hold_the_invariants() {
+    let seed: u64 = 0x0067_7075_7761_7264;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut patched_count = 0;
+    for case in 0..CASES {
+        let (pod, namespace) = gen_pod(&mut rng, case);
+        let policy = gen_policy(&mut rng);
+        let mode = policy.spec.mode;
+        let source = StaticSource::new([policy.clone()]);
+        let ctx = || format!("seed {seed:#x} case {case} mode {mode}\npod: {pod:#}");
+
+        let first = review_pod(&pod, &namespace, &source);
+        *outcomes.entry(first.summary.outcome.as_str()).or_default() += 1;
+        assert_ne!(first.summary.outcome, Outcome::Invalid, "{}", ctx());
+        let patched = first.apply(&pod);
+        if first.patch.is_some() {
+            patched_count += 1;
+        }
+        // The result is a Pod.
+        serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(patched.clone())
+            .unwrap_or_else(|e| panic!("not a Pod after the patch: {e}\n{}\n{patched:#}", ctx()));
+        // A second pass is a no-op.
+        let second = review_pod(&patched, &namespace, &source);
+        assert!(
+            second.patch.is_none(),
+            "second pass patched: {:?}\n{}\n{patched:#}",
+            second.patch,
+            ctx()
+        );
+        assert_eq!(
+            second.allowed(),
+            first.allowed(),
+            "second pass changed the verdict\n{}",
+            ctx()
+        );
+
+        match first.summary.outcome {
+            Outcome::Denied => {
+                assert!(!first.allowed() && first.patch.is_none(), "{}", ctx());
+                assert!(!first.message().is_empty(), "{}", ctx());
+            }
+            Outcome::Audited => assert_eq!(
+                patched["spec"],
+                pod["spec"],
+                "Audit changed the spec\n{}",
+                ctx()
+            ),
+            Outcome::Exempt | Outcome::Allowed => assert_eq!(patched, pod, "{}", ctx()),
+            Outcome::Rewritten => assert_eq!(mode, PolicyMode::Enforce, "{}", ctx()),
+            Outcome::Invalid => unreachable!(),
+        }
+
+        // Enforce leaves no privileged GPU container outside the exemptions.
+        let pod_exempt = ["kube-system", "gpu-operator"].contains(&namespace.as_str())
+            || policy.spec.exemptions.service_accounts.contains(&format!(
+                "{namespace}/{}",
+                pod["spec"]["serviceAccountName"]
+                    .as_str()
+                    .unwrap_or("default")
+            ));
+        if mode == PolicyMode::Enforce && first.allowed() && !pod_exempt {
+            let left = privileged_gpu_containers(&patched, &policy);
+            assert!(
+                left.is_empty(),
+                "privileged GPU containers left: {left:?}\n{}\n{patched:#}",
+                ctx()
+            );
+        }
+        if !pod_exempt
+            && mode == PolicyMode::Deny
+            && !privileged_gpu_containers(&pod, &policy).is_empty()
+        {
+            assert_eq!(first.summary.outcome, Outcome::Denied, "{}", ctx());
+        }
+
+        // Nothing outside the listed fields changed.
+        let device_volumes: BTreeSet<String> = pod["spec"]["volumes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|v| {
+                v["hostPath"]["path"]
+                    .as_str()
+                    .is_some_and(is_device_host_path)
+            })
+            .filter_map(|v| v["name"].as_str().map(str::to_owned))
+            .collect();
+        let added_from_request: Vec<String> = containers_of(&patched)
+            .flat_map(|c| {
+                c["resources"]["limits"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, _)| k.clone())
+            })
+            .collect();
+        let mut before =
+            without_allowed_fields(&pod, &device_volumes, &policy.spec.gpu.resource_name);
+        let mut after =
+            without_allowed_fields(&patched, &device_volumes, &policy.spec.gpu.resource_name);
+        // A GPU limit copied from a GPU request may also appear.
+        for r in added_from_request
+            .iter()
+            .filter(|r| r.starts_with("nvidia.com/"))
+        {
+            for v in [&mut before, &mut after] {
+                for field in ["initContainers", "containers"] {
+                    for c in v["spec"][field].as_array_mut().into_iter().flatten() {
+                        if let Some(l) = c
+                            .pointer_mut("/resources/limits")
+                            .and_then(Value::as_object_mut)
+                        {
+                            l.remove(r);
+                        }
+                    }
+                }
+                prune(v);
+            }
+        }
+        assert_eq!(
+            before,
+            after,
+            "fields outside the allowed ones changed\n{}\n{patched:#}",
+            ctx()
+        );
+    }
+    // The generator must actually exercise every outcome, or the invariants above prove little.
+    for outcome in ["allowed", "exempt", "rewritten", "audited", "denied"] {
+        assert!(
+            outcomes.get(outcome).copied().unwrap_or(0) >= 20,
+            "too few {outcome}: {outcomes:?}"
+        );
+    }
+    assert!(
+        patched_count >= 300,
+        "too few patched pods: {patched_count} ({outcomes:?})"
+    );
+    println!("{CASES} generated pods: {outcomes:?}, {patched_count} patched");
+}
+
+#[test]
+fn generated_workload_templates_in_every_namespace_kind() {
+    // The same engine on pods whose metadata lacks annotations and namespace entirely.
+    let mut rng = StdRng::seed_from_u64(7);
+    let source = StaticSource::new([default_policy()]);
+    for case in 0..200 {
+        let (mut pod, namespace) = gen_pod(&mut rng, case);
+        pod["metadata"] = json!({"generateName": "job-"});
+        let first = review_pod(&pod, &namespace, &source);
+        let patched = first.apply(&pod);
+        let second = review_pod(&patched, &namespace, &source);
+        assert!(second.patch.is_none(), "case {case}: {pod:#}");
+    }
+}
