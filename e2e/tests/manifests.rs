@@ -29,7 +29,10 @@ fn manifest_files() -> Vec<String> {
         entries.sort();
         for path in entries {
             if path.is_dir() {
-                walk(&path, out);
+                // Example workloads and fake GPU files, not install manifests.
+                if path.file_name().is_some_and(|n| n != "examples") {
+                    walk(&path, out);
+                }
             } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml")
                 && path.file_name().is_some_and(|n| n != "kustomization.yaml")
             {
@@ -133,6 +136,17 @@ mod pod_monitor {
         pub interval: Option<String>,
         #[serde(skip_serializing_if = "Option::is_none")]
         pub scrape_timeout: Option<String>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        pub honor_labels: Option<bool>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub relabelings: Vec<Relabeling>,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct Relabeling {
+        pub source_labels: Vec<String>,
+        pub target_label: String,
     }
 }
 
@@ -243,11 +257,7 @@ fn kustomization_lists_every_base_file() {
     assert_eq!(unique.len(), listed.len(), "a resource is listed twice");
     let on_disk: BTreeSet<String> = manifest_files()
         .into_iter()
-        .filter(|f| {
-            f != "deploy/install.yaml"
-                && !f.starts_with("deploy/components/")
-                && !f.starts_with("deploy/examples/")
-        })
+        .filter(|f| f != "deploy/install.yaml" && !f.starts_with("deploy/components/"))
         .collect();
     let listed: BTreeSet<String> = listed.into_iter().collect();
     let missing: Vec<_> = on_disk.difference(&listed).collect();
@@ -335,7 +345,7 @@ type Row = (
 const NS: Option<&str> = Some(gpuwarden_crds::SYSTEM_NAMESPACE);
 
 const EXPECTED_GRANTS: &[Row] = &[
-    // webhook: a reflector over GpuPolicy (list + watch); nothing else.
+    // webhook (src/cache.rs): reflectors over GpuPolicy and Namespace metadata.
     (
         install::WEBHOOK_NAME,
         None,
@@ -344,29 +354,30 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["list", "watch"],
         &[],
     ),
-    // operator
+    (
+        install::WEBHOOK_NAME,
+        None,
+        "",
+        "namespaces",
+        &["list", "watch"],
+        &[],
+    ),
+    // operator (src/runner.rs): reflectors over Node, GpuNode, GpuPolicy and agent Leases.
     (
         install::OPERATOR_NAME,
         None,
         "",
         "nodes",
-        &["get", "list", "watch"],
-        &[],
-    ),
-    (
-        install::OPERATOR_NAME,
-        None,
-        "",
-        "pods",
         &["list", "watch"],
         &[],
     ),
+    // src/node_controller.rs: server-side apply of GpuNode (create + patch), delete, status.
     (
         install::OPERATOR_NAME,
         None,
         "gpuwarden.io",
         "gpunodes",
-        &["get", "list", "watch", "create", "patch", "delete"],
+        &["list", "watch", "create", "patch", "delete"],
         &[],
     ),
     (
@@ -377,12 +388,13 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["patch"],
         &[],
     ),
+    // src/policy_controller.rs: GpuPolicy status.
     (
         install::OPERATOR_NAME,
         None,
         "gpuwarden.io",
         "gpupolicies",
-        &["get", "list", "watch"],
+        &["list", "watch"],
         &[],
     ),
     (
@@ -393,6 +405,7 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["patch"],
         &[],
     ),
+    // src/webhook_certs.rs: get_opt + JSON patch of caBundle.
     (
         install::OPERATOR_NAME,
         None,
@@ -401,6 +414,7 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["get", "patch"],
         &[install::MUTATING_WEBHOOK_CONFIGURATION],
     ),
+    // kube::runtime::events::Recorder (events.k8s.io/v1: create, then patch for a series).
     (
         install::OPERATOR_NAME,
         None,
@@ -409,12 +423,13 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["create", "patch"],
         &[],
     ),
+    // Agent Lease reflector; kube-lease-manager: create, get, patch of the leader Lease.
     (
         install::OPERATOR_NAME,
         NS,
         "coordination.k8s.io",
         "leases",
-        &["get", "list", "watch", "create"],
+        &["list", "watch", "create"],
         &[],
     ),
     (
@@ -422,34 +437,60 @@ const EXPECTED_GRANTS: &[Row] = &[
         NS,
         "coordination.k8s.io",
         "leases",
-        &["update", "patch"],
+        &["get", "patch"],
         &[install::OPERATOR_LEADER_LEASE],
     ),
-    (install::OPERATOR_NAME, NS, "", "secrets", &["create"], &[]),
+    // src/webhook_certs.rs: get_opt + server-side apply of the TLS Secret.
     (
         install::OPERATOR_NAME,
         NS,
         "",
         "secrets",
-        &["get", "patch"],
+        &["get", "create", "patch"],
         &[install::WEBHOOK_TLS_SECRET],
     ),
-    // node agent: its GpuNode's status (pinned to its own node by a ValidatingAdmissionPolicy)
-    // and its liveness Lease.
+    // node agent (src/agent.rs): reflectors over its node's Pods, its Node, GpuPolicy.
+    (
+        install::NODE_AGENT_NAME,
+        None,
+        "",
+        "pods",
+        &["list", "watch"],
+        &[],
+    ),
+    (
+        install::NODE_AGENT_NAME,
+        None,
+        "",
+        "nodes",
+        &["list", "watch"],
+        &[],
+    ),
+    (
+        install::NODE_AGENT_NAME,
+        None,
+        "gpuwarden.io",
+        "gpupolicies",
+        &["list", "watch"],
+        &[],
+    ),
+    // src/writer.rs: get_status + server-side apply of its GpuNode's status (pinned to its
+    // own node by a ValidatingAdmissionPolicy).
     (
         install::NODE_AGENT_NAME,
         None,
         "gpuwarden.io",
         "gpunodes/status",
-        &["patch"],
+        &["get", "patch"],
         &[],
     ),
+    // src/lease.rs: server-side apply of gpuwarden-agent-<node> (create + patch).
     (
         install::NODE_AGENT_NAME,
         NS,
         "coordination.k8s.io",
         "leases",
-        &["get", "create", "update"],
+        &["create", "patch"],
         &[],
     ),
 ];
@@ -970,39 +1011,296 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
     }
 }
 
+/// The base with a component applied: its resources added, its JSON 6902 patches applied
+/// to their targets.
+fn with_component(dir: &str) -> Vec<Document> {
+    let rel = format!("deploy/components/{dir}/kustomization.yaml");
+    let component = manifests::load_kustomization(&rel).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(component.kind, "Component", "{rel}");
+    assert!(
+        component.images.is_empty(),
+        "{rel}: images belong to the base"
+    );
+    let mut docs = base();
+    for resource in &component.resources {
+        docs.extend(
+            load_file(&format!("deploy/components/{dir}/{resource}"))
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+    }
+    for patch in &component.patches {
+        let kind = patch["target"]["kind"].as_str().expect("target kind");
+        let name = patch["target"]["name"].as_str().expect("target name");
+        let ops: json_patch::Patch =
+            serde_saphyr::from_str(patch["patch"].as_str().expect("an inline JSON 6902 patch"))
+                .unwrap_or_else(|e| panic!("{rel}: the patch is not JSON 6902: {e}"));
+        let target = docs
+            .iter_mut()
+            .find(|d| d.kind() == kind && d.name() == name)
+            .unwrap_or_else(|| panic!("{rel}: no {kind} {name} to patch"));
+        json_patch::patch(&mut target.value, &ops)
+            .unwrap_or_else(|e| panic!("{rel}: the patch does not apply to {kind} {name}: {e}"));
+        target.source = format!("{} patched by {rel}", target.source);
+        check_typed(target).unwrap_or_else(|e| panic!("{e}"));
+    }
+    docs
+}
+
 /// The host-pid component switches on the host PID namespace and mounts the host's /proc
-/// read-only at /host/proc; the patched DaemonSet is still a valid DaemonSet.
+/// read-only at /host/proc, where the agent (GPUWARDEN_HOST_ROOT=/host) reads
+/// /proc/<pid>/cgroup; the patched DaemonSet is still a valid DaemonSet.
 #[test]
 fn host_pid_component_patches_the_agent() {
-    let component = manifests::load_kustomization("deploy/components/host-pid/kustomization.yaml")
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(component.kind, "Component");
-    assert_eq!(component.patches.len(), 1);
-    let patch = &component.patches[0];
-    assert_eq!(patch["target"]["kind"], "DaemonSet");
-    assert_eq!(patch["target"]["name"], install::NODE_AGENT_NAME);
-    let ops: json_patch::Patch =
-        serde_saphyr::from_str(patch["patch"].as_str().expect("an inline JSON 6902 patch"))
-            .expect("the patch is JSON 6902");
-    let docs = base();
-    let mut ds = find(&docs, "DaemonSet", install::NODE_AGENT_NAME)
-        .value
-        .clone();
-    json_patch::patch(&mut ds, &ops).expect("the patch applies to the base DaemonSet");
-    let patched = Document {
-        source: "host-pid patch".into(),
-        value: ds,
-    };
-    check_typed(&patched).unwrap_or_else(|e| panic!("{e}"));
-    let spec = manifests::pod_spec(&patched.value).expect("pod spec");
+    let docs = with_component("host-pid");
+    let ds = find(&docs, "DaemonSet", install::NODE_AGENT_NAME);
+    let spec = manifests::pod_spec(&ds.value).expect("pod spec");
     assert_eq!(spec["hostPID"], true);
-    let mount = spec["containers"][0]["volumeMounts"]
+    let container = &spec["containers"][0];
+    let mount = container["volumeMounts"]
         .as_array()
         .expect("mounts")
         .iter()
         .find(|m| m["mountPath"] == "/host/proc")
         .expect("/host/proc mounted");
     assert_eq!(mount["readOnly"], true);
+    let host_root = container["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .find(|e| e["name"] == "GPUWARDEN_HOST_ROOT")
+        .expect("GPUWARDEN_HOST_ROOT");
+    assert_eq!(host_root["value"], "/host");
+}
+
+/// The taint-unhealthy-nodes component turns the operator's flag on and grants exactly the
+/// one extra call it makes: a patch of Node taints.
+#[test]
+fn taint_component_grants_node_patch_and_sets_the_flag() {
+    let docs = with_component("taint-unhealthy-nodes");
+    let operator = find(&docs, "Deployment", install::OPERATOR_NAME);
+    let env =
+        manifests::pod_spec(&operator.value).expect("pod spec")["containers"][0]["env"].clone();
+    assert!(
+        env.as_array()
+            .expect("env")
+            .iter()
+            .any(|e| e["name"] == "GPUWARDEN_TAINT_UNHEALTHY_NODES" && e["value"] == "true")
+    );
+    let mut expected = expand(EXPECTED_GRANTS, install::OPERATOR_NAME);
+    expected.insert(Grant {
+        scope: None,
+        group: String::new(),
+        resource: "nodes".into(),
+        verb: "patch".into(),
+        name: None,
+    });
+    assert_eq!(granted(&docs, install::OPERATOR_NAME), expected);
+}
+
+/// The kind of the metric `expr` (the third argument of `register`) in `source`: the type
+/// written where its variable or field is declared.
+fn metric_kind(source: &str, expr: &str) -> &'static str {
+    let var = expr
+        .trim()
+        .trim_end_matches(".clone()")
+        .rsplit('.')
+        .next()
+        .unwrap_or_default()
+        .trim();
+    for line in source.lines() {
+        let line = line.trim();
+        let decl = line
+            .strip_prefix("pub ")
+            .unwrap_or(line)
+            .strip_prefix("let ")
+            .unwrap_or(line.strip_prefix("pub ").unwrap_or(line));
+        let Some(rest) = decl.strip_prefix(var) else {
+            continue;
+        };
+        let rest = rest.trim_start();
+        if !(rest.starts_with(':') || rest.starts_with('=')) {
+            continue;
+        }
+        if rest.contains("Histogram") {
+            return "histogram";
+        }
+        if rest.contains("Counter") {
+            return "counter";
+        }
+        if rest.contains("Gauge") {
+            return "gauge";
+        }
+    }
+    "unknown"
+}
+
+/// Metric names each binary registers (read from its `metrics.rs`, where every metric is
+/// registered under the component's prefix), with the sample suffixes Prometheus sees:
+/// `_total` for counters; `_bucket`, `_sum`, `_count` for histograms.
+fn exported_metric_names() -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for file in [
+        "webhook/src/metrics.rs",
+        "node-agent/src/metrics.rs",
+        "operator/src/metrics.rs",
+    ] {
+        let source = std::fs::read_to_string(repo_root().join(file))
+            .unwrap_or_else(|e| panic!("failed to read {file}: {e}"));
+        let prefix = source
+            .split("with_prefix(\"")
+            .nth(1)
+            .and_then(|s| s.split('"').next())
+            .unwrap_or_else(|| panic!("{file}: no Registry::with_prefix"));
+        for call in source.split(".register(").skip(1) {
+            // register("name", "help", metric)
+            let mut parts = call.splitn(5, '"');
+            let (Some(_), Some(name), Some(_), Some(_), Some(rest)) = (
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next(),
+                parts.next(),
+            ) else {
+                panic!("{file}: unexpected register call {call:.80}");
+            };
+            let expr = rest
+                .trim_start_matches(|c: char| c == ',' || c.is_whitespace())
+                .split(')')
+                .next()
+                .unwrap_or_default();
+            let full = format!("{prefix}_{name}");
+            match metric_kind(&source, &format!("{expr})")) {
+                "counter" => {
+                    names.insert(format!("{full}_total"));
+                }
+                "histogram" => {
+                    for suffix in ["_bucket", "_sum", "_count"] {
+                        names.insert(format!("{full}{suffix}"));
+                    }
+                }
+                "gauge" => {
+                    names.insert(full);
+                }
+                _ => panic!("{file}: cannot tell the kind of {full} ({expr})"),
+            }
+        }
+    }
+    // Cross-check with what the registries really encode (families appear once they have
+    // a sample, plain metrics always).
+    let encoded = [
+        gpuwarden_webhook::metrics::Metrics::new()
+            .encode()
+            .expect("webhook metrics encode"),
+        gpuwarden_node_agent::metrics::Metrics::new().encode(),
+        gpuwarden_operator::metrics::Metrics::new().encode(),
+    ];
+    for text in &encoded {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            assert!(
+                names.contains(name),
+                "{name} is exported but not found in the sources ({names:?})"
+            );
+        }
+    }
+    names
+}
+
+/// The monitoring component scrapes the components' metrics ports, and its Grafana
+/// dashboard (valid JSON) queries only metrics the webhook, node agent and operator really
+/// export: a renamed metric fails here, not on a blank panel.
+#[test]
+fn monitoring_component_matches_the_exported_metrics() {
+    let docs = with_component("monitoring");
+    let monitor = find(&docs, "PodMonitor", "gpuwarden");
+    let port = monitor.value["spec"]["podMetricsEndpoints"][0]["port"]
+        .as_str()
+        .expect("port name");
+    for w in workloads(&docs) {
+        let c = &manifests::pod_spec(&w.value).expect("pod spec")["containers"][0];
+        assert!(
+            c["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|p| p["name"] == port),
+            "{} has no port named {port}",
+            w.id()
+        );
+        assert_eq!(
+            w.value["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"],
+            "gpuwarden",
+            "{}: not selected by the PodMonitor",
+            w.id()
+        );
+    }
+    let dashboard = find(&docs, "ConfigMap", "gpuwarden-dashboard");
+    let text = dashboard.value["data"]["gpuwarden.json"]
+        .as_str()
+        .expect("dashboard JSON");
+    let json: Value = serde_json::from_str(text).expect("the dashboard is JSON");
+    let mut exprs = Vec::new();
+    fn collect(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr" | "definition", Value::String(s)) => out.push(s.clone()),
+                        _ => collect(v, out),
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| collect(v, out)),
+            _ => {}
+        }
+    }
+    collect(&json, &mut exprs);
+    assert!(exprs.len() > 10, "the dashboard has queries");
+    let exported = exported_metric_names();
+    assert!(
+        exported.contains("gpuwarden_webhook_reviews_total"),
+        "{exported:?}"
+    );
+    let mut used = BTreeSet::new();
+    for expr in &exprs {
+        let mut rest = expr.as_str();
+        while let Some(i) = rest.find("gpuwarden_") {
+            let tail = &rest[i..];
+            let end = tail
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(tail.len());
+            used.insert(tail[..end].to_string());
+            rest = &tail[end..];
+        }
+    }
+    let unknown: Vec<_> = used.difference(&exported).collect();
+    assert!(
+        unknown.is_empty(),
+        "the dashboard queries metrics nobody exports: {unknown:?}"
+    );
+    for prefix in ["gpuwarden_webhook_", "gpuwarden_node_agent_"] {
+        assert!(
+            used.iter().any(|m| m.starts_with(prefix)),
+            "the dashboard shows no {prefix} metric"
+        );
+    }
+}
+
+/// Every component lists only files that exist and applies to the base.
+#[test]
+fn every_component_applies_to_the_base() {
+    let dir = repo_root().join("deploy/components");
+    let mut count = 0;
+    for entry in std::fs::read_dir(&dir).expect("deploy/components") {
+        let name = entry
+            .expect("entry")
+            .file_name()
+            .to_string_lossy()
+            .into_owned();
+        with_component(&name);
+        count += 1;
+    }
+    assert!(count >= 3, "host-pid, monitoring and taint-unhealthy-nodes");
 }
 
 /// The admission policies are bound, take the default GpuPolicy as their parameter where
@@ -1016,6 +1314,12 @@ fn admission_policies_are_bound_and_consistent() {
         .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
         .collect();
     assert_eq!(policies.len(), 2);
+    let names: BTreeSet<&str> = docs
+        .iter()
+        .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
+        .map(Document::name)
+        .collect();
+    assert_eq!(names.len(), 2, "one binding per policy");
     for policy in policies {
         let binding: ValidatingAdmissionPolicyBinding = typed(find(
             &docs,
@@ -1065,12 +1369,10 @@ fn admission_policies_are_bound_and_consistent() {
                 conditions.iter().any(|c| c.expression.contains(&user)),
                 "the agent policy matches {user}"
             );
-            let validations = pspec.validations.expect("validations");
-            assert!(
-                validations[0]
-                    .expression
-                    .contains("authentication.kubernetes.io/node-name")
-            );
+            let variables = serde_json::to_string(&pspec.variables).expect("variables");
+            assert!(variables.contains("authentication.kubernetes.io/node-name"));
+            assert!(variables.contains(&format!("'{}'", gpuwarden_crds::AGENT_LEASE_PREFIX)));
+            assert!(pspec.validations.is_some_and(|v| !v.is_empty()));
         }
     }
 }
