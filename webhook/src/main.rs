@@ -63,7 +63,12 @@ struct ServeArgs {
     #[arg(long, env = "GPUWARDEN_MAX_WAIT_MS", default_value_t = 1000)]
     max_wait_ms: u64,
 
-    /// Seconds open connections get to finish after SIGTERM.
+    /// Seconds the server keeps accepting after SIGTERM while /readyz reports not ready, so
+    /// the API server stops sending before connections are refused.
+    #[arg(long, env = "GPUWARDEN_SHUTDOWN_DELAY", default_value_t = 5)]
+    shutdown_delay: u64,
+
+    /// Seconds open connections get to finish after the server stops accepting.
     #[arg(long, env = "GPUWARDEN_SHUTDOWN_TIMEOUT", default_value_t = 20)]
     shutdown_timeout: u64,
 
@@ -116,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
                 limits: Limits {
                     max_concurrency: args.max_concurrency as usize,
                     max_wait: Duration::from_millis(args.max_wait_ms),
+                    shutdown_delay: Duration::from_secs(args.shutdown_delay),
                     drain_timeout: Duration::from_secs(args.shutdown_timeout),
                     ..defaults
                 },

@@ -155,6 +155,9 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// How long the whole body may take to arrive.
     pub body_timeout: Duration,
+    /// On shutdown, how long the server keeps accepting while reporting not ready, so that
+    /// the API server learns of the endpoint's removal before connections are refused.
+    pub shutdown_delay: Duration,
     /// On shutdown, how long open connections get to finish.
     pub drain_timeout: Duration,
 }
@@ -167,6 +170,7 @@ impl Default for Limits {
             max_body_bytes: MAX_BODY_BYTES,
             // The API server gives up after the webhook's timeoutSeconds (5 s).
             body_timeout: Duration::from_secs(4),
+            shutdown_delay: Duration::ZERO,
             drain_timeout: Duration::from_secs(20),
         }
     }
@@ -263,8 +267,8 @@ impl Webhook {
     }
 
     /// Serves `/mutate` over TLS on `https` and the health app on `health` until `shutdown`
-    /// fires; then reports not ready, stops accepting, and gives open connections
-    /// [`Limits::drain_timeout`] to finish.
+    /// fires; then reports not ready, keeps accepting for [`Limits::shutdown_delay`], stops
+    /// accepting, and gives open connections [`Limits::drain_timeout`] to finish.
     pub async fn serve(
         self,
         https: TcpListener,
@@ -274,17 +278,19 @@ impl Webhook {
         let tls = self.certs.server_config()?;
         let health_addr = local_addr(&health);
         let health_app = self.health_router();
-        let health_shutdown = shutdown.clone();
+        // The health port outlives the HTTPS port, so /readyz says "shutting down" meanwhile.
+        let (health_stop, health_stopped) = tokio::sync::oneshot::channel::<()>();
         let health_server = tokio::spawn(async move {
             axum::serve(health, health_app)
-                .with_graceful_shutdown(async move { health_shutdown.wait().await })
+                .with_graceful_shutdown(async move {
+                    let _ = health_stopped.await;
+                })
                 .await
         });
 
-        let draining = self.draining.clone();
-        let drain_timeout = self.limits.drain_timeout;
         let app = self.mutate_router();
-        serve_tls(https, tls, app, shutdown, draining, drain_timeout).await;
+        serve_tls(https, tls, app, shutdown, &self.draining, &self.limits).await;
+        let _ = health_stop.send(());
 
         match health_server.await {
             Ok(Ok(())) => Ok(()),
@@ -313,8 +319,8 @@ async fn serve_tls(
     tls: Arc<ServerConfig>,
     app: Router,
     shutdown: Shutdown,
-    draining: Arc<AtomicBool>,
-    drain_timeout: Duration,
+    draining: &AtomicBool,
+    limits: &Limits,
 ) {
     let acceptor = TlsAcceptor::from(tls);
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -328,6 +334,15 @@ async fn serve_tls(
     let addr = local_addr(&listener);
     tracing::info!(%addr, "serving admission reviews over HTTPS");
 
+    let stop_accepting = async {
+        shutdown.wait().await;
+        draining.store(true, Ordering::Release);
+        if !limits.shutdown_delay.is_zero() {
+            tracing::info!(delay = ?limits.shutdown_delay, "shutting down: not ready, still accepting");
+            tokio::time::sleep(limits.shutdown_delay).await;
+        }
+    };
+    let mut stop_accepting = std::pin::pin!(stop_accepting);
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -340,7 +355,7 @@ async fn serve_tls(
                     continue;
                 }
             },
-            () = shutdown.wait() => break,
+            () = &mut stop_accepting => break,
         };
         // Small request/response pairs: do not wait for Nagle.
         let _ = stream.set_nodelay(true);
@@ -369,8 +384,8 @@ async fn serve_tls(
         });
     }
 
-    draining.store(true, Ordering::Release);
     drop(listener);
+    let drain_timeout = limits.drain_timeout;
     let open = graceful.count();
     tracing::info!(
         open,

@@ -383,3 +383,34 @@ async fn shutdown_drains_the_request_in_flight_and_stops_accepting() {
         "still accepting after shutdown"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_the_shutdown_delay_it_is_unready_but_still_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = Limits {
+        shutdown_delay: Duration::from_millis(600),
+        ..Limits::default()
+    };
+    let (server, ca) = echo_server(dir.path(), SyncFlag::raised(), limits).await;
+    let config = client_config(&[ca.pem()]);
+    assert_eq!(http_get(server.health, "/readyz").await.0, 200);
+
+    server.shutdown();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (status, text) = http_get(server.health, "/readyz").await;
+    assert_eq!(status, 503);
+    assert!(text.contains("shutting down"), "{text}");
+    // A client that has not yet heard of the endpoint's removal is still served.
+    let mut conn = connect(server.https, config.clone()).await.unwrap();
+    let (status, body) = post(&mut conn, "/mutate", JSON, review_body("during-delay"))
+        .await
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(review(&body)["response"]["uid"], "during-delay");
+
+    tokio::time::timeout(Duration::from_secs(5), server.task)
+        .await
+        .expect("serve() must return after the delay and the drain")
+        .unwrap();
+    assert!(connect(server.https, config).await.is_err());
+}

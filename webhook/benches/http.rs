@@ -1,0 +1,591 @@
+//! HTTPS benchmark of `POST /mutate` on loopback (`cargo bench -p gpuwarden-webhook --bench http`).
+//!
+//! Measures, over real TLS with keep-alive connections and a ~3 KB Pod CREATE review that
+//! the default policy rewrites:
+//! 1. the in-process server with the engine, and the same server stack with a constant
+//!    allow (the floor): throughput and p50/p99 at a fixed concurrency, and p50/p99 at a
+//!    fixed rate;
+//! 2. the release binary `gpuwarden-webhook serve --policy-file deploy/policies/default.yaml`
+//!    as a separate process: the same figures plus its resident memory (VmRSS) idle and
+//!    under load.
+//!
+//! The client runs on the same machine and shares its cores with the server: on a 2-core
+//! machine the figures are a lower bound on what the server alone can do.
+//! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_CONCURRENCY` (32),
+//! `BENCH_RATE` (500 req/s).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use gpuwarden_webhook::cache::{StaticPolicySource, SyncFlag};
+use gpuwarden_webhook::metrics::Metrics;
+use gpuwarden_webhook::server::{
+    ConstantAllow, EngineReviewer, Limits, Reviewer, Webhook, shutdown_channel,
+};
+use gpuwarden_webhook::tls::{CertReloader, CertStore, TlsPaths};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::ClientConfig;
+use rustls_pki_types::ServerName;
+use rustls_pki_types::pem::PemObject;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::runtime::Runtime;
+use tokio_rustls::TlsConnector;
+
+type Sender = SendRequest<Full<Bytes>>;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A privileged training pod that asks for all GPUs through the environment: the default
+/// policy rewrites it (privilege, capabilities, GPU limit, env, device hostPath).
+fn review_body() -> Bytes {
+    let env: Vec<serde_json::Value> = [
+        ("NVIDIA_VISIBLE_DEVICES", "all"),
+        ("NVIDIA_DRIVER_CAPABILITIES", "all"),
+        ("NCCL_DEBUG", "INFO"),
+        ("NCCL_SOCKET_IFNAME", "eth0"),
+        ("OMP_NUM_THREADS", "8"),
+        (
+            "MASTER_ADDR",
+            "llama-finetune-0.llama-finetune.ml-research.svc",
+        ),
+        ("MASTER_PORT", "29500"),
+        ("WANDB_PROJECT", "llama-finetune"),
+        ("HF_HOME", "/cache/huggingface"),
+    ]
+    .iter()
+    .map(|(k, v)| serde_json::json!({"name": k, "value": v}))
+    .collect();
+    let review = serde_json::json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "llama-finetune-0",
+            "namespace": "ml-research",
+            "operation": "CREATE",
+            "userInfo": {
+                "username": "system:serviceaccount:kube-system:statefulset-controller",
+                "uid": "8f3b2a51-0b7a-4c55-9d8e-3f2d7f0b8a11",
+                "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"]
+            },
+            "object": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": "llama-finetune-0",
+                    "namespace": "ml-research",
+                    "labels": {
+                        "app.kubernetes.io/name": "llama-finetune",
+                        "app.kubernetes.io/component": "trainer",
+                        "statefulset.kubernetes.io/pod-name": "llama-finetune-0",
+                        "controller-revision-hash": "llama-finetune-6d9f8c7b5"
+                    },
+                    "annotations": {
+                        "kubectl.kubernetes.io/default-container": "trainer",
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": "9090"
+                    },
+                    "ownerReferences": [{
+                        "apiVersion": "apps/v1", "kind": "StatefulSet", "name": "llama-finetune",
+                        "uid": "0d1c2b3a-4f5e-6d7c-8b9a-0f1e2d3c4b5a", "controller": true, "blockOwnerDeletion": true
+                    }]
+                },
+                "spec": {
+                    "serviceAccountName": "trainer",
+                    "restartPolicy": "Always",
+                    "terminationGracePeriodSeconds": 60,
+                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "containers": [{
+                        "name": "trainer",
+                        "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+                        "command": ["torchrun", "--nproc_per_node=8", "train.py", "--config", "/config/llama-7b.yaml"],
+                        "env": env,
+                        "ports": [{"containerPort": 29500, "name": "rendezvous"}, {"containerPort": 9090, "name": "metrics"}],
+                        "resources": {"requests": {"cpu": "16", "memory": "128Gi"}, "limits": {"memory": "128Gi"}},
+                        "securityContext": {"privileged": true},
+                        "volumeMounts": [
+                            {"name": "dev", "mountPath": "/dev"},
+                            {"name": "dshm", "mountPath": "/dev/shm"},
+                            {"name": "cache", "mountPath": "/cache"},
+                            {"name": "config", "mountPath": "/config", "readOnly": true}
+                        ]
+                    }],
+                    "volumes": [
+                        {"name": "dev", "hostPath": {"path": "/dev", "type": "Directory"}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
+                        {"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}},
+                        {"name": "config", "configMap": {"name": "llama-finetune-config"}}
+                    ]
+                }
+            },
+            "oldObject": null,
+            "dryRun": false,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"}
+        }
+    });
+    Bytes::from(serde_json::to_vec(&review).unwrap_or_default())
+}
+
+struct Pki {
+    ca_pem: String,
+    paths: TlsPaths,
+    _dir: tempfile::TempDir,
+}
+
+fn pki() -> Pki {
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &ca).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let paths = TlsPaths {
+        cert: dir.path().join("tls.crt"),
+        key: dir.path().join("tls.key"),
+    };
+    std::fs::write(&paths.cert, cert.pem()).unwrap();
+    std::fs::write(&paths.key, key.serialize_pem()).unwrap();
+    Pki {
+        ca_pem: ca.pem(),
+        paths,
+        _dir: dir,
+    }
+}
+
+fn client_config(ca_pem: &str) -> Arc<ClientConfig> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let mut config =
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Arc::new(config)
+}
+
+async fn connect(addr: SocketAddr, config: Arc<ClientConfig>) -> Sender {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let tls = TlsConnector::from(config)
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+/// One request; returns the response body, or None on any failure.
+async fn send(sender: &mut Sender, body: &Bytes) -> Option<Bytes> {
+    sender.ready().await.ok()?;
+    let request = http::Request::post("/mutate")
+        .header("host", "localhost")
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .ok()?;
+    let response = sender.send_request(request).await.ok()?;
+    if response.status() != 200 {
+        return None;
+    }
+    Some(response.into_body().collect().await.ok()?.to_bytes())
+}
+
+#[derive(Default)]
+struct Run {
+    latencies_us: Vec<u64>,
+    errors: usize,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn percentile(&self, p: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return f64::NAN;
+        }
+        let index = ((self.latencies_us.len() as f64 - 1.0) * p).round() as usize;
+        self.latencies_us[index] as f64 / 1000.0
+    }
+
+    fn throughput(&self) -> f64 {
+        self.latencies_us.len() as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// `connections` keep-alive connections, each sending back to back for `duration`.
+async fn closed_loop(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+    body: Bytes,
+    connections: usize,
+    duration: Duration,
+) -> Run {
+    let mut senders = Vec::new();
+    for _ in 0..connections {
+        senders.push(connect(addr, config.clone()).await);
+    }
+    let start = Instant::now();
+    let deadline = start + duration;
+    let tasks: Vec<_> = senders
+        .into_iter()
+        .map(|mut sender| {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(65536);
+                let mut errors = 0;
+                while Instant::now() < deadline {
+                    let sent = Instant::now();
+                    match send(&mut sender, &body).await {
+                        Some(_) => latencies.push(sent.elapsed().as_micros() as u64),
+                        None => errors += 1,
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let mut run = Run::default();
+    for task in tasks {
+        let (latencies, errors) = task.await.unwrap();
+        run.latencies_us.extend(latencies);
+        run.errors += errors;
+    }
+    run.elapsed = start.elapsed();
+    run.latencies_us.sort_unstable();
+    run
+}
+
+/// Requests at a fixed `rate` for `duration` over a pool of 32 keep-alive connections; each
+/// request is dispatched on schedule whether or not earlier ones have finished.
+async fn fixed_rate(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+    body: Bytes,
+    rate: u32,
+    duration: Duration,
+) -> Run {
+    let (idle_tx, idle_rx) = async_channel();
+    for _ in 0..32 {
+        idle_tx.send(connect(addr, config.clone()).await).await.ok();
+    }
+    let idle_rx = Arc::new(tokio::sync::Mutex::new(idle_rx));
+    let interval = Duration::from_secs_f64(1.0 / f64::from(rate));
+    let total = (duration.as_secs_f64() * f64::from(rate)) as usize;
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(total);
+    for i in 0..total {
+        tokio::time::sleep_until(start + interval * i as u32).await;
+        // Timed from dispatch: the timer wakes up to a millisecond late, which is the
+        // client's artefact, not the server's. Waiting for a free connection is counted.
+        let dispatched = Instant::now();
+        let (idle_tx, idle_rx, body) = (idle_tx.clone(), idle_rx.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut sender = idle_rx.lock().await.recv().await?;
+            let result = send(&mut sender, &body).await;
+            let latency = dispatched.elapsed().as_micros() as u64;
+            idle_tx.send(sender).await.ok();
+            result.map(|_| latency)
+        }));
+    }
+    let mut run = Run::default();
+    for task in tasks {
+        match task.await.ok().flatten() {
+            Some(latency) => run.latencies_us.push(latency),
+            None => run.errors += 1,
+        }
+    }
+    run.elapsed = start.elapsed();
+    run.latencies_us.sort_unstable();
+    run
+}
+
+fn async_channel() -> (
+    tokio::sync::mpsc::Sender<Sender>,
+    tokio::sync::mpsc::Receiver<Sender>,
+) {
+    tokio::sync::mpsc::channel(64)
+}
+
+/// Starts the library server on its own runtime (2 worker threads, like the binary on this
+/// machine) and returns its address.
+fn start_in_process(
+    server_rt: &Runtime,
+    reviewer: Arc<dyn Reviewer>,
+    paths: &TlsPaths,
+) -> SocketAddr {
+    let paths = paths.clone();
+    server_rt.block_on(async move {
+        let metrics = Arc::new(Metrics::new());
+        let certs = Arc::new(CertStore::new());
+        let mut reloader = CertReloader::new(paths, certs.clone(), metrics.clone());
+        reloader.poll_once().await;
+        let (trigger, shutdown) = shutdown_channel();
+        // The server lives until the process ends.
+        std::mem::forget(trigger);
+        tokio::spawn(reloader.run(Duration::from_secs(5), shutdown.clone()));
+        let https = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let health = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = https.local_addr().unwrap();
+        let webhook = Webhook::new(
+            reviewer,
+            certs,
+            SyncFlag::raised(),
+            metrics,
+            Limits::default(),
+        );
+        tokio::spawn(webhook.serve(https, health, shutdown));
+        addr
+    })
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(18443)
+}
+
+fn vm_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+struct Binary(Child);
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn row(name: &str, run: &Run) {
+    println!(
+        "{name:<44} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>7}",
+        run.throughput(),
+        run.percentile(0.50),
+        run.percentile(0.99),
+        run.percentile(0.999),
+        run.errors
+    );
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let seconds: u64 = env_or("BENCH_SECONDS", 5);
+    let concurrency: usize = env_or("BENCH_CONCURRENCY", 32);
+    let rate: u32 = env_or("BENCH_RATE", 500);
+    let duration = Duration::from_secs(seconds);
+    let body = review_body();
+    let pki = pki();
+    let config = client_config(&pki.ca_pem);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+
+    let policy_file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/policies/default.yaml");
+    let source = StaticPolicySource::from_file(&policy_file).unwrap();
+    let engine_addr = start_in_process(
+        &server_rt,
+        Arc::new(EngineReviewer::new(Arc::new(source))),
+        &pki.paths,
+    );
+    let floor_addr = start_in_process(&server_rt, Arc::new(ConstantAllow::default()), &pki.paths);
+
+    // Show that the engine really rewrites the benchmark pod.
+    let answer = client_rt.block_on(async {
+        let mut sender = connect(engine_addr, config.clone()).await;
+        send(&mut sender, &body).await
+    });
+    let answer: serde_json::Value = answer
+        .and_then(|a| serde_json::from_slice(&a).ok())
+        .unwrap_or_default();
+    let response = &answer["response"];
+    let patched = response["patch"].as_str().map_or(0, str::len);
+    println!(
+        "review: {} bytes; engine answer: allowed={} patchType={} patch={} bytes (base64){}",
+        body.len(),
+        response["allowed"],
+        response["patchType"],
+        patched,
+        response["status"]["message"]
+            .as_str()
+            .map(|m| format!(" message={m:?}"))
+            .unwrap_or_default()
+    );
+    if patched == 0 {
+        println!(
+            "WARNING: the engine did not rewrite the benchmark pod; figures are not representative"
+        );
+    }
+    println!(
+        "machine: {cpus} CPUs; client and server share them; {seconds} s per run, {concurrency} keep-alive connections, fixed rate {rate}/s\n"
+    );
+    println!(
+        "{:<44} {:>10} {:>9} {:>9} {:>9} {:>7}",
+        "scenario", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors"
+    );
+
+    let engine = client_rt.block_on(closed_loop(
+        engine_addr,
+        config.clone(),
+        body.clone(),
+        concurrency,
+        duration,
+    ));
+    row(&format!("in-process engine, {concurrency} conns"), &engine);
+    let floor = client_rt.block_on(closed_loop(
+        floor_addr,
+        config.clone(),
+        body.clone(),
+        concurrency,
+        duration,
+    ));
+    row(
+        &format!("in-process floor (constant allow), {concurrency} conns"),
+        &floor,
+    );
+    let engine_rate = client_rt.block_on(fixed_rate(
+        engine_addr,
+        config.clone(),
+        body.clone(),
+        rate,
+        duration,
+    ));
+    row(&format!("in-process engine, {rate} req/s"), &engine_rate);
+    let floor_rate = client_rt.block_on(fixed_rate(
+        floor_addr,
+        config.clone(),
+        body.clone(),
+        rate,
+        duration,
+    ));
+    row(&format!("in-process floor, {rate} req/s"), &floor_rate);
+
+    // The release binary as a separate process, for its memory.
+    let exe = env!("CARGO_BIN_EXE_gpuwarden-webhook");
+    let port = free_port();
+    let health_port = free_port();
+    let child = Command::new(exe)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--health-listen", &format!("127.0.0.1:{health_port}")])
+        .arg("--tls-cert")
+        .arg(&pki.paths.cert)
+        .arg("--tls-key")
+        .arg(&pki.paths.key)
+        .arg("--policy-file")
+        .arg(&policy_file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let Ok(child) = child else {
+        println!("\ncould not start {exe}; skipping the process measurements");
+        return;
+    };
+    let binary = Binary(child);
+    let pid = binary.0.id();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let up = client_rt.block_on(async {
+        for _ in 0..100 {
+            if TcpStream::connect(addr).await.is_ok() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    });
+    if !up {
+        println!("\n{exe} did not start listening; skipping the process measurements");
+        return;
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let idle_rss = vm_rss_kib(pid).unwrap_or(0);
+
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let sampling = sampling.clone();
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(vm_rss_kib(pid).unwrap_or(0));
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            peak
+        })
+    };
+    let process = client_rt.block_on(closed_loop(
+        addr,
+        config.clone(),
+        body.clone(),
+        concurrency,
+        duration,
+    ));
+    row(
+        &format!("binary (engine, info logs), {concurrency} conns"),
+        &process,
+    );
+    let process_rate = client_rt.block_on(fixed_rate(
+        addr,
+        config.clone(),
+        body.clone(),
+        rate,
+        duration,
+    ));
+    row(
+        &format!("binary (engine, info logs), {rate} req/s"),
+        &process_rate,
+    );
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let peak_rss = sampler.join().unwrap_or(0);
+    let after_rss = vm_rss_kib(pid).unwrap_or(0);
+    drop(binary);
+
+    println!();
+    println!(
+        "engine / floor throughput: {:.1} %",
+        100.0 * engine.throughput() / floor.throughput()
+    );
+    println!(
+        "binary VmRSS: idle {:.1} MiB, peak under load {:.1} MiB, after load {:.1} MiB",
+        idle_rss as f64 / 1024.0,
+        peak_rss as f64 / 1024.0,
+        after_rss as f64 / 1024.0
+    );
+    println!(
+        "targets: >= 3000 req/s; p99 <= 5 ms at {rate} req/s; engine >= 80 % of floor; RSS <= 32 MiB idle, <= 64 MiB under load"
+    );
+}
