@@ -1,0 +1,1029 @@
+//! End-to-end tests against a real API server. They need a disposable cluster (kind, k3d,
+//! or any API server; kubelets are not needed: pods stay Pending, which is enough for
+//! admission) and are ignored by plain `cargo test`:
+//!
+//! ```sh
+//! KUBECONFIG=~/.kube/kind cargo test -p gpuwarden-e2e -- --ignored --test-threads=1
+//! ```
+//!
+//! The webhook, operator and node agent run inside the test process; the API server calls
+//! the webhook at `https://$GPUWARDEN_E2E_WEBHOOK_HOST:<port>/mutate` (default host
+//! 127.0.0.1). Every test installs the CRDs and the default policy if they are missing and
+//! deletes everything it created, also when it fails. Features the server lacks
+//! (ValidatingAdmissionPolicy, matchConditions) are skipped with a message.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
+use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, RawResponse, base64, skip, wait_for};
+use gpuwarden_e2e::manifests::load_file;
+use http::Method;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::{CustomResourceExt, ResourceExt};
+use serde_json::{Value, json};
+
+const LABEL_RUN: &str = "gpuwarden.io/e2e";
+const SHORT: Duration = Duration::from_secs(30);
+
+/// A test's cluster handle and cleanup guard.
+struct Env {
+    cluster: Cluster,
+    cleanup: Cleanup,
+}
+
+impl Env {
+    /// Connects (KUBECONFIG must be set) and installs the CRDs and the default policy when
+    /// they are missing.
+    async fn new() -> Env {
+        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+        let cleanup = Cleanup::new(cluster.client.clone());
+        let env = Env { cluster, cleanup };
+        env.ensure_api().await;
+        env
+    }
+
+    fn client(&self) -> kube::Client {
+        self.cluster.client.clone()
+    }
+
+    fn name(&self, suffix: &str) -> String {
+        format!("gpuwarden-e2e-{}-{suffix}", self.cluster.run_id)
+    }
+
+    async fn ensure_api(&self) {
+        let crds: Api<CustomResourceDefinition> = Api::all(self.client());
+        for crd in [GpuPolicy::crd(), GpuNode::crd()] {
+            let name = crd.name_any();
+            if crds.get_opt(&name).await.expect("read CRD").is_none() {
+                eprintln!("installing CRD {name}");
+                crds.create(&PostParams::default(), &crd)
+                    .await
+                    .unwrap_or_else(|e| panic!("failed to create CRD {name}: {e}"));
+                self.cleanup
+                    .own_typed::<CustomResourceDefinition>(None, &name);
+            }
+            let established = wait_for(SHORT, || {
+                let crds = crds.clone();
+                let name = name.clone();
+                async move {
+                    let crd = crds.get(&name).await.ok()?;
+                    crd.status?
+                        .conditions?
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                        .then_some(())
+                }
+            })
+            .await;
+            assert!(established.is_some(), "CRD {name} is not Established");
+        }
+        let policies: Api<GpuPolicy> = Api::all(self.client());
+        if policies
+            .get_opt(gpuwarden_crds::DEFAULT_POLICY_NAME)
+            .await
+            .expect("read the default GpuPolicy")
+            .is_none()
+        {
+            eprintln!("installing the default GpuPolicy");
+            let manifest = gpuwarden_crds::manifests::default_policy_manifest();
+            let policy: GpuPolicy = serde_json::from_value(manifest).expect("default policy");
+            policies
+                .create(&PostParams::default(), &policy)
+                .await
+                .expect("create the default GpuPolicy");
+            self.cleanup
+                .own_typed::<GpuPolicy>(None, gpuwarden_crds::DEFAULT_POLICY_NAME);
+        }
+    }
+
+    /// A fresh namespace labelled with this run's id (the e2e webhook configuration only
+    /// selects such namespaces).
+    async fn namespace(&self, suffix: &str) -> String {
+        let name = self.name(suffix);
+        // Privileged pods are what the tests create: Pod Security must not refuse them first.
+        let ns: Namespace = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {
+                LABEL_RUN: self.cluster.run_id,
+                "pod-security.kubernetes.io/enforce": "privileged",
+            }}
+        }))
+        .expect("namespace");
+        Api::<Namespace>::all(self.client())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("failed to create namespace {name}: {e}"));
+        self.cleanup.own_typed::<Namespace>(None, &name);
+        // Pods need the namespace's default ServiceAccount, which kube-controller-manager
+        // creates shortly; on a bare API server nobody does, so create it after a wait.
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client(), &name);
+        let exists = wait_for(Duration::from_secs(5), || {
+            let accounts = accounts.clone();
+            async move { accounts.get_opt("default").await.ok().flatten() }
+        })
+        .await;
+        if exists.is_none() {
+            let sa: ServiceAccount =
+                serde_json::from_value(json!({"metadata": {"name": "default"}})).expect("sa");
+            match accounts.create(&PostParams::default(), &sa).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => panic!("failed to create the default ServiceAccount in {name}: {e}"),
+            }
+        }
+        name
+    }
+
+    /// Makes sure `gpuwarden-system` exists (agent Leases live there).
+    async fn system_namespace(&self) {
+        let api: Api<Namespace> = Api::all(self.client());
+        if api
+            .get_opt(gpuwarden_crds::SYSTEM_NAMESPACE)
+            .await
+            .expect("read namespace")
+            .is_none()
+        {
+            let ns: Namespace = serde_json::from_value(json!({
+                "metadata": {"name": gpuwarden_crds::SYSTEM_NAMESPACE}
+            }))
+            .expect("namespace");
+            api.create(&PostParams::default(), &ns)
+                .await
+                .expect("create gpuwarden-system");
+            self.cleanup
+                .own_typed::<Namespace>(None, gpuwarden_crds::SYSTEM_NAMESPACE);
+        }
+    }
+
+    /// A temporary policy that outranks the default one in namespace `ns`.
+    async fn policy_for(&self, ns: &str, mode: PolicyMode, exempt_namespace: bool) -> String {
+        let name = format!("{ns}-{}", format!("{mode:?}").to_lowercase());
+        let mut policy = GpuPolicy::default_policy();
+        policy.metadata = kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            ..Default::default()
+        };
+        policy.status = None;
+        policy.spec.priority = 1000;
+        policy.spec.mode = mode;
+        policy.spec.namespace_selector =
+            serde_json::from_value(json!({"matchLabels": {"kubernetes.io/metadata.name": ns}}))
+                .expect("selector");
+        if exempt_namespace {
+            policy.spec.exemptions.namespaces = vec![ns.to_string()];
+        }
+        Api::<GpuPolicy>::all(self.client())
+            .create(&PostParams::default(), &policy)
+            .await
+            .unwrap_or_else(|e| panic!("failed to create GpuPolicy {name}: {e}"));
+        self.cleanup.own_typed::<GpuPolicy>(None, &name);
+        name
+    }
+
+    /// Starts the local webhook and registers a MutatingWebhookConfiguration built from
+    /// deploy/admission/mutating-webhook.yaml (same rules, matchConditions, policies and
+    /// timeouts) that calls it by URL and selects only this run's namespaces.
+    async fn webhook(&self) -> (LocalWebhook, bool) {
+        let webhook = LocalWebhook::start(self.client())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            webhook.wait_synced(SHORT).await,
+            "the webhook's policy and namespace caches did not sync"
+        );
+        let shipped = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
+        let mut mwc = shipped[0].value.clone();
+        let name = self.name("webhook");
+        mwc["metadata"] = json!({"name": name});
+        let hook = &mut mwc["webhooks"][0];
+        hook["clientConfig"] = json!({
+            "url": webhook.url,
+            "caBundle": base64(webhook.ca_pem.as_bytes()),
+        });
+        hook["namespaceSelector"] = json!({"matchLabels": {LABEL_RUN: self.cluster.run_id}});
+        let mwc: MutatingWebhookConfiguration =
+            serde_json::from_value(mwc).expect("MutatingWebhookConfiguration");
+        let api: Api<MutatingWebhookConfiguration> = Api::all(self.client());
+        let created = api
+            .create(&PostParams::default(), &mwc)
+            .await
+            .unwrap_or_else(|e| panic!("failed to register the webhook configuration: {e}"));
+        self.cleanup
+            .own_typed::<MutatingWebhookConfiguration>(None, &name);
+        let match_conditions = created
+            .webhooks
+            .iter()
+            .flatten()
+            .all(|w| w.match_conditions.as_ref().is_some_and(|m| !m.is_empty()));
+        if !match_conditions {
+            skip(
+                "matchConditions",
+                "the server dropped them (Kubernetes before 1.28, or the feature is off): every pod in the selected namespaces is sent",
+            );
+        }
+        eprintln!("webhook at {}", webhook.url);
+        (webhook, match_conditions)
+    }
+
+    /// Waits until a dry-run create of `pod` in `ns` satisfies `ready` (the webhook
+    /// configuration and the webhook's policy cache take a moment to catch up).
+    async fn until_admission(
+        &self,
+        ns: &str,
+        pod: &Value,
+        what: &str,
+        ready: impl Fn(&RawResponse) -> bool,
+    ) -> RawResponse {
+        let mut last = None;
+        for _ in 0..60 {
+            let r = self
+                .cluster
+                .create_pod(ns, pod, true)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            if ready(&r) {
+                return r;
+            }
+            last = Some(r);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        panic!("{what}: admission never reached the expected state; last answer: {last:?}");
+    }
+}
+
+/// A pod with one privileged container that takes GPUs 0 and 1 by environment variable.
+fn privileged_gpu_pod(name: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [{
+                "name": "train",
+                "image": "registry.k8s.io/pause:3.10",
+                "securityContext": {"privileged": true},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]
+            }]
+        }
+    })
+}
+
+fn annotations(body: &Value) -> BTreeMap<String, String> {
+    serde_json::from_value(body["metadata"]["annotations"].clone()).unwrap_or_default()
+}
+
+fn rewritten(r: &RawResponse) -> bool {
+    r.status.is_success() && annotations(&r.body).contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN)
+}
+
+/// Enforce (the default policy): a privileged GPU pod is stored unprivileged, with an
+/// explicit GPU limit instead of NVIDIA_VISIBLE_DEVICES, the rewritten/policy annotations,
+/// and one kubectl warning for its container; a pod without privilege is never sent to the
+/// webhook (matchConditions) and is stored as written.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn enforce_rewrites_privileged_gpu_pods_with_warnings() {
+    let env = Env::new().await;
+    let ns = env.namespace("enforce").await;
+    let (webhook, match_conditions) = env.webhook().await;
+    let pod = privileged_gpu_pod("train");
+    env.until_admission(&ns, &pod, "enforce", rewritten).await;
+
+    let created = env
+        .cluster
+        .create_pod(&ns, &pod, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+    assert!(
+        created
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("gpuwarden:") && w.contains("train")),
+        "no warning names the container: {:?}",
+        created.warnings
+    );
+
+    let stored = Api::<Pod>::namespaced(env.client(), &ns)
+        .get("train")
+        .await
+        .expect("the pod is stored");
+    let c = &stored.spec.as_ref().expect("spec").containers[0];
+    let sc = c.security_context.as_ref().expect("securityContext");
+    assert_eq!(sc.privileged, Some(false));
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    let drop = sc.capabilities.as_ref().and_then(|c| c.drop.clone());
+    assert_eq!(drop, Some(vec!["ALL".to_string()]));
+    let limits = c
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.clone())
+        .unwrap_or_default();
+    assert_eq!(
+        limits
+            .get(gpuwarden_crds::RESOURCE_GPU)
+            .map(|q| q.0.as_str()),
+        Some("2"),
+        "NVIDIA_VISIBLE_DEVICES=0,1 becomes two requested GPUs"
+    );
+    let env_vars: BTreeMap<String, Option<String>> = c
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.clone(), e.value.clone()))
+        .collect();
+    assert!(
+        !env_vars.contains_key("NVIDIA_VISIBLE_DEVICES"),
+        "{env_vars:?}"
+    );
+    assert_eq!(
+        env_vars
+            .get("NVIDIA_DRIVER_CAPABILITIES")
+            .cloned()
+            .flatten()
+            .as_deref(),
+        Some("compute,utility")
+    );
+    let ann = stored.annotations();
+    assert!(
+        ann.contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN),
+        "{ann:?}"
+    );
+    assert!(
+        ann.get(gpuwarden_crds::ANNOTATION_POLICY)
+            .is_some_and(|p| p.starts_with(&format!("{}@", gpuwarden_crds::DEFAULT_POLICY_NAME))),
+        "{ann:?}"
+    );
+
+    // An ordinary pod: admitted as written, and (with matchConditions) never sent.
+    let before = webhook.reviews();
+    let mut plain = privileged_gpu_pod("plain");
+    plain["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    let created = env
+        .cluster
+        .create_pod(&ns, &plain, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+    assert!(created.warnings.iter().all(|w| !w.starts_with("gpuwarden")));
+    assert!(!annotations(&created.body).contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN));
+    if match_conditions {
+        assert_eq!(
+            webhook.reviews(),
+            before,
+            "an unprivileged pod reached the webhook"
+        );
+    }
+    webhook.stop().await;
+}
+
+/// Audit: a policy in Audit mode admits the privileged GPU pod unchanged, annotates it with
+/// what Enforce would do, and warns.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn audit_mode_admits_unchanged_with_warnings() {
+    let env = Env::new().await;
+    let ns = env.namespace("audit").await;
+    env.policy_for(&ns, PolicyMode::Audit, false).await;
+    let (webhook, _) = env.webhook().await;
+    let pod = privileged_gpu_pod("train");
+    env.until_admission(&ns, &pod, "audit", |r| {
+        annotations(&r.body).contains_key(gpuwarden_crds::ANNOTATION_AUDIT)
+    })
+    .await;
+    let created = env
+        .cluster
+        .create_pod(&ns, &pod, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+    assert!(
+        created
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("gpuwarden audit:")),
+        "{:?}",
+        created.warnings
+    );
+    let stored = Api::<Pod>::namespaced(env.client(), &ns)
+        .get("train")
+        .await
+        .expect("stored");
+    let c = &stored.spec.as_ref().expect("spec").containers[0];
+    assert_eq!(
+        c.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true),
+        "Audit changes nothing"
+    );
+    assert!(
+        stored
+            .annotations()
+            .contains_key(gpuwarden_crds::ANNOTATION_AUDIT)
+    );
+    assert!(
+        !stored
+            .annotations()
+            .contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN)
+    );
+    webhook.stop().await;
+}
+
+/// Deny: a policy in Deny mode rejects the privileged GPU pod with a message that names the
+/// changes it needs and the offline command that makes them; nothing is stored.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn deny_mode_rejects_naming_each_change() {
+    let env = Env::new().await;
+    let ns = env.namespace("deny").await;
+    env.policy_for(&ns, PolicyMode::Deny, false).await;
+    let (webhook, _) = env.webhook().await;
+    let pod = privileged_gpu_pod("train");
+    env.until_admission(&ns, &pod, "deny", |r| r.status.is_client_error())
+        .await;
+    let denied = env
+        .cluster
+        .create_pod(&ns, &pod, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(denied.status.is_client_error(), "{denied:?}");
+    let message = denied.message();
+    for needle in ["(Deny)", "train", "privileged", "gpuwarden-webhook mutate"] {
+        assert!(message.contains(needle), "{needle:?} not in {message:?}");
+    }
+    let stored = Api::<Pod>::namespaced(env.client(), &ns)
+        .get_opt("train")
+        .await
+        .expect("read");
+    assert!(stored.is_none(), "a denied pod was stored");
+    webhook.stop().await;
+}
+
+/// Exemption: in a namespace the governing policy exempts, the privileged GPU pod is
+/// admitted exactly as written, without warnings or annotations.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn exempt_namespace_is_left_alone() {
+    let env = Env::new().await;
+    let ns = env.namespace("exempt").await;
+    env.policy_for(&ns, PolicyMode::Enforce, true).await;
+    let (webhook, _) = env.webhook().await;
+    let pod = privileged_gpu_pod("operator-component");
+    env.until_admission(&ns, &pod, "exempt", |r| {
+        r.status.is_success() && annotations(&r.body).is_empty()
+    })
+    .await;
+    let created = env
+        .cluster
+        .create_pod(&ns, &pod, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+    assert!(
+        created.warnings.iter().all(|w| !w.starts_with("gpuwarden")),
+        "{:?}",
+        created.warnings
+    );
+    let stored = Api::<Pod>::namespaced(env.client(), &ns)
+        .get("operator-component")
+        .await
+        .expect("stored");
+    let c = &stored.spec.as_ref().expect("spec").containers[0];
+    assert_eq!(
+        c.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true)
+    );
+    assert!(
+        !stored
+            .annotations()
+            .keys()
+            .any(|k| k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX)),
+        "{:?}",
+        stored.annotations()
+    );
+    webhook.stop().await;
+}
+
+/// Ephemeral containers: adding a privileged one to a running pod (what `kubectl debug
+/// --profile=sysadmin` does) is denied in a governed namespace; an unprivileged one is
+/// admitted.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn privileged_ephemeral_container_is_denied() {
+    let env = Env::new().await;
+    let ns = env.namespace("ephemeral").await;
+    let (webhook, _) = env.webhook().await;
+    let pod = privileged_gpu_pod("train");
+    env.until_admission(&ns, &pod, "enforce", rewritten).await;
+    let mut target = privileged_gpu_pod("target");
+    target["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    target["spec"]["containers"][0]["env"] = json!([]);
+    let created = env
+        .cluster
+        .create_pod(&ns, &target, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+
+    let path = format!("/api/v1/namespaces/{ns}/pods/target/ephemeralcontainers");
+    let add = |name: &str, privileged: bool| {
+        json!({"spec": {"ephemeralContainers": [{
+            "name": name,
+            "image": "registry.k8s.io/pause:3.10",
+            "targetContainerName": "train",
+            "securityContext": {"privileged": privileged},
+        }]}})
+    };
+    let denied = env
+        .cluster
+        .raw(
+            Method::PATCH,
+            &path,
+            "application/strategic-merge-patch+json",
+            Some(&add("debugger", true)),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(denied.status.is_client_error(), "{denied:?}");
+    assert!(
+        denied
+            .message()
+            .contains("privileged ephemeral container debugger"),
+        "{:?}",
+        denied.message()
+    );
+    let allowed = env
+        .cluster
+        .raw(
+            Method::PATCH,
+            &path,
+            "application/strategic-merge-patch+json",
+            Some(&add("looker", false)),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(allowed.status.is_success(), "{allowed:?}");
+    webhook.stop().await;
+}
+
+/// Creates a Node object (no kubelet behind it) with `labels` and, if `gpus > 0`, GPU
+/// capacity in its status.
+async fn fake_node(env: &Env, suffix: &str, labels: Value, gpus: u32) -> Node {
+    let name = env.name(suffix);
+    let node: Node = serde_json::from_value(json!({
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"unschedulable": true},
+    }))
+    .expect("node");
+    let api: Api<Node> = Api::all(env.client());
+    api.create(&PostParams::default(), &node)
+        .await
+        .unwrap_or_else(|e| panic!("failed to create Node {name}: {e}"));
+    env.cleanup.own_typed::<Node>(None, &name);
+    if gpus > 0 {
+        let status = json!({"status": {
+            "capacity": {gpuwarden_crds::RESOURCE_GPU: gpus.to_string()},
+            "allocatable": {gpuwarden_crds::RESOURCE_GPU: gpus.to_string()},
+        }});
+        api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap_or_else(|e| panic!("failed to set GPU capacity of {name}: {e}"));
+    }
+    api.get(&name).await.expect("node")
+}
+
+/// Runs the operator in-process (no leader election, certificates left alone) until the
+/// returned sender fires.
+fn start_operator(
+    env: &Env,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let mut config = gpuwarden_operator::Config::new(gpuwarden_crds::SYSTEM_NAMESPACE);
+    config.leader_election = false;
+    config.manage_webhook_certificates = false;
+    config.health_listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let client = env.client();
+    let task = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = rx.await;
+        };
+        if let Err(e) = gpuwarden_operator::run(config, client, shutdown).await {
+            eprintln!("operator stopped: {e}");
+        }
+    });
+    (tx, task)
+}
+
+async fn gpunode(env: &Env, name: &str, timeout: Duration) -> Option<GpuNode> {
+    let api: Api<GpuNode> = Api::all(env.client());
+    wait_for(timeout, || {
+        let api = api.clone();
+        let name = name.to_string();
+        async move { api.get_opt(&name).await.ok().flatten() }
+    })
+    .await
+}
+
+fn condition(gn: &GpuNode, type_: &str) -> Option<String> {
+    gn.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| c.status.clone())
+}
+
+/// The operator: one GpuNode per node with GPUs (by allocatable GPUs or by the
+/// nvidia.com/gpu.present label), owned by its Node, none for a node without GPUs; and
+/// `kubectl get gpunodes` shows the printer columns.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn operator_keeps_one_gpunode_per_gpu_node() {
+    let env = Env::new().await;
+    let (stop, task) = start_operator(&env);
+    let labelled = fake_node(
+        &env,
+        "labelled",
+        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
+        0,
+    )
+    .await;
+    let capacity = fake_node(&env, "capacity", json!({}), 8).await;
+    let cpu = fake_node(&env, "cpu", json!({}), 0).await;
+    for node in [&labelled, &capacity] {
+        let name = node.name_any();
+        env.cleanup.own_typed::<GpuNode>(None, &name);
+        let gn = gpunode(&env, &name, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|| panic!("no GpuNode for Node {name}"));
+        assert_eq!(gn.spec.node_name, name);
+        let owner = &gn.owner_references()[0];
+        assert_eq!(owner.kind, "Node");
+        assert_eq!(owner.name, name);
+        assert_eq!(Some(&owner.uid), node.metadata.uid.as_ref());
+
+        // kubectl's view: the Table the server renders from additionalPrinterColumns.
+        let request = http::Request::get(format!(
+            "/apis/{}/{}/gpunodes/{name}",
+            gpuwarden_crds::GROUP,
+            gpuwarden_crds::VERSION
+        ))
+        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+        .body(Vec::new())
+        .expect("request");
+        let table: Value = env.client().request(request).await.expect("Table");
+        let columns: Vec<&str> = table["columnDefinitions"]
+            .as_array()
+            .expect("columnDefinitions")
+            .iter()
+            .filter(|c| c["priority"].as_i64().unwrap_or(0) == 0)
+            .filter_map(|c| c["name"].as_str())
+            .collect();
+        assert_eq!(
+            columns,
+            [
+                "Name",
+                "Node",
+                "GPUs",
+                "Healthy",
+                "Allocated",
+                "Model",
+                "Driver",
+                "Age"
+            ]
+        );
+        assert_eq!(table["rows"][0]["cells"][1], json!(name));
+    }
+    // No GpuNode for a node without GPUs, after the operator has had its chance.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let none = Api::<GpuNode>::all(env.client())
+        .get_opt(&cpu.name_any())
+        .await
+        .expect("read");
+    assert!(none.is_none(), "a GpuNode for a node without GPUs");
+    let _ = stop.send(());
+    let _ = task.await;
+}
+
+/// The node agent (fake GPUs, fake kubelet) writes its GpuNode's inventory and the
+/// kubelet's binding of a pod to a GPU, and the operator marks AgentReady=True from the
+/// agent's Lease; after the agent stops, AgentReady goes False once the Lease expires.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn agent_reports_status_and_bindings_then_goes_silent() {
+    use gpuwarden_node_agent::podresources::{ContainerDevices, ContainerResources, PodResources};
+    use gpuwarden_node_agent::testing::{FakeKubelet, FakeKubeletServer};
+
+    let env = Env::new().await;
+    env.system_namespace().await;
+    let ns = env.namespace("agent").await;
+    let node = fake_node(
+        &env,
+        "agent",
+        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
+        2,
+    )
+    .await;
+    let node_name = node.name_any();
+    env.cleanup.own_typed::<GpuNode>(None, &node_name);
+    env.cleanup.own_typed::<Lease>(
+        Some(gpuwarden_crds::AGENT_LEASE_NAMESPACE),
+        &gpuwarden_crds::agent_lease_name(&node_name),
+    );
+    let (stop_operator, operator) = start_operator(&env);
+
+    // A pod bound to the fake node (no scheduler, no kubelet: it stays Pending).
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "trainer"},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{
+                "name": "main",
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": {"limits": {gpuwarden_crds::RESOURCE_GPU: "1"}}
+            }]
+        }
+    }))
+    .expect("pod");
+    let pod = Api::<Pod>::namespaced(env.client(), &ns)
+        .create(&PostParams::default(), &pod)
+        .await
+        .expect("create the pod");
+
+    let uuids = [
+        "GPU-11111111-2222-3333-4444-555555555555",
+        "GPU-66666666-7777-8888-9999-000000000000",
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = dir.path().join("gpus.yaml");
+    std::fs::write(
+        &fake,
+        format!(
+            "driver:\n  driverVersion: \"550.90.07\"\n  cudaDriverVersion: \"12.4\"\n  nvmlVersion: \"12.550.90.07\"\ngpus:\n  - {{index: 0, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:18:00.0\", minorNumber: 0, migMode: Disabled}}\n  - {{index: 1, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:2A:00.0\", minorNumber: 1, migMode: Disabled}}\n",
+            uuids[0], uuids[1]
+        ),
+    )
+    .expect("write the fake GPU file");
+    let kubelet = FakeKubeletServer::start(
+        &dir.path().join("kubelet.sock"),
+        FakeKubelet {
+            pods: vec![PodResources {
+                name: "trainer".into(),
+                namespace: ns.clone(),
+                containers: vec![ContainerResources {
+                    name: "main".into(),
+                    devices: vec![ContainerDevices {
+                        resource_name: gpuwarden_crds::RESOURCE_GPU.into(),
+                        device_ids: vec![uuids[0].into()],
+                    }],
+                }],
+            }],
+            ..FakeKubelet::default()
+        },
+    )
+    .await
+    .expect("start the fake kubelet");
+
+    let mut config = gpuwarden_node_agent::Config::new(&node_name);
+    config.fake = Some(fake);
+    config.pod_resources_socket = kubelet.socket().to_path_buf();
+    config.host_root = dir.path().to_path_buf();
+    config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    config.poll_interval = Duration::from_secs(2);
+    let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = env.client();
+    let agent = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = agent_stopped.await;
+        };
+        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
+            eprintln!("node agent stopped: {e}");
+        }
+    });
+
+    let api: Api<GpuNode> = Api::all(env.client());
+    let pod_uid = pod.metadata.uid.clone().expect("uid");
+    let reported = wait_for(Duration::from_secs(90), || {
+        let api = api.clone();
+        let node_name = node_name.clone();
+        let pod_uid = pod_uid.clone();
+        async move {
+            let gn = api.get_opt(&node_name).await.ok().flatten()?;
+            let status = gn.status.as_ref()?;
+            let gpus = status.gpus.as_ref()?;
+            let bound = status.bindings.as_ref()?.iter().any(|b| {
+                b.pod_uid == pod_uid && b.container == "main" && b.gpu_uuids == [uuids[0]]
+            });
+            (gpus.len() == 2
+                && bound
+                && condition(&gn, condition_types::AGENT_READY).as_deref() == Some("True"))
+            .then_some(gn)
+        }
+    })
+    .await;
+    let gn = match reported {
+        Some(gn) => gn,
+        None => panic!(
+            "the GpuNode never showed 2 GPUs, the binding and AgentReady=True: {:?}",
+            api.get_opt(&node_name).await
+        ),
+    };
+    let status = gn.status.expect("status");
+    let driver = status.driver.expect("driver");
+    assert_eq!(driver.driver_version, "550.90.07");
+
+    let _ = stop_agent.send(());
+    let _ = agent.await;
+    kubelet.stop().await;
+    // The Lease lasts 40 s; the operator then reports the silent agent.
+    let silent = wait_for(Duration::from_secs(150), || {
+        let api = api.clone();
+        let node_name = node_name.clone();
+        async move {
+            let gn = api.get_opt(&node_name).await.ok().flatten()?;
+            (condition(&gn, condition_types::AGENT_READY).as_deref() == Some("False")).then_some(gn)
+        }
+    })
+    .await;
+    assert!(
+        silent.is_some(),
+        "AgentReady never went False after the agent stopped"
+    );
+    let _ = stop_operator.send(());
+    let _ = operator.await;
+}
+
+/// Deleting a Node deletes its GpuNode through the owner reference, with the operator
+/// stopped so only the garbage collector can do it. Where no garbage collector runs (an
+/// API server without kube-controller-manager) this is skipped after a minute.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn deleting_a_node_removes_its_gpunode() {
+    let env = Env::new().await;
+    let node = fake_node(
+        &env,
+        "gone",
+        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
+        0,
+    )
+    .await;
+    let name = node.name_any();
+    env.cleanup.own_typed::<GpuNode>(None, &name);
+    let (stop, task) = start_operator(&env);
+    assert!(
+        gpunode(&env, &name, Duration::from_secs(60))
+            .await
+            .is_some(),
+        "no GpuNode for Node {name}"
+    );
+    let _ = stop.send(());
+    let _ = task.await;
+    Api::<Node>::all(env.client())
+        .delete(&name, &Default::default())
+        .await
+        .expect("delete the Node");
+    let api: Api<GpuNode> = Api::all(env.client());
+    let gone = wait_for(Duration::from_secs(60), || {
+        let api = api.clone();
+        let name = name.clone();
+        async move {
+            match api.get_opt(&name).await {
+                Ok(None) => Some(()),
+                _ => None,
+            }
+        }
+    })
+    .await;
+    if gone.is_none() {
+        skip(
+            "garbage collection",
+            "the GpuNode outlived its Node by a minute: no garbage collector runs on this server",
+        );
+    }
+}
+
+/// Creates a renamed copy of the admission policy and binding in `file`, bound to this
+/// run's namespaces, and returns the policy as the server stored it once type-checked.
+async fn install_policy(
+    env: &Env,
+    file: &str,
+    suffix: &str,
+    bind_to_run: bool,
+) -> ValidatingAdmissionPolicy {
+    let docs = load_file(file).expect("manifest");
+    let name = env.name(suffix);
+    let policy_api: Api<ValidatingAdmissionPolicy> = Api::all(env.client());
+    let binding_api: Api<ValidatingAdmissionPolicyBinding> = Api::all(env.client());
+    let mut policy = docs[0].value.clone();
+    policy["metadata"] = json!({"name": name});
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(policy).expect("policy");
+    policy_api
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap_or_else(|e| panic!("the server refused {file}: {e}"));
+    env.cleanup
+        .own_typed::<ValidatingAdmissionPolicy>(None, &name);
+    let mut binding = docs[1].value.clone();
+    binding["metadata"] = json!({"name": name});
+    binding["spec"]["policyName"] = json!(name);
+    if bind_to_run {
+        binding["spec"]["matchResources"] =
+            json!({"namespaceSelector": {"matchLabels": {LABEL_RUN: env.cluster.run_id}}});
+    }
+    let binding: ValidatingAdmissionPolicyBinding =
+        serde_json::from_value(binding).expect("binding");
+    binding_api
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap_or_else(|e| panic!("the server refused the binding in {file}: {e}"));
+    env.cleanup
+        .own_typed::<ValidatingAdmissionPolicyBinding>(None, &name);
+    wait_for(SHORT, || {
+        let api = policy_api.clone();
+        let name = name.clone();
+        async move {
+            let p = api.get(&name).await.ok()?;
+            let checked = p.status.as_ref()?.observed_generation == p.metadata.generation;
+            checked.then_some(p)
+        }
+    })
+    .await
+    .unwrap_or_else(|| panic!("{file}: the server never type-checked the policy"))
+}
+
+/// The ValidatingAdmissionPolicies under deploy/admission compile on a real server with no
+/// type-checking warning, and the backstop rejects a privileged GPU pod that reaches the
+/// API server unrewritten (no webhook here) while admitting a privileged pod without GPU
+/// signals. Skipped where the server has no admissionregistration.k8s.io/v1
+/// ValidatingAdmissionPolicy (before 1.30).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn admission_policies_compile_and_the_backstop_rejects() {
+    let env = Env::new().await;
+    if !env
+        .cluster
+        .serves(
+            "admissionregistration.k8s.io/v1",
+            "validatingadmissionpolicies",
+        )
+        .await
+    {
+        skip(
+            "ValidatingAdmissionPolicy",
+            "the server does not serve admissionregistration.k8s.io/v1 validatingadmissionpolicies (Kubernetes 1.30+)",
+        );
+        return;
+    }
+    for (file, suffix, bind) in [
+        (
+            "deploy/admission/agent-own-node.yaml",
+            "agent-own-node",
+            false,
+        ),
+        ("deploy/admission/backstop-policy.yaml", "backstop", true),
+    ] {
+        let policy = install_policy(&env, file, suffix, bind).await;
+        let warnings = policy
+            .status
+            .and_then(|s| s.type_checking)
+            .and_then(|t| t.expression_warnings)
+            .unwrap_or_default();
+        assert!(
+            warnings.is_empty(),
+            "{file}: the server's type checker warns: {warnings:?}"
+        );
+    }
+    let ns = env.namespace("backstop").await;
+    let pod = privileged_gpu_pod("train");
+    let denied = env
+        .until_admission(&ns, &pod, "backstop", |r| r.status.is_client_error())
+        .await;
+    assert!(
+        denied
+            .message()
+            .contains("privileged GPU containers are not admitted")
+            && denied.message().contains("train"),
+        "{:?}",
+        denied.message()
+    );
+    let mut no_gpu = privileged_gpu_pod("tools");
+    no_gpu["spec"]["containers"][0]["env"] = json!([]);
+    let allowed = env
+        .cluster
+        .create_pod(&ns, &no_gpu, true)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        allowed.status.is_success(),
+        "a privileged pod without GPU signals is not the backstop's business: {allowed:?}"
+    );
+}
