@@ -1,0 +1,405 @@
+//! The CEL in deploy/admission evaluated without a cluster: the webhook's matchConditions,
+//! the backstop ValidatingAdmissionPolicy and the policy that pins node agents to their own
+//! node, run against real-looking pods and requests with a CEL interpreter. The API
+//! server's own type checking is exercised by the end-to-end suite; this checks what the
+//! expressions decide.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cel_interpreter::extractors::This;
+use cel_interpreter::{Context, ExecutionError, FunctionContext, Program, Value as Cel};
+use gpuwarden_e2e::manifests::{Document, load_file};
+use serde_json::{Value, json};
+
+/// Kubernetes' CEL has the strings extension; these two are the parts the policies use.
+fn substring(
+    ftx: &FunctionContext,
+    This(s): This<Arc<String>>,
+    start: i64,
+    end: i64,
+) -> Result<Cel, ExecutionError> {
+    let chars: Vec<char> = s.chars().collect();
+    let (Ok(start), Ok(end)) = (usize::try_from(start), usize::try_from(end)) else {
+        return Err(ftx.error("negative substring index"));
+    };
+    if start > end || end > chars.len() {
+        return Err(ftx.error("substring out of range"));
+    }
+    Ok(Cel::String(Arc::new(chars[start..end].iter().collect())))
+}
+
+fn join(
+    ftx: &FunctionContext,
+    This(list): This<Cel>,
+    separator: Arc<String>,
+) -> Result<Cel, ExecutionError> {
+    let Cel::List(items) = list else {
+        return Err(ftx.error("join needs a list"));
+    };
+    let mut parts = Vec::new();
+    for item in items.iter() {
+        match item {
+            Cel::String(s) => parts.push(s.to_string()),
+            other => return Err(ftx.error(format!("join of a non-string {other:?}"))),
+        }
+    }
+    Ok(Cel::String(Arc::new(parts.join(separator.as_str()))))
+}
+
+fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
+    let program = Program::compile(expression)
+        .unwrap_or_else(|e| panic!("does not parse: {expression}: {e}"));
+    let mut ctx = Context::default();
+    ctx.add_function("substring", substring);
+    ctx.add_function("join", join);
+    for (name, value) in vars {
+        ctx.add_variable(
+            *name,
+            cel_interpreter::to_value(value).expect("JSON to CEL"),
+        )
+        .expect("variable");
+    }
+    program
+        .execute(&ctx)
+        .unwrap_or_else(|e| panic!("{expression}: {e:?}"))
+}
+
+fn eval_bool(expression: &str, vars: &BTreeMap<&str, Value>) -> bool {
+    match eval(expression, vars) {
+        Cel::Bool(b) => b,
+        other => panic!("{expression} is not a bool: {other:?}"),
+    }
+}
+
+fn to_json(value: &Cel) -> Value {
+    match value {
+        Cel::Null => Value::Null,
+        Cel::Bool(b) => json!(b),
+        Cel::Int(i) => json!(i),
+        Cel::UInt(u) => json!(u),
+        Cel::Float(f) => json!(f),
+        Cel::String(s) => json!(s.as_str()),
+        Cel::List(l) => Value::Array(l.iter().map(to_json).collect()),
+        Cel::Map(m) => {
+            let mut out = serde_json::Map::new();
+            for (k, v) in m.map.iter() {
+                out.insert(format!("{k}").trim_matches('"').to_string(), to_json(v));
+            }
+            Value::Object(out)
+        }
+        other => panic!("unexpected CEL value {other:?}"),
+    }
+}
+
+/// What a ValidatingAdmissionPolicy decides for one request: `None` when its
+/// matchConditions do not match, else the messages of the failed validations.
+fn decide(policy: &Document, vars: &BTreeMap<&str, Value>) -> Option<Vec<String>> {
+    let spec = &policy.value["spec"];
+    let mut vars = vars.clone();
+    for condition in spec["matchConditions"].as_array().into_iter().flatten() {
+        let expr = condition["expression"].as_str().expect("expression");
+        if !eval_bool(expr, &vars) {
+            return None;
+        }
+    }
+    let mut variables = serde_json::Map::new();
+    for variable in spec["variables"].as_array().into_iter().flatten() {
+        vars.insert("variables", Value::Object(variables.clone()));
+        let name = variable["name"].as_str().expect("name");
+        let value = eval(variable["expression"].as_str().expect("expression"), &vars);
+        variables.insert(name.to_string(), to_json(&value));
+    }
+    vars.insert("variables", Value::Object(variables));
+    let mut failures = Vec::new();
+    for validation in spec["validations"].as_array().into_iter().flatten() {
+        if !eval_bool(
+            validation["expression"].as_str().expect("expression"),
+            &vars,
+        ) {
+            let message = validation["messageExpression"]
+                .as_str()
+                .map(|m| match eval(m, &vars) {
+                    Cel::String(s) => s.to_string(),
+                    other => panic!("messageExpression is not a string: {other:?}"),
+                })
+                .or_else(|| validation["message"].as_str().map(str::to_string))
+                .unwrap_or_default();
+            failures.push(message);
+        }
+    }
+    Some(failures)
+}
+
+fn container(name: &str, privileged: Option<bool>) -> Value {
+    let mut c = json!({"name": name, "image": "nvcr.io/nvidia/pytorch:24.05-py3"});
+    if let Some(p) = privileged {
+        c["securityContext"] = json!({"privileged": p});
+    }
+    c
+}
+
+fn pod(spec: Value) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec})
+}
+
+fn default_params() -> Value {
+    gpuwarden_crds::manifests::default_policy_manifest()
+}
+
+fn request(namespace: &str) -> Value {
+    json!({"namespace": namespace, "name": "p", "operation": "CREATE",
+           "userInfo": {"username": "alice"},
+           "resource": {"group": "", "version": "v1", "resource": "pods"}})
+}
+
+/// The webhook's matchConditions send a pod exactly when some container (regular, init or
+/// ephemeral) is privileged.
+#[test]
+fn match_conditions_select_pods_with_a_privileged_container() {
+    let docs = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
+    let condition = docs[0].value["webhooks"][0]["matchConditions"][0]["expression"]
+        .as_str()
+        .expect("expression")
+        .to_string();
+    let cases = [
+        (pod(json!({"containers": [container("a", None)]})), false),
+        (
+            pod(json!({"containers": [container("a", Some(false))]})),
+            false,
+        ),
+        (
+            pod(json!({"containers": [{"name": "a", "securityContext": {"runAsUser": 1}}]})),
+            false,
+        ),
+        (
+            pod(json!({"containers": [container("a", Some(true))]})),
+            true,
+        ),
+        (
+            pod(json!({"containers": [container("a", None), container("b", Some(true))]})),
+            true,
+        ),
+        (
+            pod(
+                json!({"containers": [container("a", None)], "initContainers": [container("i", Some(true))]}),
+            ),
+            true,
+        ),
+        (
+            pod(
+                json!({"containers": [container("a", None)], "initContainers": [container("i", Some(false))]}),
+            ),
+            false,
+        ),
+        (
+            pod(
+                json!({"containers": [container("a", None)], "ephemeralContainers": [container("e", Some(true))]}),
+            ),
+            true,
+        ),
+    ];
+    for (object, expected) in cases {
+        let vars = BTreeMap::from([("object", object.clone())]);
+        assert_eq!(eval_bool(&condition, &vars), expected, "{object}");
+    }
+}
+
+fn backstop() -> Document {
+    load_file("deploy/admission/backstop-policy.yaml").expect("manifest")[0].clone()
+}
+
+fn backstop_decides(object: Value, namespace: &str, params: Value) -> Option<Vec<String>> {
+    let vars = BTreeMap::from([
+        ("object", object),
+        ("request", request(namespace)),
+        ("params", params),
+    ]);
+    decide(&backstop(), &vars)
+}
+
+/// The backstop rejects a privileged container with any GPU signal the webhook knows (a
+/// GPU limit, a MIG or shared-GPU limit, NVIDIA_VISIBLE_DEVICES, a /dev hostPath mount, an
+/// NVIDIA CDI annotation), naming it, and admits privileged containers without a signal,
+/// rewritten pods, and GPU pods that are not privileged.
+#[test]
+fn backstop_rejects_privileged_gpu_containers_only() {
+    let ns = "team-a";
+    let mut gpu_env = container("train", Some(true));
+    gpu_env["env"] = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    let mut void_env = container("side", Some(true));
+    void_env["env"] = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]);
+    let mut limit = container("train", Some(true));
+    limit["resources"] = json!({"limits": {"nvidia.com/gpu": "1"}});
+    let mut mig = container("train", Some(true));
+    mig["resources"] = json!({"limits": {"nvidia.com/mig-1g.10gb": "1"}});
+    let mut shared = container("train", Some(true));
+    shared["resources"] = json!({"limits": {"nvidia.com/gpu.shared": "1"}});
+    let mut dev = container("train", Some(true));
+    dev["volumeMounts"] = json!([{"name": "nv", "mountPath": "/dev/nvidia0"}]);
+    let dev_volume = json!([{"name": "nv", "hostPath": {"path": "/dev/nvidia0"}}]);
+    let mut rewritten = limit.clone();
+    rewritten["securityContext"] = json!({"privileged": false, "allowPrivilegeEscalation": false});
+    let mut unprivileged_gpu = limit.clone();
+    unprivileged_gpu["securityContext"] = json!({});
+
+    let denied = [
+        pod(json!({"containers": [gpu_env.clone()]})),
+        pod(json!({"containers": [limit]})),
+        pod(json!({"containers": [mig]})),
+        pod(json!({"containers": [shared]})),
+        pod(json!({"containers": [dev], "volumes": dev_volume})),
+        pod(json!({"containers": [container("a", None)], "initContainers": [gpu_env.clone()]})),
+        {
+            let mut p = pod(json!({"containers": [container("train", Some(true))]}));
+            p["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"});
+            p
+        },
+    ];
+    for object in denied {
+        let failures = backstop_decides(object.clone(), ns, default_params())
+            .unwrap_or_else(|| panic!("the backstop did not match {object}"));
+        assert_eq!(failures.len(), 1, "{object}: {failures:?}");
+        assert!(
+            failures[0].contains("privileged GPU containers are not admitted")
+                && failures[0].contains("train"),
+            "{failures:?}"
+        );
+    }
+    let admitted = [
+        pod(json!({"containers": [container("tools", Some(true))]})),
+        pod(json!({"containers": [void_env]})),
+        pod(json!({"containers": [rewritten]})),
+        pod(json!({"containers": [unprivileged_gpu]})),
+        pod(json!({"containers": [container("a", None)]})),
+    ];
+    for object in admitted {
+        let failures = backstop_decides(object.clone(), ns, default_params());
+        assert_eq!(failures, Some(vec![]), "{object}");
+    }
+}
+
+/// The backstop follows the default policy: its exempt namespaces, service accounts and
+/// image patterns (prefix globs), Audit mode, and `match.privilegedContainers: All`.
+#[test]
+fn backstop_follows_the_default_policy() {
+    let mut gpu = container("train", Some(true));
+    gpu["env"] = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]);
+    let gpu_pod = pod(json!({"containers": [gpu.clone()]}));
+
+    // Exempt namespace: the matchConditions do not match.
+    assert_eq!(
+        backstop_decides(gpu_pod.clone(), "gpu-operator", default_params()),
+        None
+    );
+    // Exempt image (the default policy's dcgm-exporter pattern).
+    let mut dcgm = gpu.clone();
+    dcgm["image"] = json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04");
+    assert_eq!(
+        backstop_decides(
+            pod(json!({"containers": [dcgm]})),
+            "monitoring",
+            default_params()
+        ),
+        Some(vec![])
+    );
+    // Exempt service account.
+    let mut params = default_params();
+    params["spec"]["exemptions"]["serviceAccounts"] = json!(["team-a/gpu-admin"]);
+    let mut sa_pod = gpu_pod.clone();
+    sa_pod["spec"]["serviceAccountName"] = json!("gpu-admin");
+    assert_eq!(backstop_decides(sa_pod, "team-a", params.clone()), None);
+    assert!(backstop_decides(gpu_pod.clone(), "team-a", params).is_some());
+    // Audit: the webhook only warns, so the backstop stays out of the way.
+    let mut audit = default_params();
+    audit["spec"]["mode"] = json!("Audit");
+    assert_eq!(backstop_decides(gpu_pod.clone(), "team-a", audit), None);
+    // Deny behaves as Enforce here: reject.
+    let mut deny = default_params();
+    deny["spec"]["mode"] = json!("Deny");
+    assert_eq!(
+        backstop_decides(gpu_pod, "team-a", deny).map(|f| f.len()),
+        Some(1)
+    );
+    // All: every privileged container counts.
+    let mut all = default_params();
+    all["spec"]["match"]["privilegedContainers"] = json!("All");
+    let plain = pod(json!({"containers": [container("tools", Some(true))]}));
+    assert_eq!(
+        backstop_decides(plain, "team-a", all).map(|f| f.len()),
+        Some(1)
+    );
+}
+
+/// A privileged ephemeral container is refused by the backstop (it cannot request GPUs);
+/// an unprivileged one passes.
+#[test]
+fn backstop_refuses_privileged_ephemeral_containers() {
+    let object = pod(json!({
+        "containers": [container("app", None)],
+        "ephemeralContainers": [container("debugger", Some(true))],
+    }));
+    let failures = backstop_decides(object, "team-a", default_params()).expect("matched");
+    assert_eq!(failures.len(), 1);
+    assert!(failures[0].contains("debugger"), "{failures:?}");
+    let mut exempt = container("dcgm", Some(true));
+    exempt["image"] = json!("nvcr.io/nvidia/cloud-native/dcgm:3.3.5-1-ubuntu22.04");
+    let object = pod(json!({
+        "containers": [container("app", None)],
+        "ephemeralContainers": [container("looker", Some(false)), exempt],
+    }));
+    assert_eq!(
+        backstop_decides(object, "team-a", default_params()),
+        Some(vec![])
+    );
+}
+
+fn agent_request(resource: &str, name: &str, node: Option<&str>) -> Value {
+    let mut user = json!({
+        "username": format!(
+            "system:serviceaccount:{}:{}",
+            gpuwarden_crds::SYSTEM_NAMESPACE,
+            gpuwarden_crds::install::NODE_AGENT_NAME
+        ),
+    });
+    if let Some(node) = node {
+        user["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
+    }
+    json!({"name": name, "operation": "UPDATE", "userInfo": user,
+           "resource": {"group": "gpuwarden.io", "version": "v1alpha1", "resource": resource}})
+}
+
+/// A node agent may write its own node's GpuNode status and Lease and nothing else; a
+/// token without a node name (Kubernetes before 1.30) is refused with a message that says
+/// so; other users are not this policy's business.
+#[test]
+fn agent_policy_pins_each_agent_to_its_node() {
+    let policy = load_file("deploy/admission/agent-own-node.yaml").expect("manifest")[0].clone();
+    let lease = gpuwarden_crds::agent_lease_name("gpu-1");
+    let cases: [(&str, &str, Option<&str>, bool); 6] = [
+        ("gpunodes", "gpu-1", Some("gpu-1"), true),
+        ("gpunodes", "gpu-2", Some("gpu-1"), false),
+        ("leases", &lease, Some("gpu-1"), true),
+        ("leases", "gpuwarden-agent-gpu-2", Some("gpu-1"), false),
+        ("leases", "gpu-1", Some("gpu-1"), false),
+        ("gpunodes", "gpu-1", None, false),
+    ];
+    for (resource, name, node, allowed) in cases {
+        let vars = BTreeMap::from([("request", agent_request(resource, name, node))]);
+        let failures = decide(&policy, &vars).expect("the agent's requests match");
+        assert_eq!(
+            failures.is_empty(),
+            allowed,
+            "{resource} {name} as {node:?}: {failures:?}"
+        );
+        if node.is_none() {
+            assert!(failures[0].contains("1.30"), "{failures:?}");
+        } else if !allowed {
+            assert!(failures[0].contains(name), "{failures:?}");
+        }
+    }
+    let mut other = agent_request("gpunodes", "gpu-2", None);
+    other["userInfo"]["username"] =
+        json!("system:serviceaccount:gpuwarden-system:gpuwarden-operator");
+    assert_eq!(decide(&policy, &BTreeMap::from([("request", other)])), None);
+}
