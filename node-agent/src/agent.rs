@@ -27,7 +27,8 @@ use crate::lease::{LeaseKeeper, RENEW_INTERVAL};
 use crate::metrics::{CallLabels, ErrorSource, Metrics};
 use crate::nvml::NvmlBackend;
 use crate::podresources::{
-    DeviceMap, PodResources, PodResourcesClient, PodResourcesError, Timeouts, gpu_allocations,
+    ContainerDevices, DeviceMap, PodResources, PodResourcesClient, PodResourcesError, Timeouts,
+    gpu_allocations,
 };
 use crate::pods::{PodIndex, PodInfo};
 use crate::status::{Computed, ObservedProcess, StatusInput};
@@ -77,6 +78,8 @@ pub struct Sweeper {
     allocations: AllocationSource,
     kubelet: Option<PodResourcesClient>,
     last_list: Vec<PodResources>,
+    /// `GetAllocatableResources`, and when it was last asked.
+    allocatable: Option<(Timestamp, Vec<ContainerDevices>)>,
     last_kubelet_error: Option<String>,
     proc_root: PathBuf,
     host_root: PathBuf,
@@ -102,6 +105,7 @@ impl Sweeper {
             allocations,
             kubelet: None,
             last_list: Vec::new(),
+            allocatable: None,
             last_kubelet_error: None,
             proc_root: host_root.join("proc"),
             host_root: host_root.to_path_buf(),
@@ -144,6 +148,7 @@ impl Sweeper {
 
         let devices = DeviceMap::new(&reading.gpus);
         let allocations = gpu_allocations(self.list_allocations().await?, &devices);
+        self.check_allocatable(now, &devices).await;
 
         let mut observed = Vec::new();
         let mut live = HashMap::with_capacity(self.cgroups.len());
@@ -235,6 +240,34 @@ impl Sweeper {
             }
         }
         Ok(&self.last_list)
+    }
+}
+
+impl Sweeper {
+    /// Asks the kubelet, now and then, which GPU devices it can allocate, and exports how
+    /// many of them name a GPU on this node and how many name none (a device plugin that
+    /// disagrees with NVML).
+    async fn check_allocatable(&mut self, now: Timestamp, devices: &DeviceMap) {
+        let due = self
+            .allocatable
+            .as_ref()
+            .is_none_or(|(at, _)| elapsed(*at, now) >= self.runtime_refresh);
+        if due && let Some(client) = self.kubelet.as_mut() {
+            match client.allocatable().await {
+                Ok(list) => self.allocatable = Some((now, list)),
+                Err(e) => {
+                    self.metrics.error(ErrorSource::pod_resources);
+                    tracing::debug!(error = %e, "GetAllocatableResources failed");
+                    // Asked again at the next refresh, not every sweep.
+                    let old = self.allocatable.take().map(|(_, l)| l).unwrap_or_default();
+                    self.allocatable = Some((now, old));
+                }
+            }
+        }
+        if let Some((_, list)) = &self.allocatable {
+            let (known, unknown) = crate::podresources::allocatable_gpu_devices(list, devices);
+            self.metrics.set_allocatable(known, unknown);
+        }
     }
 }
 
@@ -438,6 +471,7 @@ async fn run_inner(
         let computed = match sweeper.sweep(now, &pod_infos, synced, &rules).await {
             Ok(c) => c,
             Err(e) => {
+                ready.store(false, Ordering::Relaxed);
                 warn!(error = %error_chain(&e), "sweep failed");
                 continue;
             }

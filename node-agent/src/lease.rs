@@ -6,6 +6,7 @@ use std::time::Duration;
 use gpuwarden_crds::{AGENT_LEASE_NAMESPACE, FIELD_MANAGER_NODE_AGENT, agent_lease_name};
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 
@@ -40,15 +41,10 @@ pub fn lease_body(node: &str, acquired: Timestamp, now: Timestamp) -> serde_json
         "spec": {
             "holderIdentity": node,
             "leaseDurationSeconds": LEASE_DURATION_SECONDS,
-            "acquireTime": micro_time(acquired),
-            "renewTime": micro_time(now),
+            "acquireTime": MicroTime(acquired),
+            "renewTime": MicroTime(now),
         },
     })
-}
-
-/// RFC 3339 with microseconds, as `MicroTime` wants it.
-fn micro_time(t: Timestamp) -> String {
-    t.strftime("%Y-%m-%dT%H:%M:%S.%6fZ").to_string()
 }
 
 /// Renews one node's Lease.
@@ -94,12 +90,15 @@ mod tests {
     #[test]
     fn lease_body_is_a_valid_lease() {
         let t0 = Timestamp::from_second(1_700_000_000).unwrap();
-        let body = lease_body("gpu-node-1", t0, t0);
+        let now = Timestamp::from_microsecond(1_700_000_010_123_456).unwrap();
+        let body = lease_body("gpu-node-1", t0, now);
+        assert_eq!(body["spec"]["renewTime"], "2023-11-14T22:13:30.123456Z");
         let lease: Lease = serde_json::from_value(body).unwrap();
         let spec = lease.spec.unwrap();
         assert_eq!(spec.holder_identity.as_deref(), Some("gpu-node-1"));
         assert_eq!(spec.lease_duration_seconds, Some(40));
-        assert_eq!(spec.renew_time.unwrap().0, t0);
+        assert_eq!(spec.renew_time.unwrap().0, now);
+        assert_eq!(spec.acquire_time.unwrap().0, t0);
         assert_eq!(
             lease.metadata.name.as_deref(),
             Some("gpuwarden-agent-gpu-node-1")

@@ -76,6 +76,8 @@ pub struct Metrics {
     healthy: Family<GpuLabels, Gauge>,
     out_of_band: Gauge,
     host_processes: Gauge,
+    allocatable_known: Gauge,
+    allocatable_unknown: Gauge,
     /// Duration of backend calls.
     pub nvml_call_seconds: Family<CallLabels, Histogram>,
     /// Duration of a full sweep.
@@ -107,6 +109,8 @@ impl Metrics {
             healthy: Family::default(),
             out_of_band: Gauge::default(),
             host_processes: Gauge::default(),
+            allocatable_known: Gauge::default(),
+            allocatable_unknown: Gauge::default(),
             nvml_call_seconds: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.0005, 2.0, 14))
             }),
@@ -152,6 +156,16 @@ impl Metrics {
             m.host_processes.clone(),
         );
         registry.register(
+            "kubelet_allocatable_gpu_devices",
+            "Devices the kubelet can allocate that name a GPU or MIG device on this node",
+            m.allocatable_known.clone(),
+        );
+        registry.register(
+            "kubelet_unknown_gpu_devices",
+            "GPU devices the kubelet can allocate that name no GPU NVML reports",
+            m.allocatable_unknown.clone(),
+        );
+        registry.register(
             "nvml_call_duration_seconds",
             "Duration of GPU backend calls",
             m.nvml_call_seconds.clone(),
@@ -173,6 +187,14 @@ impl Metrics {
     /// Counts one error.
     pub fn error(&self, source: ErrorSource) {
         self.errors.get_or_create(&ErrorLabels { source }).inc();
+    }
+
+    /// Sets the kubelet's allocatable GPU device counts.
+    pub fn set_allocatable(&self, known: usize, unknown: usize) {
+        self.allocatable_known
+            .set(i64::try_from(known).unwrap_or(i64::MAX));
+        self.allocatable_unknown
+            .set(i64::try_from(unknown).unwrap_or(i64::MAX));
     }
 
     /// Sets the per-GPU series from one sweep, removing series of holders that are gone.

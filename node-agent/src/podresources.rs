@@ -361,6 +361,23 @@ pub fn gpu_allocations(list: &[PodResources], devices: &DeviceMap) -> Vec<Alloca
     out
 }
 
+/// Of the kubelet's allocatable devices under GPU resource names: how many name a GPU or
+/// MIG device on this node, and how many name nothing NVML knows.
+pub fn allocatable_gpu_devices(list: &[ContainerDevices], devices: &DeviceMap) -> (usize, usize) {
+    let mut known = 0;
+    let mut unknown = 0;
+    for dev in list {
+        for id in &dev.device_ids {
+            if devices.resolve(id).is_some() {
+                known += 1;
+            } else if crate::pods::is_gpu_resource(&dev.resource_name) {
+                unknown += 1;
+            }
+        }
+    }
+    (known, unknown)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

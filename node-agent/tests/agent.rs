@@ -12,7 +12,7 @@ use gpuwarden_node_agent::agent::{AllocationSource, Sweeper};
 use gpuwarden_node_agent::fake::{FakeBackend, FakeNode};
 use gpuwarden_node_agent::health::HealthRules;
 use gpuwarden_node_agent::metrics::Metrics;
-use gpuwarden_node_agent::podresources::Timeouts;
+use gpuwarden_node_agent::podresources::{ContainerDevices, Timeouts};
 use gpuwarden_node_agent::status::Holder;
 use gpuwarden_node_agent::testing::{FakeKubelet, FakeKubeletServer};
 use gpuwarden_node_agent::writer::{KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusWriter};
@@ -47,13 +47,24 @@ async fn bindings_from_fake_kubelet_and_an_out_of_band_process() {
         &sock.path().join("kubelet.sock"),
         FakeKubelet {
             pods: allocations(),
+            allocatable: vec![ContainerDevices {
+                resource_name: "nvidia.com/gpu".into(),
+                device_ids: vec!["GPU-aaaa".into(), "GPU-bbbb".into(), "GPU-gone".into()],
+            }],
             ..Default::default()
         },
     )
     .await
     .unwrap();
     let host = host_root();
-    let mut s = sweeper(fake_node(), kubelet(server.socket(), true), host.path());
+    let metrics = Arc::new(Metrics::new());
+    let mut s = Sweeper::new(
+        Arc::new(FakeBackend::new(fake_node(), t0())),
+        kubelet(server.socket(), true),
+        host.path(),
+        Duration::from_secs(600),
+        metrics.clone(),
+    );
     let pods = pods();
     let c = s
         .sweep(t0(), &pods, true, &HealthRules::default())
@@ -96,7 +107,21 @@ async fn bindings_from_fake_kubelet_and_an_out_of_band_process() {
             container: "render".into()
         }]
     );
-    assert!(server.calls() >= 1);
+    // List and GetAllocatableResources; the kubelet offers a GPU NVML does not know.
+    assert_eq!(server.calls(), 2);
+    let text = metrics.encode();
+    assert!(
+        text.contains("gpuwarden_node_agent_kubelet_allocatable_gpu_devices 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("gpuwarden_node_agent_kubelet_unknown_gpu_devices 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"gpuwarden_node_agent_gpu_utilization_ratio{gpu="1",uuid="GPU-bbbb",model="NVIDIA H100 80GB HBM3",namespace="research",pod="legacy",container="render"} 0.4"#),
+        "{text}"
+    );
     server.stop().await;
 }
 
@@ -157,11 +182,12 @@ async fn kubelet_rate_limit_is_respected() {
     let pods = pods();
     let rules = HealthRules::default();
     s.sweep(t0(), &pods, true, &rules).await.unwrap();
-    assert_eq!(server.calls(), 1);
+    // List, and GetAllocatableResources once per refresh.
+    assert_eq!(server.calls(), 2);
 
     server.reject_next(1);
     let c = s.sweep(at(10), &pods, true, &rules).await.unwrap();
-    assert_eq!(server.calls(), 2);
+    assert_eq!(server.calls(), 3);
     // The last known allocations stand in while the kubelet refuses.
     let trainer = c.status.bindings.unwrap();
     assert!(
@@ -172,11 +198,11 @@ async fn kubelet_rate_limit_is_respected() {
 
     // Within the backoff the kubelet is not asked at all.
     s.sweep(at(11), &pods, true, &rules).await.unwrap();
-    assert_eq!(server.calls(), 2);
+    assert_eq!(server.calls(), 3);
 
     tokio::time::sleep(Duration::from_millis(1100)).await;
     s.sweep(at(20), &pods, true, &rules).await.unwrap();
-    assert_eq!(server.calls(), 3);
+    assert_eq!(server.calls(), 4);
     server.stop().await;
 }
 
