@@ -4,6 +4,8 @@
 pub mod admission;
 pub mod cache;
 pub mod engine;
+pub mod manifest;
 pub mod metrics;
+pub mod mutate;
 pub mod server;
 pub mod tls;

@@ -1,0 +1,389 @@
+//! Reading Kubernetes manifests for the offline engine: files, directories or stdin holding
+//! multi-document YAML or JSON (an object or a `List`), and finding the pod template inside
+//! each workload.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// A manifest that could not be read, naming the file, the document and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// The file or directory could not be read.
+    #[error("{path}: failed to read: {source}")]
+    Read {
+        /// The path as given.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not UTF-8 text.
+    #[error("{path}: not UTF-8 text")]
+    NotText {
+        /// The path as given.
+        path: String,
+    },
+    /// A YAML document does not parse.
+    #[error("{path}: document {index} (line {line}): invalid YAML: {message}")]
+    Yaml {
+        /// The path as given.
+        path: String,
+        /// 1-based index among the file's non-empty documents.
+        index: usize,
+        /// 1-based line the document starts on.
+        line: usize,
+        /// The parser's message.
+        message: String,
+    },
+    /// The JSON does not parse.
+    #[error("{path}: invalid JSON: {message}")]
+    Json {
+        /// The path as given.
+        path: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// A document parses but is not a Kubernetes object.
+    #[error("{path}: document {index} (line {line}): {problem}")]
+    NotAnObject {
+        /// The path as given.
+        path: String,
+        /// 1-based document index.
+        index: usize,
+        /// 1-based line the document starts on (1 for JSON).
+        line: usize,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// One Kubernetes object read from a manifest.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Document {
+    /// Where it came from (`-` for stdin).
+    pub source: String,
+    /// 1-based index among the source's documents (items of a `List` are numbered in order).
+    pub index: usize,
+    /// 1-based line the document starts on.
+    pub line: usize,
+    /// The object.
+    pub object: Value,
+}
+
+impl Document {
+    /// `kind`, or `""`.
+    pub fn kind(&self) -> &str {
+        self.object
+            .get("kind")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+    }
+
+    /// `metadata.name` (or `generateName` followed by `*`), or `<unnamed>`.
+    pub fn name(&self) -> String {
+        let meta = self.object.get("metadata");
+        if let Some(name) = meta.and_then(|m| m.get("name")).and_then(Value::as_str) {
+            return name.to_owned();
+        }
+        if let Some(g) = meta
+            .and_then(|m| m.get("generateName"))
+            .and_then(Value::as_str)
+        {
+            return format!("{g}*");
+        }
+        "<unnamed>".to_owned()
+    }
+
+    /// `metadata.namespace`, if set.
+    pub fn namespace(&self) -> Option<&str> {
+        self.object
+            .pointer("/metadata/namespace")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+    }
+}
+
+/// One file to read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputFile {
+    /// The path (`-` for stdin).
+    pub path: String,
+    /// Found by listing a directory (rather than named on the command line).
+    pub from_directory: bool,
+}
+
+/// Expands the `-f` arguments: `-` is stdin, a directory is its `*.yaml`, `*.yml` and
+/// `*.json` files in name order (not recursive), anything else is a file.
+pub fn expand_inputs(inputs: &[String]) -> Result<Vec<InputFile>, ManifestError> {
+    let mut out = Vec::new();
+    for input in inputs {
+        let path = Path::new(input);
+        if input != "-" && path.is_dir() {
+            let entries = std::fs::read_dir(path).map_err(|source| ManifestError::Read {
+                path: input.clone(),
+                source,
+            })?;
+            let mut files: Vec<PathBuf> = Vec::new();
+            for entry in entries {
+                let entry = entry.map_err(|source| ManifestError::Read {
+                    path: input.clone(),
+                    source,
+                })?;
+                let p = entry.path();
+                let manifest = p
+                    .extension()
+                    .and_then(|e| e.to_str())
+                    .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"));
+                if manifest && p.is_file() {
+                    files.push(p);
+                }
+            }
+            files.sort();
+            out.extend(files.into_iter().map(|p| InputFile {
+                path: p.display().to_string(),
+                from_directory: true,
+            }));
+        } else {
+            out.push(InputFile {
+                path: input.clone(),
+                from_directory: false,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Whether `text` looks like Kubernetes manifests at all: some document has a top-level
+/// `kind`. A directory may hold other YAML (such as a node agent's fake GPU inventory); those
+/// files are skipped rather than reported as broken manifests.
+pub fn looks_like_kubernetes(text: &str) -> bool {
+    text.lines()
+        .any(|l| l.starts_with("kind:") || l.starts_with("\"kind\":") || l.contains("\"kind\""))
+}
+
+/// Reads a file (or stdin for `-`) as text.
+pub fn read_source(path: &str, stdin: &mut dyn std::io::Read) -> Result<String, ManifestError> {
+    let bytes = if path == "-" {
+        let mut buf = Vec::new();
+        stdin
+            .read_to_end(&mut buf)
+            .map_err(|source| ManifestError::Read {
+                path: path.to_owned(),
+                source,
+            })?;
+        buf
+    } else {
+        std::fs::read(path).map_err(|source| ManifestError::Read {
+            path: path.to_owned(),
+            source,
+        })?
+    };
+    String::from_utf8(bytes).map_err(|_| ManifestError::NotText {
+        path: path.to_owned(),
+    })
+}
+
+/// Parses `text` (from `source`) into objects: JSON when it starts with `{` or `[`,
+/// otherwise multi-document YAML. `List` objects are flattened into their items.
+pub fn parse_documents(source: &str, text: &str) -> Result<Vec<Document>, ManifestError> {
+    let trimmed = text.trim_start_matches('\u{feff}').trim_start();
+    let mut raw: Vec<(usize, usize, Value)> = Vec::new();
+    if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        let value: Value = serde_json::from_str(trimmed).map_err(|e| ManifestError::Json {
+            path: source.to_owned(),
+            message: e.to_string(),
+        })?;
+        match value {
+            Value::Array(items) => {
+                raw.extend(items.into_iter().enumerate().map(|(i, v)| (i + 1, 1, v)));
+            }
+            v => raw.push((1, 1, v)),
+        }
+    } else {
+        for (index, (line, chunk)) in split_yaml(text).into_iter().enumerate() {
+            let index = index + 1;
+            let value: Value = serde_saphyr::from_str(chunk).map_err(|e| ManifestError::Yaml {
+                path: source.to_owned(),
+                index,
+                line,
+                message: first_line(&e.to_string()),
+            })?;
+            if !value.is_null() {
+                raw.push((index, line, value));
+            }
+        }
+    }
+    let mut docs = Vec::new();
+    for (index, line, value) in raw {
+        let not_object = |problem: String| ManifestError::NotAnObject {
+            path: source.to_owned(),
+            index,
+            line,
+            problem,
+        };
+        let Value::Object(map) = &value else {
+            return Err(not_object(
+                "not a Kubernetes object (expected a mapping with apiVersion and kind)".into(),
+            ));
+        };
+        let kind = map.get("kind").and_then(Value::as_str).unwrap_or("");
+        if kind.is_empty() {
+            return Err(not_object("has no kind".into()));
+        }
+        if kind == "List" || (kind.ends_with("List") && map.get("items").is_some()) {
+            let items = map
+                .get("items")
+                .and_then(Value::as_array)
+                .ok_or_else(|| not_object(format!("{kind} has no items list")))?;
+            for (i, item) in items.iter().enumerate() {
+                if !item
+                    .get("kind")
+                    .and_then(Value::as_str)
+                    .is_some_and(|k| !k.is_empty())
+                {
+                    return Err(not_object(format!("{kind} item {} has no kind", i + 1)));
+                }
+                docs.push(Document {
+                    source: source.to_owned(),
+                    index,
+                    line,
+                    object: item.clone(),
+                });
+            }
+            continue;
+        }
+        docs.push(Document {
+            source: source.to_owned(),
+            index,
+            line,
+            object: value,
+        });
+    }
+    Ok(docs)
+}
+
+/// Splits YAML text at `---` document markers into (1-based start line, text) chunks,
+/// leaving out chunks with nothing but blank lines and comments.
+fn split_yaml(text: &str) -> Vec<(usize, &str)> {
+    let mut chunks = Vec::new();
+    let mut start = 0usize;
+    let mut start_line = 1usize;
+    let mut offset = 0usize;
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        let bare = line.trim_end_matches(['\n', '\r']);
+        let marker = bare == "---" || bare.starts_with("--- ") || bare.starts_with("---\t");
+        let end_marker = bare == "...";
+        if marker || end_marker {
+            chunks.push((start_line, &text[start..offset]));
+            // Content after `--- ` on the same line belongs to the next document.
+            start = if marker {
+                offset + 3
+            } else {
+                offset + line.len()
+            };
+            start_line = i + 1 + usize::from(end_marker);
+        }
+        offset += line.len();
+    }
+    chunks.push((start_line, &text[start..]));
+    chunks
+        .into_iter()
+        .filter(|(_, chunk)| {
+            chunk.lines().any(|l| {
+                let l = l.trim();
+                !l.is_empty() && !l.starts_with('#')
+            })
+        })
+        .collect()
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or(s).to_owned()
+}
+
+/// JSON pointer of the pod template in a workload of `kind`: `Some("")` for a Pod,
+/// `None` for kinds that hold no pod.
+pub fn pod_template_pointer(api_version: &str, kind: &str) -> Option<&'static str> {
+    let group = api_version.rsplit_once('/').map_or("", |(g, _)| g);
+    match (group, kind) {
+        ("", "Pod") => Some(""),
+        ("", "ReplicationController") => Some("/spec/template"),
+        ("apps", "Deployment" | "StatefulSet" | "DaemonSet" | "ReplicaSet") => {
+            Some("/spec/template")
+        }
+        ("batch", "Job") => Some("/spec/template"),
+        ("batch", "CronJob") => Some("/spec/jobTemplate/spec/template"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_documents_are_split_and_numbered() {
+        let text = "# header\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: a}\n---\n# only a comment\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {name: b}\n...\n";
+        let docs = parse_documents("x.yaml", text).unwrap();
+        assert_eq!(docs.len(), 2);
+        assert_eq!((docs[0].index, docs[0].line), (1, 2));
+        assert_eq!(docs[1].kind(), "ConfigMap");
+        assert_eq!(docs[1].index, 2);
+    }
+
+    #[test]
+    fn bad_yaml_names_file_document_and_line() {
+        let text = "apiVersion: v1\nkind: Pod\n---\napiVersion: v1\nkind: [unclosed\n";
+        let err = parse_documents("bad.yaml", text).unwrap_err().to_string();
+        assert!(
+            err.starts_with("bad.yaml: document 2 (line 3): invalid YAML"),
+            "{err}"
+        );
+        let err = parse_documents("s.yaml", "just a string\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("document 1") && err.contains("not a Kubernetes object"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn json_objects_and_lists() {
+        let docs = parse_documents("l.json", r#"{"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Pod"},{"apiVersion":"v1","kind":"Service"}]}"#).unwrap();
+        assert_eq!(docs.len(), 2);
+        assert_eq!(docs[1].kind(), "Service");
+        assert!(
+            parse_documents("bad.json", "{\"kind\":")
+                .unwrap_err()
+                .to_string()
+                .starts_with("bad.json: invalid JSON")
+        );
+    }
+
+    #[test]
+    fn non_kubernetes_yaml_is_recognised() {
+        assert!(looks_like_kubernetes("apiVersion: v1\nkind: Pod\n"));
+        assert!(looks_like_kubernetes(
+            "{\"apiVersion\":\"v1\",\"kind\":\"Pod\"}"
+        ));
+        assert!(!looks_like_kubernetes(
+            "driver:\n  driverVersion: \"550\"\ngpus: []\n"
+        ));
+    }
+
+    #[test]
+    fn templates() {
+        assert_eq!(pod_template_pointer("v1", "Pod"), Some(""));
+        assert_eq!(
+            pod_template_pointer("apps/v1", "Deployment"),
+            Some("/spec/template")
+        );
+        assert_eq!(
+            pod_template_pointer("batch/v1", "CronJob"),
+            Some("/spec/jobTemplate/spec/template")
+        );
+        assert_eq!(pod_template_pointer("v1", "ConfigMap"), None);
+        assert_eq!(pod_template_pointer("example.com/v1", "Deployment"), None);
+    }
+}

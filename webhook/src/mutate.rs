@@ -1,0 +1,574 @@
+//! `gpuwarden-webhook mutate`: the webhook's engine, offline. Reads manifests (Pods and the pod
+//! templates of Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs), applies
+//! the policy exactly as admission would, and prints the rewritten objects, a diff or the
+//! JSON patches. Why each object changed (or was denied) goes to stderr.
+//!
+//! Exit codes: 0 when everything would be admitted (rewritten or not), 1 when something would
+//! be denied, 2 on bad input (the message names the file, document and reason).
+//!
+//! `main.rs` wires it as a subcommand:
+//!
+//! ```ignore
+//! Command::Mutate(args) => std::process::exit(gpuwarden_webhook::mutate::run_stdio(&args)),
+//! ```
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gpuwarden_crds::GpuPolicy;
+use serde_json::{Value, json};
+
+use crate::engine::{self, Decision, Input, Operation, Verdict};
+use crate::manifest::{self, Document, ManifestError};
+
+/// Exit code: everything would be admitted.
+pub const EXIT_ADMITTED: i32 = 0;
+/// Exit code: at least one object would be denied.
+pub const EXIT_DENIED: i32 = 1;
+/// Exit code: bad input (unreadable file, invalid YAML/JSON, bad policy or flag).
+pub const EXIT_BAD_INPUT: i32 = 2;
+
+/// Why `mutate` could not run. Each is reported on stderr and exits with [`EXIT_BAD_INPUT`].
+#[derive(Debug, thiserror::Error)]
+pub enum MutateError {
+    /// A manifest could not be read or parsed.
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// `--namespace-labels` is malformed.
+    #[error("--namespace-labels: {0:?} is not key=value (write k=v,k=v)")]
+    Labels(String),
+    /// A policy file could not be read or is not a list of GpuPolicy documents.
+    #[error("policy {path}: {problem}")]
+    Policy {
+        /// The policy file.
+        path: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The `-f` arguments name no manifest files.
+    #[error(
+        "no manifests found in {0} (a directory contributes its *.yaml, *.yml and *.json files)"
+    )]
+    NoManifests(String),
+    /// A workload without the pod template its kind must have.
+    #[error(
+        "{file}: document {index} (line {line}): {kind} {name} has no pod template at {pointer}"
+    )]
+    NoTemplate {
+        /// The file.
+        file: String,
+        /// Document index.
+        index: usize,
+        /// Start line.
+        line: usize,
+        /// Kind.
+        kind: String,
+        /// Name.
+        name: String,
+        /// Where the template should be.
+        pointer: &'static str,
+    },
+    /// The engine produced a patch that does not apply (a bug; reported, never a panic).
+    #[error("{file}: document {index}: internal error: the rewrite does not apply: {message}")]
+    Patch {
+        /// The file.
+        file: String,
+        /// Document index.
+        index: usize,
+        /// The patch error.
+        message: String,
+    },
+}
+
+/// What `mutate` prints on stdout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputFormat {
+    /// Every object as multi-document YAML, rewritten where the policy rewrites it.
+    Yaml,
+    /// Every object as JSON (a `List` when there are several).
+    Json,
+    /// The RFC 6902 JSON patch of each changed object.
+    Patch,
+    /// A unified diff of each changed object.
+    Diff,
+}
+
+/// Flags of `gpuwarden-webhook mutate`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct MutateArgs {
+    /// Manifest file or directory to read (`-` for stdin). Repeat for more; a directory
+    /// contributes its *.yaml, *.yml and *.json files in name order.
+    #[arg(
+        short = 'f',
+        long = "filename",
+        env = "GPUWARDEN_MUTATE_FILENAME",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub filenames: Vec<String>,
+
+    /// File of one or more GpuPolicy documents to apply instead of the built-in default
+    /// policy. Repeat for more.
+    #[arg(
+        long = "policy",
+        env = "GPUWARDEN_MUTATE_POLICY",
+        value_delimiter = ','
+    )]
+    pub policies: Vec<PathBuf>,
+
+    /// Output: yaml (rewritten objects), json, patch (JSON patches) or diff.
+    #[arg(
+        short = 'o',
+        long = "output",
+        env = "GPUWARDEN_MUTATE_OUTPUT",
+        value_enum,
+        default_value_t = OutputFormat::Yaml
+    )]
+    pub output: OutputFormat,
+
+    /// Namespace of objects whose metadata names none (default: `default`).
+    #[arg(long = "namespace", short = 'n', env = "GPUWARDEN_MUTATE_NAMESPACE")]
+    pub namespace: Option<String>,
+
+    /// Labels the namespaces are assumed to carry, as k=v,k=v; they decide which policy's
+    /// namespaceSelector matches. Namespace objects in the input add their own labels.
+    #[arg(long = "namespace-labels", env = "GPUWARDEN_MUTATE_NAMESPACE_LABELS")]
+    pub namespace_labels: Option<String>,
+}
+
+/// What happened to one object.
+#[derive(Debug)]
+struct Outcome {
+    doc: Document,
+    /// The object after the rewrite (same as the input when nothing changed).
+    after: Value,
+    /// The patch against the whole object.
+    patch: json_patch::Patch,
+    /// `None` for kinds that hold no pod.
+    decision: Option<Decision>,
+    namespace: String,
+}
+
+/// Runs `mutate` on the process's stdin, stdout and stderr; returns the exit code.
+pub fn run_stdio(args: &MutateArgs) -> i32 {
+    let stdin = std::io::stdin();
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    run(
+        args,
+        &mut stdin.lock(),
+        &mut stdout.lock(),
+        &mut stderr.lock(),
+    )
+}
+
+/// Runs `mutate`; returns the exit code ([`EXIT_ADMITTED`], [`EXIT_DENIED`] or
+/// [`EXIT_BAD_INPUT`]). Output that cannot be written (a closed pipe) is not an error.
+pub fn run(
+    args: &MutateArgs,
+    stdin: &mut dyn Read,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> i32 {
+    match run_inner(args, stdin, stdout, stderr) {
+        Ok(code) => code,
+        Err(errors) => {
+            for e in &errors {
+                let _ = writeln!(stderr, "error: {e}");
+            }
+            EXIT_BAD_INPUT
+        }
+    }
+}
+
+fn run_inner(
+    args: &MutateArgs,
+    stdin: &mut dyn Read,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> Result<i32, Vec<MutateError>> {
+    let extra_labels = match &args.namespace_labels {
+        Some(s) => parse_labels(s).map_err(|e| vec![e])?,
+        None => BTreeMap::new(),
+    };
+    let policies = load_policies(&args.policies, stdin).map_err(|e| vec![e])?;
+
+    // Read everything first: bad input is reported in full, before any output.
+    let inputs = manifest::expand_inputs(&args.filenames).map_err(|e| vec![e.into()])?;
+    if inputs.is_empty() {
+        return Err(vec![MutateError::NoManifests(args.filenames.join(", "))]);
+    }
+    let mut docs = Vec::new();
+    let mut errors = Vec::new();
+    for input in &inputs {
+        let text = match manifest::read_source(&input.path, stdin) {
+            Ok(text) => text,
+            Err(e) => {
+                errors.push(e.into());
+                continue;
+            }
+        };
+        if input.from_directory && !manifest::looks_like_kubernetes(&text) {
+            let _ = writeln!(
+                stderr,
+                "{}: skipped: not a Kubernetes manifest (no kind)",
+                input.path
+            );
+            continue;
+        }
+        match manifest::parse_documents(&input.path, &text) {
+            Ok(d) => docs.extend(d),
+            Err(e) => errors.push(e.into()),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(errors);
+    }
+
+    // Namespace labels: the flag's, then what Namespace objects in the input say.
+    let mut namespace_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for doc in docs.iter().filter(|d| d.kind() == "Namespace") {
+        let labels: BTreeMap<String, String> = doc
+            .object
+            .pointer("/metadata/labels")
+            .and_then(Value::as_object)
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        namespace_labels.insert(doc.name(), labels);
+    }
+    let default_namespace = args.namespace.as_deref().unwrap_or("default");
+
+    let mut outcomes = Vec::with_capacity(docs.len());
+    for doc in docs {
+        let namespace = doc.namespace().unwrap_or(default_namespace).to_owned();
+        let mut labels = extra_labels.clone();
+        labels.extend(
+            namespace_labels
+                .get(&namespace)
+                .cloned()
+                .unwrap_or_default(),
+        );
+        let labels = engine::namespace_labels_or_default(&namespace, Some(labels));
+        outcomes.push(judge(doc, namespace, &labels, &policies).map_err(|e| vec![e])?);
+    }
+
+    explain(&outcomes, stderr);
+    let _ = write_output(args.output, &outcomes, stdout);
+    let denied = outcomes.iter().any(|o| {
+        o.decision
+            .as_ref()
+            .is_some_and(|d| d.verdict() == Verdict::Denied)
+    });
+    Ok(if denied { EXIT_DENIED } else { EXIT_ADMITTED })
+}
+
+/// Parses `k=v,k=v`.
+fn parse_labels(s: &str) -> Result<BTreeMap<String, String>, MutateError> {
+    let mut out = BTreeMap::new();
+    for pair in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some((k, v)) if !k.trim().is_empty() => {
+                out.insert(k.trim().to_owned(), v.trim().to_owned());
+            }
+            _ => return Err(MutateError::Labels(pair.to_owned())),
+        }
+    }
+    Ok(out)
+}
+
+/// Reads GpuPolicy documents, or returns the built-in default policy when there are none.
+fn load_policies(
+    paths: &[PathBuf],
+    stdin: &mut dyn Read,
+) -> Result<Vec<Arc<GpuPolicy>>, MutateError> {
+    if paths.is_empty() {
+        return Ok(vec![Arc::new(GpuPolicy::default_policy())]);
+    }
+    let mut policies = Vec::new();
+    for path in paths {
+        let name = path.display().to_string();
+        let problem = |problem: String| MutateError::Policy {
+            path: name.clone(),
+            problem,
+        };
+        let text = manifest::read_source(&name, stdin).map_err(|e| problem(e.to_string()))?;
+        let docs = manifest::parse_documents(&name, &text).map_err(|e| problem(e.to_string()))?;
+        if docs.is_empty() {
+            return Err(problem("no GpuPolicy documents".into()));
+        }
+        for doc in docs {
+            if doc.kind() != "GpuPolicy" {
+                return Err(problem(format!(
+                    "document {} (line {}): expected a GpuPolicy, found {}",
+                    doc.index,
+                    doc.line,
+                    doc.kind()
+                )));
+            }
+            let (index, line) = (doc.index, doc.line);
+            let policy: GpuPolicy = serde_json::from_value(doc.object).map_err(|e| {
+                problem(format!(
+                    "document {index} (line {line}): not a valid GpuPolicy: {e}"
+                ))
+            })?;
+            policies.push(Arc::new(policy));
+        }
+    }
+    Ok(policies)
+}
+
+fn judge(
+    doc: Document,
+    namespace: String,
+    labels: &BTreeMap<String, String>,
+    policies: &[Arc<GpuPolicy>],
+) -> Result<Outcome, MutateError> {
+    let api_version = doc
+        .object
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let Some(pointer) = manifest::pod_template_pointer(api_version, doc.kind()) else {
+        return Ok(Outcome {
+            after: doc.object.clone(),
+            doc,
+            patch: json_patch::Patch(Vec::new()),
+            decision: None,
+            namespace,
+        });
+    };
+    let Some(template) = doc.object.pointer(pointer).filter(|t| t.is_object()) else {
+        return Err(MutateError::NoTemplate {
+            file: doc.source.clone(),
+            index: doc.index,
+            line: doc.line,
+            kind: doc.kind().to_owned(),
+            name: doc.name(),
+            pointer,
+        });
+    };
+    let display = format!("{namespace}/{}", doc.name());
+    let input = Input {
+        pod: template,
+        namespace: &namespace,
+        namespace_labels: labels,
+        operation: Operation::Create,
+        display_name: &display,
+    };
+    let decision = engine::decide(&input, policies);
+    let mut after = doc.object.clone();
+    let mut patch = json_patch::Patch(Vec::new());
+    if decision.verdict() != Verdict::Denied && !decision.changes.is_empty() {
+        let relative = engine::patch_for(template, &decision.changes);
+        if let Some(target) = after.pointer_mut(pointer) {
+            json_patch::patch(target, &relative.0).map_err(|e| MutateError::Patch {
+                file: doc.source.clone(),
+                index: doc.index,
+                message: e.to_string(),
+            })?;
+        }
+        patch = prefixed(relative, pointer);
+    }
+    Ok(Outcome {
+        doc,
+        after,
+        patch,
+        decision: Some(decision),
+        namespace,
+    })
+}
+
+/// The same patch, with every path under `prefix` (a pod template pointer).
+fn prefixed(patch: json_patch::Patch, prefix: &str) -> json_patch::Patch {
+    use json_patch::PatchOperation as Op;
+    if prefix.is_empty() {
+        return patch;
+    }
+    let Ok(base) = json_patch::jsonptr::PointerBuf::parse(prefix) else {
+        return patch;
+    };
+    let join = |p: &json_patch::jsonptr::Pointer| base.concat(p);
+    json_patch::Patch(
+        patch
+            .0
+            .into_iter()
+            .map(|op| match op {
+                Op::Add(mut o) => {
+                    o.path = join(&o.path);
+                    Op::Add(o)
+                }
+                Op::Remove(mut o) => {
+                    o.path = join(&o.path);
+                    Op::Remove(o)
+                }
+                Op::Replace(mut o) => {
+                    o.path = join(&o.path);
+                    Op::Replace(o)
+                }
+                Op::Test(mut o) => {
+                    o.path = join(&o.path);
+                    Op::Test(o)
+                }
+                Op::Move(mut o) => {
+                    o.path = join(&o.path);
+                    o.from = join(&o.from);
+                    Op::Move(o)
+                }
+                Op::Copy(mut o) => {
+                    o.path = join(&o.path);
+                    o.from = join(&o.from);
+                    Op::Copy(o)
+                }
+            })
+            .collect(),
+    )
+}
+
+/// Tells the user, on stderr, what happened to each object and why.
+fn explain(outcomes: &[Outcome], stderr: &mut dyn Write) {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut last_source = "";
+    for o in outcomes {
+        if o.doc.source != last_source {
+            let _ = writeln!(stderr, "{}:", o.doc.source);
+            last_source = &o.doc.source;
+        }
+        let object = format!("{} {}/{}", o.doc.kind(), o.namespace, o.doc.name());
+        let Some(d) = &o.decision else {
+            *counts.entry("passed through").or_default() += 1;
+            let _ = writeln!(
+                stderr,
+                "  {object}: no pod template, passed through unchanged"
+            );
+            continue;
+        };
+        let policy = d.policy.as_deref().unwrap_or("");
+        let (key, line) = match d.verdict() {
+            Verdict::NotGoverned => (
+                "unchanged",
+                format!("unchanged: no GpuPolicy selects namespace {}", o.namespace),
+            ),
+            Verdict::Unchanged => (
+                "unchanged",
+                format!("unchanged: no privileged GPU container (GpuPolicy {policy})"),
+            ),
+            Verdict::Exempt => (
+                "exempt",
+                format!(
+                    "exempt, unchanged: {} (GpuPolicy {policy})",
+                    d.audit_annotations
+                        .get("exempt")
+                        .map_or("exempt", String::as_str)
+                ),
+            ),
+            Verdict::Rewritten => (
+                "rewritten",
+                format!("REWRITTEN by GpuPolicy {policy} (Enforce)"),
+            ),
+            Verdict::Audited => (
+                "audited",
+                format!(
+                    "admitted unchanged by GpuPolicy {policy} (Audit); in Enforce it would change"
+                ),
+            ),
+            Verdict::Denied => ("denied", format!("DENIED by GpuPolicy {policy}")),
+        };
+        *counts.entry(key).or_default() += 1;
+        let _ = writeln!(stderr, "  {object}: {line}");
+        for w in &d.warnings {
+            let w = w
+                .strip_prefix("gpuwarden audit: ")
+                .or_else(|| w.strip_prefix("gpuwarden: "))
+                .unwrap_or(w);
+            let _ = writeln!(stderr, "    - {w}");
+        }
+        if let Some(message) = &d.denial {
+            let message = message.strip_prefix("gpuwarden: ").unwrap_or(message);
+            let _ = writeln!(stderr, "    {message}");
+        }
+    }
+    let summary: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
+    let _ = writeln!(
+        stderr,
+        "{} object{}: {}",
+        outcomes.len(),
+        if outcomes.len() == 1 { "" } else { "s" },
+        summary.join(", ")
+    );
+}
+
+fn to_yaml(value: &Value) -> String {
+    serde_saphyr::to_string(value).unwrap_or_else(|e| format!("# cannot render as YAML: {e}\n"))
+}
+
+fn write_output(
+    format: OutputFormat,
+    outcomes: &[Outcome],
+    out: &mut dyn Write,
+) -> std::io::Result<()> {
+    match format {
+        OutputFormat::Yaml => {
+            for o in outcomes {
+                writeln!(out, "---")?;
+                let yaml = to_yaml(&o.after);
+                out.write_all(yaml.strip_prefix("---\n").unwrap_or(&yaml).as_bytes())?;
+            }
+        }
+        OutputFormat::Json => {
+            let value = match outcomes {
+                [one] => one.after.clone(),
+                many => json!({
+                    "apiVersion": "v1",
+                    "kind": "List",
+                    "items": many.iter().map(|o| o.after.clone()).collect::<Vec<_>>(),
+                }),
+            };
+            serde_json::to_writer_pretty(&mut *out, &value)?;
+            writeln!(out)?;
+        }
+        OutputFormat::Patch => {
+            let patches: Vec<Value> = outcomes
+                .iter()
+                .filter(|o| !o.patch.0.is_empty())
+                .map(|o| {
+                    json!({
+                        "source": o.doc.source,
+                        "document": o.doc.index,
+                        "kind": o.doc.kind(),
+                        "namespace": o.namespace,
+                        "name": o.doc.name(),
+                        "patch": o.patch,
+                    })
+                })
+                .collect();
+            serde_json::to_writer_pretty(&mut *out, &patches)?;
+            writeln!(out)?;
+        }
+        OutputFormat::Diff => {
+            for o in outcomes.iter().filter(|o| o.after != o.doc.object) {
+                let before = to_yaml(&o.doc.object);
+                let after = to_yaml(&o.after);
+                let name = format!("{}/{}/{}", o.doc.kind(), o.namespace, o.doc.name());
+                let diff = similar::TextDiff::from_lines(&before, &after);
+                write!(
+                    out,
+                    "{}",
+                    diff.unified_diff().context_radius(3).header(
+                        &format!(
+                            "{name} (original, {} document {})",
+                            o.doc.source, o.doc.index
+                        ),
+                        &format!("{name} (rewritten)"),
+                    )
+                )?;
+            }
+        }
+    }
+    out.flush()
+}

@@ -1,0 +1,460 @@
+//! The offline `mutate` command, driven through its library function: exit codes, bad input
+//! naming file and document, directories, stdin, every output format, and the examples.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use gpuwarden_webhook::mutate::{self, MutateArgs};
+use serde_json::Value;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    args: MutateArgs,
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run_with_stdin(args: &[&str], stdin: &str) -> Run {
+    let cli = Cli::try_parse_from(std::iter::once("mutate").chain(args.iter().copied()))
+        .unwrap_or_else(|e| panic!("flags {args:?}: {e}"));
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    let code = mutate::run(&cli.args, &mut stdin.as_bytes(), &mut out, &mut err);
+    Run {
+        code,
+        stdout: String::from_utf8(out).unwrap(),
+        stderr: String::from_utf8(err).unwrap(),
+    }
+}
+
+fn run(args: &[&str]) -> Run {
+    run_with_stdin(args, "")
+}
+
+fn examples() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
+}
+
+fn example(name: &str) -> String {
+    examples().join(name).display().to_string()
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+const PRIVILEGED_POD: &str = "apiVersion: v1
+kind: Pod
+metadata:
+  name: train
+  namespace: ml
+spec:
+  containers:
+    - name: trainer
+      image: nvcr.io/nvidia/pytorch:24.05-py3
+      env:
+        - name: NVIDIA_VISIBLE_DEVICES
+          value: \"0,1\"
+      securityContext:
+        privileged: true
+";
+
+#[test]
+fn the_examples_directory_is_rewritten_and_explained() {
+    let dir = examples().display().to_string();
+    let r = run(&["-f", &dir]);
+    assert_eq!(r.code, 0, "stderr:\n{}", r.stderr);
+    // Every object comes out as YAML, rewritten where the policy rewrites it.
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&r.stdout).unwrap();
+    assert_eq!(docs.len(), 6, "{}", r.stdout);
+    let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    let c = &deployment["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["securityContext"]["privileged"], false);
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
+    assert!(
+        deployment["spec"]["template"]["metadata"]["annotations"]["gpuwarden.io/rewritten"]
+            .is_string()
+    );
+    let daemonset = docs.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
+    assert_eq!(
+        daemonset["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privileged"],
+        true
+    );
+    // And stderr says why, per object.
+    for expected in [
+        "Pod ml-research/llm-pretrain: REWRITTEN by GpuPolicy default@0 (Enforce)",
+        "container trainer: privileged removed",
+        "capabilities SYS_ADMIN dropped (not allowed)",
+        "Deployment inference/vllm-llama3-70b: REWRITTEN",
+        "requests nvidia.com/gpu=2 (NVIDIA_VISIBLE_DEVICES=0,1)",
+        "device hostPath volume nvidia0,nvidiactl removed",
+        "container node-metrics: privileged removed",
+        "NVIDIA_VISIBLE_DEVICES=void",
+        "requests nvidia.com/gpu=4 (annotation gpuwarden.io/gpu-count)",
+        "DaemonSet gpu-operator/nvidia-dcgm-exporter: exempt, unchanged: namespace gpu-operator is exempt",
+        "Pod ml-research/jupyter-gpu: unchanged: no privileged GPU container",
+        "h100-8gpu.fake.yaml: skipped: not a Kubernetes manifest",
+        "6 objects: 1 exempt, 4 rewritten, 1 unchanged",
+    ] {
+        assert!(
+            r.stderr.contains(expected),
+            "missing {expected:?} in:\n{}",
+            r.stderr
+        );
+    }
+}
+
+#[test]
+fn diff_output_is_a_readable_unified_diff() {
+    let r = run(&["-f", &example("02-deployment-two-gpus.yaml"), "-o", "diff"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stdout
+            .starts_with("--- Deployment/inference/vllm-llama3-70b (original"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .contains("+++ Deployment/inference/vllm-llama3-70b (rewritten)"),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("@@ "), "{}", r.stdout);
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with('-') && l.contains("privileged: true")),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with('+') && l.contains("privileged: false")),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with('+') && l.contains("nvidia.com/gpu")),
+        "{}",
+        r.stdout
+    );
+    // Unchanged objects produce no diff.
+    let r = run(&["-f", &example("06-unprivileged-gpu-pod.yaml"), "-o", "diff"]);
+    assert_eq!((r.code, r.stdout.as_str()), (0, ""));
+}
+
+#[test]
+fn patch_and_json_outputs_apply_and_parse() {
+    let r = run(&[
+        "-f",
+        &example("04-gpu-pod-privileged-sidecar.yaml"),
+        "-o",
+        "patch",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let patches: Vec<Value> = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(patches.len(), 1);
+    assert_eq!(patches[0]["kind"], "Job");
+    let patch: json_patch::Patch = serde_json::from_value(patches[0]["patch"].clone()).unwrap();
+    let text = std::fs::read_to_string(example("04-gpu-pod-privileged-sidecar.yaml")).unwrap();
+    let mut job: Value = serde_saphyr::from_str(&text).unwrap();
+    json_patch::patch(&mut job, &patch.0).unwrap();
+    assert_eq!(
+        job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "4"
+    );
+    assert!(
+        patches[0]["patch"]
+            .to_string()
+            .contains("/spec/template/spec/containers/0")
+    );
+
+    let r = run(&[
+        "-f",
+        &example("04-gpu-pod-privileged-sidecar.yaml"),
+        "-o",
+        "json",
+    ]);
+    let out: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(out, job, "-o json is the patched object");
+
+    // Several objects in JSON: a List.
+    let r = run(&[
+        "-f",
+        &example("01-training-pod-visible-all.yaml"),
+        "-f",
+        &example("06-unprivileged-gpu-pod.yaml"),
+        "-o",
+        "json",
+    ]);
+    let out: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(out["kind"], "List");
+    assert_eq!(out["items"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn exit_one_when_something_would_be_denied() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = write(
+        dir.path(),
+        "deny.yaml",
+        "apiVersion: gpuwarden.io/v1alpha1
+kind: GpuPolicy
+metadata:
+  name: deny-everywhere
+spec:
+  mode: Deny
+",
+    );
+    let r = run(&[
+        "-f",
+        &example("01-training-pod-visible-all.yaml"),
+        "--policy",
+        &policy,
+    ]);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("DENIED by GpuPolicy deny-everywhere@0"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("gpuwarden-webhook mutate -f"),
+        "{}",
+        r.stderr
+    );
+
+    // maxPerContainer in Enforce: denied too.
+    let r = run_with_stdin(
+        &["-f", "-"],
+        &PRIVILEGED_POD.replace("\"0,1\"", "\"0,1,2,3,4,5,6,7,8,9\""),
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("more than maxPerContainer 8"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn policy_selection_uses_namespace_and_namespace_labels() {
+    let dir = tempfile::tempdir().unwrap();
+    let policies = write(
+        dir.path(),
+        "policies.yaml",
+        "apiVersion: gpuwarden.io/v1alpha1
+kind: GpuPolicy
+metadata:
+  name: prod-deny
+spec:
+  priority: 10
+  mode: Deny
+  namespaceSelector:
+    matchLabels:
+      env: prod
+---
+apiVersion: gpuwarden.io/v1alpha1
+kind: GpuPolicy
+metadata:
+  name: audit-rest
+spec:
+  mode: Audit
+",
+    );
+    let pod_without_ns = PRIVILEGED_POD.replace("  namespace: ml\n", "");
+    let r = run_with_stdin(
+        &["-f", "-", "--policy", &policies, "--namespace", "team-a"],
+        &pod_without_ns,
+    );
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("Pod team-a/train: admitted unchanged by GpuPolicy audit-rest@0 (Audit)"),
+        "{}",
+        r.stderr
+    );
+    let r = run_with_stdin(
+        &[
+            "-f",
+            "-",
+            "--policy",
+            &policies,
+            "--namespace-labels",
+            "env=prod,team=a",
+        ],
+        &pod_without_ns,
+    );
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("Pod default/train: DENIED by GpuPolicy prod-deny@0"),
+        "{}",
+        r.stderr
+    );
+    // A Namespace object in the input supplies its labels.
+    let with_ns = format!(
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: ml\n  labels:\n    env: prod\n---\n{PRIVILEGED_POD}"
+    );
+    let r = run_with_stdin(&["-f", "-", "--policy", &policies], &with_ns);
+    assert_eq!(r.code, 1, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("Namespace default/ml: no pod template, passed through unchanged"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn bad_input_exits_two_naming_file_document_and_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.yaml").display().to_string();
+    let r = run(&["-f", &missing]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr.contains(&format!("{missing}: failed to read")),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stdout.is_empty());
+
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        &format!("{PRIVILEGED_POD}---\napiVersion: v1\nkind: Pod\nmetadata: {{name: [broken\n"),
+    );
+    let r = run(&["-f", &bad]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains(&format!("{bad}: document 2 (line 15): invalid YAML")),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stdout.is_empty(), "no output on bad input");
+
+    let scalar = write(dir.path(), "scalar.yaml", "just text\n");
+    let r = run(&["-f", &scalar]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr
+            .contains("document 1 (line 1): not a Kubernetes object"),
+        "{}",
+        r.stderr
+    );
+
+    let json = write(dir.path(), "bad.json", "{\"kind\": \"Pod\",");
+    let r = run(&["-f", &json]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr.contains(&format!("{json}: invalid JSON")),
+        "{}",
+        r.stderr
+    );
+
+    let no_template = write(
+        dir.path(),
+        "deploy.yaml",
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: d\nspec: {}\n",
+    );
+    let r = run(&["-f", &no_template]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr
+            .contains("Deployment d has no pod template at /spec/template"),
+        "{}",
+        r.stderr
+    );
+
+    let not_policy = write(
+        dir.path(),
+        "policy.yaml",
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: x\n",
+    );
+    let r = run(&[
+        "-f",
+        &example("06-unprivileged-gpu-pod.yaml"),
+        "--policy",
+        &not_policy,
+    ]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr.contains("expected a GpuPolicy, found ConfigMap"),
+        "{}",
+        r.stderr
+    );
+
+    let r = run(&[
+        "-f",
+        &example("06-unprivileged-gpu-pod.yaml"),
+        "--namespace-labels",
+        "novalue",
+    ]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("--namespace-labels"), "{}", r.stderr);
+
+    let empty = tempfile::tempdir().unwrap();
+    let r = run(&["-f", &empty.path().display().to_string()]);
+    assert_eq!(r.code, 2);
+    assert!(r.stderr.contains("no manifests found"), "{}", r.stderr);
+}
+
+#[test]
+fn directories_are_read_in_name_order_and_other_kinds_pass_through() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "b-pod.yml", PRIVILEGED_POD);
+    write(
+        dir.path(),
+        "a-config.json",
+        r#"{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"cfg"},"data":{"x":"1"}}"#,
+    );
+    write(
+        dir.path(),
+        "c-cron.yaml",
+        "apiVersion: batch/v1
+kind: CronJob
+metadata:
+  name: nightly
+spec:
+  schedule: \"0 3 * * *\"
+  jobTemplate:
+    spec:
+      template:
+        spec:
+          restartPolicy: Never
+          containers:
+            - name: eval
+              image: nvcr.io/nvidia/pytorch:24.05-py3
+              securityContext:
+                privileged: true
+              resources:
+                limits:
+                  nvidia.com/gpu: 1
+",
+    );
+    write(dir.path(), "notes.txt", "not a manifest");
+    let r = run(&["-f", &dir.path().display().to_string()]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&r.stdout).unwrap();
+    let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["ConfigMap", "Pod", "CronJob"]);
+    assert_eq!(docs[0]["data"]["x"], "1", "other kinds untouched");
+    let cron = &docs[2]["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(cron["securityContext"]["privileged"], false);
+    assert_eq!(
+        cron["resources"]["limits"]["nvidia.com/gpu"], 1,
+        "the existing limit is kept"
+    );
+}
