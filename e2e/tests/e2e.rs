@@ -61,7 +61,21 @@ impl Env {
         let crds: Api<CustomResourceDefinition> = Api::all(self.client());
         for crd in [GpuPolicy::crd(), GpuNode::crd()] {
             let name = crd.name_any();
-            if crds.get_opt(&name).await.expect("read CRD").is_none() {
+            // A previous test may have removed the CRD it installed: let that finish.
+            let settled = wait_for(Duration::from_secs(90), || {
+                let crds = crds.clone();
+                let name = name.clone();
+                async move {
+                    match crds.get_opt(&name).await {
+                        Ok(Some(c)) if c.metadata.deletion_timestamp.is_some() => None,
+                        Ok(current) => Some(current),
+                        Err(_) => None,
+                    }
+                }
+            })
+            .await
+            .unwrap_or_else(|| panic!("CRD {name} is stuck terminating"));
+            if settled.is_none() {
                 eprintln!("installing CRD {name}");
                 crds.create(&PostParams::default(), &crd)
                     .await
@@ -143,12 +157,20 @@ impl Env {
     /// Makes sure `gpuwarden-system` exists (agent Leases live there).
     async fn system_namespace(&self) {
         let api: Api<Namespace> = Api::all(self.client());
-        if api
-            .get_opt(gpuwarden_crds::SYSTEM_NAMESPACE)
-            .await
-            .expect("read namespace")
-            .is_none()
-        {
+        // A previous test may have removed the namespace it created: let that finish.
+        let current = wait_for(Duration::from_secs(120), || {
+            let api = api.clone();
+            async move {
+                match api.get_opt(gpuwarden_crds::SYSTEM_NAMESPACE).await {
+                    Ok(Some(ns)) if ns.metadata.deletion_timestamp.is_some() => None,
+                    Ok(current) => Some(current),
+                    Err(_) => None,
+                }
+            }
+        })
+        .await
+        .expect("namespace gpuwarden-system is stuck terminating");
+        if current.is_none() {
             let ns: Namespace = serde_json::from_value(json!({
                 "metadata": {"name": gpuwarden_crds::SYSTEM_NAMESPACE}
             }))

@@ -1376,3 +1376,76 @@ fn admission_policies_are_bound_and_consistent() {
         }
     }
 }
+
+/// The environment variables each binary reads: every clap `env = "..."` in its main.rs,
+/// plus `RUST_LOG` (the log filter).
+fn binary_env(binary_dir: &str) -> BTreeSet<String> {
+    let main = std::fs::read_to_string(repo_root().join(binary_dir).join("src/main.rs"))
+        .unwrap_or_else(|e| panic!("failed to read {binary_dir}/src/main.rs: {e}"));
+    let mut names: BTreeSet<String> = main
+        .split("env = \"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .map(str::to_string)
+        .collect();
+    names.insert("RUST_LOG".to_string());
+    names
+}
+
+/// Every environment variable the manifests set on a gpuwarden container is one its binary
+/// reads (NVIDIA_* are for the NVIDIA runtime, not the binary), and each runs a subcommand
+/// its binary has: a renamed flag fails here, not in a crash-looping pod.
+#[test]
+fn manifests_only_set_what_the_binaries_read() {
+    let mut docs = base();
+    for component in ["host-pid", "taint-unhealthy-nodes"] {
+        docs.extend(
+            with_component(component)
+                .into_iter()
+                .filter(|d| manifests::pod_spec(&d.value).is_some()),
+        );
+    }
+    for (name, dir, subcommand) in [
+        (install::WEBHOOK_NAME, "webhook", "Serve("),
+        (install::OPERATOR_NAME, "operator", "Run("),
+        (install::NODE_AGENT_NAME, "node-agent", "Run("),
+    ] {
+        let known = binary_env(dir);
+        let main =
+            std::fs::read_to_string(repo_root().join(dir).join("src/main.rs")).expect("main.rs");
+        for w in docs
+            .iter()
+            .filter(|d| d.name() == name && manifests::pod_spec(&d.value).is_some())
+        {
+            let c = &manifests::pod_spec(&w.value).expect("pod spec")["containers"][0];
+            for e in c["env"].as_array().into_iter().flatten() {
+                let var = e["name"].as_str().expect("env name");
+                if var.starts_with("NVIDIA_") {
+                    continue;
+                }
+                assert!(
+                    known.contains(var),
+                    "{}: {var} is not read by {dir}/src/main.rs (it reads {known:?})",
+                    w.source
+                );
+            }
+            let args: Vec<&str> = c["args"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            let expected = subcommand.trim_end_matches('(').to_lowercase();
+            assert_eq!(
+                args.first().copied(),
+                Some(expected.as_str()),
+                "{}",
+                w.source
+            );
+            assert!(
+                main.contains(subcommand),
+                "{dir} has no {expected} subcommand"
+            );
+        }
+    }
+}
