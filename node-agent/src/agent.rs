@@ -43,6 +43,9 @@ pub enum AgentError {
     /// The kubelet could not be asked (fatal only in `inspect`).
     #[error(transparent)]
     PodResources(#[from] PodResourcesError),
+    /// A setting is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(&'static str),
     /// The metrics listener could not bind.
     #[error("failed to listen on {addr}")]
     Listen {
@@ -346,6 +349,14 @@ async fn run_inner(
     client: kube::Client,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AgentError> {
+    if config.poll_interval.is_zero() || config.resync_interval.is_zero() {
+        return Err(AgentError::Config(
+            "poll and resync intervals must be longer than zero",
+        ));
+    }
+    if config.node_name.is_empty() {
+        return Err(AgentError::Config("the node name is empty"));
+    }
     let clock = SystemClock;
     let node = config.node_name.clone();
     let metrics = Arc::new(Metrics::new());

@@ -79,7 +79,11 @@ enum LogFormat {
 }
 
 fn duration(s: &str) -> Result<Duration, String> {
-    gpuwarden_crds::duration::parse_duration(s).map_err(|e| e.to_string())
+    match gpuwarden_crds::duration::parse_duration(s) {
+        Ok(d) if d.is_zero() => Err("must be longer than zero".to_owned()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn init_tracing(format: LogFormat, default_level: &str) {
