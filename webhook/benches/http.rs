@@ -360,6 +360,19 @@ fn start_in_process(
     })
 }
 
+/// Mean time of one `review` call, after a warm-up, in microseconds.
+fn time_reviewer(reviewer: &dyn Reviewer, body: &[u8]) -> f64 {
+    for _ in 0..500 {
+        std::hint::black_box(reviewer.review(body));
+    }
+    let rounds = 5000;
+    let start = Instant::now();
+    for _ in 0..rounds {
+        std::hint::black_box(reviewer.review(std::hint::black_box(body)));
+    }
+    start.elapsed().as_secs_f64() * 1e6 / f64::from(rounds)
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -419,11 +432,10 @@ fn main() {
 
     let policy_file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/policies/default.yaml");
     let source = StaticPolicySource::from_file(&policy_file).unwrap();
-    let engine_addr = start_in_process(
-        &server_rt,
-        Arc::new(EngineReviewer::new(Arc::new(source))),
-        &pki.paths,
-    );
+    let engine_reviewer = Arc::new(EngineReviewer::new(Arc::new(source)));
+    let engine_alone = time_reviewer(engine_reviewer.as_ref(), &body);
+    let floor_alone = time_reviewer(&ConstantAllow::default(), &body);
+    let engine_addr = start_in_process(&server_rt, engine_reviewer, &pki.paths);
     let floor_addr = start_in_process(&server_rt, Arc::new(ConstantAllow::default()), &pki.paths);
 
     // Show that the engine really rewrites the benchmark pod.
@@ -452,6 +464,9 @@ fn main() {
             "WARNING: the engine did not rewrite the benchmark pod; figures are not representative"
         );
     }
+    println!(
+        "reviewer alone, one thread: engine {engine_alone:.1} µs per review, constant allow {floor_alone:.2} µs"
+    );
     println!(
         "machine: {cpus} CPUs; client and server share them; {seconds} s per run, {concurrency} keep-alive connections, fixed rate {rate}/s\n"
     );

@@ -414,3 +414,50 @@ async fn during_the_shutdown_delay_it_is_unready_but_still_answers() {
         .unwrap();
     assert!(connect(server.https, config).await.is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_are_answered_too() {
+    // The API server's client negotiates HTTP/2 by ALPN when the server offers it.
+    let dir = tempfile::tempdir().unwrap();
+    let (server, ca) = echo_server(dir.path(), SyncFlag::raised(), Limits::default()).await;
+    let mut config = (*client_config(&[ca.pem()])).clone();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(server.https).await.unwrap();
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls_pki_types::ServerName::try_from("localhost").unwrap(),
+            tcp,
+        )
+        .await
+        .unwrap();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+
+    // Several streams at once on the one connection.
+    let requests = (0..8).map(|i| {
+        let mut sender = sender.clone();
+        async move {
+            let request = http::Request::post(format!("https://localhost{}", "/mutate"))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(bytes::Bytes::from(review_body(
+                    &format!("h2-{i}"),
+                ))))
+                .unwrap();
+            let response = sender.send_request(request).await.unwrap();
+            assert_eq!(response.status(), 200);
+            let body = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            assert_eq!(review(&body)["response"]["uid"], format!("h2-{i}"));
+        }
+    });
+    futures::future::join_all(requests).await;
+    server.shutdown();
+}
