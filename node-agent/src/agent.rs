@@ -32,7 +32,9 @@ use crate::podresources::{
 };
 use crate::pods::{PodIndex, PodInfo};
 use crate::status::{Computed, ObservedProcess, StatusInput};
-use crate::writer::{Clock, KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusWriter, SystemClock};
+use crate::writer::{
+    Clock, KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusSink, StatusWriter, SystemClock,
+};
 
 /// Errors that stop the agent.
 #[derive(Debug, thiserror::Error)]
@@ -122,6 +124,11 @@ impl Sweeper {
     /// Health so far.
     pub fn health(&self) -> &HealthTracker {
         &self.health
+    }
+
+    /// Carries health over from a status written before a restart.
+    pub fn restore_health(&mut self, gpus: &[gpuwarden_crds::GpuStatus], now: Timestamp) {
+        self.health.restore(gpus, now);
     }
 
     /// One full sweep at `now`. `pods` are the pods on the node; `authoritative` when they
@@ -449,6 +456,20 @@ async fn run_inner(
         MIN_WRITE_INTERVAL,
         config.resync_interval,
     );
+    // What this agent wrote before a restart: health that events no longer show.
+    match tokio::time::timeout(Duration::from_secs(10), writer.sink().current()).await {
+        Ok(Ok(previous)) => {
+            let now = clock.now();
+            if let Some(gpus) = &previous.gpus {
+                sweeper.restore_health(gpus, now);
+                writer.assume_applied(&previous, now);
+            }
+        }
+        Ok(Err(e)) => {
+            info!(error = %error_chain(&e), "no previous status to carry health over from")
+        }
+        Err(_) => info!("reading the previous status timed out; health starts fresh"),
+    }
     let mut tick = tokio::time::interval(config.poll_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);

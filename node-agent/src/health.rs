@@ -8,7 +8,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use gpuwarden_crds::{GpuHealth, HealthState};
+use gpuwarden_crds::{GpuHealth, GpuStatus, HealthState};
 use jiff::Timestamp;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -144,6 +144,25 @@ impl HealthTracker {
             gpu.state = HealthState::Healthy;
             gpu.since = whole_seconds(now);
             gpu.reasons.clear();
+        }
+    }
+
+    /// Carries health over from the status the agent wrote before it restarted, so a restart
+    /// neither forgets a fault (the events behind it are not replayed) nor moves `since`.
+    /// An unhealthy GPU counts its quiet time from `now`, the conservative choice.
+    pub fn restore(&mut self, gpus: &[GpuStatus], now: Timestamp) {
+        for g in gpus {
+            let Some(since) = g.health.since.as_ref().map(|t| t.0) else {
+                continue;
+            };
+            let state = self
+                .gpus
+                .entry(g.uuid.clone())
+                .or_insert_with(|| GpuState::new(now));
+            state.state = g.health.state;
+            state.since = whole_seconds(since);
+            state.reasons = g.health.reasons.iter().take(MAX_REASONS).cloned().collect();
+            state.last_event = (g.health.state == HealthState::Unhealthy).then_some(now);
         }
     }
 
@@ -330,6 +349,42 @@ mod tests {
         assert_eq!(h.health("GPU-0").state, HealthState::Unhealthy);
         h.observe_reading(&reading(true), t(100_000 + 600), &rules);
         assert_eq!(h.health("GPU-0").state, HealthState::Healthy);
+    }
+
+    #[test]
+    fn restart_keeps_faults_and_since() {
+        let rules = HealthRules::default();
+        let mut before = HealthTracker::new();
+        before.observe_reading(&reading(true), t(0), &rules);
+        before.observe_event(&xid(79, 100), &rules);
+        let saved = GpuStatus {
+            uuid: "GPU-0".into(),
+            health: before.health("GPU-0"),
+            ..Default::default()
+        };
+        let healthy = GpuStatus {
+            uuid: "GPU-1".into(),
+            health: GpuHealth {
+                state: HealthState::Healthy,
+                reasons: vec![],
+                since: Some(Time(t(5))),
+            },
+            ..Default::default()
+        };
+
+        let mut after = HealthTracker::new();
+        after.restore(&[saved.clone(), healthy], t(200));
+        let mut r1 = reading(true);
+        r1.info.uuid = "GPU-1".into();
+        after.observe_reading(&reading(true), t(210), &rules);
+        after.observe_reading(&r1, t(210), &rules);
+        assert_eq!(after.health("GPU-0"), saved.health);
+        assert_eq!(after.health("GPU-1").since, Some(Time(t(5))));
+        // recoverAfter counts from the restart.
+        after.observe_reading(&reading(true), t(799), &rules);
+        assert_eq!(after.health("GPU-0").state, HealthState::Unhealthy);
+        after.observe_reading(&reading(true), t(800), &rules);
+        assert_eq!(after.health("GPU-0").state, HealthState::Healthy);
     }
 
     #[test]

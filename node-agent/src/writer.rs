@@ -220,6 +220,13 @@ impl<S: StatusSink> StatusWriter<S> {
         &self.sink
     }
 
+    /// Takes `status`, read from the server at `now`, as the last one applied: after a
+    /// restart the agent then writes only if what it computes differs.
+    pub fn assume_applied(&mut self, status: &GpuNodeStatus, now: Timestamp) {
+        self.last_applied = Some(agent_fields(status));
+        self.last_resync = Some(now);
+    }
+
     /// Takes the status computed at `now` and writes it if it must.
     pub async fn tick(
         &mut self,
@@ -398,6 +405,18 @@ mod tests {
         );
         *rec.missing.lock().unwrap() = false;
         assert_eq!(w.tick(t(2), &status("a")).await.unwrap(), Outcome::Written);
+    }
+
+    #[tokio::test]
+    async fn a_restart_with_nothing_changed_writes_nothing() {
+        let rec = Recorder::default();
+        let mut w = StatusWriter::new(&rec, MIN_WRITE_INTERVAL, Duration::from_secs(600));
+        w.assume_applied(&status("a"), t(0));
+        assert_eq!(
+            w.tick(t(0), &status("a")).await.unwrap(),
+            Outcome::Unchanged
+        );
+        assert_eq!(w.tick(t(10), &status("b")).await.unwrap(), Outcome::Written);
     }
 
     #[test]

@@ -55,6 +55,7 @@ fn mock_api() -> (kube::Client, Arc<Mutex<Vec<Call>>>) {
     let seen = calls.clone();
     tokio::spawn(async move {
         let mut held_watches = Vec::new();
+        let mut stored_status = serde_json::Value::Null;
         while let Some((req, send)) = handle.next_request().await {
             let (parts, body) = req.into_parts();
             let bytes = body.collect_bytes().await.unwrap_or_default();
@@ -89,11 +90,14 @@ fn mock_api() -> (kube::Client, Arc<Mutex<Vec<Call>>>) {
                     vec![strict_policy()],
                 ),
                 (Method::PATCH, _) | (Method::GET, _) if path.contains("/gpunodes/") => {
+                    if parts.method == Method::PATCH {
+                        stored_status = body.get("status").cloned().unwrap_or_default();
+                    }
                     serde_json::json!({
                         "apiVersion": "gpuwarden.io/v1alpha1", "kind": "GpuNode",
                         "metadata": {"name": NODE, "resourceVersion": "2"},
                         "spec": {"nodeName": NODE},
-                        "status": body.get("status").cloned().unwrap_or_default(),
+                        "status": stored_status,
                     })
                 }
                 (Method::PATCH, _) if path.contains("/leases/") => {
@@ -114,6 +118,10 @@ fn mock_api() -> (kube::Client, Arc<Mutex<Vec<Call>>>) {
         }
     });
     (kube::Client::new(service, "default"), calls)
+}
+
+fn calls_of(calls: &Arc<Mutex<Vec<Call>>>) -> Vec<Call> {
+    calls.lock().unwrap().clone()
 }
 
 #[tokio::test]
@@ -137,7 +145,7 @@ async fn run_writes_status_once_renews_its_lease_and_watches_only_its_pods() {
     .await
     .unwrap();
     let host = host_root();
-    let (client, calls) = mock_api();
+    let (client, all_calls) = mock_api();
     let config = Config {
         fake: Some(fake),
         pod_resources_socket: kubelet.socket().to_path_buf(),
@@ -146,11 +154,23 @@ async fn run_writes_status_once_renews_its_lease_and_watches_only_its_pods() {
         poll_interval: Duration::from_millis(100),
         ..Config::new(NODE)
     };
-    gpuwarden_node_agent::run(config, client, tokio::time::sleep(Duration::from_secs(2)))
-        .await
-        .unwrap();
+    gpuwarden_node_agent::run(
+        config.clone(),
+        client.clone(),
+        tokio::time::sleep(Duration::from_secs(2)),
+    )
+    .await
+    .unwrap();
 
-    let calls = calls.lock().unwrap().clone();
+    let status_writes = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| {
+                c.method == Method::PATCH && c.path.ends_with("/gpunodes/gpu-node-1/status")
+            })
+            .count()
+    };
+    let calls = calls_of(&all_calls);
     // Pods: only this node's, by field selector.
     let pod_calls: Vec<&Call> = calls.iter().filter(|c| c.path == "/api/v1/pods").collect();
     assert!(!pod_calls.is_empty());
@@ -190,5 +210,21 @@ async fn run_writes_status_once_renews_its_lease_and_watches_only_its_pods() {
     assert_eq!(status["gpus"][0]["health"]["state"], "Unhealthy");
     assert_eq!(status["gpus"][0]["health"]["reasons"][0], "Xid13");
     assert!(status.get("conditions").is_none() && status.get("summary").is_none());
+
+    // A restart with nothing changed: health and `since` carry over, no status write.
+    let before = status_writes(&calls);
+    gpuwarden_node_agent::run(
+        config,
+        client,
+        tokio::time::sleep(Duration::from_millis(1500)),
+    )
+    .await
+    .unwrap();
+    let all = calls_of(&all_calls);
+    assert_eq!(
+        status_writes(&all),
+        before,
+        "a restart rewrote an unchanged status"
+    );
     kubelet.stop().await;
 }
