@@ -2,11 +2,13 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use gpuwarden_crds::install::{HEALTH_PORT, WEBHOOK_HTTPS_PORT};
+use gpuwarden_webhook::mutate::{self, MutateArgs};
 use gpuwarden_webhook::server::{self, Limits, ServeOptions};
 use gpuwarden_webhook::tls::TlsPaths;
 
@@ -23,6 +25,9 @@ struct Cli {
 enum Command {
     /// Serve POST /mutate over HTTPS, and /healthz, /readyz, /metrics over plain HTTP.
     Serve(ServeArgs),
+    /// Rewrite manifests offline as the webhook would, and say why. Exit code 0: all
+    /// admitted, 1: something would be denied, 2: bad input.
+    Mutate(MutateArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -100,33 +105,44 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<ExitCode> {
     // Ignore the error: it only says a provider is already installed.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     match cli.command {
         Command::Serve(args) => {
             init_tracing(args.log_format);
-            let defaults = Limits::default();
-            let options = ServeOptions {
-                listen: args.listen,
-                health_listen: args.health_listen,
-                tls: TlsPaths {
-                    cert: args.tls_cert,
-                    key: args.tls_key,
-                },
-                cert_poll_interval: Duration::from_secs(args.tls_reload_interval),
-                policy_file: args.policy_file,
-                limits: Limits {
-                    max_concurrency: args.max_concurrency as usize,
-                    max_wait: Duration::from_millis(args.max_wait_ms),
-                    shutdown_delay: Duration::from_secs(args.shutdown_delay),
-                    drain_timeout: Duration::from_secs(args.shutdown_timeout),
-                    ..defaults
-                },
-            };
-            server::run(options).await.context("webhook server failed")
+            serve(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Mutate(args) => {
+            let code = mutate::run_stdio(&args);
+            Ok(ExitCode::from(u8::try_from(code).unwrap_or(2)))
         }
     }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let defaults = Limits::default();
+    let options = ServeOptions {
+        listen: args.listen,
+        health_listen: args.health_listen,
+        tls: TlsPaths {
+            cert: args.tls_cert,
+            key: args.tls_key,
+        },
+        cert_poll_interval: Duration::from_secs(args.tls_reload_interval),
+        policy_file: args.policy_file,
+        limits: Limits {
+            max_concurrency: args.max_concurrency as usize,
+            max_wait: Duration::from_millis(args.max_wait_ms),
+            shutdown_delay: Duration::from_secs(args.shutdown_delay),
+            drain_timeout: Duration::from_secs(args.shutdown_timeout),
+            ..defaults
+        },
+    };
+    let runtime = tokio::runtime::Runtime::new().context("failed to start the async runtime")?;
+    runtime
+        .block_on(server::run(options))
+        .context("webhook server failed")
 }
