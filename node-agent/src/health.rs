@@ -198,6 +198,8 @@ fn whole_seconds(t: Timestamp) -> Timestamp {
 /// `Xid79: GPU has fallen off the bus`, for the XIDs operators meet most.
 pub fn xid_reason(code: u64) -> String {
     let what = match code {
+        // NVML reports a critical XID without its code as 0.
+        0 => return "Xid (code unknown)".to_owned(),
         48 => Some("double-bit ECC error"),
         61 | 62 => Some("internal micro-controller error"),
         63 => Some("ECC page retirement or row remapping event"),
