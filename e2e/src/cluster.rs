@@ -301,6 +301,15 @@ impl Drop for Cleanup {
                 .build()
             {
                 Ok(rt) => rt.block_on(async {
+                    // A client of this runtime: the test's runtime may be unwinding or
+                    // blocked on this very thread's join.
+                    let guard = match Client::try_default().await {
+                        Ok(client) => Cleanup {
+                            client,
+                            owned: guard.owned.clone(),
+                        },
+                        Err(_) => guard,
+                    };
                     let _ = tokio::time::timeout(Duration::from_secs(60), guard.run()).await;
                 }),
                 Err(e) => eprintln!("cleanup: failed to start a runtime: {e}"),

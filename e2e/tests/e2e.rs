@@ -308,7 +308,7 @@ fn rewritten(r: &RawResponse) -> bool {
 /// explicit GPU limit instead of NVIDIA_VISIBLE_DEVICES, the rewritten/policy annotations,
 /// and one kubectl warning for its container; a pod without privilege is never sent to the
 /// webhook (matchConditions) and is stored as written.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn enforce_rewrites_privileged_gpu_pods_with_warnings() {
     let env = Env::new().await;
@@ -407,7 +407,7 @@ async fn enforce_rewrites_privileged_gpu_pods_with_warnings() {
 
 /// Audit: a policy in Audit mode admits the privileged GPU pod unchanged, annotates it with
 /// what Enforce would do, and warns.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn audit_mode_admits_unchanged_with_warnings() {
     let env = Env::new().await;
@@ -458,7 +458,7 @@ async fn audit_mode_admits_unchanged_with_warnings() {
 
 /// Deny: a policy in Deny mode rejects the privileged GPU pod with a message that names the
 /// changes it needs and the offline command that makes them; nothing is stored.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn deny_mode_rejects_naming_each_change() {
     let env = Env::new().await;
@@ -488,7 +488,7 @@ async fn deny_mode_rejects_naming_each_change() {
 
 /// Exemption: in a namespace the governing policy exempts, the privileged GPU pod is
 /// admitted exactly as written, without warnings or annotations.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn exempt_namespace_is_left_alone() {
     let env = Env::new().await;
@@ -534,7 +534,7 @@ async fn exempt_namespace_is_left_alone() {
 /// Ephemeral containers: adding a privileged one to a running pod (what `kubectl debug
 /// --profile=sysadmin` does) is denied in a governed namespace; an unprivileged one is
 /// admitted.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn privileged_ephemeral_container_is_denied() {
     let env = Env::new().await;
@@ -667,7 +667,7 @@ fn condition(gn: &GpuNode, type_: &str) -> Option<String> {
 /// The operator: one GpuNode per node with GPUs (by allocatable GPUs or by the
 /// nvidia.com/gpu.present label), owned by its Node, none for a node without GPUs; and
 /// `kubectl get gpunodes` shows the printer columns.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn operator_keeps_one_gpunode_per_gpu_node() {
     let env = Env::new().await;
@@ -739,7 +739,7 @@ async fn operator_keeps_one_gpunode_per_gpu_node() {
 /// The node agent (fake GPUs, fake kubelet) writes its GpuNode's inventory and the
 /// kubelet's binding of a pod to a GPU, and the operator marks AgentReady=True from the
 /// agent's Lease; after the agent stops, AgentReady goes False once the Lease expires.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn agent_reports_status_and_bindings_then_goes_silent() {
     use gpuwarden_node_agent::podresources::{ContainerDevices, ContainerResources, PodResources};
@@ -887,7 +887,7 @@ async fn agent_reports_status_and_bindings_then_goes_silent() {
 /// Deleting a Node deletes its GpuNode through the owner reference, with the operator
 /// stopped so only the garbage collector can do it. Where no garbage collector runs (an
 /// API server without kube-controller-manager) this is skipped after a minute.
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn deleting_a_node_removes_its_gpunode() {
     let env = Env::new().await;
@@ -987,7 +987,7 @@ async fn install_policy(
 /// API server unrewritten (no webhook here) while admitting a privileged pod without GPU
 /// signals. Skipped where the server has no admissionregistration.k8s.io/v1
 /// ValidatingAdmissionPolicy (before 1.30).
-#[tokio::test(flavor = "multi_thread")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn admission_policies_compile_and_the_backstop_rejects() {
     let env = Env::new().await;
