@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{EnvVar, Pod, ResourceRequirements, SecurityContext, VolumeMount};
 
 use crate::cgroup::strip_runtime_scheme;
 
@@ -64,6 +64,7 @@ impl PodInfo {
                 .iter()
                 .flatten()
                 .chain(s.init_container_statuses.iter().flatten())
+                .chain(s.ephemeral_container_statuses.iter().flatten())
             {
                 if let Some(id) = cs.container_id.as_deref() {
                     ids.insert(cs.name.as_str(), id);
@@ -81,21 +82,32 @@ impl PodInfo {
             })
             .map(|v| v.name.as_str())
             .collect();
-        let containers = spec
+        let info = |name: &str, security: Option<&SecurityContext>, gpu: bool| ContainerInfo {
+            name: name.to_owned(),
+            container_id: ids.get(name).map(|s| s.to_string()),
+            privileged: security.and_then(|s| s.privileged).unwrap_or(false),
+            gpu: cdi || gpu,
+        };
+        let mut containers: Vec<ContainerInfo> = spec
             .containers
             .iter()
             .chain(spec.init_containers.iter().flatten())
-            .map(|c| ContainerInfo {
-                name: c.name.clone(),
-                container_id: ids.get(c.name.as_str()).map(|s| s.to_string()),
-                privileged: c
-                    .security_context
-                    .as_ref()
-                    .and_then(|s| s.privileged)
-                    .unwrap_or(false),
-                gpu: cdi || is_gpu_container(c, &device_volumes),
+            .map(|c| {
+                info(
+                    &c.name,
+                    c.security_context.as_ref(),
+                    is_gpu_container(&c.resources, &c.env, &c.volume_mounts, &device_volumes),
+                )
             })
             .collect();
+        // `kubectl debug --profile=sysadmin` adds privileged ephemeral containers.
+        containers.extend(spec.ephemeral_containers.iter().flatten().map(|c| {
+            info(
+                &c.name,
+                c.security_context.as_ref(),
+                is_gpu_container(&c.resources, &c.env, &c.volume_mounts, &device_volumes),
+            )
+        }));
         Some(PodInfo {
             uid,
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
@@ -118,20 +130,23 @@ fn is_device_path(path: &str) -> bool {
 
 /// A GPU container as the webhook defines it: a GPU resource limit, a meaningful
 /// `NVIDIA_VISIBLE_DEVICES`, or a device hostPath mount.
-fn is_gpu_container(c: &Container, device_volumes: &[&str]) -> bool {
-    let gpu_limit = c
-        .resources
+fn is_gpu_container(
+    resources: &Option<ResourceRequirements>,
+    env: &Option<Vec<EnvVar>>,
+    mounts: &Option<Vec<VolumeMount>>,
+    device_volumes: &[&str],
+) -> bool {
+    let gpu_limit = resources
         .as_ref()
         .and_then(|r| r.limits.as_ref())
         .is_some_and(|l: &BTreeMap<_, _>| l.keys().any(|k: &String| is_gpu_resource(k)));
-    let env = c.env.iter().flatten().any(|e| {
+    let env = env.iter().flatten().any(|e| {
         e.name == "NVIDIA_VISIBLE_DEVICES"
             && e.value
                 .as_deref()
                 .is_some_and(|v| !matches!(v.trim(), "" | "none" | "void"))
     });
-    let mounts = c
-        .volume_mounts
+    let mounts = mounts
         .iter()
         .flatten()
         .any(|m| device_volumes.contains(&m.name.as_str()));
@@ -232,7 +247,11 @@ mod tests {
                     {"name": "limited", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
                     {"name": "devmount", "volumeMounts": [{"name": "dev", "mountPath": "/dev"}]}
                 ],
-                "volumes": [{"name": "dev", "hostPath": {"path": "/dev"}}]
+                "volumes": [{"name": "dev", "hostPath": {"path": "/dev"}}],
+                "ephemeralContainers": [
+                    {"name": "debugger", "securityContext": {"privileged": true},
+                     "volumeMounts": [{"name": "dev", "mountPath": "/host-dev"}]}
+                ]
             },
             "status": {"phase": "Running", "containerStatuses": [
                 {"name": "main", "containerID": "containerd://aaa", "image": "", "imageID": "",
@@ -250,6 +269,7 @@ mod tests {
         assert!(!by["sidecar"].gpu);
         assert!(by["limited"].gpu && !by["limited"].privileged);
         assert!(by["devmount"].gpu);
+        assert!(by["debugger"].gpu && by["debugger"].privileged);
         assert!(info.has_privileged_gpu_container());
         assert_eq!(info.mirror_uid.as_deref(), Some("abc"));
 
