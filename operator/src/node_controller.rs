@@ -178,14 +178,18 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
             let plan = gpunode::plan_status(gn.status.as_ref(), &desired, summary, now);
             let conditions = match plan.apply {
                 Some(status) => {
+                    // No summary until the agent reports: leaving it out of the apply removes
+                    // it, so a silent agent never reads as "0 GPUs".
+                    let mut fields = serde_json::Map::new();
+                    fields.insert("conditions".into(), json!(status.conditions));
+                    if let Some(summary) = &status.summary {
+                        fields.insert("summary".into(), json!(summary));
+                    }
                     let body = json!({
                         "apiVersion": GpuNode::api_version(&()),
                         "kind": GpuNode::kind(&()),
                         "metadata": { "name": name },
-                        "status": {
-                            "conditions": status.conditions,
-                            "summary": status.summary,
-                        }
+                        "status": fields,
                     });
                     api.patch_status(
                         name,

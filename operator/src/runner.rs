@@ -372,8 +372,9 @@ where
         let mut filter = ChangeFilter::default();
         tasks.push(tokio::spawn(pump(events, sd_rx.clone(), move |ev| {
             // Overlaps are between policies, so any spec change re-validates all of them.
+            // Initial objects land in the cache only at InitDone, so that is when they go.
             let touched = match ev {
-                watcher::Event::Apply(p) | watcher::Event::InitApply(p) => filter.changed(
+                watcher::Event::Apply(p) => filter.changed(
                     &p.name_any(),
                     hash_of(&(
                         p.metadata.generation,
@@ -381,11 +382,23 @@ where
                         p.metadata.deletion_timestamp.is_some(),
                     )),
                 ),
+                watcher::Event::InitApply(p) => {
+                    filter.changed(
+                        &p.name_any(),
+                        hash_of(&(
+                            p.metadata.generation,
+                            p.metadata.uid.as_deref(),
+                            p.metadata.deletion_timestamp.is_some(),
+                        )),
+                    );
+                    false
+                }
                 watcher::Event::Delete(p) => {
                     filter.forget(&p.name_any());
                     true
                 }
-                watcher::Event::Init | watcher::Event::InitDone => false,
+                watcher::Event::InitDone => true,
+                watcher::Event::Init => false,
             };
             if touched {
                 for r in refs_of(&store) {

@@ -1,0 +1,205 @@
+//! The whole operator (`gpuwarden_operator::run`) against the in-process fake API server:
+//! watches, caches, change filters, appliers, health endpoints and graceful shutdown.
+
+#[path = "support/fake_api.rs"]
+mod fake_api;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use fake_api::{FakeApi, gpunode, lease, node};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (code, out)
+}
+
+async fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn free_port() -> std::net::SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_runs_end_to_end_against_a_fake_api_server() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = Arc::new(FakeApi::default());
+    let now = jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S.%6fZ")
+        .to_string();
+    // Ten GPU nodes with agents; node 0's agent went silent an hour ago.
+    for i in 0..10 {
+        let name = format!("gpu-node-{i:05}");
+        fake.insert("nodes", &name, node(i));
+        fake.insert("gpunodes", &name, gpunode(i));
+        let mut l = lease(i, &now);
+        if i == 0 {
+            l["spec"]["renewTime"] = json!("2020-01-01T00:00:00.000000Z");
+            l["spec"]["leaseDurationSeconds"] = json!(40);
+        }
+        fake.insert("leases", &format!("gpuwarden-agent-{name}"), l);
+    }
+    // A GPU node nobody has made a GpuNode for yet.
+    fake.insert("nodes", "gpu-node-00010", node(10));
+    // A node whose GPUs are gone (no label, no allocatable GPUs, no agent), with a stale GpuNode.
+    let mut cpu = node(11);
+    cpu["metadata"]["labels"] = json!({});
+    cpu["status"]["allocatable"] = json!({"cpu": "64"});
+    fake.insert("nodes", "gpu-node-00011", cpu);
+    fake.insert("gpunodes", "gpu-node-00011", gpunode(11));
+    // A GpuNode whose Node is gone.
+    fake.insert("gpunodes", "gpu-node-00012", gpunode(12));
+    // An invalid policy.
+    let mut policy = serde_json::to_value(gpuwarden_crds::GpuPolicy::default_policy()).unwrap();
+    policy["metadata"]["generation"] = json!(2);
+    policy["spec"]["capabilities"]["allowed"] = json!(["IPC_LOCK", "CAP_SYS_ADMIN"]);
+    fake.insert("gpupolicies", "default", policy);
+
+    let addr = free_port();
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = addr;
+    config.leader_election = false;
+    config.concurrency = 4;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
+        let _ = stop_rx.await;
+    }));
+
+    let t = Duration::from_secs(30);
+    wait_for("GpuNode and policy statuses", t, || {
+        // 11 GpuNodes (10 existing, 1 created) and the policy.
+        fake.status_writes.load(Ordering::Relaxed) >= 12
+    })
+    .await;
+    wait_for("stale GpuNodes deleted", t, || {
+        fake.deletes.load(Ordering::Relaxed) >= 2
+    })
+    .await;
+    wait_for("webhook Secret", t, || fake.count("secrets") == 1).await;
+
+    // Created for the new GPU node, owned by it.
+    let created = fake
+        .get("gpunodes", "gpu-node-00010")
+        .expect("GpuNode created");
+    assert_eq!(created["spec"]["nodeName"], "gpu-node-00010");
+    assert_eq!(
+        created["metadata"]["ownerReferences"][0]["uid"],
+        "uid-gpu-node-00010"
+    );
+    // Removed: the node without GPUs and the node that is gone.
+    assert!(fake.get("gpunodes", "gpu-node-00011").is_none());
+    assert!(fake.get("gpunodes", "gpu-node-00012").is_none());
+
+    let conditions =
+        |name: &str| fake.get("gpunodes", name).unwrap()["status"]["conditions"].clone();
+    let status_of = |name: &str, t: &str| {
+        conditions(name)
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == t)
+            .map(|c| c["status"].as_str().unwrap_or_default().to_owned())
+    };
+    assert_eq!(
+        status_of("gpu-node-00001", "AgentReady").as_deref(),
+        Some("True")
+    );
+    assert_eq!(
+        status_of("gpu-node-00001", "Healthy").as_deref(),
+        Some("True")
+    );
+    assert_eq!(
+        status_of("gpu-node-00000", "AgentReady").as_deref(),
+        Some("False")
+    );
+    let sample = fake.get("gpunodes", "gpu-node-00001").unwrap();
+    assert_eq!(sample["status"]["summary"]["gpus"], 8);
+    assert_eq!(
+        sample["status"]["gpus"].as_array().unwrap().len(),
+        8,
+        "agent fields kept"
+    );
+
+    wait_for("policy status", t, || {
+        fake.get("gpupolicies", "default")
+            .is_some_and(|p| p["status"]["observedGeneration"] == 2)
+    })
+    .await;
+    let policy = fake.get("gpupolicies", "default").unwrap();
+    assert_eq!(
+        policy["status"]["conditions"][0]["reason"],
+        "UnknownCapability"
+    );
+
+    // Health endpoints.
+    let (code, _) = http_get(addr, "/healthz").await;
+    assert_eq!(code, 200);
+    let (code, _) = http_get(addr, "/readyz").await;
+    assert_eq!(code, 200);
+    let (code, metrics) = http_get(addr, "/metrics").await;
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains(r#"gpuwarden_operator_reconciles_total{controller="gpunode"}"#),
+        "{metrics}"
+    );
+    assert!(metrics.contains("gpuwarden_operator_reconcile_duration_seconds_bucket"));
+    assert!(metrics.contains("gpuwarden_operator_caches_synced 1"));
+
+    // Steady state: the operator's own writes came back through the watches; Leases are
+    // renewed and kubelets post heartbeats. Nothing is written.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = fake.writes.load(Ordering::Relaxed);
+    for i in 1..10 {
+        let name = format!("gpu-node-{i:05}");
+        fake.modify("leases", &format!("gpuwarden-agent-{name}"), |l| {
+            l["spec"]["renewTime"] = json!(now);
+        });
+        fake.modify("nodes", &name, |n| {
+            n["status"]["conditions"][0]["lastHeartbeatTime"] = json!(now);
+        });
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        fake.writes.load(Ordering::Relaxed),
+        before,
+        "steady state wrote"
+    );
+
+    // An agent reports a sick GPU: Healthy turns False.
+    fake.modify("gpunodes", "gpu-node-00002", |g| {
+        g["status"]["gpus"][3]["health"] =
+            json!({"state": "Unhealthy", "reasons": ["Xid79: GPU has fallen off the bus"]});
+    });
+    wait_for("Healthy=False", t, || {
+        status_of("gpu-node-00002", "Healthy").as_deref() == Some("False")
+    })
+    .await;
+
+    // Graceful shutdown.
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(20), operator)
+        .await
+        .expect("operator stops within 20 s")
+        .expect("operator task");
+    assert!(result.is_ok(), "{result:?}");
+}
