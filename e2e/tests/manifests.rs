@@ -1449,3 +1449,49 @@ fn manifests_only_set_what_the_binaries_read() {
         }
     }
 }
+
+/// The image the manifests run is what the Dockerfile builds: every binary a workload's
+/// `command` names is built (release, `--locked`) and copied to /usr/local/bin, and the
+/// image's numeric non-root user is the one the webhook and operator run as.
+#[test]
+fn dockerfile_builds_what_the_manifests_run() {
+    let dockerfile = std::fs::read_to_string(repo_root().join("Dockerfile")).expect("Dockerfile");
+    let ignore = std::fs::read_to_string(repo_root().join(".dockerignore")).expect(".dockerignore");
+    assert!(
+        ignore.lines().any(|l| l.trim() == "target/"),
+        ".dockerignore keeps target/ out"
+    );
+    assert!(dockerfile.contains("cargo build --release --locked"));
+    assert!(dockerfile.contains("COPY --from=build /out/ /usr/local/bin/"));
+    let user = dockerfile
+        .lines()
+        .find_map(|l| l.strip_prefix("USER "))
+        .expect("a USER line");
+    let (uid, gid) = user.trim().split_once(':').expect("USER uid:gid");
+    let uid: i64 = uid.parse().expect("numeric uid");
+    let _: i64 = gid.parse().expect("numeric gid");
+    assert!(uid > 0, "the image runs as non-root");
+    let docs = base();
+    for w in workloads(&docs) {
+        let spec = manifests::pod_spec(&w.value).expect("pod spec");
+        let command = spec["containers"][0]["command"][0]
+            .as_str()
+            .expect("command");
+        let binary = command
+            .strip_prefix("/usr/local/bin/")
+            .expect("in /usr/local/bin");
+        assert!(
+            dockerfile.contains(&format!("-p {binary}"))
+                && dockerfile.contains(&format!("target/release/{binary}")),
+            "the Dockerfile does not build and copy {binary}"
+        );
+        if w.name() != install::NODE_AGENT_NAME {
+            assert_eq!(
+                spec["securityContext"]["runAsUser"],
+                json!(uid),
+                "{}",
+                w.id()
+            );
+        }
+    }
+}
