@@ -23,7 +23,7 @@ mod runner;
 pub mod webhook_certs;
 
 pub use leader::Leadership;
-pub use runner::{RunError, run, trim_node};
+pub use runner::{RunError, run, run_with, trim_node};
 
 /// The current time. Production uses the system clock; tests inject their own.
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;

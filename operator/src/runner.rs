@@ -208,15 +208,17 @@ pub async fn run<F>(config: Config, client: Client, shutdown: F) -> Result<(), R
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    run_with_clock(config, client, shutdown, system_clock()).await
+    run_with(config, client, shutdown, system_clock(), None).await
 }
 
-/// [`run`] with an injected clock.
-pub async fn run_with_clock<F>(
+/// [`run`] with an injected clock and, optionally, leadership decided by the caller instead
+/// of the Lease election (`config.leader_election` is then ignored).
+pub async fn run_with<F>(
     config: Config,
     client: Client,
     shutdown: F,
     clock: Clock,
+    leadership: Option<Leadership>,
 ) -> Result<(), RunError>
 where
     F: Future<Output = ()> + Send + 'static,
@@ -251,7 +253,9 @@ where
         .into_future(),
     );
 
-    let (leadership, leader_task) = if config.leader_election {
+    let (leadership, leader_task) = if let Some(given) = leadership {
+        (given, None)
+    } else if config.leader_election {
         let (l, t) = leader::elect(
             client.clone(),
             &config.namespace,

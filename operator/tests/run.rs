@@ -203,3 +203,85 @@ async fn operator_runs_end_to_end_against_a_fake_api_server() {
         .expect("operator task");
     assert!(result.is_ok(), "{result:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_is_ready_writes_nothing_and_reconciles_everything_when_it_takes_over() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = Arc::new(FakeApi::default());
+    let now = jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S.%6fZ")
+        .to_string();
+    for i in 0..5 {
+        let name = format!("gpu-node-{i:05}");
+        fake.insert("nodes", &name, node(i));
+        fake.insert("gpunodes", &name, gpunode(i));
+        fake.insert("leases", &format!("gpuwarden-agent-{name}"), lease(i, &now));
+    }
+    let addr = free_port();
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = addr;
+    let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(gpuwarden_operator::run_with(
+        config,
+        fake.client(),
+        async move {
+            let _ = stop_rx.await;
+        },
+        gpuwarden_operator::system_clock(),
+        Some(leadership),
+    ));
+
+    // The standby syncs its caches and reports ready, but writes nothing.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok((200, _)) =
+            tokio::time::timeout(Duration::from_secs(1), http_get_ok(addr, "/readyz")).await
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "standby never became ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(fake.writes.load(Ordering::Relaxed), 0, "a standby wrote");
+    let (_, metrics) = http_get(addr, "/metrics").await;
+    assert!(metrics.contains("gpuwarden_operator_leader 0"), "{metrics}");
+
+    // The leader's Lease lapsed and this replica won the election: it catches up on everything.
+    leader_tx.send(true).unwrap();
+    wait_for("statuses after takeover", Duration::from_secs(20), || {
+        fake.status_writes.load(Ordering::Relaxed) >= 5 && fake.count("secrets") == 1
+    })
+    .await;
+    let (_, metrics) = http_get(addr, "/metrics").await;
+    assert!(metrics.contains("gpuwarden_operator_leader 1"), "{metrics}");
+
+    // Losing leadership stops the writes again.
+    leader_tx.send(false).unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = fake.writes.load(Ordering::Relaxed);
+    fake.modify("gpunodes", "gpu-node-00001", |g| {
+        g["status"]["gpus"][0]["health"] = json!({"state": "Unhealthy", "reasons": ["Xid48: DBE"]});
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        fake.writes.load(Ordering::Relaxed),
+        before,
+        "a deposed leader wrote"
+    );
+
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(20), operator)
+        .await
+        .expect("operator stops")
+        .expect("operator task");
+    assert!(result.is_ok(), "{result:?}");
+}
+
+async fn http_get_ok(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    match tokio::net::TcpStream::connect(addr).await {
+        Ok(_) => http_get(addr, path).await,
+        Err(_) => (0, String::new()),
+    }
+}

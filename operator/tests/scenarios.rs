@@ -116,6 +116,11 @@ fn echo() -> Responder {
             StatusCode::OK,
             json!({"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 200}),
         ),
+        _ if s.body.is_array() => {
+            // A JSON patch: answer with the patched object's name, enough for any kind.
+            let name = s.path.rsplit('/').next().unwrap_or_default();
+            (StatusCode::OK, json!({"metadata": {"name": name}}))
+        }
         _ => {
             let mut obj = s.body.clone();
             if obj.get("metadata").is_some() {
@@ -874,4 +879,111 @@ fn gpunode_owner_reference_points_at_the_node() {
     assert_eq!((o.kind.as_str(), o.uid.as_str()), ("Node", "n-uid"));
     assert_eq!(o.block_owner_deletion, Some(false));
     assert_eq!(GpuNode::kind(&()), "GpuNode");
+}
+
+#[tokio::test]
+async fn unhealthy_nodes_are_tainted_and_untainted_when_the_flag_is_on() {
+    let mut node = gpu_node("gpu-1", "8");
+    node.spec = Some(k8s_openapi::api::core::v1::NodeSpec {
+        taints: Some(vec![k8s_openapi::api::core::v1::Taint {
+            key: "dedicated".into(),
+            value: Some("ml".into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }]),
+        ..Default::default()
+    });
+    let mut status = agent_status();
+    status.gpus.as_mut().unwrap()[3].health = GpuHealth {
+        state: HealthState::Unhealthy,
+        reasons: vec!["Xid79: GPU has fallen off the bus".into()],
+        since: None,
+    };
+    let gn = gpunode_for(&node, Some(status));
+    let mut w = world(
+        vec![node.clone()],
+        vec![gn],
+        vec![agent_lease("gpu-1", 0, 40)],
+        true,
+        Leadership::always(),
+        echo(),
+        false,
+    );
+    w.ctx.taint_unhealthy_nodes = true;
+    w.now.store(1, Ordering::SeqCst);
+    reconcile_node("gpu-1", &w.ctx).await.unwrap();
+    let writes = w.api.writes();
+    assert_eq!(writes.len(), 2, "{writes:#?}");
+    let taint = &writes[1];
+    assert_eq!(taint.method, "PATCH");
+    assert_eq!(taint.path, "/api/v1/nodes/gpu-1");
+    assert_eq!(taint.content_type, "application/json-patch+json");
+    // Guarded by the taints it read, so a concurrent edit fails instead of being lost.
+    assert_eq!(taint.body[0]["op"], "test");
+    assert_eq!(taint.body[0]["value"][0]["key"], "dedicated");
+    assert_eq!(taint.body[1]["op"], "replace");
+    let after = taint.body[1]["value"].as_array().unwrap();
+    assert_eq!(after.len(), 2, "the existing taint stays");
+    assert_eq!(after[1]["key"], "gpuwarden.io/gpu-unhealthy");
+    assert_eq!(after[1]["effect"], "NoSchedule");
+
+    // Healthy again, with the taint on the node: it is removed, the other taint kept.
+    let mut tainted = node;
+    tainted
+        .spec
+        .as_mut()
+        .unwrap()
+        .taints
+        .as_mut()
+        .unwrap()
+        .push(k8s_openapi::api::core::v1::Taint {
+            key: "gpuwarden.io/gpu-unhealthy".into(),
+            effect: "NoSchedule".into(),
+            value: None,
+            time_added: None,
+        });
+    let gn = gpunode_for(&tainted, Some(agent_status()));
+    let mut w = world(
+        vec![tainted],
+        vec![gn],
+        vec![agent_lease("gpu-1", 0, 40)],
+        true,
+        Leadership::always(),
+        echo(),
+        false,
+    );
+    w.ctx.taint_unhealthy_nodes = true;
+    reconcile_node("gpu-1", &w.ctx).await.unwrap();
+    let writes = w.api.writes();
+    let taint = writes
+        .iter()
+        .find(|s| s.path == "/api/v1/nodes/gpu-1")
+        .expect("untaint");
+    let after = taint.body[1]["value"].as_array().unwrap();
+    assert_eq!(after.len(), 1);
+    assert_eq!(after[0]["key"], "dedicated");
+}
+
+#[tokio::test]
+async fn nodes_are_never_tainted_with_the_flag_off() {
+    let node = gpu_node("gpu-1", "8");
+    let mut status = agent_status();
+    status.gpus.as_mut().unwrap()[0].health.state = HealthState::Unhealthy;
+    let gn = gpunode_for(&node, Some(status));
+    let w = world(
+        vec![node],
+        vec![gn],
+        vec![],
+        true,
+        Leadership::always(),
+        echo(),
+        false,
+    );
+    reconcile_node("gpu-1", &w.ctx).await.unwrap();
+    assert!(
+        w.api
+            .writes()
+            .iter()
+            .all(|s| !s.path.starts_with("/api/v1/nodes"))
+    );
 }
