@@ -144,18 +144,22 @@ pub enum ReviewError {
 /// malformed review gets a precise answer instead of a parse error.
 #[derive(serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct ReviewIn {
+struct ReviewIn<O> {
     #[serde(default)]
     api_version: Option<String>,
     #[serde(default)]
     kind: Option<String>,
-    #[serde(default)]
-    request: Option<RequestIn>,
+    #[serde(default = "none")]
+    request: Option<RequestIn<O>>,
+}
+
+fn none<T>() -> Option<T> {
+    None
 }
 
 #[derive(serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct RequestIn {
+struct RequestIn<O> {
     #[serde(default)]
     uid: Option<String>,
     #[serde(default)]
@@ -170,10 +174,143 @@ struct RequestIn {
     namespace: Option<String>,
     #[serde(default)]
     operation: Option<String>,
+    #[serde(default = "none")]
+    object: Option<O>,
+    #[serde(default = "none")]
+    old_object: Option<O>,
+}
+
+/// Deserialises `T` from a JSON object only. (serde's derived structs also accept arrays,
+/// which would let `[1]` pass for a pod.)
+struct MapOnly<T>(T);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for MapOnly<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visit<T> {
+            type Value = MapOnly<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<Self::Value, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(MapOnly)
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
+    }
+}
+
+impl ReviewIn<MapOnly<PodIn>> {
+    fn into_values(self) -> ReviewIn<Value> {
+        ReviewIn {
+            api_version: self.api_version,
+            kind: self.kind,
+            request: self.request.map(|r| RequestIn {
+                uid: r.uid,
+                kind: r.kind,
+                resource: r.resource,
+                sub_resource: r.sub_resource,
+                name: r.name,
+                namespace: r.namespace,
+                operation: r.operation,
+                object: r.object.map(|p| p.0.into_value()),
+                old_object: r.old_object.map(|p| p.0.into_value()),
+            }),
+        }
+    }
+}
+
+/// The parts of a pod the engine reads, and nothing else: parsing a review this way skips
+/// (without allocating) probes, affinity, owner references, commands and the like. Fields are
+/// kept as JSON values, `null` included, so the engine sees them exactly as sent. A pod this
+/// shape cannot hold (say `containers` is not a list of objects) is parsed whole instead.
+#[derive(serde::Deserialize)]
+struct PodIn {
+    #[serde(default, deserialize_with = "present")]
+    metadata: Option<Value>,
     #[serde(default)]
-    object: Option<Value>,
-    #[serde(default)]
-    old_object: Option<Value>,
+    spec: Option<MapOnly<SpecIn>>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SpecIn {
+    #[serde(default, deserialize_with = "present")]
+    service_account_name: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    volumes: Option<Value>,
+    #[serde(default = "none")]
+    containers: Option<Vec<MapOnly<ContainerIn>>>,
+    #[serde(default = "none")]
+    init_containers: Option<Vec<MapOnly<ContainerIn>>>,
+    #[serde(default = "none")]
+    ephemeral_containers: Option<Vec<MapOnly<ContainerIn>>>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ContainerIn {
+    #[serde(default, deserialize_with = "present")]
+    name: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    image: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    env: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    resources: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    security_context: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    volume_mounts: Option<Value>,
+}
+
+/// A field that is present, even as `null`, is `Some`.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    <Value as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+fn put(map: &mut serde_json::Map<String, Value>, key: &str, value: Option<Value>) {
+    if let Some(v) = value {
+        map.insert(key.to_owned(), v);
+    }
+}
+
+impl PodIn {
+    fn into_value(self) -> Value {
+        let mut pod = serde_json::Map::new();
+        put(&mut pod, "metadata", self.metadata);
+        if let Some(MapOnly(spec)) = self.spec {
+            let mut out = serde_json::Map::new();
+            put(&mut out, "serviceAccountName", spec.service_account_name);
+            put(&mut out, "volumes", spec.volumes);
+            for (key, list) in [
+                ("containers", spec.containers),
+                ("initContainers", spec.init_containers),
+                ("ephemeralContainers", spec.ephemeral_containers),
+            ] {
+                let Some(list) = list else { continue };
+                let list = list
+                    .into_iter()
+                    .map(|MapOnly(c)| {
+                        let mut m = serde_json::Map::new();
+                        put(&mut m, "name", c.name);
+                        put(&mut m, "image", c.image);
+                        put(&mut m, "env", c.env);
+                        put(&mut m, "resources", c.resources);
+                        put(&mut m, "securityContext", c.security_context);
+                        put(&mut m, "volumeMounts", c.volume_mounts);
+                        Value::Object(m)
+                    })
+                    .collect();
+                out.insert(key.to_owned(), Value::Array(list));
+            }
+            pod.insert("spec".to_owned(), Value::Object(out));
+        }
+        Value::Object(pod)
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -229,22 +366,27 @@ const API_VERSION: &str = "admission.k8s.io/v1";
 
 /// Answers one AdmissionReview body. See the module docs.
 pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
-    let review: ReviewIn = match serde_json::from_slice(body) {
-        Ok(review) => review,
-        Err(e) => {
-            // Say whether it was JSON at all, and echo the uid if one can be found.
-            let (error, uid) = match serde_json::from_slice::<Value>(body) {
-                Err(_) => (ReviewError::NotJson(e.to_string()), String::new()),
-                Ok(v) => (
-                    ReviewError::NotAReview(e.to_string()),
-                    v.pointer("/request/uid")
-                        .and_then(Value::as_str)
-                        .unwrap_or_default()
-                        .to_owned(),
-                ),
-            };
-            return invalid(API_VERSION, uid, None, &error);
-        }
+    // Fast path: only the fields the engine reads. Anything it cannot take is parsed again,
+    // whole, so that odd input gets the same precise answer.
+    let review: ReviewIn<Value> = match serde_json::from_slice::<ReviewIn<MapOnly<PodIn>>>(body) {
+        Ok(review) => review.into_values(),
+        Err(_) => match serde_json::from_slice::<ReviewIn<Value>>(body) {
+            Ok(review) => review,
+            Err(e) => {
+                // Say whether it was JSON at all, and echo the uid if one can be found.
+                let (error, uid) = match serde_json::from_slice::<Value>(body) {
+                    Err(_) => (ReviewError::NotJson(e.to_string()), String::new()),
+                    Ok(v) => (
+                        ReviewError::NotAReview(e.to_string()),
+                        v.pointer("/request/uid")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_owned(),
+                    ),
+                };
+                return invalid(API_VERSION, uid, None, &error);
+            }
+        },
     };
     let api_version = match review.api_version.as_deref() {
         Some(v @ "admission.k8s.io/v1beta1") => v,
@@ -288,7 +430,7 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
 
 /// Runs the engine on a parsed request. `Ok` carries the decision and the pod's display name.
 fn review_request(
-    request: &RequestIn,
+    request: &RequestIn<Value>,
     source: &dyn PolicySource,
 ) -> Result<(Decision, Option<String>), ReviewError> {
     let is_pod = match (&request.kind, &request.resource) {
@@ -481,7 +623,7 @@ fn encode(api_version: &str, response: ResponseOut) -> Vec<u8> {
 /// Standard base64 with padding (RFC 4648), as the `patch` field is encoded.
 fn base64(input: &[u8]) -> String {
     const TABLE: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
+    let mut out = Vec::with_capacity(input.len().div_ceil(3) * 4);
     for chunk in input.chunks(3) {
         let b = [
             chunk[0],
@@ -489,20 +631,21 @@ fn base64(input: &[u8]) -> String {
             chunk.get(2).copied().unwrap_or(0),
         ];
         let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        out.push(char::from(TABLE[(n >> 18) as usize & 63]));
-        out.push(char::from(TABLE[(n >> 12) as usize & 63]));
+        out.push(TABLE[(n >> 18) as usize & 63]);
+        out.push(TABLE[(n >> 12) as usize & 63]);
         out.push(if chunk.len() > 1 {
-            char::from(TABLE[(n >> 6) as usize & 63])
+            TABLE[(n >> 6) as usize & 63]
         } else {
-            '='
+            b'='
         });
         out.push(if chunk.len() > 2 {
-            char::from(TABLE[n as usize & 63])
+            TABLE[n as usize & 63]
         } else {
-            '='
+            b'='
         });
     }
-    out
+    // Every byte pushed comes from the ASCII table above.
+    String::from_utf8(out).unwrap_or_default()
 }
 
 #[cfg(test)]

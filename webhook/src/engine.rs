@@ -415,17 +415,28 @@ fn clean_path(path: &str) -> String {
 }
 
 /// Matches `text` against a glob with `*` (any run of characters) and `?` (one character).
-/// Every other character is literal.
+/// Every other character is literal. Image references are ASCII, so this works on bytes.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
-    let p: Vec<char> = pattern.chars().collect();
-    let t: Vec<char> = text.chars().collect();
+    glob_bytes(pattern.as_bytes(), text.as_bytes(), b"")
+}
+
+/// [`glob_match`] against the concatenation `head` + `tail`, without building it.
+fn glob_bytes(p: &[u8], head: &[u8], tail: &[u8]) -> bool {
+    let len = head.len() + tail.len();
+    let at = |i: usize| {
+        if i < head.len() {
+            head[i]
+        } else {
+            tail[i - head.len()]
+        }
+    };
     let (mut pi, mut ti) = (0usize, 0usize);
     let mut star: Option<(usize, usize)> = None;
-    while ti < t.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+    while ti < len {
+        if pi < p.len() && (p[pi] == b'?' || p[pi] == at(ti)) {
             pi += 1;
             ti += 1;
-        } else if pi < p.len() && p[pi] == '*' {
+        } else if pi < p.len() && p[pi] == b'*' {
             star = Some((pi, ti));
             pi += 1;
         } else if let Some((sp, st)) = star {
@@ -436,7 +447,7 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
             return false;
         }
     }
-    while pi < p.len() && p[pi] == '*' {
+    while pi < p.len() && p[pi] == b'*' {
         pi += 1;
     }
     pi == p.len()
@@ -451,7 +462,9 @@ pub fn image_exempt(image: &str, patterns: &[String]) -> bool {
     let last = image.rsplit('/').next().unwrap_or(image);
     let untagged = !last.contains(':') && !image.contains('@');
     patterns.iter().any(|pattern| {
-        glob_match(pattern, image) || (untagged && glob_match(pattern, &format!("{image}:latest")))
+        let p = pattern.as_bytes();
+        glob_bytes(p, image.as_bytes(), b"")
+            || (untagged && glob_bytes(p, image.as_bytes(), b":latest"))
     })
 }
 

@@ -236,10 +236,10 @@ pub fn parse_documents(source: &str, text: &str) -> Result<Vec<Document>, Manife
                 .and_then(Value::as_array)
                 .ok_or_else(|| not_object(format!("{kind} has no items list")))?;
             for (i, item) in items.iter().enumerate() {
-                if !item
+                if item
                     .get("kind")
                     .and_then(Value::as_str)
-                    .is_some_and(|k| !k.is_empty())
+                    .is_none_or(str::is_empty)
                 {
                     return Err(not_object(format!("{kind} item {} has no kind", i + 1)));
                 }

@@ -259,6 +259,12 @@ fn run_inner(
     }
 
     explain(&outcomes, stderr);
+    if args.output == OutputFormat::Yaml && args.policies.is_empty() {
+        let _ = writeln!(
+            stderr,
+            "(built-in default policy; the objects follow on stdout. -o diff shows only the changes, --policy FILE applies your own GpuPolicy)"
+        );
+    }
     let _ = write_output(args.output, &outcomes, stdout);
     let denied = outcomes.iter().any(|o| {
         o.decision

@@ -9,11 +9,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use engine_support::*;
 use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, VisibleDevicesAll};
 use gpuwarden_webhook::admission::{Outcome, StaticSource};
-use gpuwarden_webhook::engine::{image_exempt, is_device_host_path};
+use gpuwarden_webhook::engine::{
+    Input, Operation, Verdict, decide, image_exempt, is_device_host_path,
+    namespace_labels_or_default, patch_for,
+};
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::{Map, Value, json};
+use std::sync::Arc;
 
 const CASES: usize = 2000;
 
@@ -470,6 +474,26 @@ fn generated_pods_hold_the_invariants() {
         *outcomes.entry(first.summary.outcome.as_str()).or_default() += 1;
         assert_ne!(first.summary.outcome, Outcome::Invalid, "{}", ctx());
         let patched = first.apply(&pod);
+        // The adapter reads only the fields the engine needs; the engine on the whole pod
+        // must produce the very same patch.
+        let labels = namespace_labels_or_default(&namespace, None);
+        let input = Input {
+            pod: &pod,
+            namespace: &namespace,
+            namespace_labels: &labels,
+            operation: Operation::Create,
+            display_name: "",
+        };
+        let direct = decide(&input, &[Arc::new(policy.clone())]);
+        if direct.verdict() != Verdict::Denied {
+            let direct = patch_for(&pod, &direct.changes);
+            let direct = (!direct.0.is_empty()).then(|| serde_json::to_value(&direct).unwrap());
+            let via_review = first
+                .patch
+                .as_ref()
+                .map(|p| serde_json::to_value(p).unwrap());
+            assert_eq!(direct, via_review, "{}", ctx());
+        }
         if first.patch.is_some() {
             patched_count += 1;
         }
