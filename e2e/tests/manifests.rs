@@ -1495,3 +1495,70 @@ fn dockerfile_builds_what_the_manifests_run() {
         }
     }
 }
+
+/// The resources a component's code touches, read from its sources: every `Api<Kind>`,
+/// an event `Recorder` (events) and a `LeaseManagerBuilder` (leases).
+fn resources_in_code(dir: &str) -> BTreeSet<String> {
+    let kinds = [
+        ("GpuPolicy", "gpupolicies"),
+        ("GpuNode", "gpunodes"),
+        ("Namespace", "namespaces"),
+        ("Node", "nodes"),
+        ("Pod", "pods"),
+        ("Lease", "leases"),
+        ("Secret", "secrets"),
+        (
+            "MutatingWebhookConfiguration",
+            "mutatingwebhookconfigurations",
+        ),
+    ];
+    let mut out = BTreeSet::new();
+    let src = repo_root().join(dir).join("src");
+    for entry in std::fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("source");
+        for marker in ["Api::<", "Api<"] {
+            for rest in text.split(marker).skip(1) {
+                // `Api<PartialObjectMeta<Namespace>>` names Namespace.
+                let inner = rest.split('>').next().unwrap_or_default();
+                let kind = inner.rsplit('<').next().unwrap_or_default().trim();
+                if let Some((_, resource)) = kinds.iter().find(|(k, _)| *k == kind) {
+                    out.insert(resource.to_string());
+                }
+            }
+        }
+        if text.contains("Recorder::new") {
+            out.insert("events".into());
+        }
+        if text.contains("LeaseManagerBuilder") {
+            out.insert("leases".into());
+        }
+    }
+    out
+}
+
+/// The RBAC table above stays in step with the code: every resource a component's code
+/// calls the API for has a grant in the table, and every resource in the table is one its
+/// code touches. A new `Api<Kind>` without RBAC fails here.
+#[test]
+fn rbac_table_follows_the_code() {
+    for (component, dir) in [
+        (install::WEBHOOK_NAME, "webhook"),
+        (install::OPERATOR_NAME, "operator"),
+        (install::NODE_AGENT_NAME, "node-agent"),
+    ] {
+        let in_code = resources_in_code(dir);
+        let in_table: BTreeSet<String> = EXPECTED_GRANTS
+            .iter()
+            .filter(|row| row.0 == component)
+            .map(|row| row.3.split('/').next().unwrap_or_default().to_string())
+            .collect();
+        assert_eq!(
+            in_code, in_table,
+            "{component}: resources its code touches (left) and the RBAC table grants (right) differ"
+        );
+    }
+}
