@@ -491,6 +491,9 @@ fn review_request(
         display_name: &name,
     };
     let decision = engine::decide(&input, &policies);
+    for skipped in &decision.skipped_policies {
+        tracing::warn!(pod = %name, "{skipped}");
+    }
     Ok((decision, Some(name)))
 }
 

@@ -167,6 +167,8 @@ pub struct Decision {
     pub denial: Option<String>,
     /// Audit annotations for the API server's audit log.
     pub audit_annotations: BTreeMap<String, String>,
+    /// Policies skipped because they are invalid, with the reason (also in `warnings`).
+    pub skipped_policies: Vec<String>,
 }
 
 impl Decision {
@@ -295,11 +297,12 @@ pub fn decide(input: &Input<'_>, policies: &[Arc<GpuPolicy>]) -> Decision {
             Operation::AddEphemeral { old } => decide_ephemeral(input, old, policy),
         },
     };
-    for skipped in selection.skipped {
+    for skipped in selection.skipped.iter().rev() {
         decision
             .warnings
             .insert(0, clip(format!("gpuwarden: {skipped}")));
     }
+    decision.skipped_policies = selection.skipped;
     decision
 }
 
