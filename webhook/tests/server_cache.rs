@@ -91,10 +91,11 @@ async fn serve_api(
                 }
             }
             changed = answer_policies.changed(), if pending_policy_list.is_some() => {
-                if changed.is_ok() && *answer_policies.borrow() {
-                    if let Some(send) = pending_policy_list.take() {
-                        send.send_response(json_response(policy_list()));
-                    }
+                if changed.is_ok()
+                    && *answer_policies.borrow()
+                    && let Some(send) = pending_policy_list.take()
+                {
+                    send.send_response(json_response(policy_list()));
                 }
             }
         }
