@@ -23,8 +23,9 @@ pub const TLS_CRT: &str = "tls.crt";
 pub const TLS_KEY: &str = "tls.key";
 /// Secret key of every CA certificate still trusted, newest first (PEM bundle).
 pub const CA_CRT: &str = "ca.crt";
-/// Secret key of the current CA's private key (PEM, PKCS#8). The webhook Deployment mounts
-/// only `tls.crt` and `tls.key`.
+/// Secret key of the current CA's private key (PEM, PKCS#8). The webhook needs only
+/// `tls.crt` and `tls.key`; its volume should project just those (`items:`) so the CA key
+/// never reaches the webhook's filesystem.
 pub const CA_KEY: &str = "ca.key";
 
 /// The CA lives this many times longer than the serving certificate it signs.
@@ -379,7 +380,9 @@ pub fn plan(
     data.insert(TLS_KEY.to_owned(), tls_key.into_bytes());
     data.insert(CA_CRT.to_owned(), ca_bundle.clone().into_bytes());
     data.insert(CA_KEY.to_owned(), ca_key.serialize_pem().into_bytes());
-    if reasons.is_empty() && &data != existing {
+    // Keys other writers put in the Secret are theirs; only ours are compared.
+    let ours_unchanged = data.iter().all(|(k, v)| existing.get(k) == Some(v));
+    if reasons.is_empty() && !ours_unchanged {
         // Same certificates, different bytes (whitespace, an expired CA dropped from the bundle).
         reasons.push("secret data normalised (expired CAs dropped)".to_owned());
     }
@@ -536,6 +539,14 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    #[test]
+    fn keys_written_by_others_do_not_cause_rewrites() {
+        let first = plan(&BTreeMap::new(), at(0), &params()).unwrap();
+        let mut data = first.data.clone();
+        data.insert("extra".to_owned(), b"someone else's".to_vec());
+        assert!(!plan(&data, at(DAY), &params()).unwrap().changed());
     }
 
     #[test]

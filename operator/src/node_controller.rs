@@ -63,9 +63,10 @@ impl NodeError {
         }
     }
 
-    /// Whether retrying without a change to the object cannot help.
+    /// Whether retrying without a change to the object cannot help. Forbidden is not
+    /// permanent: fixing RBAC changes no watched object, so it is retried with backoff.
     pub fn is_permanent(&self) -> bool {
-        matches!(self.kind(), "invalid" | "forbidden" | "encode")
+        matches!(self.kind(), "invalid" | "encode")
     }
 }
 

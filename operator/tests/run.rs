@@ -167,8 +167,16 @@ async fn operator_runs_end_to_end_against_a_fake_api_server() {
 
     // Steady state: the operator's own writes came back through the watches; Leases are
     // renewed and kubelets post heartbeats. Nothing is written.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = fake.writes.load(Ordering::Relaxed);
+    let mut before = fake.writes.load(Ordering::Relaxed);
+    loop {
+        // Let the cold start's last writes (events) land first.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = fake.writes.load(Ordering::Relaxed);
+        if now == before {
+            break;
+        }
+        before = now;
+    }
     for i in 1..10 {
         let name = format!("gpu-node-{i:05}");
         fake.modify("leases", &format!("gpuwarden-agent-{name}"), |l| {
