@@ -1006,9 +1006,36 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
         host_path("/var/lib/kubelet/pod-resources"),
         "/var/lib/kubelet/pod-resources"
     );
-    for host in ["/etc/nvidia-container-runtime", "/etc/cdi", "/var/run/cdi"] {
+    // Every place the agent looks for the runtime's config and CDI specs
+    // (gpuwarden_node_agent::runtime), mounted read-only where GPUWARDEN_HOST_ROOT=/host
+    // makes it look.
+    let mut dirs: Vec<String> = gpuwarden_node_agent::runtime::CONFIG_PATHS
+        .iter()
+        .map(|p| {
+            std::path::Path::new(p)
+                .parent()
+                .expect("a directory")
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    dirs.extend(
+        gpuwarden_node_agent::runtime::CDI_DIRS
+            .iter()
+            .map(|d| d.to_string()),
+    );
+    for host in dirs {
         assert_eq!(host_path(&format!("/host{host}")), host);
+        let mount = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.mount_path == format!("/host{host}"))
+            .expect("mounted");
+        assert_eq!(mount.read_only, Some(true), "{host}");
     }
+    let host_root = env["GPUWARDEN_HOST_ROOT"].value.as_deref();
+    assert_eq!(host_root, Some("/host"));
 }
 
 /// The base with a component applied: its resources added, its JSON 6902 patches applied
