@@ -949,6 +949,14 @@ fn webhook_configuration_reaches_the_server() {
         .expect("the TLS volume is mounted");
     assert_eq!(mount["mountPath"], "/etc/gpuwarden/tls");
     assert_eq!(mount["readOnly"], true);
+    // Where the server reads them by default (webhook/src/main.rs).
+    let main = std::fs::read_to_string(repo_root().join("webhook/src/main.rs")).expect("main.rs");
+    for file in ["tls.crt", "tls.key"] {
+        assert!(
+            main.contains(&format!("\"/etc/gpuwarden/tls/{file}\"")),
+            "the webhook no longer reads /etc/gpuwarden/tls/{file} by default"
+        );
+    }
 }
 
 /// The node agent runs on GPU nodes only, knows its node, reaches NVML through the NVIDIA
@@ -1002,10 +1010,13 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
             .map(|h| h.path.clone())
             .unwrap_or_else(|| panic!("{mount} is not a hostPath"))
     };
-    assert_eq!(
-        host_path("/var/lib/kubelet/pod-resources"),
-        "/var/lib/kubelet/pod-resources"
-    );
+    // The agent's default socket path, its directory mounted from the same host path.
+    let socket_dir = std::path::Path::new(gpuwarden_node_agent::podresources::DEFAULT_SOCKET)
+        .parent()
+        .expect("socket directory")
+        .to_string_lossy()
+        .into_owned();
+    assert_eq!(host_path(&socket_dir), socket_dir);
     // Every place the agent looks for the runtime's config and CDI specs
     // (gpuwarden_node_agent::runtime), mounted read-only where GPUWARDEN_HOST_ROOT=/host
     // makes it look.
