@@ -64,7 +64,12 @@ struct ServeArgs {
     #[arg(long, env = "GPUWARDEN_MAX_CONCURRENCY", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_concurrency: u32,
 
-    /// Milliseconds a review may wait for a free slot.
+    /// Mebibytes of request bodies held in memory at once, across all requests; a review
+    /// that finds no room within --max-wait-ms is denied as overloaded.
+    #[arg(long, env = "GPUWARDEN_MAX_BUFFERED_MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(3..=4096))]
+    max_buffered_mib: u64,
+
+    /// Milliseconds a review may wait for a free slot or for room for its body.
     #[arg(long, env = "GPUWARDEN_MAX_WAIT_MS", default_value_t = 1000)]
     max_wait_ms: u64,
 
@@ -136,6 +141,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         limits: Limits {
             max_concurrency: args.max_concurrency as usize,
             max_wait: Duration::from_millis(args.max_wait_ms),
+            max_buffered_bytes: usize::try_from(args.max_buffered_mib * 1024 * 1024)
+                .unwrap_or(usize::MAX),
             shutdown_delay: Duration::from_secs(args.shutdown_delay),
             drain_timeout: Duration::from_secs(args.shutdown_timeout),
             ..defaults

@@ -30,7 +30,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio_rustls::TlsAcceptor;
 use tracing::Instrument;
 
@@ -41,9 +41,9 @@ use crate::tls::{CertReloader, CertStore, TlsPaths, error_chain};
 
 /// Largest request body accepted: the API server's own request limit.
 pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
-/// Bodies at most this size run the engine inline; bigger ones (parsing them takes
-/// milliseconds) move to the blocking pool so they cannot stall other connections.
-const INLINE_BODY_BYTES: usize = 256 * 1024;
+/// Bodies at most this size run the engine inline; bigger ones (parsing them takes a
+/// millisecond or more) move to the blocking pool so they cannot stall other connections.
+const INLINE_BODY_BYTES: usize = 64 * 1024;
 /// An oversized body is read and thrown away up to this many bytes, so that a well-behaved
 /// client still receives the answer; past it the connection is closed.
 const DRAIN_BYTES: usize = 4 * MAX_BODY_BYTES;
@@ -153,6 +153,10 @@ pub struct Limits {
     pub max_wait: Duration,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// Request bytes held in memory across all requests at once (at least
+    /// `max_body_bytes`); a request that cannot get room within `max_wait` is denied as
+    /// overloaded.
+    pub max_buffered_bytes: usize,
     /// How long the whole body may take to arrive.
     pub body_timeout: Duration,
     /// On shutdown, how long the server keeps accepting while reporting not ready, so that
@@ -168,6 +172,7 @@ impl Default for Limits {
             max_concurrency: 256,
             max_wait: Duration::from_secs(1),
             max_body_bytes: MAX_BODY_BYTES,
+            max_buffered_bytes: 64 * 1024 * 1024,
             // The API server gives up after the webhook's timeoutSeconds (5 s).
             body_timeout: Duration::from_secs(4),
             shutdown_delay: Duration::ZERO,
@@ -220,6 +225,7 @@ pub struct Webhook {
     synced: SyncFlag,
     limits: Limits,
     slots: Arc<Semaphore>,
+    buffer_budget: Arc<Semaphore>,
     draining: Arc<AtomicBool>,
 }
 
@@ -234,6 +240,11 @@ impl Webhook {
         limits: Limits,
     ) -> Self {
         let slots = Arc::new(Semaphore::new(limits.max_concurrency.max(1)));
+        let budget = limits
+            .max_buffered_bytes
+            .max(limits.max_body_bytes)
+            .min(Semaphore::MAX_PERMITS);
+        let buffer_budget = Arc::new(Semaphore::new(budget));
         Self {
             reviewer,
             metrics,
@@ -241,6 +252,7 @@ impl Webhook {
             synced,
             limits,
             slots,
+            buffer_budget,
             draining: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -460,7 +472,17 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
         (refusal_review(uid, code, &message), None)
     };
 
-    // Taking the slot before reading the body bounds memory to max_concurrency bodies.
+    let overloaded = |what: &str| {
+        refuse(
+            Refusal::Overloaded,
+            "",
+            429,
+            format!(
+                "gpuwarden webhook is overloaded: no {what} within {:?}; retry",
+                webhook.limits.max_wait
+            ),
+        )
+    };
     let _slot = match tokio::time::timeout(
         webhook.limits.max_wait,
         webhook.slots.clone().acquire_owned(),
@@ -469,27 +491,29 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
     {
         Ok(Ok(slot)) => slot,
         _ => {
-            return refuse(
-                Refusal::Overloaded,
-                "",
-                429,
-                format!(
-                    "gpuwarden webhook is overloaded: no free slot within {:?} ({} requests in progress); retry",
-                    webhook.limits.max_wait, webhook.limits.max_concurrency
-                ),
-            );
+            return overloaded(&format!(
+                "free slot ({} requests in progress)",
+                webhook.limits.max_concurrency
+            ));
         }
     };
 
     let (parts, body) = request.into_parts();
     let content_type_error = check_content_type(&parts.headers);
-    let body = match tokio::time::timeout(
+    let budget = Budget {
+        semaphore: &webhook.buffer_budget,
+        wait: webhook.limits.max_wait,
+    };
+    let (body, _buffered) = match tokio::time::timeout(
         webhook.limits.body_timeout,
-        read_body(body, &parts.headers, webhook.limits.max_body_bytes),
+        read_body(body, &parts.headers, webhook.limits.max_body_bytes, budget),
     )
     .await
     {
-        Ok(Ok(body)) => body,
+        Ok(Ok(read)) => read,
+        Ok(Err(BodyError::Overloaded)) => {
+            return overloaded("memory for the request body");
+        }
         Ok(Err(BodyError::TooLarge)) => {
             return refuse(
                 Refusal::TooLarge,
@@ -602,12 +626,47 @@ fn check_content_type(headers: &HeaderMap) -> Option<String> {
 #[derive(Debug)]
 enum BodyError {
     TooLarge,
+    Overloaded,
     Read(axum::Error),
 }
 
-/// Reads at most `limit` bytes of body. A larger body is read on and discarded (never
-/// stored) up to [`DRAIN_BYTES`], so the client can still read the answer.
-async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Bytes, BodyError> {
+/// Room for request bodies shared by all requests, in bytes.
+#[derive(Clone, Copy)]
+struct Budget<'a> {
+    semaphore: &'a Arc<Semaphore>,
+    wait: Duration,
+}
+
+impl Budget<'_> {
+    /// Reserves `bytes` more, adding them to `held`.
+    async fn reserve(
+        self,
+        bytes: usize,
+        held: &mut Option<OwnedSemaphorePermit>,
+    ) -> Result<(), BodyError> {
+        let bytes = u32::try_from(bytes).map_err(|_| BodyError::TooLarge)?;
+        let permit =
+            tokio::time::timeout(self.wait, self.semaphore.clone().acquire_many_owned(bytes))
+                .await
+                .map_err(|_| BodyError::Overloaded)?
+                .map_err(|_| BodyError::Overloaded)?;
+        match held {
+            Some(held) => held.merge(permit),
+            None => *held = Some(permit),
+        }
+        Ok(())
+    }
+}
+
+/// Reads at most `limit` bytes of body, holding room for them in `budget` (returned with
+/// the body, to be dropped once the answer is built). A larger body is read on and
+/// discarded (never stored) up to [`DRAIN_BYTES`], so the client can still read the answer.
+async fn read_body(
+    body: Body,
+    headers: &HeaderMap,
+    limit: usize,
+    budget: Budget<'_>,
+) -> Result<(Bytes, Option<OwnedSemaphorePermit>), BodyError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -616,12 +675,16 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
     if too_large && declared.is_some_and(|len| len > DRAIN_BYTES as u64) {
         return Err(BodyError::TooLarge);
     }
-    let capacity = if too_large {
-        0
-    } else {
-        declared.map_or(16 * 1024, |len| len as usize)
+    let mut held = None;
+    // A declared length is reserved and allocated at once; hyper ends the body there.
+    let reserved = match declared {
+        Some(len) if !too_large => {
+            budget.reserve(len as usize, &mut held).await?;
+            len as usize
+        }
+        _ => 0,
     };
-    let mut buffer = BytesMut::with_capacity(capacity);
+    let mut buffer = BytesMut::with_capacity(reserved);
     let mut seen = 0usize;
     let mut body = body;
     while let Some(frame) = body.frame().await {
@@ -634,13 +697,16 @@ async fn read_body(body: Body, headers: &HeaderMap, limit: usize) -> Result<Byte
             return Err(BodyError::TooLarge);
         }
         if !too_large && seen <= limit {
+            if seen > reserved {
+                budget.reserve(data.len(), &mut held).await?;
+            }
             buffer.extend_from_slice(&data);
         }
     }
     if too_large || seen > limit {
         return Err(BodyError::TooLarge);
     }
-    Ok(buffer.freeze())
+    Ok((buffer.freeze(), held))
 }
 
 /// The request uid, if the body is a JSON object with `request.uid`; "" otherwise.
@@ -809,14 +875,52 @@ mod tests {
 
     #[tokio::test]
     async fn body_over_limit_is_refused_without_being_kept() {
+        let semaphore = Arc::new(Semaphore::new(4096));
+        let budget = Budget {
+            semaphore: &semaphore,
+            wait: Duration::from_millis(50),
+        };
         let headers = HeaderMap::new();
         let body = Body::from(vec![b'x'; 2048]);
         assert!(matches!(
-            read_body(body, &headers, 1024).await,
+            read_body(body, &headers, 1024, budget).await,
             Err(BodyError::TooLarge)
         ));
+        assert_eq!(
+            semaphore.available_permits(),
+            4096,
+            "room kept after a refusal"
+        );
         let body = Body::from(vec![b'x'; 1024]);
-        assert_eq!(read_body(body, &headers, 1024).await.unwrap().len(), 1024);
+        let (body, held) = read_body(body, &headers, 1024, budget).await.unwrap();
+        assert_eq!(body.len(), 1024);
+        assert_eq!(semaphore.available_permits(), 4096 - 1024);
+        drop(held);
+        assert_eq!(semaphore.available_permits(), 4096);
+    }
+
+    #[tokio::test]
+    async fn bodies_wait_for_room_then_are_refused_as_overload() {
+        let semaphore = Arc::new(Semaphore::new(1500));
+        let budget = Budget {
+            semaphore: &semaphore,
+            wait: Duration::from_millis(50),
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, "1000".parse().unwrap());
+        let (_, first) = read_body(Body::from(vec![b'x'; 1000]), &headers, 2000, budget)
+            .await
+            .unwrap();
+        assert!(matches!(
+            read_body(Body::from(vec![b'x'; 1000]), &headers, 2000, budget).await,
+            Err(BodyError::Overloaded)
+        ));
+        drop(first);
+        assert!(
+            read_body(Body::from(vec![b'x'; 1000]), &headers, 2000, budget)
+                .await
+                .is_ok()
+        );
     }
 
     #[test]
