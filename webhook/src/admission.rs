@@ -551,7 +551,7 @@ fn respond(
         && !decision.changes.is_empty()
         && let Some(pod) = pod
     {
-        let patch = engine::patch_for(pod, &decision.changes);
+        let patch = engine::into_patch(pod, decision.changes);
         if !patch.0.is_empty() {
             match serde_json::to_vec(&patch) {
                 Ok(bytes) => {

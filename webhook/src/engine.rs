@@ -1302,7 +1302,12 @@ fn remove(path: PointerBuf) -> PatchOperation {
 /// The RFC 6902 patch that applies `changes` to `pod`: pointers escaped, missing parents
 /// created, arrays replaced whole (so removals never shift the index of a later operation).
 pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
-    let mut ops = Vec::new();
+    into_patch(pod, changes.to_vec())
+}
+
+/// [`patch_for`], consuming the changes (their lists move into the patch, uncopied).
+pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
+    let mut ops = Vec::with_capacity(changes.len() * 3);
     for change in changes {
         match change {
             Change::SecurityContext {
@@ -1310,7 +1315,7 @@ pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
                 add: caps_add,
                 drop,
             } => {
-                let base = container_path(container);
+                let base = container_path(&container);
                 let current = pod
                     .pointer(base.as_str())
                     .and_then(|c| c.get("securityContext"));
@@ -1358,7 +1363,7 @@ pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
                 resource,
                 quantity,
             } => {
-                let base = container_path(container);
+                let base = container_path(&container);
                 let c = pod.pointer(base.as_str());
                 let resources = c.and_then(|c| c.get("resources")).filter(|r| r.is_object());
                 let limits = resources
@@ -1376,7 +1381,7 @@ pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
                     ));
                 } else {
                     ops.push(add(
-                        child(&base, &["resources", "limits", resource]),
+                        child(&base, &["resources", "limits", &resource]),
                         json!(quantity),
                     ));
                 }
@@ -1385,7 +1390,7 @@ pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
                 list_op(
                     &mut ops,
                     pod,
-                    &child(&container_path(container), &["env"]),
+                    &child(&container_path(&container), &["env"]),
                     env,
                 );
             }
@@ -1393,7 +1398,7 @@ pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
                 list_op(
                     &mut ops,
                     pod,
-                    &child(&container_path(container), &["volumeMounts"]),
+                    &child(&container_path(&container), &["volumeMounts"]),
                     mounts,
                 );
             }
@@ -1409,7 +1414,7 @@ pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
                 for key in keys {
                     if pod
                         .pointer("/metadata/annotations")
-                        .and_then(|a| a.get(key))
+                        .and_then(|a| a.get(&key))
                         .is_some()
                     {
                         ops.push(remove(PointerBuf::from_tokens([
@@ -1461,10 +1466,10 @@ fn list_op(
     ops: &mut Vec<PatchOperation>,
     pod: &Value,
     path: &PointerBuf,
-    list: &Option<Vec<Value>>,
+    list: Option<Vec<Value>>,
 ) {
     match list {
-        Some(items) => ops.push(add(path.clone(), Value::Array(items.clone()))),
+        Some(items) => ops.push(add(path.clone(), Value::Array(items))),
         None => {
             if pod.pointer(path.as_str()).is_some() {
                 ops.push(remove(path.clone()));
