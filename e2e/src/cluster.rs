@@ -119,6 +119,18 @@ impl Cluster {
         content_type: &str,
         body: Option<&Value>,
     ) -> Result<RawResponse, ClusterError> {
+        self.raw_as(method, path, content_type, body, &[]).await
+    }
+
+    /// [`Cluster::raw`] with extra headers (e.g. `Impersonate-User`).
+    pub async fn raw_as(
+        &self,
+        method: Method,
+        path: &str,
+        content_type: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Result<RawResponse, ClusterError> {
         let what = format!("{method} {path}");
         let bytes = match body {
             Some(b) => serde_json::to_vec(b).map_err(|e| ClusterError::Body {
@@ -127,16 +139,21 @@ impl Cluster {
             })?,
             None => Vec::new(),
         };
-        let request = Request::builder()
+        let mut builder = Request::builder()
             .method(method)
             .uri(path)
             .header(http::header::CONTENT_TYPE, content_type)
-            .header(http::header::ACCEPT, "application/json")
-            .body(kube::client::Body::from(bytes))
-            .map_err(|e| ClusterError::Body {
-                what: what.clone(),
-                message: e.to_string(),
-            })?;
+            .header(http::header::ACCEPT, "application/json");
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        let request =
+            builder
+                .body(kube::client::Body::from(bytes))
+                .map_err(|e| ClusterError::Body {
+                    what: what.clone(),
+                    message: e.to_string(),
+                })?;
         let response = self
             .client
             .send(request)

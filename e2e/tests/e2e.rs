@@ -1049,3 +1049,148 @@ async fn admission_policies_compile_and_the_backstop_rejects() {
         "a privileged pod without GPU signals is not the backstop's business: {allowed:?}"
     );
 }
+
+/// The policy pinning node agents to their own node, on a real server: acting as the node
+/// agent's service account with a token bound to node A (impersonation with the
+/// `authentication.kubernetes.io/node-name` extra), a status write to A's GpuNode is
+/// admitted and one to B's is refused; without the extra, both are refused. Skipped where
+/// the server has no ValidatingAdmissionPolicy v1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn agent_policy_pins_status_writes_to_the_agents_node() {
+    use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+
+    let env = Env::new().await;
+    if !env
+        .cluster
+        .serves(
+            "admissionregistration.k8s.io/v1",
+            "validatingadmissionpolicies",
+        )
+        .await
+    {
+        skip(
+            "ValidatingAdmissionPolicy",
+            "the server does not serve admissionregistration.k8s.io/v1 validatingadmissionpolicies (Kubernetes 1.30+)",
+        );
+        return;
+    }
+    install_policy(
+        &env,
+        "deploy/admission/agent-own-node.yaml",
+        "agent-own-node",
+        false,
+    )
+    .await;
+
+    // The agent's status grant, bound to its service account (impersonated below).
+    let role_name = env.name("agent-status");
+    let role: ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": role_name},
+        "rules": [{"apiGroups": [gpuwarden_crds::GROUP], "resources": ["gpunodes/status"],
+                   "verbs": ["get", "patch"]}]
+    }))
+    .expect("role");
+    Api::<ClusterRole>::all(env.client())
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("create ClusterRole");
+    env.cleanup.own_typed::<ClusterRole>(None, &role_name);
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": role_name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+        "subjects": [{"kind": "ServiceAccount", "name": gpuwarden_crds::install::NODE_AGENT_NAME,
+                      "namespace": gpuwarden_crds::SYSTEM_NAMESPACE}]
+    }))
+    .expect("binding");
+    Api::<ClusterRoleBinding>::all(env.client())
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("create ClusterRoleBinding");
+    env.cleanup
+        .own_typed::<ClusterRoleBinding>(None, &role_name);
+
+    let gpunodes: Api<GpuNode> = Api::all(env.client());
+    let mut names = Vec::new();
+    for suffix in ["node-a", "node-b"] {
+        let name = env.name(suffix);
+        let gn = GpuNode::new(
+            &name,
+            gpuwarden_crds::GpuNodeSpec {
+                node_name: name.clone(),
+            },
+        );
+        gpunodes
+            .create(&PostParams::default(), &gn)
+            .await
+            .unwrap_or_else(|e| panic!("failed to create GpuNode {name}: {e}"));
+        env.cleanup.own_typed::<GpuNode>(None, &name);
+        names.push(name);
+    }
+    let user = format!(
+        "system:serviceaccount:{}:{}",
+        gpuwarden_crds::SYSTEM_NAMESPACE,
+        gpuwarden_crds::install::NODE_AGENT_NAME
+    );
+    let write = |target: String, bound_to: Option<String>, n: usize| {
+        let cluster = env.cluster.clone();
+        let user = user.clone();
+        async move {
+            let mut headers = vec![("Impersonate-User", user.as_str())];
+            if let Some(node) = bound_to.as_deref() {
+                headers.push((
+                    "Impersonate-Extra-authentication.kubernetes.io%2fnode-name",
+                    node,
+                ));
+            }
+            // A real change each time, so the write cannot be skipped as a no-op.
+            let body = json!({"status": {"privilegedPods": [{
+                "namespace": "e2e", "name": format!("p{n}"),
+                "uid": format!("00000000-0000-0000-0000-{n:012}")
+            }]}});
+            cluster
+                .raw_as(
+                    Method::PATCH,
+                    &format!(
+                        "/apis/{}/{}/gpunodes/{target}/status",
+                        gpuwarden_crds::GROUP,
+                        gpuwarden_crds::VERSION
+                    ),
+                    "application/merge-patch+json",
+                    Some(&body),
+                    &headers,
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        }
+    };
+    // Wait until the policy is in force: B's GpuNode refuses A's agent.
+    let mut n = 0;
+    let refused = wait_for(SHORT, || {
+        n += 1;
+        let attempt = write(names[1].clone(), Some(names[0].clone()), n);
+        async move {
+            let r = attempt.await;
+            r.status.is_client_error().then_some(r)
+        }
+    })
+    .await
+    .expect("a node agent wrote another node's GpuNode status");
+    assert!(
+        refused.message().contains("may write only its own node"),
+        "{:?}",
+        refused.message()
+    );
+    let own = write(names[0].clone(), Some(names[0].clone()), 1000).await;
+    assert!(own.status.is_success(), "its own node's GpuNode: {own:?}");
+    let unbound = write(names[0].clone(), None, 1001).await;
+    assert!(
+        unbound.status.is_client_error(),
+        "a token without a node: {unbound:?}"
+    );
+    assert!(
+        unbound.message().contains("names no node"),
+        "{:?}",
+        unbound.message()
+    );
+}
