@@ -265,6 +265,26 @@ async fn bench() {
     }
     let quiet_writes = sink.applies.load(Ordering::Relaxed) - initial;
     let reads = sink.reads.load(Ordering::Relaxed);
+
+    // The whole agent in this process for a few seconds: kube client, pod/policy/node
+    // reflectors holding the 100 pods, Lease, metrics server, sweeps every 100 ms.
+    let fake_file = host.path().join("node.fake.yaml");
+    std::fs::write(&fake_file, fake_yaml()).unwrap_or_else(|e| panic!("{e}"));
+    let (client, api_calls) = mock_api();
+    let config = gpuwarden_node_agent::Config {
+        fake: Some(fake_file),
+        pod_resources_socket: kubelet.socket().to_path_buf(),
+        host_root: host.path().to_path_buf(),
+        listen: "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")),
+        poll_interval: Duration::from_millis(100),
+        ..gpuwarden_node_agent::Config::new("gpu-node-1")
+    };
+    gpuwarden_node_agent::run(config, client, tokio::time::sleep(Duration::from_secs(5)))
+        .await
+        .unwrap_or_else(|e| panic!("run: {e}"));
+    let agent_rss = status_kib("VmRSS:");
+    let agent_hwm = status_kib("VmHWM:");
+    let agent_writes = api_calls.load(Ordering::Relaxed);
     kubelet.stop().await;
 
     let per_sweep_ms = cpu * 1000.0 / f64::from(SWEEPS);
@@ -313,4 +333,130 @@ async fn bench() {
         "{:<52} {:>8} B {:>12}",
         "status size with these bindings (JSON)", status_bytes, ""
     );
+    println!(
+        "{:<52} {:>9.1} MiB {:>9}",
+        "RSS after 5 s of the full agent (run) in-process",
+        agent_rss / 1024.0,
+        "<= 32 MiB"
+    );
+    println!(
+        "{:<52} {:>9.1} MiB {:>9}",
+        "peak RSS (VmHWM), whole benchmark",
+        agent_hwm / 1024.0,
+        ""
+    );
+    println!(
+        "{:<52} {:>12} {:>10}",
+        "  status writes by run in those 5 s (50 sweeps)", agent_writes, "1"
+    );
+}
+
+/// The fake node as YAML, for `run --fake`.
+fn fake_yaml() -> String {
+    let mut y = String::from(
+        "driver: {driverVersion: \"550.90.07\", cudaDriverVersion: \"12.4\", nvmlVersion: \"12.550.90.07\"}\ngpus:\n",
+    );
+    for i in 0..GPUS {
+        y += &format!(
+            "  - {{index: {i}, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:{:02X}:00.0\", utilizationPercent: 50, memoryUsedMiB: 40000, temperatureCelsius: 55, powerWatts: 400}}\n",
+            uuid(i),
+            0x18 + i * 0x10
+        );
+    }
+    y += "processes:\n";
+    for i in 0..PODS {
+        y += &format!("  - {{pid: {}, gpu: {}}}\n", 10_000 + i, uuid(i % GPUS));
+    }
+    y
+}
+
+fn pod_json(i: u32) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": format!("inference-{i}"), "namespace": format!("team-{}", i % 10),
+            "uid": pod_uid(i), "resourceVersion": "1",
+            "labels": {"app": "inference", "pod-template-hash": "7d9f8c6b5"},
+            "annotations": {"kubectl.kubernetes.io/default-container": "server"},
+        },
+        "spec": {
+            "nodeName": "gpu-node-1",
+            "containers": [{
+                "name": "server", "image": "nvcr.io/nvidia/tritonserver:24.05-py3",
+                "args": ["tritonserver", "--model-repository=/models"],
+                "resources": {"limits": {"nvidia.com/gpu": "1", "memory": "16Gi"},
+                              "requests": {"cpu": "2", "memory": "16Gi"}},
+                "env": [{"name": "MODEL", "value": "llama"}],
+                "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+            }],
+            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        },
+        "status": {
+            "phase": "Running", "podIP": "10.0.0.1",
+            "containerStatuses": [{
+                "name": "server", "ready": true, "restartCount": 0,
+                "image": "nvcr.io/nvidia/tritonserver:24.05-py3", "imageID": "sha256:abc",
+                "containerID": format!("containerd://{}", container_id(i)),
+            }],
+        },
+    })
+}
+
+/// A mock API server: lists (100 pods, no policies, the node), open watches, and status
+/// applies counted.
+fn mock_api() -> (kube::Client, Arc<AtomicU64>) {
+    use http::{Method, Request, Response};
+    use kube::client::Body;
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let writes = Arc::new(AtomicU64::new(0));
+    let counted = writes.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        let mut stored = serde_json::Value::Null;
+        while let Some((req, send)) = handle.next_request().await {
+            let (parts, body) = req.into_parts();
+            let bytes = body.collect_bytes().await.unwrap_or_default();
+            let body: serde_json::Value =
+                serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+            let path = parts.uri.path().to_owned();
+            if parts.uri.query().unwrap_or_default().contains("watch=true") {
+                held.push(send);
+                continue;
+            }
+            let list = |kind: &str, items: Vec<serde_json::Value>| {
+                serde_json::json!({"apiVersion": "v1", "kind": kind,
+                    "metadata": {"resourceVersion": "1"}, "items": items})
+            };
+            let value = match (&parts.method, path.as_str()) {
+                (&Method::GET, "/api/v1/pods") => {
+                    list("PodList", (0..PODS).map(pod_json).collect())
+                }
+                (&Method::GET, "/api/v1/nodes") => list(
+                    "NodeList",
+                    vec![serde_json::json!({"apiVersion": "v1", "kind": "Node",
+                        "metadata": {"name": "gpu-node-1", "resourceVersion": "1"}})],
+                ),
+                (&Method::GET, "/apis/gpuwarden.io/v1alpha1/gpupolicies") => {
+                    list("GpuPolicyList", vec![])
+                }
+                (m, p) if p.contains("/gpunodes/") => {
+                    if m == Method::PATCH {
+                        counted.fetch_add(1, Ordering::Relaxed);
+                        stored = body.get("status").cloned().unwrap_or_default();
+                    }
+                    serde_json::json!({"apiVersion": "gpuwarden.io/v1alpha1", "kind": "GpuNode",
+                        "metadata": {"name": "gpu-node-1", "resourceVersion": "2"},
+                        "spec": {"nodeName": "gpu-node-1"}, "status": stored})
+                }
+                _ => body,
+            };
+            let response = Response::builder()
+                .status(200)
+                .body(Body::from(serde_json::to_vec(&value).unwrap_or_default()));
+            if let Ok(r) = response {
+                send.send_response(r);
+            }
+        }
+    });
+    (kube::Client::new(service, "default"), writes)
 }
