@@ -73,6 +73,9 @@ fn differences(input: &Value, output: &Value, path: &str, out: &mut Vec<String>)
             }
         }
         _ if input == output => {}
+        // A quantity written as a YAML number (`nvidia.com/gpu: 1`): the API reads it the
+        // same way.
+        (Value::Number(n), Value::String(s)) if n.to_string() == *s => {}
         _ => out.push(format!("{path}: {input} became {output}")),
     }
 }
@@ -157,7 +160,12 @@ fn check_typed(doc: &Document) -> Result<(), String> {
         ("v1", "ServiceAccount") => round_trip::<ServiceAccount>(doc),
         ("v1", "Service") => round_trip::<Service>(doc),
         ("v1", "ConfigMap") => round_trip::<ConfigMap>(doc),
+        ("v1", "Pod") => round_trip::<k8s_openapi::api::core::v1::Pod>(doc),
         ("apps/v1", "Deployment") => round_trip::<Deployment>(doc),
+        ("apps/v1", "StatefulSet") => round_trip::<k8s_openapi::api::apps::v1::StatefulSet>(doc),
+        ("apps/v1", "ReplicaSet") => round_trip::<k8s_openapi::api::apps::v1::ReplicaSet>(doc),
+        ("batch/v1", "Job") => round_trip::<k8s_openapi::api::batch::v1::Job>(doc),
+        ("batch/v1", "CronJob") => round_trip::<k8s_openapi::api::batch::v1::CronJob>(doc),
         ("apps/v1", "DaemonSet") => round_trip::<DaemonSet>(doc),
         ("policy/v1", "PodDisruptionBudget") => round_trip::<PodDisruptionBudget>(doc),
         ("rbac.authorization.k8s.io/v1", "ClusterRole") => round_trip::<ClusterRole>(doc),
@@ -1599,4 +1607,37 @@ fn rbac_table_follows_the_code() {
             "{component}: resources its code touches (left) and the RBAC table grants (right) differ"
         );
     }
+}
+
+/// The example workloads under deploy/examples (what `gpuwarden-webhook mutate` is shown
+/// on) are valid objects of their kinds too; the fake GPU files beside them are not
+/// Kubernetes objects and are left out.
+#[test]
+fn examples_are_valid_objects() {
+    let dir = repo_root().join("deploy/examples");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return;
+    };
+    let mut failures = Vec::new();
+    let mut count = 0;
+    for entry in entries {
+        let path = entry.expect("entry").path();
+        let name = path
+            .file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned();
+        if !(name.ends_with(".yaml") || name.ends_with(".yml")) || name.contains(".fake.") {
+            continue;
+        }
+        let rel = format!("deploy/examples/{name}");
+        for doc in load_file(&rel).unwrap_or_else(|e| panic!("{e}")) {
+            count += 1;
+            if let Err(e) = check_typed(&doc) {
+                failures.push(e);
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    eprintln!("{count} example objects checked");
 }
