@@ -122,6 +122,12 @@ pub enum BackendError {
         #[source]
         source: nvml_wrapper::error::NvmlError,
     },
+    /// NVML did not answer in time.
+    #[error("NVML did not answer within {after:?}")]
+    Timeout {
+        /// The limit.
+        after: std::time::Duration,
+    },
     /// The NVML worker thread is gone (it panicked or could not start).
     #[error("the NVML worker thread stopped")]
     WorkerStopped,

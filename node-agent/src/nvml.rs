@@ -27,6 +27,8 @@ use crate::backend::{
 const MIB: u64 = 1024 * 1024;
 /// How long the event thread waits per call, so it notices a stop request.
 const EVENT_WAIT_MS: u32 = 5_000;
+/// How long a read may take before the sweep gives up on it (a hung GPU can block NVML).
+const READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// `NVML_DEVICE_MIG_ENABLE` in `nvml.h`.
 const NVML_DEVICE_MIG_ENABLE: u32 = 1;
 
@@ -71,6 +73,10 @@ impl NvmlBackend {
                 let _ = init_tx.send(Ok(()));
                 let mut known: HashMap<u32, GpuInfo> = HashMap::new();
                 while let Ok(reply) = req_rx.recv() {
+                    // A caller that timed out while NVML hung is gone; skip its read.
+                    if reply.is_closed() {
+                        continue;
+                    }
                     let _ = reply.send(read_all(&nvml, &mut known));
                 }
             })
@@ -118,7 +124,12 @@ impl GpuBackend for NvmlBackend {
             .unwrap_or_else(PoisonError::into_inner)
             .send(tx)
             .map_err(|_| BackendError::WorkerStopped)?;
-        rx.await.map_err(|_| BackendError::WorkerStopped)?
+        match tokio::time::timeout(READ_TIMEOUT, rx).await {
+            Ok(reply) => reply.map_err(|_| BackendError::WorkerStopped)?,
+            Err(_) => Err(BackendError::Timeout {
+                after: READ_TIMEOUT,
+            }),
+        }
     }
 
     fn take_events(&self, _now: Timestamp) -> Vec<GpuEvent> {
