@@ -103,24 +103,26 @@ pub enum Change {
         /// Quantity as written into the limit.
         quantity: String,
     },
-    /// Rule 4: the container's whole new `env` list (`None`: remove `env`).
+    /// Rule 4: remove these `env` entries (by index) and append these.
     Env {
         /// The container.
         container: ContainerRef,
-        /// The new list.
-        env: Option<Vec<Value>>,
+        /// Indices of entries to remove, ascending.
+        remove: Vec<usize>,
+        /// Entries to append.
+        append: Vec<Value>,
     },
-    /// Rule 5: the container's new `volumeMounts` list (`None`: remove it).
+    /// Rule 5: remove these `volumeMounts` entries (by index, ascending).
     VolumeMounts {
         /// The container.
         container: ContainerRef,
-        /// The new list.
-        mounts: Option<Vec<Value>>,
+        /// Indices of entries to remove, ascending.
+        remove: Vec<usize>,
     },
-    /// Rule 5: the pod's new `spec.volumes` list (`None`: remove it).
+    /// Rule 5: remove these `spec.volumes` entries (by index, ascending).
     Volumes {
-        /// The new list.
-        volumes: Option<Vec<Value>>,
+        /// Indices of entries to remove, ascending.
+        remove: Vec<usize>,
     },
     /// Rule 5: remove these pod annotations.
     RemoveAnnotations {
@@ -834,18 +836,19 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
             } else {
                 Some(set)
             };
-            if let Some((env, removed, was_set)) = rewrite_env(c.value, remove, set) {
-                if !removed.is_empty() {
-                    notes.push(format!("env {} removed", removed.join(",")));
+            if let Some(edit) = rewrite_env(c.value, remove, set) {
+                if !edit.removed.is_empty() {
+                    notes.push(format!("env {} removed", edit.removed.join(",")));
                 }
-                if let Some((k, v)) = was_set {
+                if let Some((k, v)) = edit.set {
                     notes.push(format!("{k}={v}"));
                     report.env_set.insert(k.to_owned(), v.to_owned());
                 }
-                report.env_removed = removed;
+                report.env_removed = edit.removed;
                 plan.changes.push(Change::Env {
                     container: c.at.clone(),
-                    env: (!env.is_empty()).then_some(env),
+                    remove: edit.remove,
+                    append: edit.append,
                 });
             }
         }
@@ -860,19 +863,17 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
                     && facts.device_volumes.contains_key(name))
         };
         if !c.image_exempt && c.device_mounts.iter().any(|m| strips(m)) {
-            let mut removed = Vec::new();
-            let kept: Vec<Value> = array(c.value.get("volumeMounts"))
-                .iter()
-                .filter(|m| {
-                    let name = m.get("name").and_then(Value::as_str).unwrap_or("");
-                    let strip = strips(name);
-                    if strip && !removed.iter().any(|r| r == name) {
+            let mut removed: Vec<String> = Vec::new();
+            let mut indices = Vec::new();
+            for (i, m) in array(c.value.get("volumeMounts")).iter().enumerate() {
+                let name = m.get("name").and_then(Value::as_str).unwrap_or("");
+                if strips(name) {
+                    indices.push(i);
+                    if !removed.iter().any(|r| r == name) {
                         removed.push(name.to_owned());
                     }
-                    !strip
-                })
-                .cloned()
-                .collect();
+                }
+            }
             let paths: Vec<String> = removed
                 .iter()
                 .map(|n| {
@@ -886,7 +887,7 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
             report.volume_mounts_removed = removed;
             plan.changes.push(Change::VolumeMounts {
                 container: c.at.clone(),
-                mounts: (!kept.is_empty()).then_some(kept),
+                remove: indices,
             });
         }
 
@@ -947,25 +948,41 @@ fn gpu_count(
     }
 }
 
-/// The container's new env with `remove` gone and `set` set, or `None` when it is already
-/// so. Returns (new env, removed names, the pair set when it changed).
-#[allow(clippy::type_complexity)]
+/// How a container's `env` changes.
+struct EnvEdit<'s> {
+    /// Indices to remove, ascending.
+    remove: Vec<usize>,
+    /// Entries to append.
+    append: Vec<Value>,
+    /// Names removed (each once).
+    removed: Vec<String>,
+    /// The pair set, when it was not already so.
+    set: Option<(&'s str, &'s str)>,
+}
+
+/// The edit that removes the `remove` names from a container's env and sets `set`, or `None`
+/// when the env is already so. An entry already holding the value stays where it is.
 fn rewrite_env<'s>(
     container: &Value,
     remove: &[&str],
     set: Option<(&'s str, &'s str)>,
-) -> Option<(Vec<Value>, Vec<String>, Option<(&'s str, &'s str)>)> {
+) -> Option<EnvEdit<'s>> {
     let env = array(container.get("env"));
-    let mut removed: Vec<String> = Vec::new();
-    let mut out: Vec<Value> = Vec::with_capacity(env.len() + 1);
+    let mut edit = EnvEdit {
+        remove: Vec::new(),
+        append: Vec::new(),
+        removed: Vec::new(),
+        set: None,
+    };
     let mut set_done = false;
     let mut set_changed = false;
-    for entry in env {
+    for (i, entry) in env.iter().enumerate() {
         let name = entry.get("name").and_then(Value::as_str).unwrap_or("");
         if remove.contains(&name) {
-            if !removed.iter().any(|r| r == name) {
-                removed.push(name.to_owned());
+            if !edit.removed.iter().any(|r| r == name) {
+                edit.removed.push(name.to_owned());
             }
+            edit.remove.push(i);
             continue;
         }
         if let Some((k, v)) = set
@@ -975,25 +992,24 @@ fn rewrite_env<'s>(
                 && entry.get("valueFrom").is_none_or(Value::is_null);
             if same && !set_done {
                 set_done = true;
-                out.push(entry.clone());
             } else {
                 // A different value, or a duplicate: replaced by the one entry below.
                 set_changed = true;
+                edit.remove.push(i);
             }
-            continue;
         }
-        out.push(entry.clone());
     }
     if let Some((k, v)) = set
         && !set_done
     {
         set_changed = true;
-        out.push(json!({"name": k, "value": v}));
+        edit.append.push(json!({"name": k, "value": v}));
     }
-    if removed.is_empty() && !set_changed {
+    if edit.remove.is_empty() && edit.append.is_empty() {
         return None;
     }
-    Some((out, removed, set.filter(|_| set_changed)))
+    edit.set = set.filter(|_| set_changed);
+    Some(edit)
 }
 
 fn quantity_string(v: &Value) -> String {
@@ -1061,25 +1077,23 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         BTreeSet::new()
     };
     if !strip.is_empty() {
-        let volumes = array(input.pod.pointer("/spec/volumes"));
-        let kept: Vec<Value> = volumes
+        let indices: Vec<usize> = array(input.pod.pointer("/spec/volumes"))
             .iter()
-            .filter(|v| {
+            .enumerate()
+            .filter(|(_, v)| {
                 v.get("name")
                     .and_then(Value::as_str)
-                    .is_none_or(|n| !strip.contains(n))
+                    .is_some_and(|n| strip.contains(n))
             })
-            .cloned()
+            .map(|(i, _)| i)
             .collect();
-        if kept.len() != volumes.len() {
+        if !indices.is_empty() {
             plan.report.volumes_removed = strip.iter().map(|s| (*s).to_owned()).collect();
             plan.pod_notes.push(format!(
                 "device hostPath volume {} removed",
                 plan.report.volumes_removed.join(",")
             ));
-            plan.changes.push(Change::Volumes {
-                volumes: (!kept.is_empty()).then_some(kept),
-            });
+            plan.changes.push(Change::Volumes { remove: indices });
         }
     }
     if spec.strip_cdi_annotations && !facts.cdi_keys.is_empty() {
@@ -1386,29 +1400,21 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
                     ));
                 }
             }
-            Change::Env { container, env } => {
-                list_op(
-                    &mut ops,
-                    pod,
-                    &child(&container_path(&container), &["env"]),
-                    env,
-                );
+            Change::Env {
+                container,
+                remove,
+                append,
+            } => {
+                let path = child(&container_path(&container), &["env"]);
+                list_edit(&mut ops, pod, &path, &remove, append);
             }
-            Change::VolumeMounts { container, mounts } => {
-                list_op(
-                    &mut ops,
-                    pod,
-                    &child(&container_path(&container), &["volumeMounts"]),
-                    mounts,
-                );
+            Change::VolumeMounts { container, remove } => {
+                let path = child(&container_path(&container), &["volumeMounts"]);
+                list_edit(&mut ops, pod, &path, &remove, Vec::new());
             }
-            Change::Volumes { volumes } => {
-                list_op(
-                    &mut ops,
-                    pod,
-                    &PointerBuf::from_tokens(["spec", "volumes"]),
-                    volumes,
-                );
+            Change::Volumes { remove } => {
+                let path = PointerBuf::from_tokens(["spec", "volumes"]);
+                list_edit(&mut ops, pod, &path, &remove, Vec::new());
             }
             Change::RemoveAnnotations { keys } => {
                 for key in keys {
@@ -1461,20 +1467,26 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
     Patch(ops)
 }
 
-/// Writes a whole list: `add` (which replaces or creates), or `remove` when it goes empty.
-fn list_op(
+/// Edits a list in place: removes entries by index (highest first, so that each index still
+/// names the entry it named in the original), then appends. A missing list is created.
+fn list_edit(
     ops: &mut Vec<PatchOperation>,
     pod: &Value,
     path: &PointerBuf,
-    list: Option<Vec<Value>>,
+    remove_ascending: &[usize],
+    append: Vec<Value>,
 ) {
-    match list {
-        Some(items) => ops.push(add(path.clone(), Value::Array(items))),
-        None => {
-            if pod.pointer(path.as_str()).is_some() {
-                ops.push(remove(path.clone()));
-            }
+    if !pod.pointer(path.as_str()).is_some_and(Value::is_array) {
+        if !append.is_empty() {
+            ops.push(add(path.clone(), Value::Array(append)));
         }
+        return;
+    }
+    for &i in remove_ascending.iter().rev() {
+        ops.push(remove(child(path, &[&i.to_string()])));
+    }
+    for value in append {
+        ops.push(add(child(path, &["-"]), value));
     }
 }
 
