@@ -272,15 +272,26 @@ impl FakeApi {
             .unwrap_or_default();
         let path = parts.uri.path().to_owned();
         let query = parts.uri.query().unwrap_or_default().to_owned();
-        let Some((coll, kind, version, name, status)) = route(&path) else {
+        self.handle_parts(parts.method.as_str(), &path, &query, body)
+    }
+
+    /// Answers one request given as method, path, query and body.
+    pub fn handle_parts(
+        &self,
+        method: &str,
+        path: &str,
+        query: &str,
+        body: Bytes,
+    ) -> Response<Body> {
+        let Some((coll, kind, version, name, status)) = route(path) else {
             return not_found();
         };
-        match (parts.method.as_str(), name) {
+        match (method, name) {
             ("GET", None) if query.contains("watch=true") => self.watch(coll),
             ("GET", None) => Response::builder()
                 .status(StatusCode::OK)
                 .header("content-type", "application/json")
-                .body(full(self.list(coll, kind, version, &query)))
+                .body(full(self.list(coll, kind, version, query)))
                 .unwrap_or_default(),
             ("GET", Some(_)) => not_found(),
             ("PATCH", Some(name)) | ("POST", Some(name)) => {
