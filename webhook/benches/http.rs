@@ -373,6 +373,26 @@ fn time_reviewer(reviewer: &dyn Reviewer, body: &[u8]) -> f64 {
     start.elapsed().as_secs_f64() * 1e6 / f64::from(rounds)
 }
 
+/// Reviews per second of `threads` threads calling `review` back to back, no network.
+fn reviews_per_second(reviewer: Arc<dyn Reviewer>, body: &Bytes, threads: usize) -> f64 {
+    let rounds = 3000;
+    let start = Instant::now();
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (reviewer, body) = (reviewer.clone(), body.clone());
+            std::thread::spawn(move || {
+                for _ in 0..rounds {
+                    std::hint::black_box(reviewer.review(std::hint::black_box(&body)));
+                }
+            })
+        })
+        .collect();
+    for handle in handles {
+        let _ = handle.join();
+    }
+    (rounds * threads) as f64 / start.elapsed().as_secs_f64()
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -435,6 +455,7 @@ fn main() {
     let engine_reviewer = Arc::new(EngineReviewer::new(Arc::new(source)));
     let engine_alone = time_reviewer(engine_reviewer.as_ref(), &body);
     let floor_alone = time_reviewer(&ConstantAllow::default(), &body);
+    let engine_threads = reviews_per_second(engine_reviewer.clone(), &body, 2);
     let engine_addr = start_in_process(&server_rt, engine_reviewer, &pki.paths);
     let floor_addr = start_in_process(&server_rt, Arc::new(ConstantAllow::default()), &pki.paths);
 
@@ -465,7 +486,7 @@ fn main() {
         );
     }
     println!(
-        "reviewer alone, one thread: engine {engine_alone:.1} µs per review, constant allow {floor_alone:.2} µs"
+        "reviewer alone, one thread: engine {engine_alone:.1} µs per review, constant allow {floor_alone:.2} µs; two threads: engine {engine_threads:.0} reviews/s"
     );
     println!(
         "machine: {cpus} CPUs; client and server share them; {seconds} s per run, {concurrency} keep-alive connections, fixed rate {rate}/s\n"

@@ -32,7 +32,6 @@ use rustls::ServerConfig;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio_rustls::TlsAcceptor;
-use tracing::Instrument;
 
 use crate::admission::{self, PolicySource, ReviewSummary};
 use crate::cache::{ReflectorCache, StaticPolicySource, SyncFlag};
@@ -558,15 +557,19 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
     );
     let reviewer = webhook.reviewer.clone();
     let result = if body.len() <= INLINE_BODY_BYTES {
-        run_reviewer(reviewer.as_ref(), &body)
+        span.in_scope(|| run_reviewer(reviewer.as_ref(), &body))
     } else {
-        let run = tokio::task::spawn_blocking(move || run_reviewer(reviewer.as_ref(), &body));
-        run.instrument(span.clone()).await.unwrap_or_default()
+        let body = body.clone();
+        let blocking_span = span.clone();
+        let run = tokio::task::spawn_blocking(move || {
+            blocking_span.in_scope(|| run_reviewer(reviewer.as_ref(), &body))
+        });
+        run.await.unwrap_or_default()
     };
     let Some((response, summary)) = result else {
         return refuse(
             Refusal::Internal,
-            "",
+            &peek_uid(&body),
             500,
             "gpuwarden webhook failed internally while reviewing this request; see its logs".into(),
         );

@@ -461,3 +461,50 @@ async fn http2_clients_are_answered_too() {
     futures::future::join_all(requests).await;
     server.shutdown();
 }
+
+/// A reviewer with a bug.
+struct Panics;
+
+impl gpuwarden_webhook::server::Reviewer for Panics {
+    fn review(&self, _body: &[u8]) -> (Vec<u8>, gpuwarden_webhook::admission::ReviewSummary) {
+        panic!("a bug in the reviewer")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_the_reviewer_is_a_denial_not_a_dropped_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new("test CA");
+    let paths = plain_pair(dir.path(), &ca.leaf(1));
+    let server = TestServer::start(
+        Arc::new(Panics),
+        paths,
+        Duration::from_secs(5),
+        SyncFlag::raised(),
+        Limits::default(),
+    )
+    .await;
+    let mut conn = connect(server.https, client_config(&[ca.pem()]))
+        .await
+        .unwrap();
+    // Inline and on the blocking pool (a body over 64 KiB).
+    let mut big = review_body("panic-big");
+    big.resize(200 * 1024, b' ');
+    for (uid, body) in [
+        ("panic-small", review_body("panic-small")),
+        ("panic-big", big),
+    ] {
+        let (status, body) = post(&mut conn, "/mutate", JSON, body).await.unwrap();
+        assert_eq!(status, 200);
+        let answer = review(&body);
+        assert_eq!(answer["response"]["uid"], uid);
+        assert_eq!(answer["response"]["allowed"], false);
+        assert_eq!(answer["response"]["status"]["code"], 500);
+    }
+    let (_, metrics) = http_get(server.health, "/metrics").await;
+    assert!(
+        metrics.contains(r#"gpuwarden_webhook_requests_refused_total{reason="internal"} 2"#),
+        "{metrics}"
+    );
+    server.shutdown();
+}
