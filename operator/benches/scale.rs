@@ -75,7 +75,7 @@ async fn serve_fake(n: usize) {
     }
     let stats = fake.clone();
     let steady = fake.clone();
-    let app = axum::Router::new()
+    let app = fake_api::router(fake.clone())
         .route(
             "/bench/stats",
             axum::routing::get(move || {
@@ -112,23 +112,7 @@ async fn serve_fake(n: usize) {
                     "ok"
                 }
             }),
-        )
-        .fallback(move |req: axum::extract::Request| {
-            let fake = fake.clone();
-            async move {
-                let (parts, body) = req.into_parts();
-                let body = axum::body::to_bytes(body, 64 << 20)
-                    .await
-                    .unwrap_or_default();
-                fake.handle_parts(
-                    parts.method.as_str(),
-                    parts.uri.path(),
-                    parts.uri.query().unwrap_or_default(),
-                    body,
-                )
-                .map(axum::body::Body::new)
-            }
-        });
+        );
     let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
         Ok(l) => l,
         Err(e) => {

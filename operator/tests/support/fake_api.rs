@@ -422,3 +422,23 @@ pub fn lease(i: usize, renewed: &str) -> Value {
         "spec": {"holderIdentity": format!("gpuwarden-node-agent-{node}"), "leaseDurationSeconds": 3600, "renewTime": renewed},
     })
 }
+
+/// An HTTP router serving `fake` (every path not routed otherwise).
+pub fn router(fake: Arc<FakeApi>) -> axum::Router {
+    axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let fake = fake.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let body = axum::body::to_bytes(body, 64 << 20)
+                .await
+                .unwrap_or_default();
+            fake.handle_parts(
+                parts.method.as_str(),
+                parts.uri.path(),
+                parts.uri.query().unwrap_or_default(),
+                body,
+            )
+            .map(axum::body::Body::new)
+        }
+    })
+}
