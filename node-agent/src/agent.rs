@@ -380,16 +380,19 @@ async fn run_inner(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let app = crate::http::router(metrics.clone(), ready.clone());
     let mut http_stop = stop_rx.clone();
-    let http = tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            })
-            .await;
-        if let Err(e) = served {
-            warn!(error = %e, "metrics server stopped");
+    let http = tokio::spawn(
+        async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = http_stop.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = served {
+                warn!(error = %e, "metrics server stopped");
+            }
         }
-    });
+        .in_current_span(),
+    );
 
     // Only this node's pods: never a cluster-wide pod watch.
     let pods = reflect(
@@ -412,33 +415,39 @@ async fn run_inner(
             nodes.clone(),
             caches_ready.clone(),
         );
-        tokio::spawn(async move {
-            let ok = pods.wait_until_ready().await.is_ok()
-                && policies.wait_until_ready().await.is_ok()
-                && nodes.wait_until_ready().await.is_ok();
-            flag.store(ok, Ordering::Relaxed);
-            if ok {
-                info!("pod, policy and node caches synced");
+        tokio::spawn(
+            async move {
+                let ok = pods.wait_until_ready().await.is_ok()
+                    && policies.wait_until_ready().await.is_ok()
+                    && nodes.wait_until_ready().await.is_ok();
+                flag.store(ok, Ordering::Relaxed);
+                if ok {
+                    info!("pod, policy and node caches synced");
+                }
             }
-        });
+            .in_current_span(),
+        );
     }
 
     let lease = LeaseKeeper::new(client.clone(), &node, clock.now());
     let lease_metrics = metrics.clone();
     let mut lease_stop = stop_rx.clone();
-    let lease_task = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(RENEW_INTERVAL);
-        loop {
-            tokio::select! {
-                _ = lease_stop.wait_for(|s| *s) => break,
-                _ = tick.tick() => {}
-            }
-            if let Err(e) = lease.renew(SystemClock.now()).await {
-                lease_metrics.error(ErrorSource::lease);
-                warn!(error = %error_chain(&e), "lease renewal failed");
+    let lease_task = tokio::spawn(
+        async move {
+            let mut tick = tokio::time::interval(RENEW_INTERVAL);
+            loop {
+                tokio::select! {
+                    _ = lease_stop.wait_for(|s| *s) => break,
+                    _ = tick.tick() => {}
+                }
+                if let Err(e) = lease.renew(SystemClock.now()).await {
+                    lease_metrics.error(ErrorSource::lease);
+                    warn!(error = %error_chain(&e), "lease renewal failed");
+                }
             }
         }
-    });
+        .in_current_span(),
+    );
 
     let mut sweeper = Sweeper::new(
         backend,
@@ -555,14 +564,17 @@ where
         })
         .reflect(writer)
         .touched_objects();
-    tokio::spawn(async move {
-        futures::pin_mut!(stream);
-        while let Some(item) = stream.next().await {
-            if let Err(e) = item {
-                warn!(kind = %K::kind(&K::DynamicType::default()), error = %e, "watch error");
+    tokio::spawn(
+        async move {
+            futures::pin_mut!(stream);
+            while let Some(item) = stream.next().await {
+                if let Err(e) = item {
+                    warn!(kind = %K::kind(&K::DynamicType::default()), error = %e, "watch error");
+                }
             }
         }
-    });
+        .in_current_span(),
+    );
     store
 }
 
