@@ -229,10 +229,26 @@ impl ReviewIn<MapOnly<PodIn>> {
 /// shape cannot hold (say `containers` is not a list of objects) is parsed whole instead.
 #[derive(serde::Deserialize)]
 struct PodIn {
-    #[serde(default, deserialize_with = "present")]
-    metadata: Option<Value>,
+    #[serde(default = "none")]
+    metadata: Option<MapOnly<MetaIn>>,
     #[serde(default)]
     spec: Option<MapOnly<SpecIn>>,
+}
+
+/// Metadata the engine reads: managedFields, ownerReferences and the rest are skipped.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MetaIn {
+    #[serde(default, deserialize_with = "present")]
+    name: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    generate_name: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    namespace: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    labels: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    annotations: Option<Value>,
 }
 
 #[derive(serde::Deserialize)]
@@ -281,7 +297,15 @@ fn put(map: &mut serde_json::Map<String, Value>, key: &str, value: Option<Value>
 impl PodIn {
     fn into_value(self) -> Value {
         let mut pod = serde_json::Map::new();
-        put(&mut pod, "metadata", self.metadata);
+        if let Some(MapOnly(meta)) = self.metadata {
+            let mut m = serde_json::Map::new();
+            put(&mut m, "name", meta.name);
+            put(&mut m, "generateName", meta.generate_name);
+            put(&mut m, "namespace", meta.namespace);
+            put(&mut m, "labels", meta.labels);
+            put(&mut m, "annotations", meta.annotations);
+            pod.insert("metadata".to_owned(), Value::Object(m));
+        }
         if let Some(MapOnly(spec)) = self.spec {
             let mut out = serde_json::Map::new();
             put(&mut out, "serviceAccountName", spec.service_account_name);

@@ -1314,7 +1314,8 @@ fn remove(path: PointerBuf) -> PatchOperation {
 }
 
 /// The RFC 6902 patch that applies `changes` to `pod`: pointers escaped, missing parents
-/// created, arrays replaced whole (so removals never shift the index of a later operation).
+/// created, list entries removed by index from the highest down (so no removal shifts the
+/// index of a later one).
 pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
     into_patch(pod, changes.to_vec())
 }
