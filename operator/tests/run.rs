@@ -293,3 +293,48 @@ async fn http_get_ok(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         Err(_) => (0, String::new()),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_election_makes_the_only_replica_leader_and_releases_on_shutdown() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = Arc::new(FakeApi::default());
+    let now = jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S.%6fZ")
+        .to_string();
+    for i in 0..3 {
+        let name = format!("gpu-node-{i:05}");
+        fake.insert("nodes", &name, node(i));
+        fake.insert("gpunodes", &name, gpunode(i));
+        fake.insert("leases", &format!("gpuwarden-agent-{name}"), lease(i, &now));
+    }
+    let addr = free_port();
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = addr;
+    config.identity = "replica-a".into();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
+        let _ = stop_rx.await;
+    }));
+    wait_for("leader writes", Duration::from_secs(30), || {
+        fake.status_writes.load(Ordering::Relaxed) >= 3
+    })
+    .await;
+    let lease = fake
+        .get("leases", "gpuwarden-operator-leader")
+        .expect("leader Lease created");
+    assert_eq!(lease["spec"]["holderIdentity"], "replica-a");
+    let (_, metrics) = http_get(addr, "/metrics").await;
+    assert!(metrics.contains("gpuwarden_operator_leader 1"), "{metrics}");
+
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(20), operator)
+        .await
+        .expect("operator stops")
+        .expect("operator task");
+    assert!(result.is_ok(), "{result:?}");
+    let lease = fake.get("leases", "gpuwarden-operator-leader").unwrap();
+    assert_ne!(
+        lease["spec"]["holderIdentity"], "replica-a",
+        "the Lease is released on shutdown so a standby takes over at once"
+    );
+}

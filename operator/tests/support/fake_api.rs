@@ -43,6 +43,22 @@ pub struct FakeApi {
     pub deletes: AtomicU64,
 }
 
+/// JSON merge patch (RFC 7386): objects merge, null removes, anything else replaces.
+fn merge(target: &mut Value, patch: &Value) {
+    match (target, patch) {
+        (Value::Object(t), Value::Object(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (t, p) => *t = p.clone(),
+    }
+}
+
 fn broadcast(entry: &mut Collection, kind: &str, obj: &Value) {
     let mut line = serde_json::to_vec(&json!({"type": kind, "object": obj})).unwrap_or_default();
     line.push(b'\n');
@@ -293,7 +309,10 @@ impl FakeApi {
                 .header("content-type", "application/json")
                 .body(full(self.list(coll, kind, version, query)))
                 .unwrap_or_default(),
-            ("GET", Some(_)) => not_found(),
+            ("GET", Some(name)) => match self.get(coll, &name) {
+                Some(obj) => json_response(StatusCode::OK, &obj),
+                None => not_found(),
+            },
             ("PATCH", Some(name)) | ("POST", Some(name)) => {
                 self.writes.fetch_add(1, Ordering::Relaxed);
                 let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -305,8 +324,8 @@ impl FakeApi {
                         for (k, v) in patch["status"].as_object().into_iter().flatten() {
                             obj["status"][k] = v.clone();
                         }
-                    } else if let Some(spec) = patch.get("spec") {
-                        obj["spec"] = spec.clone();
+                    } else {
+                        merge(obj, &patch);
                     }
                 });
                 match updated {
@@ -333,10 +352,21 @@ impl FakeApi {
             }
             ("POST", None) => {
                 self.writes.fetch_add(1, Ordering::Relaxed);
-                json_response(
-                    StatusCode::CREATED,
-                    &serde_json::from_slice(&body).unwrap_or(Value::Null),
-                )
+                let mut obj: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                // Events are only counted; other creates are stored.
+                if let (false, Some(name)) = (coll == "events", obj["metadata"]["name"].as_str()) {
+                    let name = name.to_owned();
+                    if self.get(coll, &name).is_some() {
+                        return json_response(
+                            StatusCode::CONFLICT,
+                            &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "AlreadyExists", "code": 409}),
+                        );
+                    }
+                    obj["metadata"]["uid"] = json!(format!("{coll}-{name}"));
+                    self.insert(coll, &name, obj);
+                    obj = self.get(coll, &name).unwrap_or_default();
+                }
+                json_response(StatusCode::CREATED, &obj)
             }
             _ => not_found(),
         }
