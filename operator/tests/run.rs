@@ -338,3 +338,74 @@ async fn lease_election_makes_the_only_replica_leader_and_releases_on_shutdown()
         "the Lease is released on shutdown so a standby takes over at once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_replica_takes_over_when_the_leader_goes() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = Arc::new(FakeApi::default());
+    let now = jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S.%6fZ")
+        .to_string();
+    for i in 0..3 {
+        let name = format!("gpu-node-{i:05}");
+        fake.insert("nodes", &name, node(i));
+        fake.insert("gpunodes", &name, gpunode(i));
+        fake.insert("leases", &format!("gpuwarden-agent-{name}"), lease(i, &now));
+    }
+    let start = |identity: &str| {
+        let addr = free_port();
+        let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+        config.health_listen = addr;
+        config.identity = identity.into();
+        config.manage_webhook_certificates = false;
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
+            let _ = stop_rx.await;
+        }));
+        (addr, stop_tx, task)
+    };
+    let holder = || {
+        fake.get("leases", "gpuwarden-operator-leader").map(|l| {
+            l["spec"]["holderIdentity"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+    };
+
+    let (_a_addr, a_stop, a_task) = start("replica-a");
+    wait_for("replica-a leads", Duration::from_secs(30), || {
+        holder().as_deref() == Some("replica-a") && fake.status_writes.load(Ordering::Relaxed) >= 3
+    })
+    .await;
+    let (b_addr, b_stop, b_task) = start("replica-b");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while http_get_ok(b_addr, "/readyz").await.0 != 200 {
+        assert!(Instant::now() < deadline, "standby never became ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, metrics) = http_get(b_addr, "/metrics").await;
+    assert!(metrics.contains("gpuwarden_operator_leader 0"), "{metrics}");
+
+    // The leader goes; the standby takes the Lease and writes from then on.
+    a_stop.send(()).unwrap();
+    assert!(a_task.await.unwrap().is_ok());
+    wait_for("replica-b leads", Duration::from_secs(40), || {
+        holder().as_deref() == Some("replica-b")
+    })
+    .await;
+    fake.modify("gpunodes", "gpu-node-00001", |g| {
+        g["status"]["gpus"][0]["health"] = json!({"state": "Unhealthy", "reasons": ["Xid48: DBE"]});
+    });
+    wait_for("new leader writes", Duration::from_secs(20), || {
+        fake.get("gpunodes", "gpu-node-00001").is_some_and(|g| {
+            g["status"]["conditions"].as_array().is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Healthy" && c["status"] == "False")
+            })
+        })
+    })
+    .await;
+    b_stop.send(()).unwrap();
+    assert!(b_task.await.unwrap().is_ok());
+}
