@@ -123,11 +123,17 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             .container_id
             .as_deref()
             .and_then(|id| input.pods.by_container_id(id));
-        let container = match (by_id, &cref.container_id) {
-            (Some((_, name)), _) => name.to_owned(),
-            // Not (yet) in the pod's container statuses: name it by its short id.
-            (None, Some(id)) => id.chars().take(12).collect(),
-            (None, None) => String::new(),
+        let only_container = pod.and_then(|p| match p.containers.as_slice() {
+            [single] => Some(single.name.clone()),
+            _ => None,
+        });
+        let container = match (by_id, only_container, &cref.container_id) {
+            (Some((_, name)), _, _) => name.to_owned(),
+            // A restarted container whose new id the pod status does not show yet.
+            (None, Some(name), _) => name,
+            // Otherwise name it by its short id.
+            (None, None, Some(id)) => id.chars().take(12).collect(),
+            (None, None, None) => String::new(),
         };
         let (uid, namespace, name) = match pod {
             Some(pod) => (pod.uid.clone(), pod.namespace.clone(), pod.name.clone()),
@@ -261,4 +267,90 @@ pub fn counts(status: &GpuNodeStatus) -> (usize, usize, usize) {
         .filter(|b| b.is_out_of_band())
         .count();
     (gpus.len(), healthy, oob)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{GpuInfo, GpuReading, Telemetry};
+    use crate::pods::{ContainerInfo, PodInfo};
+
+    fn reading() -> Reading {
+        Reading {
+            driver: Default::default(),
+            gpus: vec![GpuReading {
+                info: GpuInfo {
+                    uuid: "GPU-a".into(),
+                    ..Default::default()
+                },
+                answering: true,
+                telemetry: Telemetry::default(),
+                ecc_uncorrected: None,
+                pages_pending_retirement: None,
+                processes: vec![],
+            }],
+        }
+    }
+
+    fn observed(uid: &str, id: &str) -> ObservedProcess {
+        ObservedProcess {
+            device_uuid: "GPU-a".into(),
+            pid: 1,
+            container: Some(ContainerRef {
+                pod_uid: uid.into(),
+                container_id: Some(id.into()),
+            }),
+        }
+    }
+
+    fn run(pods: &[PodInfo], observed: &[ObservedProcess]) -> Computed {
+        let r = reading();
+        let index = PodIndex::new(pods, true);
+        compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations: &[],
+            observed,
+            pods: &index,
+            devices: &DeviceMap::new(&r.gpus),
+            runtime: &RuntimeStatus::default(),
+        })
+    }
+
+    #[test]
+    fn unknown_container_ids_are_named_sensibly() {
+        let pods = vec![PodInfo {
+            uid: "u1".into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+            mirror_uid: None,
+            containers: vec![ContainerInfo {
+                name: "main".into(),
+                container_id: Some("containerd://old".into()),
+                privileged: false,
+                gpu: false,
+            }],
+        }];
+        // A restarted single container: its pod's only container.
+        let c = run(&pods, &[observed("u1", "0123456789abcdef0123")]);
+        let b = &c.status.bindings.unwrap()[0];
+        assert_eq!((b.pod.as_str(), b.container.as_str()), ("p", "main"));
+        assert!(b.is_out_of_band());
+
+        // A pod the API does not know: reported by UID and short container id.
+        let c = run(&pods, &[observed("u9", "0123456789abcdef0123")]);
+        let b = &c.status.bindings.unwrap()[0];
+        assert_eq!(b.pod_uid, "u9");
+        assert_eq!(b.pod, "");
+        assert_eq!(b.container, "0123456789ab");
+    }
+
+    #[test]
+    fn host_processes_are_counted_not_bound() {
+        let mut p = observed("u1", "x");
+        p.container = None;
+        let c = run(&[], &[p]);
+        assert!(c.status.bindings.unwrap().is_empty());
+        assert_eq!(c.host_processes["GPU-a"], 1);
+    }
 }
