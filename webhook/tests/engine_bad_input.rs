@@ -179,3 +179,41 @@ fn odd_but_valid_pods_do_not_panic() {
         a.message()
     );
 }
+
+#[test]
+fn mangled_reviews_always_get_an_answer() {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    // Truncations, byte flips and splices of a real review: each must come back as a review
+    // (allowed, denied or invalid), never a panic.
+    let mut pod = training_pod();
+    pod["spec"]["volumes"] = json!([{"name": "d", "hostPath": {"path": "/dev/nvidia0"}}]);
+    pod["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "d", "mountPath": "/dev/nvidia0"}]);
+    let body = create_review(&pod, "ml");
+    let mut rng = StdRng::seed_from_u64(42);
+    let noise = [
+        b'"', b'{', b'}', b'[', b']', b',', b':', b'0', b'n', b'\\', 0xff,
+    ];
+    for _ in 0..3000 {
+        let mut b = body.clone();
+        match rng.random_range(0..3) {
+            0 => b.truncate(rng.random_range(0..body.len())),
+            1 => {
+                for _ in 0..rng.random_range(1..4) {
+                    let i = rng.random_range(0..b.len());
+                    b[i] = noise[rng.random_range(0..noise.len())];
+                }
+            }
+            _ => {
+                let (i, j) = (rng.random_range(0..b.len()), rng.random_range(0..b.len()));
+                let (i, j) = (i.min(j), i.max(j));
+                b.drain(i..j);
+            }
+        }
+        let (out, summary) = gpuwarden_webhook::admission::handle_review(&b, &source());
+        let review: Value = serde_json::from_slice(&out).expect("always a JSON review");
+        assert_eq!(review["kind"], "AdmissionReview");
+        assert_eq!(review["response"]["uid"], json!(summary.uid));
+    }
+}
