@@ -231,7 +231,12 @@ fn main() {
         "{:<36} {:>8} {:>10} {:>10} {:>10} {:>12}",
         "case", "bytes", "mean µs", "p50 µs", "p99 µs", "reviews/s"
     );
+    // `ENGINE_BENCH_ONLY=rewritten` runs one case (for a profiler) and skips the rest.
+    let only = std::env::var("ENGINE_BENCH_ONLY").ok();
     for (name, body, src, expected) in &cases {
+        if only.as_deref().is_some_and(|o| !name.starts_with(o)) {
+            continue;
+        }
         let (_, summary) = handle_review(body, *src);
         assert_eq!(
             summary.outcome, *expected,
@@ -249,6 +254,10 @@ fn main() {
             us(stats.p99),
             1.0 / stats.mean.as_secs_f64()
         );
+    }
+
+    if only.is_some() {
+        return;
     }
 
     // Where the rewritten case's time goes: the engine's decision and the patch, on a pod

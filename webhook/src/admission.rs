@@ -502,7 +502,11 @@ fn review_request(
         .namespace
         .as_deref()
         .filter(|n| !n.is_empty())
-        .or_else(|| pod.pointer("/metadata/namespace").and_then(Value::as_str))
+        .or_else(|| {
+            pod.get("metadata")
+                .and_then(|m| m.get("namespace"))
+                .and_then(Value::as_str)
+        })
         .unwrap_or("default");
     let name = display_name(pod, Some(namespace), request.name.as_deref());
     let labels = engine::namespace_labels_or_default(namespace, source.namespace_labels(namespace));
@@ -525,14 +529,23 @@ fn review_request(
 fn display_name(pod: &Value, namespace: Option<&str>, name: Option<&str>) -> String {
     let namespace = namespace
         .filter(|n| !n.is_empty())
-        .or_else(|| pod.pointer("/metadata/namespace").and_then(Value::as_str))
+        .or_else(|| {
+            pod.get("metadata")
+                .and_then(|m| m.get("namespace"))
+                .and_then(Value::as_str)
+        })
         .unwrap_or("default");
     let name = name
         .filter(|n| !n.is_empty())
-        .or_else(|| pod.pointer("/metadata/name").and_then(Value::as_str))
+        .or_else(|| {
+            pod.get("metadata")
+                .and_then(|m| m.get("name"))
+                .and_then(Value::as_str)
+        })
         .map(str::to_owned)
         .or_else(|| {
-            pod.pointer("/metadata/generateName")
+            pod.get("metadata")
+                .and_then(|m| m.get("generateName"))
                 .and_then(Value::as_str)
                 .map(|g| format!("{g}*"))
         })
@@ -650,26 +663,23 @@ fn encode(api_version: &str, response: ResponseOut) -> Vec<u8> {
 /// Standard base64 with padding (RFC 4648), as the `patch` field is encoded.
 fn base64(input: &[u8]) -> String {
     const TABLE: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let sextet = |n: u32, shift: u32| TABLE[((n >> shift) & 63) as usize];
     let mut out = Vec::with_capacity(input.len().div_ceil(3) * 4);
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        out.push(TABLE[(n >> 18) as usize & 63]);
-        out.push(TABLE[(n >> 12) as usize & 63]);
-        out.push(if chunk.len() > 1 {
-            TABLE[(n >> 6) as usize & 63]
-        } else {
-            b'='
-        });
-        out.push(if chunk.len() > 2 {
-            TABLE[n as usize & 63]
-        } else {
-            b'='
-        });
+    let mut chunks = input.chunks_exact(3);
+    for c in &mut chunks {
+        let n = (u32::from(c[0]) << 16) | (u32::from(c[1]) << 8) | u32::from(c[2]);
+        out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), sextet(n, 6), sextet(n, 0)]);
+    }
+    match *chunks.remainder() {
+        [a] => {
+            let n = u32::from(a) << 16;
+            out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), b'=', b'=']);
+        }
+        [a, b] => {
+            let n = (u32::from(a) << 16) | (u32::from(b) << 8);
+            out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), sextet(n, 6), b'=']);
+        }
+        _ => {}
     }
     // Every byte pushed comes from the ASCII table above.
     String::from_utf8(out).unwrap_or_default()

@@ -290,7 +290,7 @@ pub fn select_policy<'p>(
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide(input: &Input<'_>, policies: &[Arc<GpuPolicy>]) -> Decision {
-    let pod_labels = string_map(input.pod.pointer("/metadata/labels"));
+    let pod_labels = string_map(input.pod.at_path(&["metadata", "labels"]));
     let selection = select_policy(policies, input.namespace_labels, &pod_labels);
     let mut decision = match selection.policy {
         None => Decision::new(Verdict::NotGoverned),
@@ -500,7 +500,7 @@ struct PodFacts<'a> {
 fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> PodFacts<'a> {
     let spec = pod.get("spec");
     let annotations = pod
-        .pointer("/metadata/annotations")
+        .at_path(&["metadata", "annotations"])
         .and_then(Value::as_object);
     let mut cdi_keys = Vec::new();
     let mut cdi_nvidia = false;
@@ -516,7 +516,9 @@ fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> 
     for volume in array(spec.and_then(|s| s.get("volumes"))) {
         let (Some(name), Some(path)) = (
             volume.get("name").and_then(Value::as_str),
-            volume.pointer("/hostPath/path").and_then(Value::as_str),
+            volume
+                .at_path(&["hostPath", "path"])
+                .and_then(Value::as_str),
         ) else {
             continue;
         };
@@ -535,19 +537,19 @@ fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> 
         {
             let name = value.get("name").and_then(Value::as_str).unwrap_or("");
             let privileged = value
-                .pointer("/securityContext/privileged")
+                .at_path(&["securityContext", "privileged"])
                 .and_then(Value::as_bool)
                 == Some(true);
             let image = value.get("image").and_then(Value::as_str).unwrap_or("");
             let limits = value
-                .pointer("/resources/limits")
+                .at_path(&["resources", "limits"])
                 .and_then(Value::as_object);
             let gpu_limit = limits.is_some_and(|l| l.keys().any(|k| is_gpu_resource(k, resource)));
             let gpu_request = if gpu_limit {
                 None
             } else {
                 value
-                    .pointer("/resources/requests")
+                    .at_path(&["resources", "requests"])
                     .and_then(Value::as_object)
                     .and_then(|r| r.iter().find(|(k, _)| is_gpu_resource(k, resource)))
                     .map(|(k, v)| (k.clone(), v.clone()))
@@ -598,7 +600,7 @@ fn pod_exemption(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Option<Str
         return Some(format!("namespace {namespace} is exempt"));
     }
     let sa = pod
-        .pointer("/spec/serviceAccountName")
+        .at_path(&["spec", "serviceAccountName"])
         .and_then(Value::as_str)
         .filter(|s| !s.is_empty())
         .unwrap_or("default");
@@ -736,11 +738,12 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
 
         if target {
             // Rules 1 and 2.
-            let asked: Vec<String> = array(c.value.pointer("/securityContext/capabilities/add"))
-                .iter()
-                .filter_map(Value::as_str)
-                .map(normalise_cap)
-                .collect();
+            let asked: Vec<String> =
+                array(c.value.at_path(&["securityContext", "capabilities", "add"]))
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .map(normalise_cap)
+                    .collect();
             let mut add: Vec<String> = Vec::new();
             for cap in defaults
                 .iter()
@@ -1077,7 +1080,7 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         BTreeSet::new()
     };
     if !strip.is_empty() {
-        let indices: Vec<usize> = array(input.pod.pointer("/spec/volumes"))
+        let indices: Vec<usize> = array(input.pod.at_path(&["spec", "volumes"]))
             .iter()
             .enumerate()
             .filter(|(_, v)| {
@@ -1240,17 +1243,17 @@ fn decide_ephemeral(input: &Input<'_>, old: &Value, policy: &GpuPolicy) -> Decis
         d.policy = Some(reference);
         return d;
     }
-    let existing: BTreeSet<&str> = array(old.pointer("/spec/ephemeralContainers"))
+    let existing: BTreeSet<&str> = array(old.at_path(&["spec", "ephemeralContainers"]))
         .iter()
         .filter_map(|c| c.get("name").and_then(Value::as_str))
         .collect();
     let images = &policy.spec.exemptions.images;
-    let offending: Vec<String> = array(input.pod.pointer("/spec/ephemeralContainers"))
+    let offending: Vec<String> = array(input.pod.at_path(&["spec", "ephemeralContainers"]))
         .iter()
         .filter(|c| {
             let name = c.get("name").and_then(Value::as_str).unwrap_or("");
             let privileged = c
-                .pointer("/securityContext/privileged")
+                .at_path(&["securityContext", "privileged"])
                 .and_then(Value::as_bool)
                 == Some(true);
             let image = c.get("image").and_then(Value::as_str).unwrap_or("");
@@ -1331,9 +1334,8 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
                 drop,
             } => {
                 let base = container_path(&container);
-                let current = pod
-                    .pointer(base.as_str())
-                    .and_then(|c| c.get("securityContext"));
+                let current =
+                    container_value(pod, &container).and_then(|c| c.get("securityContext"));
                 let mut caps = Map::new();
                 if !caps_add.is_empty() {
                     caps.insert("add".into(), json!(caps_add));
@@ -1343,7 +1345,8 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
                         caps.insert("drop".into(), json!(d));
                     }
                     None => {
-                        if let Some(d) = current.and_then(|s| s.pointer("/capabilities/drop")) {
+                        if let Some(d) = current.and_then(|s| s.at_path(&["capabilities", "drop"]))
+                        {
                             caps.insert("drop".into(), d.clone());
                         }
                     }
@@ -1379,7 +1382,7 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
                 quantity,
             } => {
                 let base = container_path(&container);
-                let c = pod.pointer(base.as_str());
+                let c = container_value(pod, &container);
                 let resources = c.and_then(|c| c.get("resources")).filter(|r| r.is_object());
                 let limits = resources
                     .and_then(|r| r.get("limits"))
@@ -1407,20 +1410,23 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
                 append,
             } => {
                 let path = child(&container_path(&container), &["env"]);
-                list_edit(&mut ops, pod, &path, &remove, append);
+                let current = container_value(pod, &container).and_then(|c| c.get("env"));
+                list_edit(&mut ops, current, &path, &remove, append);
             }
             Change::VolumeMounts { container, remove } => {
                 let path = child(&container_path(&container), &["volumeMounts"]);
-                list_edit(&mut ops, pod, &path, &remove, Vec::new());
+                let current = container_value(pod, &container).and_then(|c| c.get("volumeMounts"));
+                list_edit(&mut ops, current, &path, &remove, Vec::new());
             }
             Change::Volumes { remove } => {
                 let path = PointerBuf::from_tokens(["spec", "volumes"]);
-                list_edit(&mut ops, pod, &path, &remove, Vec::new());
+                let current = pod.at_path(&["spec", "volumes"]);
+                list_edit(&mut ops, current, &path, &remove, Vec::new());
             }
             Change::RemoveAnnotations { keys } => {
                 for key in keys {
                     if pod
-                        .pointer("/metadata/annotations")
+                        .at_path(&["metadata", "annotations"])
                         .and_then(|a| a.get(&key))
                         .is_some()
                     {
@@ -1472,12 +1478,12 @@ pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
 /// names the entry it named in the original), then appends. A missing list is created.
 fn list_edit(
     ops: &mut Vec<PatchOperation>,
-    pod: &Value,
+    current: Option<&Value>,
     path: &PointerBuf,
     remove_ascending: &[usize],
     append: Vec<Value>,
 ) {
-    if !pod.pointer(path.as_str()).is_some_and(Value::is_array) {
+    if !current.is_some_and(Value::is_array) {
         if !append.is_empty() {
             ops.push(add(path.clone(), Value::Array(append)));
         }
@@ -1493,6 +1499,23 @@ fn list_edit(
 
 // ---------------------------------------------------------------------------------------
 // Small helpers.
+
+/// Walks object keys without allocating (`Value::pointer` unescapes every token into a new
+/// string, which shows in profiles of the admission path).
+trait AtPath {
+    fn at_path(&self, path: &[&str]) -> Option<&Value>;
+}
+
+impl AtPath for Value {
+    fn at_path(&self, path: &[&str]) -> Option<&Value> {
+        path.iter().try_fold(self, |v, key| v.get(*key))
+    }
+}
+
+/// The container `at` points to in `pod`.
+fn container_value<'a>(pod: &'a Value, at: &ContainerRef) -> Option<&'a Value> {
+    pod.get("spec")?.get(at.kind.field())?.get(at.index)
+}
 
 fn array(v: Option<&Value>) -> &[Value] {
     v.and_then(Value::as_array).map_or(&[], Vec::as_slice)
