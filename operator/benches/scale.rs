@@ -90,6 +90,27 @@ async fn serve_fake(n: usize) {
             }),
         )
         .route(
+            "/bench/unhealthy",
+            axum::routing::post({
+                let f = fake.clone();
+                move || {
+                    let f = f.clone();
+                    async move {
+                        // One GPU on each of the first 100 nodes fails.
+                        for i in 0..n.min(100) {
+                            f.modify("gpunodes", &format!("gpu-node-{i:05}"), |g| {
+                                g["status"]["gpus"][0]["health"] = json!({
+                                    "state": "Unhealthy",
+                                    "reasons": ["Xid79: GPU has fallen off the bus"],
+                                });
+                            });
+                        }
+                        "ok"
+                    }
+                }
+            }),
+        )
+        .route(
             "/bench/steady",
             axum::routing::post(move || {
                 let f = steady.clone();
@@ -203,10 +224,25 @@ async fn main() {
     http(addr, "POST", "/bench/steady").await;
     let sent = steady_start.elapsed();
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let (after, _, lists) = stats(addr).await;
+    let (after, _, _) = stats(addr).await;
     let steady_writes = after - before;
     let rss_steady = vm("self", "VmRSS:");
+
+    // The watches are live: 100 GPUs fail, and exactly those GpuNodes are written.
+    let before_fail = stats(addr).await.0;
+    let fail_start = Instant::now();
+    http(addr, "POST", "/bench/unhealthy").await;
+    let expected_fail = 2 * n.min(100) as u64; // a status apply and a Warning event each
+    let mut fail_writes = 0;
+    while fail_writes < expected_fail && fail_start.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        fail_writes = stats(addr).await.0 - before_fail;
+    }
+    let fail_time = fail_start.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let fail_writes = stats(addr).await.0 - before_fail;
     let hwm = vm("self", "VmHWM:");
+    let lists = stats(addr).await.2;
     let child_rss = vm(&child_pid, "VmRSS:");
 
     let _ = stop_tx.send(());
@@ -244,6 +280,11 @@ async fn main() {
     );
     println!(
         "| writes in steady state: {n} Lease renewals + {n} Node heartbeats, then 10 s | {steady_writes:>6} | 0 |"
+    );
+    println!(
+        "| {} GPUs fail, on as many nodes: writes (status + event each)   | {fail_writes:>6} in {:>5.2} s | {expected_fail} |",
+        n.min(100),
+        fail_time.as_secs_f64()
     );
     println!(
         "| operator VmRSS before start                                  | {:>18} |         |",
