@@ -727,3 +727,90 @@ async fn cert_loop(ctx: CertContext, shutdown: watch::Receiver<bool>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("boom")]
+    struct Boom;
+
+    #[test]
+    fn backoff_doubles_per_object_caps_and_resets_on_success() {
+        let b = Backoffs::default();
+        let delays: Vec<u64> = (0..11).map(|_| b.next("a").as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+        // Another object has its own backoff.
+        assert_eq!(b.next("b"), Duration::from_secs(1));
+        b.reset("a");
+        assert_eq!(b.next("a"), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn invalid_objects_wait_for_a_change_transient_errors_requeue() {
+        let b = Backoffs::default();
+        assert_eq!(error_action(&b, "x", true, &Boom), Action::await_change());
+        assert_eq!(
+            error_action(&b, "x", false, &Boom),
+            Action::requeue(Duration::from_secs(1))
+        );
+        assert_eq!(
+            error_action(&b, "x", false, &Boom),
+            Action::requeue(Duration::from_secs(2))
+        );
+    }
+
+    #[test]
+    fn own_status_writes_and_renewals_do_not_change_the_inputs() {
+        let mut gn = GpuNode::new(
+            "n",
+            gpuwarden_crds::GpuNodeSpec {
+                node_name: "n".into(),
+            },
+        );
+        gn.status = Some(gpuwarden_crds::GpuNodeStatus::default());
+        let before = gpunode_inputs(&gn);
+        if let Some(s) = gn.status.as_mut() {
+            s.summary = Some(gpuwarden_crds::GpuNodeSummary::default());
+            s.conditions = Some(vec![]);
+        }
+        assert_eq!(
+            gpunode_inputs(&gn),
+            before,
+            "operator fields are not inputs"
+        );
+        if let Some(s) = gn.status.as_mut() {
+            s.gpus = Some(vec![]);
+        }
+        assert_ne!(gpunode_inputs(&gn), before, "agent fields are");
+
+        let clock: Clock = Arc::new(|| jiff::Timestamp::from_second(1000).unwrap_or_default());
+        let mut lease = Lease::default();
+        let spec = |renew: i64| k8s_openapi::api::coordination::v1::LeaseSpec {
+            holder_identity: Some("agent".into()),
+            lease_duration_seconds: Some(40),
+            renew_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                jiff::Timestamp::from_second(renew).unwrap_or_default(),
+            )),
+            ..Default::default()
+        };
+        lease.spec = Some(spec(990));
+        let live = lease_inputs(&lease, &clock);
+        lease.spec = Some(spec(995));
+        assert_eq!(
+            lease_inputs(&lease, &clock),
+            live,
+            "renewal of a live Lease"
+        );
+        lease.spec = Some(spec(900));
+        assert_ne!(lease_inputs(&lease, &clock), live, "expired");
+
+        let mut node = Node::default();
+        node.status = Some(NodeStatus::default());
+        let before = node_inputs(&node);
+        node.metadata.resource_version = Some("99".into());
+        node.metadata.annotations = Some([("heartbeat".to_owned(), "x".to_owned())].into());
+        assert_eq!(node_inputs(&node), before, "heartbeats are not inputs");
+    }
+}
