@@ -806,8 +806,10 @@ mod tests {
         lease.spec = Some(spec(900));
         assert_ne!(lease_inputs(&lease, &clock), live, "expired");
 
-        let mut node = Node::default();
-        node.status = Some(NodeStatus::default());
+        let mut node = Node {
+            status: Some(NodeStatus::default()),
+            ..Default::default()
+        };
         let before = node_inputs(&node);
         node.metadata.resource_version = Some("99".into());
         node.metadata.annotations = Some([("heartbeat".to_owned(), "x".to_owned())].into());
