@@ -8,6 +8,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A node's GPUs: what they are, whether they are healthy, and which pod holds which.
+// kube-derive takes one `printcolumn(...)` per column, which clippy reads as a duplicate.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "gpuwarden.io",

@@ -10,6 +10,8 @@ use crate::duration::DURATION_PATTERN;
 
 /// How privileged GPU pods are treated. The highest-priority `GpuPolicy` whose selectors match
 /// a pod governs it; equal priorities are broken by name order.
+// kube-derive takes one `printcolumn(...)` per column, which clippy reads as a duplicate.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "gpuwarden.io",
