@@ -454,10 +454,10 @@ fn main() {
     let source = StaticPolicySource::from_file(&policy_file).unwrap();
     let engine_reviewer = Arc::new(EngineReviewer::new(Arc::new(source)));
     let engine_alone = time_reviewer(engine_reviewer.as_ref(), &body);
-    let floor_alone = time_reviewer(&ConstantAllow::default(), &body);
+    let floor_alone = time_reviewer(&ConstantAllow, &body);
     let engine_threads = reviews_per_second(engine_reviewer.clone(), &body, 2);
     let engine_addr = start_in_process(&server_rt, engine_reviewer, &pki.paths);
-    let floor_addr = start_in_process(&server_rt, Arc::new(ConstantAllow::default()), &pki.paths);
+    let floor_addr = start_in_process(&server_rt, Arc::new(ConstantAllow), &pki.paths);
 
     // Show that the engine really rewrites the benchmark pod.
     let answer = client_rt.block_on(async {
