@@ -13,7 +13,8 @@ use gpuwarden_node_agent::writer::apply_body;
 use gpuwarden_node_agent::{InspectConfig, inspect};
 
 fn sample() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples/h100-8gpu.fake.yaml")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/examples/node-agent/h100-8gpu.fake.yaml")
 }
 
 fn agent() -> Command {

@@ -100,7 +100,6 @@ fn the_examples_directory_is_rewritten_and_explained() {
         "requests nvidia.com/gpu=4 (annotation gpuwarden.io/gpu-count)",
         "DaemonSet gpu-operator/nvidia-dcgm-exporter: exempt, unchanged: namespace gpu-operator is exempt",
         "Pod ml-research/jupyter-gpu: unchanged: no privileged GPU container",
-        "h100-8gpu.fake.yaml: skipped: not a Kubernetes manifest",
         "6 objects: 1 exempt, 4 rewritten, 1 unchanged",
     ] {
         assert!(
@@ -445,8 +444,15 @@ spec:
 ",
     );
     write(dir.path(), "notes.txt", "not a manifest");
+    write(dir.path(), "d-gpus.fake.yaml", "gpus:\n  - index: 0\n");
     let r = run(&["-f", &dir.path().display().to_string()]);
     assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("d-gpus.fake.yaml: skipped: not a Kubernetes manifest"),
+        "{}",
+        r.stderr
+    );
     let docs: Vec<Value> = serde_saphyr::from_multiple(&r.stdout).unwrap();
     let kinds: Vec<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["ConfigMap", "Pod", "CronJob"]);
