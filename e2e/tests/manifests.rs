@@ -957,6 +957,24 @@ fn webhook_configuration_reaches_the_server() {
         .expect("the TLS volume is mounted");
     assert_eq!(mount["mountPath"], "/etc/gpuwarden/tls");
     assert_eq!(mount["readOnly"], true);
+    // The operator keeps the CA's private key in the same Secret; only the serving pair
+    // reaches the webhook's file system.
+    let projected: Vec<(&str, &str)> = volume["secret"]["items"]
+        .as_array()
+        .expect("the TLS volume projects chosen keys, not the whole Secret")
+        .iter()
+        .map(|item| {
+            (
+                item["key"].as_str().unwrap_or_default(),
+                item["path"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        projected,
+        [("tls.crt", "tls.crt"), ("tls.key", "tls.key")],
+        "the webhook mounts exactly the serving certificate and key"
+    );
     // Where the server reads them by default (webhook/src/main.rs).
     let main = std::fs::read_to_string(repo_root().join("webhook/src/main.rs")).expect("main.rs");
     for file in ["tls.crt", "tls.key"] {
@@ -1615,9 +1633,8 @@ fn rbac_table_follows_the_code() {
 #[test]
 fn examples_are_valid_objects() {
     let dir = repo_root().join("deploy/examples");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
-        return;
-    };
+    let entries =
+        std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()));
     let mut failures = Vec::new();
     let mut count = 0;
     for entry in entries {
@@ -1639,5 +1656,9 @@ fn examples_are_valid_objects() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    assert!(
+        count >= 6,
+        "only {count} example objects found in deploy/examples"
+    );
     eprintln!("{count} example objects checked");
 }
