@@ -6,6 +6,7 @@
 
 pub mod conditions;
 pub mod duration;
+pub mod exemptions;
 pub mod manifests;
 pub mod node;
 pub mod policy;

@@ -24,6 +24,8 @@ use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
+pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
+
 /// Environment variable the NVIDIA runtime reads to pick the GPUs it exposes.
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 /// Environment variable naming the driver capabilities (libraries) the runtime mounts.
@@ -419,60 +421,6 @@ fn clean_path(path: &str) -> String {
     out
 }
 
-/// Matches `text` against a glob with `*` (any run of characters) and `?` (one character).
-/// Every other character is literal. Image references are ASCII, so this works on bytes.
-pub fn glob_match(pattern: &str, text: &str) -> bool {
-    glob_bytes(pattern.as_bytes(), text.as_bytes(), b"")
-}
-
-/// [`glob_match`] against the concatenation `head` + `tail`, without building it.
-fn glob_bytes(p: &[u8], head: &[u8], tail: &[u8]) -> bool {
-    let len = head.len() + tail.len();
-    let at = |i: usize| {
-        if i < head.len() {
-            head[i]
-        } else {
-            tail[i - head.len()]
-        }
-    };
-    let (mut pi, mut ti) = (0usize, 0usize);
-    let mut star: Option<(usize, usize)> = None;
-    while ti < len {
-        if pi < p.len() && (p[pi] == b'?' || p[pi] == at(ti)) {
-            pi += 1;
-            ti += 1;
-        } else if pi < p.len() && p[pi] == b'*' {
-            star = Some((pi, ti));
-            pi += 1;
-        } else if let Some((sp, st)) = star {
-            pi = sp + 1;
-            ti = st + 1;
-            star = Some((sp, st + 1));
-        } else {
-            return false;
-        }
-    }
-    while pi < p.len() && p[pi] == b'*' {
-        pi += 1;
-    }
-    pi == p.len()
-}
-
-/// Whether a container image matches one of the exempt image patterns. An image with neither
-/// tag nor digest is also tried as `<image>:latest`, which is what the runtime pulls.
-pub fn image_exempt(image: &str, patterns: &[String]) -> bool {
-    if image.is_empty() || patterns.is_empty() {
-        return false;
-    }
-    let last = image.rsplit('/').next().unwrap_or(image);
-    let untagged = !last.contains(':') && !image.contains('@');
-    patterns.iter().any(|pattern| {
-        let p = pattern.as_bytes();
-        glob_bytes(p, image.as_bytes(), b"")
-            || (untagged && glob_bytes(p, image.as_bytes(), b":latest"))
-    })
-}
-
 /// One container, as the engine sees it.
 #[derive(Debug)]
 struct ContainerInfo<'a> {
@@ -595,20 +543,11 @@ fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> 
 
 /// Namespace or service-account exemption of the whole pod, with the reason.
 fn pod_exemption(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Option<String> {
-    let ex = &policy.spec.exemptions;
-    if ex.namespaces.iter().any(|n| n == namespace) {
-        return Some(format!("namespace {namespace} is exempt"));
-    }
     let sa = pod
         .at_path(&["spec", "serviceAccountName"])
         .and_then(Value::as_str)
-        .filter(|s| !s.is_empty())
-        .unwrap_or("default");
-    let full = format!("{namespace}/{sa}");
-    if ex.service_accounts.contains(&full) {
-        return Some(format!("service account {full} is exempt"));
-    }
-    None
+        .unwrap_or("");
+    policy.spec.exemptions.pod_exemption(namespace, sa)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1597,36 +1536,6 @@ mod tests {
         ] {
             assert!(!is_device_host_path(p), "{p}");
         }
-    }
-
-    #[test]
-    fn globs() {
-        assert!(glob_match(
-            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
-            "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04"
-        ));
-        assert!(!glob_match(
-            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
-            "nvcr.io/nvidia/k8s/dcgm-exporter-evil:1"
-        ));
-        assert!(glob_match(
-            "registry.local/*/gpu-?",
-            "registry.local/a/b/gpu-1"
-        ));
-        assert!(!glob_match(
-            "registry.local/*/gpu-?",
-            "registry.local/a/gpu-12"
-        ));
-        assert!(glob_match("*", ""));
-        assert!(glob_match("a[1]", "a[1]"));
-        assert!(image_exempt(
-            "nvcr.io/nvidia/k8s/dcgm-exporter",
-            &["nvcr.io/nvidia/k8s/dcgm-exporter:*".to_owned()]
-        ));
-        assert!(!image_exempt(
-            "docker.io/me/dcgm-exporter:1",
-            &["nvcr.io/nvidia/k8s/dcgm-exporter:*".to_owned()]
-        ));
     }
 
     #[test]

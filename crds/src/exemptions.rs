@@ -1,0 +1,139 @@
+//! What a `GpuPolicy`'s exemptions cover. The webhook and the node agent both ask, so the
+//! answer is written once: namespace and service account exempt a whole pod, an image glob
+//! exempts a container.
+
+use crate::policy::Exemptions;
+
+impl Exemptions {
+    /// Why the whole pod is exempt (its namespace or its service account), or `None`. An
+    /// empty service account name is `default`, as the API server fills it in.
+    pub fn pod_exemption(&self, namespace: &str, service_account: &str) -> Option<String> {
+        if self.namespaces.iter().any(|n| n == namespace) {
+            return Some(format!("namespace {namespace} is exempt"));
+        }
+        let sa = if service_account.is_empty() {
+            "default"
+        } else {
+            service_account
+        };
+        let full = format!("{namespace}/{sa}");
+        if self.service_accounts.contains(&full) {
+            return Some(format!("service account {full} is exempt"));
+        }
+        None
+    }
+
+    /// Whether a container with this image keeps its privilege.
+    pub fn covers_image(&self, image: &str) -> bool {
+        image_exempt(image, &self.images)
+    }
+}
+
+/// Matches `text` against a glob with `*` (any run of characters) and `?` (one character).
+/// Every other character is literal. Image references are ASCII, so this works on bytes.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    glob_bytes(pattern.as_bytes(), text.as_bytes(), b"")
+}
+
+/// [`glob_match`] against the concatenation `head` + `tail`, without building it.
+fn glob_bytes(p: &[u8], head: &[u8], tail: &[u8]) -> bool {
+    let len = head.len() + tail.len();
+    let at = |i: usize| {
+        if i < head.len() {
+            head[i]
+        } else {
+            tail[i - head.len()]
+        }
+    };
+    let (mut pi, mut ti) = (0usize, 0usize);
+    let mut star: Option<(usize, usize)> = None;
+    while ti < len {
+        if pi < p.len() && (p[pi] == b'?' || p[pi] == at(ti)) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    while pi < p.len() && p[pi] == b'*' {
+        pi += 1;
+    }
+    pi == p.len()
+}
+
+/// Whether a container image matches one of the exempt image patterns. An image with neither
+/// tag nor digest is also tried as `<image>:latest`, which is what the runtime pulls.
+pub fn image_exempt(image: &str, patterns: &[String]) -> bool {
+    if image.is_empty() || patterns.is_empty() {
+        return false;
+    }
+    let last = image.rsplit('/').next().unwrap_or(image);
+    let untagged = !last.contains(':') && !image.contains('@');
+    patterns.iter().any(|pattern| {
+        let p = pattern.as_bytes();
+        glob_bytes(p, image.as_bytes(), b"")
+            || (untagged && glob_bytes(p, image.as_bytes(), b":latest"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match(
+            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
+            "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04"
+        ));
+        assert!(!glob_match(
+            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
+            "nvcr.io/nvidia/k8s/dcgm-exporter-evil:1"
+        ));
+        assert!(glob_match(
+            "registry.local/*/gpu-?",
+            "registry.local/a/b/gpu-1"
+        ));
+        assert!(!glob_match(
+            "registry.local/*/gpu-?",
+            "registry.local/a/gpu-12"
+        ));
+        assert!(glob_match("*", ""));
+        assert!(glob_match("a[1]", "a[1]"));
+        assert!(image_exempt(
+            "nvcr.io/nvidia/k8s/dcgm-exporter",
+            &["nvcr.io/nvidia/k8s/dcgm-exporter:*".to_owned()]
+        ));
+        assert!(!image_exempt(
+            "docker.io/me/dcgm-exporter:1",
+            &["nvcr.io/nvidia/k8s/dcgm-exporter:*".to_owned()]
+        ));
+    }
+
+    #[test]
+    fn pod_exemptions() {
+        let ex = Exemptions {
+            namespaces: vec!["gpu-operator".into()],
+            service_accounts: vec!["monitoring/dcgm".into(), "tools/default".into()],
+            images: vec![],
+        };
+        assert_eq!(
+            ex.pod_exemption("gpu-operator", "anything").as_deref(),
+            Some("namespace gpu-operator is exempt")
+        );
+        assert_eq!(
+            ex.pod_exemption("monitoring", "dcgm").as_deref(),
+            Some("service account monitoring/dcgm is exempt")
+        );
+        assert!(ex.pod_exemption("tools", "").is_some(), "empty is default");
+        assert!(ex.pod_exemption("monitoring", "other").is_none());
+        assert!(ex.pod_exemption("team-a", "dcgm").is_none());
+    }
+}
