@@ -91,7 +91,8 @@ pub struct GpuNodeStatus {
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["podUid", "container"]))]
     pub bindings: Option<Vec<Binding>>,
 
-    /// Pods on this node with a privileged GPU container (node agent).
+    /// Pods on this node with a privileged GPU container (node agent), exempt ones included
+    /// and marked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["uid"]))]
     pub privileged_pods: Option<Vec<PodRef>>,
@@ -258,6 +259,11 @@ pub struct PodRef {
     pub namespace: String,
     /// Pod name.
     pub name: String,
+    /// The GpuPolicy exemption that lets this pod keep its privilege (GPU Operator
+    /// components and the like), as `<policy>: <reason>`; absent when none does. Exempt
+    /// pods are listed but leave the node `Isolated` and are not counted in the summary.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exempt: Option<String>,
 }
 
 /// What the node's NVIDIA container runtime does with unprivileged containers.
@@ -302,6 +308,6 @@ pub struct GpuNodeSummary {
     pub healthy: u32,
     /// GPUs allocated to or used by a pod.
     pub allocated: u32,
-    /// Pods on the node with a privileged GPU container.
+    /// Pods on the node with a privileged GPU container that no exemption covers.
     pub privileged_pods: u32,
 }

@@ -87,8 +87,11 @@ fn pods() -> Vec<PodInfo> {
             namespace: format!("team-{}", i % 10),
             name: format!("inference-{i}"),
             mirror_uid: None,
+            service_account: String::new(),
+            exempt: None,
             containers: vec![ContainerInfo {
                 name: "server".into(),
+                image: String::new(),
                 container_id: Some(format!("containerd://{}", container_id(i))),
                 privileged: false,
                 gpu: true,

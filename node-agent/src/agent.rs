@@ -491,18 +491,19 @@ async fn run_inner(
         let started = Instant::now();
         let now = clock.now();
         let synced = caches_ready.load(Ordering::Relaxed);
+        let policy_list = policies.state();
+        let policy_refs: Vec<&GpuPolicy> = policy_list.iter().map(|p| p.as_ref()).collect();
         let pod_infos: Vec<PodInfo> = pods
             .state()
             .iter()
             .filter_map(|p| PodInfo::from_pod(p))
+            .map(|p| p.exempt_by(&policy_refs))
             .collect();
         let labels: BTreeMap<String, String> = nodes
             .state()
             .first()
             .and_then(|n| n.meta().labels.clone())
             .unwrap_or_default();
-        let policy_list = policies.state();
-        let policy_refs: Vec<&GpuPolicy> = policy_list.iter().map(|p| p.as_ref()).collect();
         let rules = crate::policy::health_rules(&policy_refs, &labels);
         if last_rules.as_ref() != Some(&rules) {
             info!(policy = %rules.policy, ignored_xids = ?rules.ignored_xids,
@@ -624,7 +625,15 @@ pub async fn inspect(config: &InspectConfig) -> Result<GpuNodeStatus, AgentError
         (None, Some(node)) => AllocationSource::Static(node.pod_resources_list()),
         (None, None) => AllocationSource::None,
     };
-    let pods = fake.as_ref().map(FakeNode::pod_infos).unwrap_or_default();
+    // No cluster, so no GpuPolicies: the built-in default policy's exemptions apply.
+    let default_policy = GpuPolicy::default_policy();
+    let pods: Vec<PodInfo> = fake
+        .as_ref()
+        .map(FakeNode::pod_infos)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| p.exempt_by(&[&default_policy]))
+        .collect();
     let mut sweeper = Sweeper::new(
         backend,
         allocations,

@@ -135,6 +135,9 @@ pub struct FakePod {
     pub name: String,
     /// UID.
     pub uid: String,
+    /// `spec.serviceAccountName`.
+    #[serde(default)]
+    pub service_account: String,
     /// Containers.
     #[serde(default)]
     pub containers: Vec<FakeContainer>,
@@ -146,6 +149,9 @@ pub struct FakePod {
 pub struct FakeContainer {
     /// Name.
     pub name: String,
+    /// Image reference (policy image exemptions match it).
+    #[serde(default)]
+    pub image: String,
     /// `containerd://<id>` as in `status.containerStatuses[].containerID`.
     #[serde(default)]
     pub container_id: Option<String>,
@@ -254,11 +260,14 @@ impl FakeNode {
                 namespace: p.namespace.clone(),
                 name: p.name.clone(),
                 mirror_uid: None,
+                service_account: p.service_account.clone(),
+                exempt: None,
                 containers: p
                     .containers
                     .iter()
                     .map(|c| ContainerInfo {
                         name: c.name.clone(),
+                        image: c.image.clone(),
                         container_id: c.container_id.clone(),
                         privileged: c.privileged,
                         gpu: c.gpu,

@@ -5,6 +5,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use k8s_openapi::api::core::v1::{EnvVar, Pod, ResourceRequirements, SecurityContext, VolumeMount};
 
+use gpuwarden_crds::GpuPolicy;
+use kube::ResourceExt;
+
 use crate::cgroup::strip_runtime_scheme;
 
 /// Annotation the kubelet puts on a mirror pod: the static pod's UID (used in its cgroups).
@@ -21,8 +24,12 @@ pub struct PodInfo {
     pub name: String,
     /// For a mirror pod, the static pod's UID, which its cgroups are named after.
     pub mirror_uid: Option<String>,
+    /// `spec.serviceAccountName` (empty: `default`).
+    pub service_account: String,
     /// Containers (init containers included).
     pub containers: Vec<ContainerInfo>,
+    /// The GpuPolicy exemption that lets it keep its privilege, set by [`PodInfo::exempt_by`].
+    pub exempt: Option<String>,
 }
 
 /// One container of a pod.
@@ -32,6 +39,8 @@ pub struct ContainerInfo {
     pub name: String,
     /// `containerd://<id>` from the container status, once it has started.
     pub container_id: Option<String>,
+    /// Image reference.
+    pub image: String,
     /// `securityContext.privileged`.
     pub privileged: bool,
     /// Whether it shows a GPU signal (GPU limit, `NVIDIA_VISIBLE_DEVICES`, device mounts,
@@ -82,8 +91,12 @@ impl PodInfo {
             })
             .map(|v| v.name.as_str())
             .collect();
-        let info = |name: &str, security: Option<&SecurityContext>, gpu: bool| ContainerInfo {
+        let info = |name: &str,
+                    image: &Option<String>,
+                    security: Option<&SecurityContext>,
+                    gpu: bool| ContainerInfo {
             name: name.to_owned(),
+            image: image.clone().unwrap_or_default(),
             container_id: ids.get(name).map(|s| s.to_string()),
             privileged: security.and_then(|s| s.privileged).unwrap_or(false),
             gpu: cdi || gpu,
@@ -95,6 +108,7 @@ impl PodInfo {
             .map(|c| {
                 info(
                     &c.name,
+                    &c.image,
                     c.security_context.as_ref(),
                     is_gpu_container(&c.resources, &c.env, &c.volume_mounts, &device_volumes),
                 )
@@ -104,6 +118,7 @@ impl PodInfo {
         containers.extend(spec.ephemeral_containers.iter().flatten().map(|c| {
             info(
                 &c.name,
+                &c.image,
                 c.security_context.as_ref(),
                 is_gpu_container(&c.resources, &c.env, &c.volume_mounts, &device_volumes),
             )
@@ -113,7 +128,49 @@ impl PodInfo {
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
             name: pod.metadata.name.clone().unwrap_or_default(),
             mirror_uid: annotations.and_then(|a| a.get(MIRROR_ANNOTATION).cloned()),
+            service_account: spec.service_account_name.clone().unwrap_or_default(),
             containers,
+            exempt: None,
+        })
+    }
+
+    /// Records which GpuPolicy exemption, if any, lets this pod keep a privileged GPU
+    /// container: its namespace or service account, or the images of all its privileged GPU
+    /// containers. Policies are tried by priority (highest first), then name. The agent does
+    /// not read Namespace labels, so it cannot tell which policy governs the pod; an
+    /// exemption in any policy counts.
+    pub fn exempt_by(mut self, policies: &[&GpuPolicy]) -> Self {
+        self.exempt = self.exemption(policies);
+        self
+    }
+
+    fn exemption(&self, policies: &[&GpuPolicy]) -> Option<String> {
+        let privileged: Vec<&ContainerInfo> = self
+            .containers
+            .iter()
+            .filter(|c| c.privileged && c.gpu)
+            .collect();
+        if privileged.is_empty() {
+            return None;
+        }
+        let mut ordered = policies.to_vec();
+        ordered.sort_by(|a, b| {
+            b.spec
+                .priority
+                .cmp(&a.spec.priority)
+                .then_with(|| a.name_any().cmp(&b.name_any()))
+        });
+        ordered.into_iter().find_map(|policy| {
+            let ex = &policy.spec.exemptions;
+            let why = ex
+                .pod_exemption(&self.namespace, &self.service_account)
+                .or_else(|| {
+                    privileged
+                        .iter()
+                        .all(|c| ex.covers_image(&c.image))
+                        .then(|| format!("image {} is exempt", privileged[0].image))
+                })?;
+            Some(format!("GpuPolicy {}: {why}", policy.name_any()))
         })
     }
 
@@ -278,6 +335,73 @@ mod tests {
         assert_eq!(idx.by_container_id("aaa").unwrap().1, "main");
         assert_eq!(idx.by_uid("abc").unwrap().name, "train");
         assert_eq!(idx.by_name("ml", "train").unwrap().uid, "u1");
+    }
+
+    #[test]
+    fn policy_exemptions_mark_privileged_gpu_pods() {
+        let privileged_gpu = |ns: &str, sa: &str, image: &str| {
+            PodInfo::from_pod(&pod(serde_json::json!({
+                "metadata": {"name": "p", "namespace": ns, "uid": "u"},
+                "spec": {"serviceAccountName": sa, "containers": [
+                    {"name": "main", "image": image, "securityContext": {"privileged": true},
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+                    {"name": "plain", "image": "busybox"}
+                ]}
+            })))
+            .unwrap()
+        };
+        let default = GpuPolicy::default_policy();
+        let mut team = GpuPolicy::default_policy();
+        team.metadata.name = Some("team".into());
+        team.spec.priority = 10;
+        team.spec.exemptions.namespaces = vec![];
+        team.spec.exemptions.images = vec![];
+        team.spec.exemptions.service_accounts = vec!["ml/render".into()];
+        let policies = [&default, &team];
+
+        let exempt = |p: PodInfo| p.exempt_by(&policies).exempt;
+        assert_eq!(
+            exempt(privileged_gpu("gpu-operator", "", "x")).as_deref(),
+            Some("GpuPolicy default: namespace gpu-operator is exempt")
+        );
+        assert_eq!(
+            exempt(privileged_gpu("ml", "render", "x")).as_deref(),
+            Some("GpuPolicy team: service account ml/render is exempt"),
+            "the higher priority policy answers first"
+        );
+        assert_eq!(
+            exempt(privileged_gpu(
+                "monitoring",
+                "",
+                "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04"
+            ))
+            .as_deref(),
+            Some(
+                "GpuPolicy default: image nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04 is exempt"
+            )
+        );
+        assert_eq!(exempt(privileged_gpu("ml", "trainer", "pytorch:2")), None);
+
+        // An exempt image on one privileged GPU container does not cover another.
+        let mixed = PodInfo::from_pod(&pod(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
+            "spec": {"containers": [
+                {"name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
+                 "securityContext": {"privileged": true},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+                {"name": "mine", "image": "me/tool:1", "securityContext": {"privileged": true},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+            ]}
+        })))
+        .unwrap();
+        assert_eq!(exempt(mixed), None);
+        // Nothing to exempt in a pod without a privileged GPU container.
+        let plain = PodInfo::from_pod(&pod(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "gpu-operator", "uid": "u"},
+            "spec": {"containers": [{"name": "c", "image": "busybox"}]}
+        })))
+        .unwrap();
+        assert_eq!(exempt(plain), None);
     }
 
     #[test]

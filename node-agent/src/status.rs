@@ -229,6 +229,7 @@ fn pod_ref(p: &crate::pods::PodInfo) -> PodRef {
         uid: p.uid.clone(),
         namespace: p.namespace.clone(),
         name: p.name.clone(),
+        exempt: p.exempt.clone(),
     }
 }
 
@@ -324,8 +325,11 @@ mod tests {
             namespace: "ns".into(),
             name: "p".into(),
             mirror_uid: None,
+            service_account: String::new(),
+            exempt: None,
             containers: vec![ContainerInfo {
                 name: "main".into(),
+                image: String::new(),
                 container_id: Some("containerd://old".into()),
                 privileged: false,
                 gpu: false,

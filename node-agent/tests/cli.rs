@@ -53,7 +53,23 @@ fn inspect_the_sample_node_prints_a_complete_status() {
         .collect();
     assert_eq!(bindings.len(), 4, "{sources:?}");
     assert_eq!(sources.iter().filter(|s| **s == "Observed").count(), 1);
-    assert_eq!(status["privilegedPods"][0]["name"], "legacy-render");
+    let privileged: Vec<(&str, Option<&str>)> = status["privilegedPods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap(), p["exempt"].as_str()))
+        .collect();
+    assert_eq!(
+        privileged,
+        [
+            (
+                "nvidia-dcgm-exporter-x7k2p",
+                Some("GpuPolicy default: namespace gpu-operator is exempt")
+            ),
+            ("legacy-render", None)
+        ],
+        "privileged GPU pods, the GPU Operator's exporter marked exempt by the default policy"
+    );
     assert!(status["runtime"].is_object());
 }
 

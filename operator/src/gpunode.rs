@@ -254,6 +254,7 @@ pub fn desired_conditions(
                 .privileged_pods
                 .iter()
                 .flatten()
+                .filter(|p| p.exempt.is_none())
                 .map(|p| format!("{}/{}", p.namespace, p.name))
                 .collect();
             if !out_of_band.is_empty() {
@@ -363,7 +364,12 @@ pub fn summary(status: Option<&GpuNodeStatus>) -> Option<GpuNodeSummary> {
                 || g.mig_devices.iter().any(|m| held.contains(m.uuid.as_str()))
         })
         .count();
-    let privileged_pods = status.privileged_pods.as_ref().map_or(0, Vec::len);
+    let privileged_pods = status
+        .privileged_pods
+        .iter()
+        .flatten()
+        .filter(|p| p.exempt.is_none())
+        .count();
     let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     Some(GpuNodeSummary {
         gpus: clamp(gpus.len()),
@@ -693,11 +699,20 @@ mod tests {
             gpu_uuids: vec!["GPU-0".into()],
             source: BindingSource::Observed,
         });
-        status.privileged_pods = Some(vec![PodRef {
-            uid: "u2".into(),
-            namespace: "ml".into(),
-            name: "priv-0".into(),
-        }]);
+        status.privileged_pods = Some(vec![
+            PodRef {
+                uid: "u2".into(),
+                namespace: "ml".into(),
+                name: "priv-0".into(),
+                exempt: None,
+            },
+            PodRef {
+                uid: "u3".into(),
+                namespace: "gpu-operator".into(),
+                name: "nvidia-dcgm-exporter-x7k2p".into(),
+                exempt: Some("GpuPolicy default: namespace gpu-operator is exempt".into()),
+            },
+        ]);
         status
             .runtime
             .as_mut()
@@ -725,6 +740,16 @@ mod tests {
         status.bindings = Some(vec![]);
         let i = desired_conditions(Some(&status), &live);
         assert_eq!(find(&i, ISOLATED).reason, "PrivilegedGpuPods");
+        assert!(
+            !find(&i, ISOLATED).message.contains("dcgm-exporter"),
+            "exempt pods are not named"
+        );
+
+        // Exempt privileged pods (GPU Operator components) leave the node isolated.
+        status.privileged_pods.as_mut().unwrap().remove(0);
+        let i = desired_conditions(Some(&status), &live);
+        assert_eq!(find(&i, ISOLATED).status, "True");
+        assert_eq!(summary(Some(&status)).unwrap().privileged_pods, 0);
 
         // An agent that found no GPUs at all is unhealthy, not healthy-with-zero.
         status.gpus = Some(vec![]);

@@ -75,8 +75,11 @@ pub fn pods() -> Vec<PodInfo> {
             namespace: "ml".into(),
             name: "trainer-0".into(),
             mirror_uid: None,
+            service_account: String::new(),
+            exempt: None,
             containers: vec![ContainerInfo {
                 name: "trainer".into(),
+                image: String::new(),
                 container_id: Some(format!("containerd://{TRAINER_ID}")),
                 privileged: false,
                 gpu: true,
@@ -87,8 +90,11 @@ pub fn pods() -> Vec<PodInfo> {
             namespace: "research".into(),
             name: "legacy".into(),
             mirror_uid: None,
+            service_account: String::new(),
+            exempt: None,
             containers: vec![ContainerInfo {
                 name: "render".into(),
+                image: String::new(),
                 container_id: Some(format!("containerd://{ROGUE_ID}")),
                 privileged: true,
                 gpu: true,
