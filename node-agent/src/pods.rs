@@ -145,11 +145,18 @@ impl PodInfo {
     }
 
     fn exemption(&self, policies: &[&GpuPolicy]) -> Option<String> {
-        let privileged: Vec<&ContainerInfo> = self
-            .containers
-            .iter()
-            .filter(|c| c.privileged && c.gpu)
-            .collect();
+        let pick = |gpu_only: bool| -> Vec<&ContainerInfo> {
+            self.containers
+                .iter()
+                .filter(|c| c.privileged && (c.gpu || !gpu_only))
+                .collect()
+        };
+        // The privileged GPU containers; failing those, every privileged container (one may
+        // be seen on a GPU without showing a GPU signal, say through `envFrom`).
+        let mut privileged = pick(true);
+        if privileged.is_empty() {
+            privileged = pick(false);
+        }
         if privileged.is_empty() {
             return None;
         }
@@ -395,13 +402,21 @@ mod tests {
         })))
         .unwrap();
         assert_eq!(exempt(mixed), None);
-        // Nothing to exempt in a pod without a privileged GPU container.
+        // Nothing to exempt in a pod without a privileged container.
         let plain = PodInfo::from_pod(&pod(serde_json::json!({
             "metadata": {"name": "p", "namespace": "gpu-operator", "uid": "u"},
             "spec": {"containers": [{"name": "c", "image": "busybox"}]}
         })))
         .unwrap();
         assert_eq!(exempt(plain), None);
+        // A privileged container with no GPU signal (it may still be seen on a GPU).
+        let hidden = PodInfo::from_pod(&pod(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
+            "spec": {"containers": [{"name": "c", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
+                                     "securityContext": {"privileged": true}}]}
+        })))
+        .unwrap();
+        assert!(exempt(hidden).is_some());
     }
 
     #[test]
