@@ -316,6 +316,15 @@ fn default_recover_after() -> String {
 }
 
 impl GpuPolicy {
+    /// The order in which policies are tried: highest `priority` first, ties to the name that
+    /// sorts first. Use with `sort_by`.
+    pub fn precedence(a: &GpuPolicy, b: &GpuPolicy) -> std::cmp::Ordering {
+        b.spec
+            .priority
+            .cmp(&a.spec.priority)
+            .then_with(|| a.metadata.name.cmp(&b.metadata.name))
+    }
+
     /// The built-in default policy: what `deploy/policies/default.yaml` installs, and what the
     /// offline engine uses when no policy file is given.
     pub fn default_policy() -> Self {

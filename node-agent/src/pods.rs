@@ -161,12 +161,7 @@ impl PodInfo {
             return None;
         }
         let mut ordered = policies.to_vec();
-        ordered.sort_by(|a, b| {
-            b.spec
-                .priority
-                .cmp(&a.spec.priority)
-                .then_with(|| a.name_any().cmp(&b.name_any()))
-        });
+        ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
         ordered.into_iter().find_map(|policy| {
             let ex = &policy.spec.exemptions;
             let why = ex

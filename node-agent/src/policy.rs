@@ -24,12 +24,7 @@ pub fn health_rules(policies: &[&GpuPolicy], labels: &BTreeMap<String, String>) 
             },
         )
         .collect();
-    candidates.sort_by(|(a, _), (b, _)| {
-        b.spec
-            .priority
-            .cmp(&a.spec.priority)
-            .then_with(|| a.metadata.name.cmp(&b.metadata.name))
-    });
+    candidates.sort_by(|(a, _), (b, _)| GpuPolicy::precedence(a, b));
     let Some((policy, health)) = candidates.first() else {
         return HealthRules::default();
     };

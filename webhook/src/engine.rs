@@ -248,12 +248,7 @@ pub fn select_policy<'p>(
     pod_labels: &BTreeMap<String, String>,
 ) -> Selection<'p> {
     let mut ordered: Vec<&GpuPolicy> = policies.iter().map(Arc::as_ref).collect();
-    ordered.sort_by(|a, b| {
-        b.spec
-            .priority
-            .cmp(&a.spec.priority)
-            .then_with(|| a.metadata.name.cmp(&b.metadata.name))
-    });
+    ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
     let mut skipped = Vec::new();
     for policy in ordered {
         let name = policy.metadata.name.as_deref().unwrap_or("");
