@@ -4,15 +4,22 @@
 //! the default policy rewrites:
 //! 1. the in-process server with the engine, and the same server stack with a constant
 //!    allow (the floor): throughput and p50/p99 at a fixed concurrency, and p50/p99 at a
-//!    fixed rate;
+//!    fixed rate; the same two over one HTTP/2 connection with as many concurrent streams, the way the
+//!    API server calls webhooks.
 //! 2. the release binary `gpuwarden-webhook serve --policy-file deploy/policies/default.yaml`
 //!    as a separate process: the same figures plus its resident memory (VmRSS) idle and
 //!    under load.
 //!
 //! The client runs on the same machine and shares its cores with the server: on a 2-core
-//! machine the figures are a lower bound on what the server alone can do.
-//! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_CONCURRENCY` (32),
-//! `BENCH_RATE` (500 req/s).
+//! machine the figures are a lower bound on what the server alone can do. Because the
+//! machine's speed drifts between runs, the engine and the floor are measured in alternating
+//! rounds and compared round by round; each round also reports the CPU time the whole
+//! process (client and server) spent per request.
+//!
+//! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_ROUNDS` (3) alternating
+//! engine/floor rounds, `BENCH_CONCURRENCY` (32), `BENCH_RATE` (500 req/s),
+//! `BENCH_BREAKDOWN=1` adds two reviewers that split the engine's cost: the floor answering
+//! with the engine's (larger) response, and the engine answering with the floor's.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -21,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use gpuwarden_webhook::admission::ReviewSummary;
 use gpuwarden_webhook::cache::{StaticPolicySource, SyncFlag};
 use gpuwarden_webhook::metrics::Metrics;
 use gpuwarden_webhook::server::{
@@ -218,6 +226,8 @@ struct Run {
     latencies_us: Vec<u64>,
     errors: usize,
     elapsed: Duration,
+    /// CPU time of the whole process (client and server) during the run, if readable.
+    cpu: Option<Duration>,
 }
 
 impl Run {
@@ -232,6 +242,163 @@ impl Run {
     fn throughput(&self) -> f64 {
         self.latencies_us.len() as f64 / self.elapsed.as_secs_f64()
     }
+
+    /// Microseconds of CPU (client and server together) per answered request.
+    fn cpu_per_request_us(&self) -> f64 {
+        match self.cpu {
+            Some(cpu) if !self.latencies_us.is_empty() => {
+                cpu.as_secs_f64() * 1e6 / self.latencies_us.len() as f64
+            }
+            _ => f64::NAN,
+        }
+    }
+}
+
+/// User plus system CPU time of this process so far, from `/proc/self/stat`.
+fn process_cpu(ticks_per_second: f64) -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after the name.
+    let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(Duration::from_secs_f64(ticks / ticks_per_second))
+}
+
+/// Clock ticks per second of `/proc` CPU times (`getconf CLK_TCK`; 100 on Linux when unknown).
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// [`closed_loop`] with the process's CPU time over the run.
+async fn closed_loop_cpu(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+    body: Bytes,
+    connections: usize,
+    duration: Duration,
+    ticks: f64,
+) -> Run {
+    let before = process_cpu(ticks);
+    let mut run = closed_loop(addr, config, body, connections, duration).await;
+    run.cpu = before
+        .zip(process_cpu(ticks))
+        .map(|(b, a)| a.saturating_sub(b));
+    run
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The floor's answer pattern with the engine's response bytes: what a bigger answer alone
+/// costs the stack.
+struct FloorWithEngineAnswer {
+    answer: Vec<u8>,
+    summary: ReviewSummary,
+}
+
+impl Reviewer for FloorWithEngineAnswer {
+    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
+        let _ = ConstantAllow.review(body);
+        (self.answer.clone(), self.summary.clone())
+    }
+}
+
+/// The engine's work with the floor's small answer: what the engine's computing alone costs.
+struct EngineWithFloorAnswer(Arc<EngineReviewer>);
+
+impl Reviewer for EngineWithFloorAnswer {
+    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
+        let (_, summary) = self.0.review(body);
+        (ConstantAllow.review(body).0, summary)
+    }
+}
+
+/// One HTTP/2 connection, as the API server holds to a webhook (Go's client negotiates h2).
+async fn connect_h2(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
+    let mut config = (*config).clone();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let tls = TlsConnector::from(Arc::new(config))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+/// `streams` concurrent streams on one HTTP/2 connection, each sending back to back.
+async fn closed_loop_h2(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+    body: Bytes,
+    streams: usize,
+    duration: Duration,
+    ticks: f64,
+) -> Run {
+    let sender = connect_h2(addr, config).await;
+    let before = process_cpu(ticks);
+    let start = Instant::now();
+    let deadline = start + duration;
+    let tasks: Vec<_> = (0..streams)
+        .map(|_| {
+            let (mut sender, body) = (sender.clone(), body.clone());
+            tokio::spawn(async move {
+                let mut latencies = Vec::with_capacity(65536);
+                let mut errors = 0;
+                while Instant::now() < deadline {
+                    let sent = Instant::now();
+                    let answered = async {
+                        sender.ready().await.ok()?;
+                        let request = http::Request::post("/mutate")
+                            .header("content-type", "application/json")
+                            .body(Full::new(body.clone()))
+                            .ok()?;
+                        let response = sender.send_request(request).await.ok()?;
+                        if response.status() != 200 {
+                            return None;
+                        }
+                        response.into_body().collect().await.ok().map(|_| ())
+                    };
+                    match answered.await {
+                        Some(()) => latencies.push(sent.elapsed().as_micros() as u64),
+                        None => errors += 1,
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    let mut run = Run::default();
+    for task in tasks {
+        let (latencies, errors) = task.await.unwrap();
+        run.latencies_us.extend(latencies);
+        run.errors += errors;
+    }
+    run.elapsed = start.elapsed();
+    run.cpu = before
+        .zip(process_cpu(ticks))
+        .map(|(b, a)| a.saturating_sub(b));
+    run.latencies_us.sort_unstable();
+    run
 }
 
 /// `connections` keep-alive connections, each sending back to back for `duration`.
@@ -418,13 +585,19 @@ impl Drop for Binary {
 }
 
 fn row(name: &str, run: &Run) {
+    let cpu = run.cpu_per_request_us();
     println!(
-        "{name:<44} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>7}",
+        "{name:<44} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>12}",
         run.throughput(),
         run.percentile(0.50),
         run.percentile(0.99),
         run.percentile(0.999),
-        run.errors
+        run.errors,
+        if cpu.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{cpu:.1}")
+        }
     );
 }
 
@@ -433,6 +606,9 @@ fn main() {
     let seconds: u64 = env_or("BENCH_SECONDS", 5);
     let concurrency: usize = env_or("BENCH_CONCURRENCY", 32);
     let rate: u32 = env_or("BENCH_RATE", 500);
+    let rounds: usize = env_or::<usize>("BENCH_ROUNDS", 3).max(1);
+    let breakdown = std::env::var_os("BENCH_BREAKDOWN").is_some_and(|v| v == "1");
+    let ticks = clock_ticks();
     let duration = Duration::from_secs(seconds);
     let body = review_body();
     let pki = pki();
@@ -456,7 +632,7 @@ fn main() {
     let engine_alone = time_reviewer(engine_reviewer.as_ref(), &body);
     let floor_alone = time_reviewer(&ConstantAllow, &body);
     let engine_threads = reviews_per_second(engine_reviewer.clone(), &body, 2);
-    let engine_addr = start_in_process(&server_rt, engine_reviewer, &pki.paths);
+    let engine_addr = start_in_process(&server_rt, engine_reviewer.clone(), &pki.paths);
     let floor_addr = start_in_process(&server_rt, Arc::new(ConstantAllow), &pki.paths);
 
     // Show that the engine really rewrites the benchmark pod.
@@ -489,32 +665,106 @@ fn main() {
         "reviewer alone, one thread: engine {engine_alone:.1} µs per review, constant allow {floor_alone:.2} µs; two threads: engine {engine_threads:.0} reviews/s"
     );
     println!(
-        "machine: {cpus} CPUs; client and server share them; {seconds} s per run, {concurrency} keep-alive connections, fixed rate {rate}/s\n"
+        "machine: {cpus} CPUs; client and server share them; {seconds} s per run, {rounds} alternating engine/floor rounds, {concurrency} keep-alive connections, fixed rate {rate}/s\n"
     );
     println!(
-        "{:<44} {:>10} {:>9} {:>9} {:>9} {:>7}",
-        "scenario", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors"
+        "{:<44} {:>10} {:>9} {:>9} {:>9} {:>7} {:>12}",
+        "scenario", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors", "CPU µs/req"
     );
 
-    let engine = client_rt.block_on(closed_loop(
-        engine_addr,
-        config.clone(),
-        body.clone(),
-        concurrency,
-        duration,
-    ));
-    row(&format!("in-process engine, {concurrency} conns"), &engine);
-    let floor = client_rt.block_on(closed_loop(
-        floor_addr,
-        config.clone(),
-        body.clone(),
-        concurrency,
-        duration,
-    ));
-    row(
-        &format!("in-process floor (constant allow), {concurrency} conns"),
-        &floor,
-    );
+    let mut ratios = Vec::with_capacity(rounds);
+    let mut engine_cpu = Vec::with_capacity(rounds);
+    let mut floor_cpu = Vec::with_capacity(rounds);
+    let mut engine_rps = Vec::with_capacity(rounds);
+    let mut floor_rps = Vec::with_capacity(rounds);
+    for round in 1..=rounds {
+        let engine = client_rt.block_on(closed_loop_cpu(
+            engine_addr,
+            config.clone(),
+            body.clone(),
+            concurrency,
+            duration,
+            ticks,
+        ));
+        row(
+            &format!("[{round}] in-process engine, {concurrency} conns"),
+            &engine,
+        );
+        let floor = client_rt.block_on(closed_loop_cpu(
+            floor_addr,
+            config.clone(),
+            body.clone(),
+            concurrency,
+            duration,
+            ticks,
+        ));
+        row(
+            &format!("[{round}] in-process floor (constant allow), {concurrency} conns"),
+            &floor,
+        );
+        ratios.push(100.0 * engine.throughput() / floor.throughput());
+        engine_cpu.push(engine.cpu_per_request_us());
+        floor_cpu.push(floor.cpu_per_request_us());
+        engine_rps.push(engine.throughput());
+        floor_rps.push(floor.throughput());
+    }
+    let mut h2_ratio = f64::NAN;
+    {
+        let engine = client_rt.block_on(closed_loop_h2(
+            engine_addr,
+            config.clone(),
+            body.clone(),
+            concurrency,
+            duration,
+            ticks,
+        ));
+        row(
+            &format!("HTTP/2 engine, 1 conn, {concurrency} streams"),
+            &engine,
+        );
+        let floor = client_rt.block_on(closed_loop_h2(
+            floor_addr,
+            config.clone(),
+            body.clone(),
+            concurrency,
+            duration,
+            ticks,
+        ));
+        row(
+            &format!("HTTP/2 floor, 1 conn, {concurrency} streams"),
+            &floor,
+        );
+        if engine.errors == 0 && floor.errors == 0 {
+            h2_ratio = 100.0 * engine.throughput() / floor.throughput();
+        }
+    }
+    if breakdown {
+        let (answer, summary) = engine_reviewer.review(&body);
+        let big = start_in_process(
+            &server_rt,
+            Arc::new(FloorWithEngineAnswer { answer, summary }),
+            &pki.paths,
+        );
+        let small = start_in_process(
+            &server_rt,
+            Arc::new(EngineWithFloorAnswer(engine_reviewer.clone())),
+            &pki.paths,
+        );
+        for (name, addr) in [
+            ("floor work, engine's answer", big),
+            ("engine work, floor's answer", small),
+        ] {
+            let run = client_rt.block_on(closed_loop_cpu(
+                addr,
+                config.clone(),
+                body.clone(),
+                concurrency,
+                duration,
+                ticks,
+            ));
+            row(&format!("{name}, {concurrency} conns"), &run);
+        }
+    }
     let engine_rate = client_rt.block_on(fixed_rate(
         engine_addr,
         config.clone(),
@@ -611,9 +861,28 @@ fn main() {
     drop(binary);
 
     println!();
+    let range = |v: &[f64]| {
+        let (lo, hi) = v
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+                (lo.min(x), hi.max(x))
+            });
+        format!("{lo:.1} to {hi:.1}")
+    };
     println!(
-        "engine / floor throughput: {:.1} %",
-        100.0 * engine.throughput() / floor.throughput()
+        "engine / floor throughput, round by round: median {:.1} % ({} %); engine {:.0} req/s, floor {:.0} req/s (medians)",
+        median(&mut ratios.clone()),
+        range(&ratios),
+        median(&mut engine_rps),
+        median(&mut floor_rps),
+    );
+    println!("engine / floor throughput over HTTP/2 (one connection): {h2_ratio:.1} %");
+    let floor_cpu = median(&mut floor_cpu);
+    println!(
+        "CPU per request, client and server together (medians): engine {:.1} µs, floor {floor_cpu:.1} µs; 80 % of the floor's throughput allows {:.1} µs, {:.1} µs more than the floor",
+        median(&mut engine_cpu),
+        floor_cpu / 0.8,
+        floor_cpu / 0.8 - floor_cpu,
     );
     println!(
         "binary VmRSS: idle {:.1} MiB, peak under load {:.1} MiB, after load {:.1} MiB",
