@@ -225,7 +225,8 @@ impl ReviewIn<MapOnly<PodIn>> {
 
 /// The parts of a pod the engine reads, and nothing else: parsing a review this way skips
 /// (without allocating) probes, affinity, owner references, commands and the like. Fields are
-/// kept as JSON values, `null` included, so the engine sees them exactly as sent. A pod this
+/// kept as JSON values, `null` included, so the engine sees them exactly as sent; list
+/// entries keep only the keys the engine reads (see [`EnvVarIn`]). A pod this
 /// shape cannot hold (say `containers` is not a list of objects) is parsed whole instead.
 #[derive(serde::Deserialize)]
 struct PodIn {
@@ -256,8 +257,8 @@ struct MetaIn {
 struct SpecIn {
     #[serde(default, deserialize_with = "present")]
     service_account_name: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    volumes: Option<Value>,
+    #[serde(default = "none")]
+    volumes: Option<Vec<MapOnly<VolumeIn>>>,
     #[serde(default = "none")]
     containers: Option<Vec<MapOnly<ContainerIn>>>,
     #[serde(default = "none")]
@@ -273,19 +274,67 @@ struct ContainerIn {
     name: Option<Value>,
     #[serde(default, deserialize_with = "present")]
     image: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    env: Option<Value>,
+    #[serde(default = "none")]
+    env: Option<Vec<MapOnly<EnvVarIn>>>,
     #[serde(default, deserialize_with = "present")]
     resources: Option<Value>,
     #[serde(default, deserialize_with = "present")]
     security_context: Option<Value>,
+    #[serde(default = "none")]
+    volume_mounts: Option<Vec<MapOnly<VolumeMountIn>>>,
+}
+
+// List entries the engine only reads a few keys of, and removes by index without copying:
+// the other keys (config map sources, mount paths, volume sources) are skipped. A list that
+// is `null` reads as absent, which the engine treats the same way.
+
+/// An `env` entry: the engine reads the name, the value, and whether `valueFrom` is set.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EnvVarIn {
     #[serde(default, deserialize_with = "present")]
-    volume_mounts: Option<Value>,
+    name: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    value: Option<Value>,
+    #[serde(default, deserialize_with = "set_or_null")]
+    value_from: Option<Value>,
+}
+
+/// A pod volume: the engine reads the name and the host path.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct VolumeIn {
+    #[serde(default, deserialize_with = "present")]
+    name: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    host_path: Option<Value>,
+}
+
+/// A container's volume mount: the engine reads the name.
+#[derive(serde::Deserialize)]
+struct VolumeMountIn {
+    #[serde(default, deserialize_with = "present")]
+    name: Option<Value>,
 }
 
 /// A field that is present, even as `null`, is `Some`.
 fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
     <Value as serde::Deserialize>::deserialize(d).map(Some)
+}
+
+/// A field whose content is never read, only whether it is set: `null` stays `null`,
+/// anything else becomes an empty object, skipped without being built.
+fn set_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    let set = <Option<serde::de::IgnoredAny> as serde::Deserialize>::deserialize(d)?;
+    Ok(Some(match set {
+        Some(_) => Value::Object(serde_json::Map::new()),
+        None => Value::Null,
+    }))
+}
+
+/// A list of reduced entries, as JSON.
+fn entries<T>(list: Option<Vec<MapOnly<T>>>, entry: impl Fn(T) -> Value) -> Option<Value> {
+    list.map(|l| Value::Array(l.into_iter().map(|MapOnly(e)| entry(e)).collect()))
 }
 
 fn put(map: &mut serde_json::Map<String, Value>, key: &str, value: Option<Value>) {
@@ -309,7 +358,16 @@ impl PodIn {
         if let Some(MapOnly(spec)) = self.spec {
             let mut out = serde_json::Map::new();
             put(&mut out, "serviceAccountName", spec.service_account_name);
-            put(&mut out, "volumes", spec.volumes);
+            put(
+                &mut out,
+                "volumes",
+                entries(spec.volumes, |v| {
+                    let mut m = serde_json::Map::new();
+                    put(&mut m, "name", v.name);
+                    put(&mut m, "hostPath", v.host_path);
+                    Value::Object(m)
+                }),
+            );
             for (key, list) in [
                 ("containers", spec.containers),
                 ("initContainers", spec.init_containers),
@@ -322,10 +380,28 @@ impl PodIn {
                         let mut m = serde_json::Map::new();
                         put(&mut m, "name", c.name);
                         put(&mut m, "image", c.image);
-                        put(&mut m, "env", c.env);
+                        put(
+                            &mut m,
+                            "env",
+                            entries(c.env, |e| {
+                                let mut m = serde_json::Map::new();
+                                put(&mut m, "name", e.name);
+                                put(&mut m, "value", e.value);
+                                put(&mut m, "valueFrom", e.value_from);
+                                Value::Object(m)
+                            }),
+                        );
                         put(&mut m, "resources", c.resources);
                         put(&mut m, "securityContext", c.security_context);
-                        put(&mut m, "volumeMounts", c.volume_mounts);
+                        put(
+                            &mut m,
+                            "volumeMounts",
+                            entries(c.volume_mounts, |v| {
+                                let mut m = serde_json::Map::new();
+                                put(&mut m, "name", v.name);
+                                Value::Object(m)
+                            }),
+                        );
                         Value::Object(m)
                     })
                     .collect();
@@ -706,6 +782,91 @@ fn base64(input: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The patch `handle_review` answers with, decoded; `None` when there is none.
+    fn answered_patch(review: &Value, source: &StaticSource) -> Option<Value> {
+        let (out, _) = handle_review(&serde_json::to_vec(review).unwrap(), source);
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        let encoded = out["response"]["patch"].as_str()?;
+        let table = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut bits = Vec::new();
+        for c in encoded.bytes().filter(|&c| c != b'=') {
+            let v = table.iter().position(|&t| t == c).unwrap();
+            bits.extend((0..6).rev().map(|i| (v >> i) & 1));
+        }
+        let bytes: Vec<u8> = bits
+            .chunks_exact(8)
+            .map(|b| b.iter().fold(0u8, |acc, &bit| (acc << 1) | bit as u8))
+            .collect();
+        Some(serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[test]
+    fn reduced_list_entries_give_the_whole_pods_patch() {
+        // Lists the adapter reduces (env, volumeMounts, volumes), with the shapes that could
+        // tell a reduced entry from a whole one: null lists, null and set valueFrom, extra
+        // keys, a device hostPath volume to strip.
+        let pod = serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ml"},
+            "spec": {
+                "volumes": [
+                    {"name": "cfg", "configMap": {"name": "c"}},
+                    {"name": "dev", "hostPath": {"path": "/dev/nvidia0", "type": "CharDevice"}}
+                ],
+                "containers": [
+                    {
+                        "name": "a",
+                        "image": "train",
+                        "securityContext": {"privileged": true},
+                        "env": [
+                            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "0", "valueFrom": null},
+                            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+                        ],
+                        "volumeMounts": [
+                            {"name": "cfg", "mountPath": "/cfg", "readOnly": true},
+                            {"name": "dev", "mountPath": "/dev/nvidia0"}
+                        ]
+                    },
+                    {
+                        "name": "b",
+                        "image": "side",
+                        "securityContext": {"privileged": true},
+                        "env": null,
+                        "volumeMounts": null
+                    },
+                    {
+                        "name": "c",
+                        "image": "indirect",
+                        "securityContext": {"privileged": true},
+                        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"configMapKeyRef": {"name": "g", "key": "k"}}}]
+                    }
+                ]
+            }
+        });
+        let review = serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "u", "namespace": "ml", "operation": "CREATE",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "object": pod
+            }
+        });
+        let source = StaticSource::new([GpuPolicy::default_policy()]);
+        let labels = engine::namespace_labels_or_default("ml", None);
+        let input = Input {
+            pod: &pod,
+            namespace: "ml",
+            namespace_labels: &labels,
+            operation: Operation::Create,
+            display_name: "ml/p",
+        };
+        let decision = engine::decide(&input, &source.policies);
+        assert_eq!(decision.verdict(), Verdict::Rewritten);
+        let whole = serde_json::to_value(engine::patch_for(&pod, &decision.changes)).unwrap();
+        assert_eq!(answered_patch(&review, &source), Some(whole));
+    }
 
     #[test]
     fn base64_matches_rfc4648_vectors() {
