@@ -276,23 +276,6 @@ fn clock_ticks() -> f64 {
         .unwrap_or(100.0)
 }
 
-/// [`closed_loop`] with the process's CPU time over the run.
-async fn closed_loop_cpu(
-    addr: SocketAddr,
-    config: Arc<ClientConfig>,
-    body: Bytes,
-    connections: usize,
-    duration: Duration,
-    ticks: f64,
-) -> Run {
-    let before = process_cpu(ticks);
-    let mut run = closed_loop(addr, config, body, connections, duration).await;
-    run.cpu = before
-        .zip(process_cpu(ticks))
-        .map(|(b, a)| a.saturating_sub(b));
-    run
-}
-
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
@@ -323,10 +306,7 @@ impl Reviewer for EngineWithFloorAnswer {
 }
 
 /// One HTTP/2 connection, as the API server holds to a webhook (Go's client negotiates h2).
-async fn connect_h2(
-    addr: SocketAddr,
-    config: Arc<ClientConfig>,
-) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
+async fn connect_h2(addr: SocketAddr, config: Arc<ClientConfig>) -> Http2Sender {
     let mut config = (*config).clone();
     config.alpn_protocols = vec![b"h2".to_vec()];
     let tcp = TcpStream::connect(addr).await.unwrap();
@@ -345,6 +325,54 @@ async fn connect_h2(
     sender
 }
 
+type Http2Sender = hyper::client::conn::http2::SendRequest<Full<Bytes>>;
+
+/// One request over HTTP/2; returns the response body, or None on any failure.
+async fn send_h2(sender: &mut Http2Sender, body: &Bytes) -> Option<Bytes> {
+    sender.ready().await.ok()?;
+    let request = http::Request::post("/mutate")
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .ok()?;
+    let response = sender.send_request(request).await.ok()?;
+    if response.status() != 200 {
+        return None;
+    }
+    Some(response.into_body().collect().await.ok()?.to_bytes())
+}
+
+/// What one closed-loop sender sends on: its own HTTP/1.1 connection, or a stream of a
+/// shared HTTP/2 connection.
+enum Client {
+    Http1(Sender),
+    Http2(Http2Sender),
+}
+
+impl Client {
+    async fn send(&mut self, body: &Bytes) -> Option<Bytes> {
+        match self {
+            Self::Http1(sender) => send(sender, body).await,
+            Self::Http2(sender) => send_h2(sender, body).await,
+        }
+    }
+}
+
+/// `connections` keep-alive HTTP/1.1 connections, each sending back to back for `duration`.
+async fn closed_loop(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+    body: Bytes,
+    connections: usize,
+    duration: Duration,
+    ticks: f64,
+) -> Run {
+    let mut clients = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        clients.push(Client::Http1(connect(addr, config.clone()).await));
+    }
+    closed_loop_on(clients, body, duration, ticks).await
+}
+
 /// `streams` concurrent streams on one HTTP/2 connection, each sending back to back.
 async fn closed_loop_h2(
     addr: SocketAddr,
@@ -355,31 +383,28 @@ async fn closed_loop_h2(
     ticks: f64,
 ) -> Run {
     let sender = connect_h2(addr, config).await;
+    let clients = (0..streams)
+        .map(|_| Client::Http2(sender.clone()))
+        .collect();
+    closed_loop_on(clients, body, duration, ticks).await
+}
+
+/// Each client sends back to back for `duration`; the run carries this process's CPU time.
+async fn closed_loop_on(clients: Vec<Client>, body: Bytes, duration: Duration, ticks: f64) -> Run {
     let before = process_cpu(ticks);
     let start = Instant::now();
     let deadline = start + duration;
-    let tasks: Vec<_> = (0..streams)
-        .map(|_| {
-            let (mut sender, body) = (sender.clone(), body.clone());
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .map(|mut client| {
+            let body = body.clone();
             tokio::spawn(async move {
                 let mut latencies = Vec::with_capacity(65536);
                 let mut errors = 0;
                 while Instant::now() < deadline {
                     let sent = Instant::now();
-                    let answered = async {
-                        sender.ready().await.ok()?;
-                        let request = http::Request::post("/mutate")
-                            .header("content-type", "application/json")
-                            .body(Full::new(body.clone()))
-                            .ok()?;
-                        let response = sender.send_request(request).await.ok()?;
-                        if response.status() != 200 {
-                            return None;
-                        }
-                        response.into_body().collect().await.ok().map(|_| ())
-                    };
-                    match answered.await {
-                        Some(()) => latencies.push(sent.elapsed().as_micros() as u64),
+                    match client.send(&body).await {
+                        Some(_) => latencies.push(sent.elapsed().as_micros() as u64),
                         None => errors += 1,
                     }
                 }
@@ -397,49 +422,6 @@ async fn closed_loop_h2(
     run.cpu = before
         .zip(process_cpu(ticks))
         .map(|(b, a)| a.saturating_sub(b));
-    run.latencies_us.sort_unstable();
-    run
-}
-
-/// `connections` keep-alive connections, each sending back to back for `duration`.
-async fn closed_loop(
-    addr: SocketAddr,
-    config: Arc<ClientConfig>,
-    body: Bytes,
-    connections: usize,
-    duration: Duration,
-) -> Run {
-    let mut senders = Vec::new();
-    for _ in 0..connections {
-        senders.push(connect(addr, config.clone()).await);
-    }
-    let start = Instant::now();
-    let deadline = start + duration;
-    let tasks: Vec<_> = senders
-        .into_iter()
-        .map(|mut sender| {
-            let body = body.clone();
-            tokio::spawn(async move {
-                let mut latencies = Vec::with_capacity(65536);
-                let mut errors = 0;
-                while Instant::now() < deadline {
-                    let sent = Instant::now();
-                    match send(&mut sender, &body).await {
-                        Some(_) => latencies.push(sent.elapsed().as_micros() as u64),
-                        None => errors += 1,
-                    }
-                }
-                (latencies, errors)
-            })
-        })
-        .collect();
-    let mut run = Run::default();
-    for task in tasks {
-        let (latencies, errors) = task.await.unwrap();
-        run.latencies_us.extend(latencies);
-        run.errors += errors;
-    }
-    run.elapsed = start.elapsed();
     run.latencies_us.sort_unstable();
     run
 }
@@ -678,7 +660,7 @@ fn main() {
     let mut engine_rps = Vec::with_capacity(rounds);
     let mut floor_rps = Vec::with_capacity(rounds);
     for round in 1..=rounds {
-        let engine = client_rt.block_on(closed_loop_cpu(
+        let engine = client_rt.block_on(closed_loop(
             engine_addr,
             config.clone(),
             body.clone(),
@@ -690,7 +672,7 @@ fn main() {
             &format!("[{round}] in-process engine, {concurrency} conns"),
             &engine,
         );
-        let floor = client_rt.block_on(closed_loop_cpu(
+        let floor = client_rt.block_on(closed_loop(
             floor_addr,
             config.clone(),
             body.clone(),
@@ -754,7 +736,7 @@ fn main() {
             ("floor work, engine's answer", big),
             ("engine work, floor's answer", small),
         ] {
-            let run = client_rt.block_on(closed_loop_cpu(
+            let run = client_rt.block_on(closed_loop(
                 addr,
                 config.clone(),
                 body.clone(),
@@ -833,13 +815,16 @@ fn main() {
             peak
         })
     };
-    let process = client_rt.block_on(closed_loop(
+    let mut process = client_rt.block_on(closed_loop(
         addr,
         config.clone(),
         body.clone(),
         concurrency,
         duration,
+        ticks,
     ));
+    // This process is only the client here; its CPU time says nothing of the server's.
+    process.cpu = None;
     row(
         &format!("binary (engine, info logs), {concurrency} conns"),
         &process,
