@@ -192,33 +192,53 @@ fn client_config(ca_pem: &str) -> Arc<ClientConfig> {
     Arc::new(config)
 }
 
-async fn connect(addr: SocketAddr, config: Arc<ClientConfig>) -> Sender {
+/// A TLS connection to the server, with the ALPN protocols of `config`.
+async fn tls_connect(
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+) -> hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<TcpStream>> {
     let tcp = TcpStream::connect(addr).await.unwrap();
     tcp.set_nodelay(true).unwrap();
     let tls = TlsConnector::from(config)
         .connect(ServerName::try_from("localhost").unwrap(), tcp)
         .await
         .unwrap();
-    let (sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+    hyper_util::rt::TokioIo::new(tls)
+}
+
+async fn connect(addr: SocketAddr, config: Arc<ClientConfig>) -> Sender {
+    let (sender, conn) = hyper::client::conn::http1::handshake(tls_connect(addr, config).await)
         .await
         .unwrap();
     tokio::spawn(conn);
     sender
 }
 
-/// One request; returns the response body, or None on any failure.
-async fn send(sender: &mut Sender, body: &Bytes) -> Option<Bytes> {
-    sender.ready().await.ok()?;
-    let request = http::Request::post("/mutate")
-        .header("host", "localhost")
-        .header("content-type", "application/json")
-        .body(Full::new(body.clone()))
-        .ok()?;
-    let response = sender.send_request(request).await.ok()?;
+/// `POST /mutate` with `body`; HTTP/1.1 also needs a Host header (HTTP/2 sends the
+/// authority as a pseudo-header instead).
+fn mutate_request(body: &Bytes, host: bool) -> Option<http::Request<Full<Bytes>>> {
+    let mut request = http::Request::post("/mutate").header("content-type", "application/json");
+    if host {
+        request = request.header("host", "localhost");
+    }
+    request.body(Full::new(body.clone())).ok()
+}
+
+/// The body of a 200 answer, or None on any failure.
+async fn answer_body(
+    response: Result<http::Response<hyper::body::Incoming>, hyper::Error>,
+) -> Option<Bytes> {
+    let response = response.ok()?;
     if response.status() != 200 {
         return None;
     }
     Some(response.into_body().collect().await.ok()?.to_bytes())
+}
+
+/// One request; returns the response body, or None on any failure.
+async fn send(sender: &mut Sender, body: &Bytes) -> Option<Bytes> {
+    sender.ready().await.ok()?;
+    answer_body(sender.send_request(mutate_request(body, true)?).await).await
 }
 
 #[derive(Default)]
@@ -309,15 +329,9 @@ impl Reviewer for EngineWithFloorAnswer {
 async fn connect_h2(addr: SocketAddr, config: Arc<ClientConfig>) -> Http2Sender {
     let mut config = (*config).clone();
     config.alpn_protocols = vec![b"h2".to_vec()];
-    let tcp = TcpStream::connect(addr).await.unwrap();
-    tcp.set_nodelay(true).unwrap();
-    let tls = TlsConnector::from(Arc::new(config))
-        .connect(ServerName::try_from("localhost").unwrap(), tcp)
-        .await
-        .unwrap();
     let (sender, conn) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tls),
+        tls_connect(addr, Arc::new(config)).await,
     )
     .await
     .unwrap();
@@ -330,15 +344,7 @@ type Http2Sender = hyper::client::conn::http2::SendRequest<Full<Bytes>>;
 /// One request over HTTP/2; returns the response body, or None on any failure.
 async fn send_h2(sender: &mut Http2Sender, body: &Bytes) -> Option<Bytes> {
     sender.ready().await.ok()?;
-    let request = http::Request::post("/mutate")
-        .header("content-type", "application/json")
-        .body(Full::new(body.clone()))
-        .ok()?;
-    let response = sender.send_request(request).await.ok()?;
-    if response.status() != 200 {
-        return None;
-    }
-    Some(response.into_body().collect().await.ok()?.to_bytes())
+    answer_body(sender.send_request(mutate_request(body, false)?).await).await
 }
 
 /// What one closed-loop sender sends on: its own HTTP/1.1 connection, or a stream of a
