@@ -363,40 +363,26 @@ impl Client {
     }
 }
 
-/// `connections` keep-alive HTTP/1.1 connections, each sending back to back for `duration`.
-async fn closed_loop(
+/// `n` senders: keep-alive HTTP/1.1 connections, or streams of one HTTP/2 connection.
+async fn clients(
     addr: SocketAddr,
     config: Arc<ClientConfig>,
-    body: Bytes,
-    connections: usize,
-    duration: Duration,
-    ticks: f64,
-) -> Run {
-    let mut clients = Vec::with_capacity(connections);
-    for _ in 0..connections {
+    n: usize,
+    http2: bool,
+) -> Vec<Client> {
+    if http2 {
+        let sender = connect_h2(addr, config).await;
+        return (0..n).map(|_| Client::Http2(sender.clone())).collect();
+    }
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
         clients.push(Client::Http1(connect(addr, config.clone()).await));
     }
-    closed_loop_on(clients, body, duration, ticks).await
-}
-
-/// `streams` concurrent streams on one HTTP/2 connection, each sending back to back.
-async fn closed_loop_h2(
-    addr: SocketAddr,
-    config: Arc<ClientConfig>,
-    body: Bytes,
-    streams: usize,
-    duration: Duration,
-    ticks: f64,
-) -> Run {
-    let sender = connect_h2(addr, config).await;
-    let clients = (0..streams)
-        .map(|_| Client::Http2(sender.clone()))
-        .collect();
-    closed_loop_on(clients, body, duration, ticks).await
+    clients
 }
 
 /// Each client sends back to back for `duration`; the run carries this process's CPU time.
-async fn closed_loop_on(clients: Vec<Client>, body: Bytes, duration: Duration, ticks: f64) -> Run {
+async fn closed_loop(clients: Vec<Client>, body: Bytes, duration: Duration, ticks: f64) -> Run {
     let before = process_cpu(ticks);
     let start = Instant::now();
     let deadline = start + duration;
@@ -660,35 +646,31 @@ fn main() {
         "scenario", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors", "CPU µs/req"
     );
 
+    // One closed-loop measurement at `concurrency`, printed as a row.
+    let measure = |addr: SocketAddr, http2: bool, name: String| {
+        let run = client_rt.block_on(async {
+            let clients = clients(addr, config.clone(), concurrency, http2).await;
+            closed_loop(clients, body.clone(), duration, ticks).await
+        });
+        row(&name, &run);
+        run
+    };
+
     let mut ratios = Vec::with_capacity(rounds);
     let mut engine_cpu = Vec::with_capacity(rounds);
     let mut floor_cpu = Vec::with_capacity(rounds);
     let mut engine_rps = Vec::with_capacity(rounds);
     let mut floor_rps = Vec::with_capacity(rounds);
     for round in 1..=rounds {
-        let engine = client_rt.block_on(closed_loop(
+        let engine = measure(
             engine_addr,
-            config.clone(),
-            body.clone(),
-            concurrency,
-            duration,
-            ticks,
-        ));
-        row(
-            &format!("[{round}] in-process engine, {concurrency} conns"),
-            &engine,
+            false,
+            format!("[{round}] in-process engine, {concurrency} conns"),
         );
-        let floor = client_rt.block_on(closed_loop(
+        let floor = measure(
             floor_addr,
-            config.clone(),
-            body.clone(),
-            concurrency,
-            duration,
-            ticks,
-        ));
-        row(
-            &format!("[{round}] in-process floor (constant allow), {concurrency} conns"),
-            &floor,
+            false,
+            format!("[{round}] in-process floor (constant allow), {concurrency} conns"),
         );
         ratios.push(100.0 * engine.throughput() / floor.throughput());
         engine_cpu.push(engine.cpu_per_request_us());
@@ -696,36 +678,21 @@ fn main() {
         engine_rps.push(engine.throughput());
         floor_rps.push(floor.throughput());
     }
-    let mut h2_ratio = f64::NAN;
-    {
-        let engine = client_rt.block_on(closed_loop_h2(
-            engine_addr,
-            config.clone(),
-            body.clone(),
-            concurrency,
-            duration,
-            ticks,
-        ));
-        row(
-            &format!("HTTP/2 engine, 1 conn, {concurrency} streams"),
-            &engine,
-        );
-        let floor = client_rt.block_on(closed_loop_h2(
-            floor_addr,
-            config.clone(),
-            body.clone(),
-            concurrency,
-            duration,
-            ticks,
-        ));
-        row(
-            &format!("HTTP/2 floor, 1 conn, {concurrency} streams"),
-            &floor,
-        );
-        if engine.errors == 0 && floor.errors == 0 {
-            h2_ratio = 100.0 * engine.throughput() / floor.throughput();
-        }
-    }
+    let engine = measure(
+        engine_addr,
+        true,
+        format!("HTTP/2 engine, 1 conn, {concurrency} streams"),
+    );
+    let floor = measure(
+        floor_addr,
+        true,
+        format!("HTTP/2 floor, 1 conn, {concurrency} streams"),
+    );
+    let h2_ratio = if engine.errors == 0 && floor.errors == 0 {
+        100.0 * engine.throughput() / floor.throughput()
+    } else {
+        f64::NAN
+    };
     if breakdown {
         let (answer, summary) = engine_reviewer.review(&body);
         let big = start_in_process(
@@ -742,15 +709,7 @@ fn main() {
             ("floor work, engine's answer", big),
             ("engine work, floor's answer", small),
         ] {
-            let run = client_rt.block_on(closed_loop(
-                addr,
-                config.clone(),
-                body.clone(),
-                concurrency,
-                duration,
-                ticks,
-            ));
-            row(&format!("{name}, {concurrency} conns"), &run);
+            measure(addr, false, format!("{name}, {concurrency} conns"));
         }
     }
     let engine_rate = client_rt.block_on(fixed_rate(
@@ -821,14 +780,10 @@ fn main() {
             peak
         })
     };
-    let mut process = client_rt.block_on(closed_loop(
-        addr,
-        config.clone(),
-        body.clone(),
-        concurrency,
-        duration,
-        ticks,
-    ));
+    let mut process = client_rt.block_on(async {
+        let clients = clients(addr, config.clone(), concurrency, false).await;
+        closed_loop(clients, body.clone(), duration, ticks).await
+    });
     // This process is only the client here; its CPU time says nothing of the server's.
     process.cpu = None;
     row(
