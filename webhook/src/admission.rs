@@ -332,84 +332,82 @@ fn set_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, 
     }))
 }
 
-/// A list of reduced entries, as JSON.
+/// A list of reduced objects (entries, containers), as JSON.
 fn entries<T>(list: Option<Vec<MapOnly<T>>>, entry: impl Fn(T) -> Value) -> Option<Value> {
     list.map(|l| Value::Array(l.into_iter().map(|MapOnly(e)| entry(e)).collect()))
 }
 
-fn put(map: &mut serde_json::Map<String, Value>, key: &str, value: Option<Value>) {
-    if let Some(v) = value {
-        map.insert(key.to_owned(), v);
+/// A JSON object of the fields that are present.
+fn object<const N: usize>(fields: [(&str, Option<Value>); N]) -> Value {
+    // Inserted one by one: collecting into the map would sort a buffer first, which costs
+    // more for these few keys.
+    let mut map = serde_json::Map::new();
+    for (key, value) in fields {
+        if let Some(value) = value {
+            map.insert(key.to_owned(), value);
+        }
     }
+    Value::Object(map)
 }
 
 impl PodIn {
     fn into_value(self) -> Value {
-        let mut pod = serde_json::Map::new();
-        if let Some(MapOnly(meta)) = self.metadata {
-            let mut m = serde_json::Map::new();
-            put(&mut m, "name", meta.name);
-            put(&mut m, "generateName", meta.generate_name);
-            put(&mut m, "namespace", meta.namespace);
-            put(&mut m, "labels", meta.labels);
-            put(&mut m, "annotations", meta.annotations);
-            pod.insert("metadata".to_owned(), Value::Object(m));
-        }
-        if let Some(MapOnly(spec)) = self.spec {
-            let mut out = serde_json::Map::new();
-            put(&mut out, "serviceAccountName", spec.service_account_name);
-            put(
-                &mut out,
-                "volumes",
-                entries(spec.volumes, |v| {
-                    let mut m = serde_json::Map::new();
-                    put(&mut m, "name", v.name);
-                    put(&mut m, "hostPath", v.host_path);
-                    Value::Object(m)
+        let container = |c: ContainerIn| {
+            object([
+                ("name", c.name),
+                ("image", c.image),
+                (
+                    "env",
+                    entries(c.env, |e| {
+                        object([
+                            ("name", e.name),
+                            ("value", e.value),
+                            ("valueFrom", e.value_from),
+                        ])
+                    }),
+                ),
+                ("resources", c.resources),
+                ("securityContext", c.security_context),
+                (
+                    "volumeMounts",
+                    entries(c.volume_mounts, |v| object([("name", v.name)])),
+                ),
+            ])
+        };
+        object([
+            (
+                "metadata",
+                self.metadata.map(|MapOnly(meta)| {
+                    object([
+                        ("name", meta.name),
+                        ("generateName", meta.generate_name),
+                        ("namespace", meta.namespace),
+                        ("labels", meta.labels),
+                        ("annotations", meta.annotations),
+                    ])
                 }),
-            );
-            for (key, list) in [
-                ("containers", spec.containers),
-                ("initContainers", spec.init_containers),
-                ("ephemeralContainers", spec.ephemeral_containers),
-            ] {
-                let Some(list) = list else { continue };
-                let list = list
-                    .into_iter()
-                    .map(|MapOnly(c)| {
-                        let mut m = serde_json::Map::new();
-                        put(&mut m, "name", c.name);
-                        put(&mut m, "image", c.image);
-                        put(
-                            &mut m,
-                            "env",
-                            entries(c.env, |e| {
-                                let mut m = serde_json::Map::new();
-                                put(&mut m, "name", e.name);
-                                put(&mut m, "value", e.value);
-                                put(&mut m, "valueFrom", e.value_from);
-                                Value::Object(m)
+            ),
+            (
+                "spec",
+                self.spec.map(|MapOnly(spec)| {
+                    object([
+                        ("serviceAccountName", spec.service_account_name),
+                        (
+                            "volumes",
+                            entries(spec.volumes, |v| {
+                                object([("name", v.name), ("hostPath", v.host_path)])
                             }),
-                        );
-                        put(&mut m, "resources", c.resources);
-                        put(&mut m, "securityContext", c.security_context);
-                        put(
-                            &mut m,
-                            "volumeMounts",
-                            entries(c.volume_mounts, |v| {
-                                let mut m = serde_json::Map::new();
-                                put(&mut m, "name", v.name);
-                                Value::Object(m)
-                            }),
-                        );
-                        Value::Object(m)
-                    })
-                    .collect();
-                out.insert(key.to_owned(), Value::Array(list));
-            }
-            pod.insert("spec".to_owned(), Value::Object(out));
-        }
-        Value::Object(pod)
+                        ),
+                        ("containers", entries(spec.containers, container)),
+                        ("initContainers", entries(spec.init_containers, container)),
+                        (
+                            "ephemeralContainers",
+                            entries(spec.ephemeral_containers, container),
+                        ),
+                    ])
+                }),
+            ),
+        ])
     }
 }
 
