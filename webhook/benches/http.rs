@@ -4,8 +4,8 @@
 //! the default policy rewrites:
 //! 1. the in-process server with the engine, and the same server stack with a constant
 //!    allow (the floor): throughput and p50/p99 at a fixed concurrency, and p50/p99 at a
-//!    fixed rate; the same two over one HTTP/2 connection with as many concurrent streams, the way the
-//!    API server calls webhooks.
+//!    fixed rate; the same two over one HTTP/2 connection with as many concurrent streams,
+//!    the way the API server calls webhooks.
 //! 2. the release binary `gpuwarden-webhook serve --policy-file deploy/policies/default.yaml`
 //!    as a separate process: the same figures plus its resident memory (VmRSS) idle and
 //!    under load.
@@ -656,7 +656,6 @@ fn main() {
         run
     };
 
-    let mut ratios = Vec::with_capacity(rounds);
     let mut engine_cpu = Vec::with_capacity(rounds);
     let mut floor_cpu = Vec::with_capacity(rounds);
     let mut engine_rps = Vec::with_capacity(rounds);
@@ -672,7 +671,6 @@ fn main() {
             false,
             format!("[{round}] in-process floor (constant allow), {concurrency} conns"),
         );
-        ratios.push(100.0 * engine.throughput() / floor.throughput());
         engine_cpu.push(engine.cpu_per_request_us());
         floor_cpu.push(floor.cpu_per_request_us());
         engine_rps.push(engine.throughput());
@@ -807,18 +805,16 @@ fn main() {
     drop(binary);
 
     println!();
-    let range = |v: &[f64]| {
-        let (lo, hi) = v
-            .iter()
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
-                (lo.min(x), hi.max(x))
-            });
-        format!("{lo:.1} to {hi:.1}")
-    };
+    let mut ratios: Vec<f64> = engine_rps
+        .iter()
+        .zip(&floor_rps)
+        .map(|(engine, floor)| 100.0 * engine / floor)
+        .collect();
+    let ratio = median(&mut ratios);
+    // `median` sorted them: the range is the ends.
+    let (lowest, highest) = (ratios[0], ratios[ratios.len() - 1]);
     println!(
-        "engine / floor throughput, round by round: median {:.1} % ({} %); engine {:.0} req/s, floor {:.0} req/s (medians)",
-        median(&mut ratios.clone()),
-        range(&ratios),
+        "engine / floor throughput, round by round: median {ratio:.1} % ({lowest:.1} to {highest:.1} %); engine {:.0} req/s, floor {:.0} req/s (medians)",
         median(&mut engine_rps),
         median(&mut floor_rps),
     );
