@@ -284,8 +284,9 @@ fn main() {
     });
     let decision = gpuwarden_webhook::engine::decide(&input, &policies);
     let patch = measure(|| {
-        let patch = gpuwarden_webhook::engine::patch_for(black_box(pod), &decision.changes);
-        black_box(serde_json::to_vec(&patch).ok());
+        let mut bytes = Vec::new();
+        gpuwarden_webhook::patch::write_patch(black_box(pod), &decision.changes, &mut bytes);
+        black_box(bytes);
     });
     println!();
     println!(
@@ -294,7 +295,7 @@ fn main() {
     );
     for (name, stats) in [
         ("engine::decide (parsed pod)", decide),
-        ("patch_for + serialise", patch),
+        ("patch::write_patch", patch),
     ] {
         println!(
             "{:<36} {:>8} {:>10.1} {:>10.1} {:>10.1}",

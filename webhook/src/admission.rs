@@ -14,10 +14,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpuwarden_crds::GpuPolicy;
-use serde::Serialize;
 use serde_json::Value;
 
 use crate::engine::{self, Decision, Input, Operation, Verdict};
+use crate::{json_out, patch};
 
 /// Where the webhook reads policies and namespace labels from.
 pub trait PolicySource: Send + Sync {
@@ -427,34 +427,18 @@ struct GroupVersionResource {
     resource: String,
 }
 
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct ReviewOut<'a> {
-    api_version: &'a str,
-    kind: &'static str,
-    response: ResponseOut,
-}
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
+/// The response review's `response`, written by [`encode`].
 struct ResponseOut {
     uid: String,
     allowed: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
     status: Option<StatusOut>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    patch: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    patch_type: Option<&'static str>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// The JSON patch, sent base64-encoded with `patchType: JSONPatch`.
+    patch: Option<Vec<u8>>,
     warnings: Vec<String>,
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     audit_annotations: BTreeMap<String, String>,
 }
 
-#[derive(Serialize)]
 struct StatusOut {
-    status: &'static str,
     code: u16,
     reason: &'static str,
     message: String,
@@ -646,13 +630,11 @@ fn respond(
         allowed: outcome != Outcome::Denied,
         status: None,
         patch: None,
-        patch_type: None,
         warnings: decision.warnings,
         audit_annotations: decision.audit_annotations,
     };
     if let Some(message) = decision.denial {
         response.status = Some(StatusOut {
-            status: "Failure",
             code: 403,
             reason: "Forbidden",
             message,
@@ -662,26 +644,10 @@ fn respond(
         && !decision.changes.is_empty()
         && let Some(pod) = pod
     {
-        let patch = engine::into_patch(pod, decision.changes);
-        if !patch.0.is_empty() {
-            // Sized up front: growing the buffer step by step shows in profiles.
-            let mut bytes = Vec::with_capacity(PATCH_BUFFER_BYTES);
-            match serde_json::to_writer(&mut bytes, &patch) {
-                Ok(()) => {
-                    response.patch = Some(base64(&bytes));
-                    response.patch_type = Some("JSONPatch");
-                }
-                Err(e) => {
-                    // Cannot happen for values built from JSON; fail closed if it ever does.
-                    response.allowed = false;
-                    response.status = Some(StatusOut {
-                        status: "Failure",
-                        code: 500,
-                        reason: "InternalError",
-                        message: format!("gpuwarden: failed to serialise the patch: {e}"),
-                    });
-                }
-            }
+        // Sized up front: growing the buffer step by step shows in profiles.
+        let mut bytes = Vec::with_capacity(PATCH_BUFFER_BYTES);
+        if patch::write_patch(pod, &decision.changes, &mut bytes) > 0 {
+            response.patch = Some(bytes);
         }
     }
     tracing::debug!(uid = %uid, pod = pod_name.as_deref().unwrap_or(""), outcome = outcome.as_str(), "admission review answered");
@@ -705,13 +671,11 @@ fn invalid(
         uid: uid.clone(),
         allowed: false,
         status: Some(StatusOut {
-            status: "Failure",
             code: 400,
             reason: "BadRequest",
             message: format!("gpuwarden: {error}"),
         }),
         patch: None,
-        patch_type: None,
         warnings: Vec::new(),
         audit_annotations: BTreeMap::new(),
     };
@@ -731,50 +695,57 @@ fn encode(api_version: &str, response: ResponseOut) -> Vec<u8> {
     // Room for the envelope plus the variable parts, so the buffer is not regrown.
     let capacity = 256
         + response.uid.len()
-        + response.patch.as_ref().map_or(0, String::len)
+        + response
+            .patch
+            .as_ref()
+            .map_or(0, |p| p.len().div_ceil(3) * 4)
         + response.status.as_ref().map_or(0, |s| s.message.len())
-        + response.warnings.iter().map(String::len).sum::<usize>()
+        + response.warnings.iter().map(|w| w.len() + 3).sum::<usize>()
         + response
             .audit_annotations
             .iter()
             .map(|(k, v)| k.len() + v.len() + 8)
             .sum::<usize>();
-    let review = ReviewOut {
-        api_version,
-        kind: "AdmissionReview",
-        response,
-    };
     let mut out = Vec::with_capacity(capacity);
-    // Serialising these plain structs cannot fail; the fallback keeps the contract anyway.
-    match serde_json::to_writer(&mut out, &review) {
-        Ok(()) => out,
-        Err(_) => br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{"uid":"","allowed":false}}"#.to_vec(),
+    out.extend_from_slice(b"{\"apiVersion\":");
+    json_out::string(&mut out, api_version);
+    out.extend_from_slice(b",\"kind\":\"AdmissionReview\",\"response\":{\"uid\":");
+    json_out::string(&mut out, &response.uid);
+    out.extend_from_slice(if response.allowed {
+        b",\"allowed\":true"
+    } else {
+        b",\"allowed\":false"
+    });
+    if let Some(status) = &response.status {
+        out.extend_from_slice(b",\"status\":{\"status\":\"Failure\",\"code\":");
+        json_out::number(&mut out, status.code);
+        out.extend_from_slice(b",\"reason\":");
+        json_out::string(&mut out, status.reason);
+        out.extend_from_slice(b",\"message\":");
+        json_out::string(&mut out, &status.message);
+        out.push(b'}');
     }
-}
-
-/// Standard base64 with padding (RFC 4648), as the `patch` field is encoded.
-fn base64(input: &[u8]) -> String {
-    const TABLE: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let sextet = |n: u32, shift: u32| TABLE[((n >> shift) & 63) as usize];
-    let mut out = Vec::with_capacity(input.len().div_ceil(3) * 4);
-    let mut chunks = input.chunks_exact(3);
-    for c in &mut chunks {
-        let n = (u32::from(c[0]) << 16) | (u32::from(c[1]) << 8) | u32::from(c[2]);
-        out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), sextet(n, 6), sextet(n, 0)]);
+    if let Some(patch) = &response.patch {
+        out.extend_from_slice(b",\"patch\":\"");
+        json_out::base64(&mut out, patch);
+        out.extend_from_slice(b"\",\"patchType\":\"JSONPatch\"");
     }
-    match *chunks.remainder() {
-        [a] => {
-            let n = u32::from(a) << 16;
-            out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), b'=', b'=']);
-        }
-        [a, b] => {
-            let n = (u32::from(a) << 16) | (u32::from(b) << 8);
-            out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), sextet(n, 6), b'=']);
-        }
-        _ => {}
+    if !response.warnings.is_empty() {
+        out.extend_from_slice(b",\"warnings\":");
+        json_out::string_array(&mut out, response.warnings.iter().map(String::as_str));
     }
-    // Every byte pushed comes from the ASCII table above.
-    String::from_utf8(out).unwrap_or_default()
+    if !response.audit_annotations.is_empty() {
+        out.extend_from_slice(b",\"auditAnnotations\":");
+        json_out::string_object(
+            &mut out,
+            response
+                .audit_annotations
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+    }
+    out.extend_from_slice(b"}}");
+    out
 }
 
 #[cfg(test)]
@@ -862,22 +833,8 @@ mod tests {
         };
         let decision = engine::decide(&input, &source.policies);
         assert_eq!(decision.verdict(), Verdict::Rewritten);
-        let whole = serde_json::to_value(engine::patch_for(&pod, &decision.changes)).unwrap();
+        let whole =
+            serde_json::to_value(patch::patch_for(&pod, &decision.changes).unwrap()).unwrap();
         assert_eq!(answered_patch(&review, &source), Some(whole));
-    }
-
-    #[test]
-    fn base64_matches_rfc4648_vectors() {
-        for (input, expected) in [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ] {
-            assert_eq!(base64(input.as_bytes()), expected);
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! The rewrite engine: a pure function from a pod, the policies and the namespace's labels to
-//! a [`Decision`] (a verdict, the list of [`Change`]s, warnings and audit annotations), and
-//! from the changes to an RFC 6902 patch.
+//! a [`Decision`] (a verdict, the list of [`Change`]s, warnings and audit annotations).
+//! [`crate::patch`] turns the changes into an RFC 6902 patch.
 //!
 //! The engine reads the pod as raw JSON (`serde_json::Value`) rather than a typed `Pod`: it
 //! never drops fields it does not know, costs one parse per review, and the patch it derives
@@ -19,10 +19,8 @@ use gpuwarden_crds::{
     CDI_ANNOTATION_PREFIX, GpuPolicy, PolicyMode, PrivilegedMatch, RESOURCE_GPU,
     RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll, selector,
 };
-use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation};
 use serde::Serialize;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
 
@@ -111,8 +109,8 @@ pub enum Change {
         container: ContainerRef,
         /// Indices of entries to remove, ascending.
         remove: Vec<usize>,
-        /// Entries to append.
-        append: Vec<Value>,
+        /// Entries to append: name, value.
+        append: Vec<(String, String)>,
     },
     /// Rule 5: remove these `volumeMounts` entries (by index, ascending).
     VolumeMounts {
@@ -889,8 +887,8 @@ fn gpu_count(
 struct EnvEdit<'s> {
     /// Indices to remove, ascending.
     remove: Vec<usize>,
-    /// Entries to append.
-    append: Vec<Value>,
+    /// Entries to append: name, value.
+    append: Vec<(String, String)>,
     /// Names removed (each once).
     removed: Vec<String>,
     /// The pair set, when it was not already so.
@@ -940,7 +938,7 @@ fn rewrite_env<'s>(
         && !set_done
     {
         set_changed = true;
-        edit.append.push(json!({"name": k, "value": v}));
+        edit.append.push((k.to_owned(), v.to_owned()));
     }
     if edit.remove.is_empty() && edit.append.is_empty() {
         return None;
@@ -1228,215 +1226,11 @@ fn decide_ephemeral(input: &Input<'_>, old: &Value, policy: &GpuPolicy) -> Decis
 }
 
 // ---------------------------------------------------------------------------------------
-// The patch.
-
-fn container_path(at: &ContainerRef) -> PointerBuf {
-    PointerBuf::from_tokens(["spec", at.kind.field(), &at.index.to_string()])
-}
-
-fn child(base: &PointerBuf, tokens: &[&str]) -> PointerBuf {
-    let mut p = base.clone();
-    for t in tokens {
-        p.push_back(*t);
-    }
-    p
-}
-
-fn add(path: PointerBuf, value: Value) -> PatchOperation {
-    PatchOperation::Add(AddOperation { path, value })
-}
-
-fn remove(path: PointerBuf) -> PatchOperation {
-    PatchOperation::Remove(RemoveOperation { path })
-}
-
-/// The RFC 6902 patch that applies `changes` to `pod`: pointers escaped, missing parents
-/// created, list entries removed by index from the highest down (so no removal shifts the
-/// index of a later one).
-pub fn patch_for(pod: &Value, changes: &[Change]) -> Patch {
-    into_patch(pod, changes.to_vec())
-}
-
-/// [`patch_for`], consuming the changes (their lists move into the patch, uncopied).
-pub fn into_patch(pod: &Value, changes: Vec<Change>) -> Patch {
-    let mut ops = Vec::with_capacity(changes.len() * 3);
-    for change in changes {
-        match change {
-            Change::SecurityContext {
-                container,
-                add: caps_add,
-                drop,
-            } => {
-                let base = container_path(&container);
-                let current =
-                    container_value(pod, &container).and_then(|c| c.get("securityContext"));
-                let mut caps = Map::new();
-                if !caps_add.is_empty() {
-                    caps.insert("add".into(), json!(caps_add));
-                }
-                match drop {
-                    Some(d) => {
-                        caps.insert("drop".into(), json!(d));
-                    }
-                    None => {
-                        if let Some(d) = current.and_then(|s| s.at_path(&["capabilities", "drop"]))
-                        {
-                            caps.insert("drop".into(), d.clone());
-                        }
-                    }
-                }
-                match current {
-                    Some(Value::Object(_)) => {
-                        ops.push(add(
-                            child(&base, &["securityContext", "privileged"]),
-                            json!(false),
-                        ));
-                        ops.push(add(
-                            child(&base, &["securityContext", "allowPrivilegeEscalation"]),
-                            json!(false),
-                        ));
-                        ops.push(add(
-                            child(&base, &["securityContext", "capabilities"]),
-                            Value::Object(caps),
-                        ));
-                    }
-                    _ => ops.push(add(
-                        child(&base, &["securityContext"]),
-                        json!({
-                            "privileged": false,
-                            "allowPrivilegeEscalation": false,
-                            "capabilities": caps,
-                        }),
-                    )),
-                }
-            }
-            Change::GpuLimit {
-                container,
-                resource,
-                quantity,
-            } => {
-                let base = container_path(&container);
-                let c = container_value(pod, &container);
-                let resources = c.and_then(|c| c.get("resources")).filter(|r| r.is_object());
-                let limits = resources
-                    .and_then(|r| r.get("limits"))
-                    .filter(|l| l.is_object());
-                if resources.is_none() {
-                    ops.push(add(
-                        child(&base, &["resources"]),
-                        json!({"limits": {resource.as_str(): quantity}}),
-                    ));
-                } else if limits.is_none() {
-                    ops.push(add(
-                        child(&base, &["resources", "limits"]),
-                        json!({resource.as_str(): quantity}),
-                    ));
-                } else {
-                    ops.push(add(
-                        child(&base, &["resources", "limits", &resource]),
-                        json!(quantity),
-                    ));
-                }
-            }
-            Change::Env {
-                container,
-                remove,
-                append,
-            } => {
-                let path = child(&container_path(&container), &["env"]);
-                let current = container_value(pod, &container).and_then(|c| c.get("env"));
-                list_edit(&mut ops, current, &path, &remove, append);
-            }
-            Change::VolumeMounts { container, remove } => {
-                let path = child(&container_path(&container), &["volumeMounts"]);
-                let current = container_value(pod, &container).and_then(|c| c.get("volumeMounts"));
-                list_edit(&mut ops, current, &path, &remove, Vec::new());
-            }
-            Change::Volumes { remove } => {
-                let path = PointerBuf::from_tokens(["spec", "volumes"]);
-                let current = pod.at_path(&["spec", "volumes"]);
-                list_edit(&mut ops, current, &path, &remove, Vec::new());
-            }
-            Change::RemoveAnnotations { keys } => {
-                for key in keys {
-                    if pod
-                        .at_path(&["metadata", "annotations"])
-                        .and_then(|a| a.get(&key))
-                        .is_some()
-                    {
-                        ops.push(remove(PointerBuf::from_tokens([
-                            "metadata",
-                            "annotations",
-                            key.as_str(),
-                        ])));
-                    }
-                }
-            }
-            Change::SetAnnotations { pairs } => {
-                if pairs.is_empty() {
-                    continue;
-                }
-                let metadata = pod.get("metadata").filter(|m| m.is_object());
-                let has_annotations = metadata
-                    .and_then(|m| m.get("annotations"))
-                    .is_some_and(Value::is_object);
-                let object: Map<String, Value> = pairs
-                    .iter()
-                    .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-                    .collect();
-                if metadata.is_none() {
-                    ops.push(add(
-                        PointerBuf::from_tokens(["metadata"]),
-                        json!({"annotations": object}),
-                    ));
-                } else if !has_annotations {
-                    ops.push(add(
-                        PointerBuf::from_tokens(["metadata", "annotations"]),
-                        Value::Object(object),
-                    ));
-                } else {
-                    for (k, v) in pairs {
-                        ops.push(add(
-                            PointerBuf::from_tokens(["metadata", "annotations", k.as_str()]),
-                            json!(v),
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    Patch(ops)
-}
-
-/// Edits a list in place: removes entries by index (highest first, so that each index still
-/// names the entry it named in the original), then appends. A missing list is created.
-fn list_edit(
-    ops: &mut Vec<PatchOperation>,
-    current: Option<&Value>,
-    path: &PointerBuf,
-    remove_ascending: &[usize],
-    append: Vec<Value>,
-) {
-    if !current.is_some_and(Value::is_array) {
-        if !append.is_empty() {
-            ops.push(add(path.clone(), Value::Array(append)));
-        }
-        return;
-    }
-    for &i in remove_ascending.iter().rev() {
-        ops.push(remove(child(path, &[&i.to_string()])));
-    }
-    for value in append {
-        ops.push(add(child(path, &["-"]), value));
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // Small helpers.
 
 /// Walks object keys without allocating (`Value::pointer` unescapes every token into a new
 /// string, which shows in profiles of the admission path).
-trait AtPath {
+pub(crate) trait AtPath {
     fn at_path(&self, path: &[&str]) -> Option<&Value>;
 }
 
@@ -1447,7 +1241,7 @@ impl AtPath for Value {
 }
 
 /// The container `at` points to in `pod`.
-fn container_value<'a>(pod: &'a Value, at: &ContainerRef) -> Option<&'a Value> {
+pub(crate) fn container_value<'a>(pod: &'a Value, at: &ContainerRef) -> Option<&'a Value> {
     pod.get("spec")?.get(at.kind.field())?.get(at.index)
 }
 

@@ -4,8 +4,10 @@
 pub mod admission;
 pub mod cache;
 pub mod engine;
+mod json_out;
 pub mod manifest;
 pub mod metrics;
 pub mod mutate;
+pub mod patch;
 pub mod server;
 pub mod tls;

@@ -371,13 +371,15 @@ fn judge(
     let mut after = doc.object.clone();
     let mut patch = json_patch::Patch(Vec::new());
     if decision.verdict() != Verdict::Denied && !decision.changes.is_empty() {
-        let relative = engine::patch_for(template, &decision.changes);
+        let patch_error = |message: String| MutateError::Patch {
+            file: doc.source.clone(),
+            index: doc.index,
+            message,
+        };
+        let relative = crate::patch::patch_for(template, &decision.changes)
+            .map_err(|e| patch_error(e.to_string()))?;
         if let Some(target) = after.pointer_mut(pointer) {
-            json_patch::patch(target, &relative.0).map_err(|e| MutateError::Patch {
-                file: doc.source.clone(),
-                index: doc.index,
-                message: e.to_string(),
-            })?;
+            json_patch::patch(target, &relative.0).map_err(|e| patch_error(e.to_string()))?;
         }
         patch = prefixed(relative, pointer);
     }

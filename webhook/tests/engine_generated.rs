@@ -11,8 +11,9 @@ use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, VisibleDevicesAll};
 use gpuwarden_webhook::admission::{Outcome, StaticSource};
 use gpuwarden_webhook::engine::{
     Input, Operation, Verdict, decide, image_exempt, is_device_host_path,
-    namespace_labels_or_default, patch_for,
+    namespace_labels_or_default,
 };
+use gpuwarden_webhook::patch::patch_for;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -486,7 +487,7 @@ fn generated_pods_hold_the_invariants() {
         };
         let direct = decide(&input, &[Arc::new(policy.clone())]);
         if direct.verdict() != Verdict::Denied {
-            let direct = patch_for(&pod, &direct.changes);
+            let direct = patch_for(&pod, &direct.changes).unwrap();
             let direct = (!direct.0.is_empty()).then(|| serde_json::to_value(&direct).unwrap());
             let via_review = first
                 .patch

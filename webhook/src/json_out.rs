@@ -1,0 +1,204 @@
+//! JSON text written straight into a byte buffer, for the two documents on the admission
+//! path: the patch and the response review. Building them as `serde_json::Value` trees first
+//! cost more than the engine's decision; writing them field by field costs a few
+//! instructions per byte.
+
+use std::io::Write as _;
+
+use serde_json::Value;
+
+/// Whether byte `b` must be escaped inside a JSON string (RFC 8259, section 7).
+#[inline]
+fn needs_escape(b: u8) -> bool {
+    b < 0x20 || b == b'"' || b == b'\\'
+}
+
+/// Appends `s` as the inside of a JSON string (no quotes), escaped as serde_json escapes.
+pub(crate) fn str_contents(out: &mut Vec<u8>, s: &str) {
+    const BLOCK: usize = 16;
+    let bytes = s.as_bytes();
+    let mut copied = 0;
+    for (block_index, block) in bytes.chunks(BLOCK).enumerate() {
+        // No early exit, so the check compiles to vector compares; most blocks are clean.
+        if !block.iter().fold(false, |any, &b| any | needs_escape(b)) {
+            continue;
+        }
+        for (offset, &b) in block.iter().enumerate() {
+            if needs_escape(b) {
+                let at = block_index * BLOCK + offset;
+                out.extend_from_slice(&bytes[copied..at]);
+                escape(out, b);
+                copied = at + 1;
+            }
+        }
+    }
+    out.extend_from_slice(&bytes[copied..]);
+}
+
+fn escape(out: &mut Vec<u8>, b: u8) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    match b {
+        b'"' => out.extend_from_slice(b"\\\""),
+        b'\\' => out.extend_from_slice(b"\\\\"),
+        b'\n' => out.extend_from_slice(b"\\n"),
+        b'\r' => out.extend_from_slice(b"\\r"),
+        b'\t' => out.extend_from_slice(b"\\t"),
+        0x08 => out.extend_from_slice(b"\\b"),
+        0x0c => out.extend_from_slice(b"\\f"),
+        _ => out.extend_from_slice(&[
+            b'\\',
+            b'u',
+            b'0',
+            b'0',
+            HEX[usize::from(b >> 4)],
+            HEX[usize::from(b & 15)],
+        ]),
+    }
+}
+
+/// Appends `s` as a JSON string.
+pub(crate) fn string(out: &mut Vec<u8>, s: &str) {
+    out.push(b'"');
+    str_contents(out, s);
+    out.push(b'"');
+}
+
+/// Appends a JSON array of strings.
+pub(crate) fn string_array<'s>(out: &mut Vec<u8>, items: impl IntoIterator<Item = &'s str>) {
+    out.push(b'[');
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        string(out, item);
+    }
+    out.push(b']');
+}
+
+/// Appends a JSON object of string values, keys in the order given.
+pub(crate) fn string_object<'s>(
+    out: &mut Vec<u8>,
+    pairs: impl IntoIterator<Item = (&'s str, &'s str)>,
+) {
+    out.push(b'{');
+    for (i, (key, value)) in pairs.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        string(out, key);
+        out.push(b':');
+        string(out, value);
+    }
+    out.push(b'}');
+}
+
+/// Appends a number.
+pub(crate) fn number(out: &mut Vec<u8>, n: impl std::fmt::Display) {
+    // Writing into a Vec cannot fail.
+    let _ = write!(out, "{n}");
+}
+
+/// Appends a JSON value taken from the input as it is.
+pub(crate) fn value(out: &mut Vec<u8>, v: &Value) {
+    let mark = out.len();
+    // A Value's keys are strings and a Vec does not fail, so this cannot fail; should it
+    // ever, the half-written text goes and `null` stands in, keeping the document valid.
+    if serde_json::to_writer(&mut *out, v).is_err() {
+        out.truncate(mark);
+        out.extend_from_slice(b"null");
+    }
+}
+
+/// Appends `input` in standard base64 with padding (RFC 4648), as a review's `patch` is
+/// encoded. The alphabet needs no JSON escaping.
+pub(crate) fn base64(out: &mut Vec<u8>, input: &[u8]) {
+    const TABLE: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let sextet = |n: u32, shift: u32| TABLE[((n >> shift) & 63) as usize];
+    out.reserve(input.len().div_ceil(3) * 4);
+    let mut chunks = input.chunks_exact(3);
+    for c in &mut chunks {
+        let n = (u32::from(c[0]) << 16) | (u32::from(c[1]) << 8) | u32::from(c[2]);
+        out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), sextet(n, 6), sextet(n, 0)]);
+    }
+    match *chunks.remainder() {
+        [a] => {
+            let n = u32::from(a) << 16;
+            out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), b'=', b'=']);
+        }
+        [a, b] => {
+            let n = (u32::from(a) << 16) | (u32::from(b) << 8);
+            out.extend_from_slice(&[sextet(n, 18), sextet(n, 12), sextet(n, 6), b'=']);
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn written(s: &str) -> String {
+        let mut out = Vec::new();
+        string(&mut out, s);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn strings_are_escaped_as_serde_json_escapes_them() {
+        let mut cases: Vec<String> = vec![
+            String::new(),
+            "plain".into(),
+            "quote \" backslash \\ slash /".into(),
+            "tab\tnewline\nreturn\r\u{8}\u{c}\u{0}\u{1f}\u{7f}".into(),
+            "é ü 日本 🚀".into(),
+            "gpuwarden.io/rewritten".into(),
+        ];
+        // Every byte that needs escaping, at every offset across a block boundary.
+        for b in (0u8..0x20).chain([b'"', b'\\']) {
+            for at in 0..40 {
+                let mut s = "x".repeat(40);
+                s.replace_range(at..=at, &char::from(b).to_string());
+                cases.push(s);
+            }
+        }
+        for s in &cases {
+            assert_eq!(written(s), serde_json::to_string(s).unwrap(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn arrays_and_objects_parse_back() {
+        let mut out = Vec::new();
+        string_array(&mut out, ["a", "b\"c"]);
+        assert_eq!(
+            serde_json::from_slice::<Value>(&out).unwrap(),
+            serde_json::json!(["a", "b\"c"])
+        );
+        out.clear();
+        string_object(&mut out, [("k/1", "v\n"), ("k2", "")]);
+        assert_eq!(
+            serde_json::from_slice::<Value>(&out).unwrap(),
+            serde_json::json!({"k/1": "v\n", "k2": ""})
+        );
+        out.clear();
+        string_array(&mut out, []);
+        assert_eq!(out, b"[]");
+    }
+
+    #[test]
+    fn base64_matches_rfc4648_vectors() {
+        for (input, expected) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            let mut out = Vec::new();
+            base64(&mut out, input.as_bytes());
+            assert_eq!(out, expected.as_bytes());
+        }
+    }
+}

@@ -1,0 +1,460 @@
+//! The RFC 6902 patch for the engine's [`Change`]s, written straight to JSON bytes:
+//! pointers escaped (`~0`, `~1`), missing parents created, list entries removed by index from
+//! the highest down (so no removal shifts the index of a later one). The admission path sends
+//! these bytes as they are; [`patch_for`] reads them back as a [`json_patch::Patch`] for the
+//! offline command and the tests, so both see the one patch.
+
+use serde_json::Value;
+
+use crate::engine::{AtPath, Change, ContainerRef, container_value};
+use crate::json_out;
+
+/// One reference token of a JSON pointer.
+#[derive(Clone, Copy)]
+enum Token<'a> {
+    /// An object key (escaped when written).
+    Key(&'a str),
+    /// A list index.
+    Index(usize),
+    /// `-`: past the end of a list.
+    End,
+}
+use Token::{End, Index, Key};
+
+/// The patch's operations, written one after another into a JSON array.
+struct Ops<'o> {
+    out: &'o mut Vec<u8>,
+    count: usize,
+}
+
+impl Ops<'_> {
+    /// Writes `{"op":"<op>","path":"<base><rest>"` (the object is left open).
+    fn open(&mut self, op: &str, base: &[Token<'_>], rest: &[Token<'_>]) {
+        let out = &mut *self.out;
+        if self.count > 0 {
+            out.push(b',');
+        }
+        self.count += 1;
+        out.extend_from_slice(b"{\"op\":\"");
+        out.extend_from_slice(op.as_bytes());
+        out.extend_from_slice(b"\",\"path\":\"");
+        for token in base.iter().chain(rest) {
+            out.push(b'/');
+            match *token {
+                Key(key) => pointer_token(out, key),
+                Index(i) => json_out::number(out, i),
+                End => out.push(b'-'),
+            }
+        }
+        out.push(b'"');
+    }
+
+    /// An `add` whose value `value` writes.
+    fn add(&mut self, base: &[Token<'_>], rest: &[Token<'_>], value: impl FnOnce(&mut Vec<u8>)) {
+        self.open("add", base, rest);
+        self.out.extend_from_slice(b",\"value\":");
+        value(self.out);
+        self.out.push(b'}');
+    }
+
+    fn remove(&mut self, base: &[Token<'_>], rest: &[Token<'_>]) {
+        self.open("remove", base, rest);
+        self.out.push(b'}');
+    }
+}
+
+/// A pointer token inside a JSON string: `~` → `~0`, `/` → `~1` (RFC 6901), then JSON
+/// escaping.
+fn pointer_token(out: &mut Vec<u8>, token: &str) {
+    let mut rest = token;
+    while let Some(i) = rest.find(['~', '/']) {
+        json_out::str_contents(out, &rest[..i]);
+        out.extend_from_slice(if rest.as_bytes()[i] == b'~' {
+            b"~0"
+        } else {
+            b"~1"
+        });
+        rest = &rest[i + 1..];
+    }
+    json_out::str_contents(out, rest);
+}
+
+fn container_base(at: &ContainerRef) -> [Token<'_>; 3] {
+    [Key("spec"), Key(at.kind.field()), Index(at.index)]
+}
+
+/// `{"add":[...],"drop":[...]}` for `securityContext.capabilities`: `drop` as given, or the
+/// container's current `capabilities.drop` when the change leaves it as it is.
+fn capabilities(
+    out: &mut Vec<u8>,
+    add: &[String],
+    drop: Option<&[String]>,
+    current: Option<&Value>,
+) {
+    out.push(b'{');
+    if !add.is_empty() {
+        out.extend_from_slice(b"\"add\":");
+        json_out::string_array(out, add.iter().map(String::as_str));
+    }
+    let current_drop = current.and_then(|s| s.at_path(&["capabilities", "drop"]));
+    if drop.is_some() || current_drop.is_some() {
+        if !add.is_empty() {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"\"drop\":");
+        match drop {
+            Some(drop) => json_out::string_array(out, drop.iter().map(String::as_str)),
+            None => json_out::value(out, current_drop.unwrap_or(&Value::Null)),
+        }
+    }
+    out.push(b'}');
+}
+
+/// Edits a list in place: removes entries by index (highest first, so that each index still
+/// names the entry it named in the original), then appends `{"name","value"}` entries. A
+/// missing list is created.
+fn list_edit(
+    ops: &mut Ops<'_>,
+    current: Option<&Value>,
+    base: &[Token<'_>],
+    field: &str,
+    remove_ascending: &[usize],
+    append: &[(String, String)],
+) {
+    let entry = |out: &mut Vec<u8>, (name, value): &(String, String)| {
+        json_out::string_object(out, [("name", name.as_str()), ("value", value.as_str())]);
+    };
+    if !current.is_some_and(Value::is_array) {
+        if !append.is_empty() {
+            ops.add(base, &[Key(field)], |out| {
+                out.push(b'[');
+                for (i, pair) in append.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    entry(out, pair);
+                }
+                out.push(b']');
+            });
+        }
+        return;
+    }
+    for &i in remove_ascending.iter().rev() {
+        ops.remove(base, &[Key(field), Index(i)]);
+    }
+    for pair in append {
+        ops.add(base, &[Key(field), End], |out| entry(out, pair));
+    }
+}
+
+/// Appends the patch that applies `changes` to `pod` to `out`, as a JSON array; returns how
+/// many operations it holds (0: the changes are already in the pod).
+pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize {
+    out.push(b'[');
+    let mut ops = Ops {
+        out: &mut *out,
+        count: 0,
+    };
+    for change in changes {
+        match change {
+            Change::SecurityContext {
+                container,
+                add,
+                drop,
+            } => {
+                let base = container_base(container);
+                let current =
+                    container_value(pod, container).and_then(|c| c.get("securityContext"));
+                if current.is_some_and(Value::is_object) {
+                    let falsy = |out: &mut Vec<u8>| out.extend_from_slice(b"false");
+                    ops.add(&base, &[Key("securityContext"), Key("privileged")], falsy);
+                    ops.add(
+                        &base,
+                        &[Key("securityContext"), Key("allowPrivilegeEscalation")],
+                        falsy,
+                    );
+                    ops.add(
+                        &base,
+                        &[Key("securityContext"), Key("capabilities")],
+                        |out| {
+                            capabilities(out, add, drop.as_deref(), current);
+                        },
+                    );
+                } else {
+                    ops.add(&base, &[Key("securityContext")], |out| {
+                        out.extend_from_slice(
+                            b"{\"allowPrivilegeEscalation\":false,\"capabilities\":",
+                        );
+                        capabilities(out, add, drop.as_deref(), None);
+                        out.extend_from_slice(b",\"privileged\":false}");
+                    });
+                }
+            }
+            Change::GpuLimit {
+                container,
+                resource,
+                quantity,
+            } => {
+                let base = container_base(container);
+                let resources = container_value(pod, container)
+                    .and_then(|c| c.get("resources"))
+                    .filter(|r| r.is_object());
+                let limits = resources
+                    .and_then(|r| r.get("limits"))
+                    .filter(|l| l.is_object());
+                let limit = |out: &mut Vec<u8>| {
+                    json_out::string_object(out, [(resource.as_str(), quantity.as_str())]);
+                };
+                if resources.is_none() {
+                    ops.add(&base, &[Key("resources")], |out| {
+                        out.extend_from_slice(b"{\"limits\":");
+                        limit(out);
+                        out.push(b'}');
+                    });
+                } else if limits.is_none() {
+                    ops.add(&base, &[Key("resources"), Key("limits")], limit);
+                } else {
+                    ops.add(
+                        &base,
+                        &[Key("resources"), Key("limits"), Key(resource)],
+                        |out| json_out::string(out, quantity),
+                    );
+                }
+            }
+            Change::Env {
+                container,
+                remove,
+                append,
+            } => {
+                let current = container_value(pod, container).and_then(|c| c.get("env"));
+                let base = container_base(container);
+                list_edit(&mut ops, current, &base, "env", remove, append);
+            }
+            Change::VolumeMounts { container, remove } => {
+                let current = container_value(pod, container).and_then(|c| c.get("volumeMounts"));
+                let base = container_base(container);
+                list_edit(&mut ops, current, &base, "volumeMounts", remove, &[]);
+            }
+            Change::Volumes { remove } => {
+                let current = pod.at_path(&["spec", "volumes"]);
+                list_edit(&mut ops, current, &[Key("spec")], "volumes", remove, &[]);
+            }
+            Change::RemoveAnnotations { keys } => {
+                let annotations = pod.at_path(&["metadata", "annotations"]);
+                for key in keys {
+                    if annotations.and_then(|a| a.get(key)).is_some() {
+                        ops.remove(&[Key("metadata"), Key("annotations")], &[Key(key)]);
+                    }
+                }
+            }
+            Change::SetAnnotations { pairs } => {
+                if pairs.is_empty() {
+                    continue;
+                }
+                let metadata = pod.get("metadata").filter(|m| m.is_object());
+                let has_annotations = metadata
+                    .and_then(|m| m.get("annotations"))
+                    .is_some_and(Value::is_object);
+                // As an object: keys sorted, the last of a repeated key wins.
+                let mut sorted: Vec<(&str, &str)> = Vec::with_capacity(pairs.len());
+                for (k, v) in pairs {
+                    match sorted.iter_mut().find(|(key, _)| key == k) {
+                        Some(entry) => entry.1 = v,
+                        None => sorted.push((k, v)),
+                    }
+                }
+                sorted.sort_unstable_by_key(|&(k, _)| k);
+                let object =
+                    |out: &mut Vec<u8>| json_out::string_object(out, sorted.iter().copied());
+                if metadata.is_none() {
+                    ops.add(&[Key("metadata")], &[], |out| {
+                        out.extend_from_slice(b"{\"annotations\":");
+                        object(out);
+                        out.push(b'}');
+                    });
+                } else if !has_annotations {
+                    ops.add(&[Key("metadata"), Key("annotations")], &[], object);
+                } else {
+                    for (k, v) in pairs {
+                        ops.add(&[Key("metadata"), Key("annotations")], &[Key(k)], |out| {
+                            json_out::string(out, v);
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let count = ops.count;
+    out.push(b']');
+    count
+}
+
+/// [`write_patch`], read back as a [`json_patch::Patch`]. An error would mean the writer
+/// produced text that is not a patch: a bug, reported rather than hidden.
+pub fn patch_for(pod: &Value, changes: &[Change]) -> Result<json_patch::Patch, serde_json::Error> {
+    let mut out = Vec::new();
+    write_patch(pod, changes, &mut out);
+    serde_json::from_slice(&out)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::engine::ContainerKind;
+
+    fn at(index: usize) -> ContainerRef {
+        ContainerRef {
+            kind: ContainerKind::Regular,
+            index,
+            name: format!("c{index}"),
+        }
+    }
+
+    fn written(pod: &Value, changes: &[Change]) -> Value {
+        let mut out = Vec::new();
+        let count = write_patch(pod, changes, &mut out);
+        let patch: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(patch.as_array().map(Vec::len), Some(count));
+        patch
+    }
+
+    #[test]
+    fn missing_parents_are_created_and_tokens_escaped() {
+        // Container 0 has no securityContext or resources, container 1 a non-object
+        // securityContext and resources without limits; the pod has no metadata.
+        let pod = json!({"spec": {"containers": [
+            {"name": "c0"},
+            {"name": "c1", "securityContext": "odd", "resources": {"requests": {}}, "env": null}
+        ]}});
+        let changes = [
+            Change::SecurityContext {
+                container: at(0),
+                add: vec![],
+                drop: None,
+            },
+            Change::SecurityContext {
+                container: at(1),
+                add: vec!["IPC_LOCK".into()],
+                drop: Some(vec!["ALL".into()]),
+            },
+            Change::GpuLimit {
+                container: at(0),
+                resource: "a/b~c".into(),
+                quantity: "1".into(),
+            },
+            Change::GpuLimit {
+                container: at(1),
+                resource: "nvidia.com/gpu".into(),
+                quantity: "2".into(),
+            },
+            Change::Env {
+                container: at(1),
+                remove: vec![],
+                append: vec![("K".into(), "v\"1".into())],
+            },
+            Change::SetAnnotations {
+                pairs: vec![("x/y".into(), "2".into()), ("a~b".into(), "1".into())],
+            },
+        ];
+        let patch = written(&pod, &changes);
+        assert_eq!(
+            patch,
+            json!([
+                {"op": "add", "path": "/spec/containers/0/securityContext",
+                 "value": {"allowPrivilegeEscalation": false, "capabilities": {}, "privileged": false}},
+                {"op": "add", "path": "/spec/containers/1/securityContext",
+                 "value": {"allowPrivilegeEscalation": false,
+                           "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}, "privileged": false}},
+                {"op": "add", "path": "/spec/containers/0/resources", "value": {"limits": {"a/b~c": "1"}}},
+                {"op": "add", "path": "/spec/containers/1/resources/limits", "value": {"nvidia.com/gpu": "2"}},
+                {"op": "add", "path": "/spec/containers/1/env", "value": [{"name": "K", "value": "v\"1"}]},
+                {"op": "add", "path": "/metadata", "value": {"annotations": {"a~b": "1", "x/y": "2"}}}
+            ])
+        );
+        let mut applied = pod.clone();
+        json_patch::patch(&mut applied, &patch_for(&pod, &changes).unwrap()).unwrap();
+        assert_eq!(applied["metadata"]["annotations"]["a~b"], "1");
+    }
+
+    #[test]
+    fn existing_parents_get_leaf_operations() {
+        let pod = json!({
+            "metadata": {"annotations": {"cdi.k8s.io/gpu": "nvidia.com/gpu=0"}},
+            "spec": {
+                "volumes": [{"name": "a"}, {"name": "b"}],
+                "containers": [{
+                    "name": "c0",
+                    "securityContext": {"privileged": true, "capabilities": {"drop": ["NET_RAW"]}},
+                    "resources": {"limits": {"cpu": "1"}},
+                    "env": [{"name": "A"}, {"name": "B"}, {"name": "C"}],
+                    "volumeMounts": [{"name": "a"}, {"name": "b"}]
+                }]
+            }
+        });
+        let changes = [
+            Change::SecurityContext {
+                container: at(0),
+                add: vec![],
+                drop: None,
+            },
+            Change::GpuLimit {
+                container: at(0),
+                resource: "nvidia.com/gpu".into(),
+                quantity: "1".into(),
+            },
+            Change::Env {
+                container: at(0),
+                remove: vec![0, 2],
+                append: vec![("D".into(), "d".into())],
+            },
+            Change::VolumeMounts {
+                container: at(0),
+                remove: vec![1],
+            },
+            Change::Volumes { remove: vec![1] },
+            Change::RemoveAnnotations {
+                keys: vec!["cdi.k8s.io/gpu".into(), "cdi.k8s.io/absent".into()],
+            },
+            Change::SetAnnotations {
+                pairs: vec![
+                    ("gpuwarden.io/policy".into(), "p@1".into()),
+                    ("a~b/c".into(), "\n".into()),
+                ],
+            },
+        ];
+        assert_eq!(
+            written(&pod, &changes),
+            json!([
+                {"op": "add", "path": "/spec/containers/0/securityContext/privileged", "value": false},
+                {"op": "add", "path": "/spec/containers/0/securityContext/allowPrivilegeEscalation", "value": false},
+                {"op": "add", "path": "/spec/containers/0/securityContext/capabilities", "value": {"drop": ["NET_RAW"]}},
+                {"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "1"},
+                {"op": "remove", "path": "/spec/containers/0/env/2"},
+                {"op": "remove", "path": "/spec/containers/0/env/0"},
+                {"op": "add", "path": "/spec/containers/0/env/-", "value": {"name": "D", "value": "d"}},
+                {"op": "remove", "path": "/spec/containers/0/volumeMounts/1"},
+                {"op": "remove", "path": "/spec/volumes/1"},
+                {"op": "remove", "path": "/metadata/annotations/cdi.k8s.io~1gpu"},
+                {"op": "add", "path": "/metadata/annotations/gpuwarden.io~1policy", "value": "p@1"},
+                {"op": "add", "path": "/metadata/annotations/a~0b~1c", "value": "\n"}
+            ])
+        );
+    }
+
+    #[test]
+    fn changes_already_in_place_write_an_empty_patch() {
+        let pod = json!({"metadata": {}, "spec": {}});
+        let changes = [
+            Change::SetAnnotations { pairs: vec![] },
+            Change::RemoveAnnotations {
+                keys: vec!["k".into()],
+            },
+            Change::Volumes { remove: vec![] },
+        ];
+        let mut out = Vec::new();
+        assert_eq!(write_patch(&pod, &changes, &mut out), 0);
+        assert_eq!(out, b"[]");
+    }
+}
