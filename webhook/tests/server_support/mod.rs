@@ -191,6 +191,15 @@ impl Reviewer for EchoReviewer {
     }
 }
 
+/// [`review_body`] grown past the server's inline limit with an annotation of `padding`
+/// bytes, so that the server reviews it on the blocking pool.
+pub fn padded_review_body(uid: &str, padding: usize) -> Vec<u8> {
+    let mut review: serde_json::Value = serde_json::from_slice(&review_body(uid)).unwrap();
+    review["request"]["object"]["metadata"]["annotations"] =
+        serde_json::json!({"padding": "x".repeat(padding)});
+    review.to_string().into_bytes()
+}
+
 /// A minimal review of a Pod CREATE with `uid`.
 pub fn review_body(uid: &str) -> Vec<u8> {
     serde_json::json!({
