@@ -263,14 +263,14 @@ fn main() {
     // Where the rewritten case's time goes: the engine's decision and the patch, on a pod
     // that is already parsed.
     let parsed: Value = serde_json::from_slice(&cases[2].1).expect("the fixture is JSON");
-    let pod = &parsed["request"]["object"];
+    let pod = gpuwarden_webhook::pod::PodView::from_value(&parsed["request"]["object"]);
     let labels = gpuwarden_webhook::engine::namespace_labels_or_default(
         "ml",
         Some([("team".to_owned(), "nlp".to_owned())].into()),
     );
     let policies = gpuwarden_webhook::admission::PolicySource::policies(&source);
     let input = gpuwarden_webhook::engine::Input {
-        pod,
+        pod: &pod,
         namespace: "ml",
         namespace_labels: &labels,
         operation: gpuwarden_webhook::engine::Operation::Create,
@@ -285,7 +285,7 @@ fn main() {
     let decision = gpuwarden_webhook::engine::decide(&input, &policies);
     let patch = measure(|| {
         let mut bytes = Vec::new();
-        gpuwarden_webhook::patch::write_patch(black_box(pod), &decision.changes, &mut bytes);
+        gpuwarden_webhook::patch::write_patch(black_box(&pod), &decision.changes, &mut bytes);
         black_box(bytes);
     });
     println!();

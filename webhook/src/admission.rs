@@ -17,6 +17,7 @@ use gpuwarden_crds::GpuPolicy;
 use serde_json::Value;
 
 use crate::engine::{self, Decision, Input, Operation, Verdict};
+use crate::pod::PodView;
 use crate::{json_out, patch};
 
 /// Where the webhook reads policies and namespace labels from.
@@ -180,238 +181,42 @@ struct RequestIn<O> {
     old_object: Option<O>,
 }
 
-/// Deserialises `T` from a JSON object only. (serde's derived structs also accept arrays,
-/// which would let `[1]` pass for a pod.)
-struct MapOnly<T>(T);
+/// `request.object` or `request.oldObject`: the pod's view when it is a JSON object, read
+/// straight from the body (see [`crate::pod`]).
+struct PodObject<'a>(Option<PodView<'a>>);
 
-impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for MapOnly<T> {
+impl<'de: 'a, 'a> serde::Deserialize<'de> for PodObject<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit<T>(std::marker::PhantomData<T>);
-        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visit<T> {
-            type Value = MapOnly<T>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<Self::Value, A::Error> {
-                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(MapOnly)
-            }
-        }
-        d.deserialize_map(Visit(std::marker::PhantomData))
+        crate::pod::pod_object(d).map(PodObject)
     }
 }
 
-impl ReviewIn<MapOnly<PodIn>> {
-    fn into_values(self) -> ReviewIn<Value> {
+impl ReviewIn<Value> {
+    /// The same review with views of its pods, borrowed from the values.
+    fn views(&self) -> ReviewIn<PodObject<'_>> {
+        fn view(o: &Option<Value>) -> Option<PodObject<'_>> {
+            o.as_ref()
+                .map(|o| PodObject(o.is_object().then(|| PodView::from_value(o))))
+        }
         ReviewIn {
-            api_version: self.api_version,
-            kind: self.kind,
-            request: self.request.map(|r| RequestIn {
-                uid: r.uid,
-                kind: r.kind,
-                resource: r.resource,
-                sub_resource: r.sub_resource,
-                name: r.name,
-                namespace: r.namespace,
-                operation: r.operation,
-                object: r.object.map(|p| p.0.into_value()),
-                old_object: r.old_object.map(|p| p.0.into_value()),
+            api_version: self.api_version.clone(),
+            kind: self.kind.clone(),
+            request: self.request.as_ref().map(|r| RequestIn {
+                uid: r.uid.clone(),
+                kind: r.kind.clone(),
+                resource: r.resource.clone(),
+                sub_resource: r.sub_resource.clone(),
+                name: r.name.clone(),
+                namespace: r.namespace.clone(),
+                operation: r.operation.clone(),
+                object: view(&r.object),
+                old_object: view(&r.old_object),
             }),
         }
     }
 }
 
-/// The parts of a pod the engine reads, and nothing else: parsing a review this way skips
-/// (without allocating) probes, affinity, owner references, commands and the like. Fields are
-/// kept as JSON values, `null` included, so the engine sees them exactly as sent; list
-/// entries keep only the keys the engine reads (see [`EnvVarIn`]). A pod this
-/// shape cannot hold (say `containers` is not a list of objects) is parsed whole instead.
-#[derive(serde::Deserialize)]
-struct PodIn {
-    #[serde(default = "none")]
-    metadata: Option<MapOnly<MetaIn>>,
-    #[serde(default)]
-    spec: Option<MapOnly<SpecIn>>,
-}
-
-/// Metadata the engine reads: managedFields, ownerReferences and the rest are skipped.
-#[derive(serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct MetaIn {
-    #[serde(default, deserialize_with = "present")]
-    name: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    generate_name: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    namespace: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    labels: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    annotations: Option<Value>,
-}
-
-#[derive(serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct SpecIn {
-    #[serde(default, deserialize_with = "present")]
-    service_account_name: Option<Value>,
-    #[serde(default = "none")]
-    volumes: Option<Vec<MapOnly<VolumeIn>>>,
-    #[serde(default = "none")]
-    containers: Option<Vec<MapOnly<ContainerIn>>>,
-    #[serde(default = "none")]
-    init_containers: Option<Vec<MapOnly<ContainerIn>>>,
-    #[serde(default = "none")]
-    ephemeral_containers: Option<Vec<MapOnly<ContainerIn>>>,
-}
-
-#[derive(serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct ContainerIn {
-    #[serde(default, deserialize_with = "present")]
-    name: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    image: Option<Value>,
-    #[serde(default = "none")]
-    env: Option<Vec<MapOnly<EnvVarIn>>>,
-    #[serde(default, deserialize_with = "present")]
-    resources: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    security_context: Option<Value>,
-    #[serde(default = "none")]
-    volume_mounts: Option<Vec<MapOnly<VolumeMountIn>>>,
-}
-
-// List entries the engine only reads a few keys of, and removes by index without copying:
-// the other keys (config map sources, mount paths, volume sources) are skipped. A list that
-// is `null` reads as absent, which the engine treats the same way.
-
-/// An `env` entry: the engine reads the name, the value, and whether `valueFrom` is set.
-#[derive(serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct EnvVarIn {
-    #[serde(default, deserialize_with = "present")]
-    name: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    value: Option<Value>,
-    #[serde(default, deserialize_with = "set_or_null")]
-    value_from: Option<Value>,
-}
-
-/// A pod volume: the engine reads the name and the host path.
-#[derive(serde::Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct VolumeIn {
-    #[serde(default, deserialize_with = "present")]
-    name: Option<Value>,
-    #[serde(default, deserialize_with = "present")]
-    host_path: Option<Value>,
-}
-
-/// A container's volume mount: the engine reads the name.
-#[derive(serde::Deserialize)]
-struct VolumeMountIn {
-    #[serde(default, deserialize_with = "present")]
-    name: Option<Value>,
-}
-
-/// A field that is present, even as `null`, is `Some`.
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
-    <Value as serde::Deserialize>::deserialize(d).map(Some)
-}
-
-/// A field whose content is never read, only whether it is set: `null` stays `null`,
-/// anything else becomes an empty object, skipped without being built.
-fn set_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
-    let set = <Option<serde::de::IgnoredAny> as serde::Deserialize>::deserialize(d)?;
-    Ok(Some(match set {
-        Some(_) => Value::Object(serde_json::Map::new()),
-        None => Value::Null,
-    }))
-}
-
-/// A list of reduced objects (entries, containers), as JSON.
-fn entries<T>(list: Option<Vec<MapOnly<T>>>, entry: impl Fn(T) -> Value) -> Option<Value> {
-    list.map(|l| Value::Array(l.into_iter().map(|MapOnly(e)| entry(e)).collect()))
-}
-
-/// A JSON object of the fields that are present.
-fn object<const N: usize>(fields: [(&str, Option<Value>); N]) -> Value {
-    // Inserted one by one: collecting into the map would sort a buffer first, which costs
-    // more for these few keys.
-    let mut map = serde_json::Map::new();
-    for (key, value) in fields {
-        if let Some(value) = value {
-            map.insert(key.to_owned(), value);
-        }
-    }
-    Value::Object(map)
-}
-
-impl PodIn {
-    fn into_value(self) -> Value {
-        let container = |c: ContainerIn| {
-            object([
-                ("name", c.name),
-                ("image", c.image),
-                (
-                    "env",
-                    entries(c.env, |e| {
-                        object([
-                            ("name", e.name),
-                            ("value", e.value),
-                            ("valueFrom", e.value_from),
-                        ])
-                    }),
-                ),
-                ("resources", c.resources),
-                ("securityContext", c.security_context),
-                (
-                    "volumeMounts",
-                    entries(c.volume_mounts, |v| object([("name", v.name)])),
-                ),
-            ])
-        };
-        object([
-            (
-                "metadata",
-                self.metadata.map(|MapOnly(meta)| {
-                    object([
-                        ("name", meta.name),
-                        ("generateName", meta.generate_name),
-                        ("namespace", meta.namespace),
-                        ("labels", meta.labels),
-                        ("annotations", meta.annotations),
-                    ])
-                }),
-            ),
-            (
-                "spec",
-                self.spec.map(|MapOnly(spec)| {
-                    object([
-                        ("serviceAccountName", spec.service_account_name),
-                        (
-                            "volumes",
-                            entries(spec.volumes, |v| {
-                                object([("name", v.name), ("hostPath", v.host_path)])
-                            }),
-                        ),
-                        ("containers", entries(spec.containers, container)),
-                        ("initContainers", entries(spec.init_containers, container)),
-                        (
-                            "ephemeralContainers",
-                            entries(spec.ephemeral_containers, container),
-                        ),
-                    ])
-                }),
-            ),
-        ])
-    }
-}
-
-#[derive(serde::Deserialize)]
+#[derive(Clone, serde::Deserialize)]
 struct GroupVersionKind {
     #[serde(default)]
     group: String,
@@ -419,7 +224,7 @@ struct GroupVersionKind {
     kind: String,
 }
 
-#[derive(serde::Deserialize)]
+#[derive(Clone, serde::Deserialize)]
 struct GroupVersionResource {
     #[serde(default)]
     group: String,
@@ -448,12 +253,13 @@ const API_VERSION: &str = "admission.k8s.io/v1";
 
 /// Answers one AdmissionReview body. See the module docs.
 pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
-    // Fast path: only the fields the engine reads. Anything it cannot take is parsed again,
-    // whole, so that odd input gets the same precise answer.
-    let review: ReviewIn<Value> = match serde_json::from_slice::<ReviewIn<MapOnly<PodIn>>>(body) {
-        Ok(review) => review.into_values(),
+    // Fast path: the pod read as a view borrowed from the body. A body the view cannot take
+    // (a field named twice in one object) is parsed again as values, so that odd input gets
+    // the same answer.
+    match serde_json::from_slice::<ReviewIn<PodObject<'_>>>(body) {
+        Ok(review) => answer(review, source),
         Err(_) => match serde_json::from_slice::<ReviewIn<Value>>(body) {
-            Ok(review) => review,
+            Ok(review) => answer(review.views(), source),
             Err(e) => {
                 // Say whether it was JSON at all, and echo the uid if one can be found.
                 let (error, uid) = match serde_json::from_slice::<Value>(body) {
@@ -466,10 +272,14 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
                             .to_owned(),
                     ),
                 };
-                return invalid(API_VERSION, uid, None, &error);
+                invalid(API_VERSION, uid, None, &error)
             }
         },
-    };
+    }
+}
+
+/// Answers a parsed review.
+fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
     let api_version = match review.api_version.as_deref() {
         Some(v @ "admission.k8s.io/v1beta1") => v,
         _ => API_VERSION,
@@ -499,12 +309,15 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
         _ => return invalid(api_version, String::new(), None, &ReviewError::MissingUid),
     };
     match review_request(&request, source) {
-        Ok((decision, pod)) => respond(api_version, uid, pod, decision, request.object.as_ref()),
+        Ok((decision, pod)) => {
+            let object = request.object.as_ref().and_then(|o| o.0.as_ref());
+            respond(api_version, uid, pod, decision, object)
+        }
         Err(error) => {
-            let pod = request
-                .object
-                .as_ref()
-                .map(|o| display_name(o, request.namespace.as_deref(), request.name.as_deref()));
+            let pod = request.object.as_ref().map(|o| {
+                let view = o.0.clone().unwrap_or_default();
+                display_name(&view, request.namespace.as_deref(), request.name.as_deref())
+            });
             invalid(api_version, uid, pod, &error)
         }
     }
@@ -512,7 +325,7 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
 
 /// Runs the engine on a parsed request. `Ok` carries the decision and the pod's display name.
 fn review_request(
-    request: &RequestIn<Value>,
+    request: &RequestIn<PodObject<'_>>,
     source: &dyn PolicySource,
 ) -> Result<(Decision, Option<String>), ReviewError> {
     let is_pod = match (&request.kind, &request.resource) {
@@ -542,7 +355,7 @@ fn review_request(
             let old = request
                 .old_object
                 .as_ref()
-                .filter(|o| o.is_object())
+                .and_then(|o| o.0.as_ref())
                 .ok_or(ReviewError::MissingOldObject)?;
             Operation::AddEphemeral { old }
         }
@@ -552,7 +365,7 @@ fn review_request(
     let pod = request
         .object
         .as_ref()
-        .filter(|o| o.is_object())
+        .and_then(|o| o.0.as_ref())
         .ok_or_else(|| ReviewError::MissingObject {
             operation: operation.to_owned(),
         })?;
@@ -560,11 +373,7 @@ fn review_request(
         .namespace
         .as_deref()
         .filter(|n| !n.is_empty())
-        .or_else(|| {
-            pod.get("metadata")
-                .and_then(|m| m.get("namespace"))
-                .and_then(Value::as_str)
-        })
+        .or_else(|| pod.metadata.as_ref()?.namespace.as_deref())
         .unwrap_or("default");
     let name = display_name(pod, Some(namespace), request.name.as_deref());
     let labels = engine::namespace_labels_or_default(namespace, source.namespace_labels(namespace));
@@ -584,29 +393,17 @@ fn review_request(
 }
 
 /// `namespace/name`, or `namespace/generateName*` for a pod not yet named.
-fn display_name(pod: &Value, namespace: Option<&str>, name: Option<&str>) -> String {
+fn display_name(pod: &PodView<'_>, namespace: Option<&str>, name: Option<&str>) -> String {
+    let metadata = pod.metadata.as_ref();
     let namespace = namespace
         .filter(|n| !n.is_empty())
-        .or_else(|| {
-            pod.get("metadata")
-                .and_then(|m| m.get("namespace"))
-                .and_then(Value::as_str)
-        })
+        .or_else(|| metadata?.namespace.as_deref())
         .unwrap_or("default");
     let name = name
         .filter(|n| !n.is_empty())
-        .or_else(|| {
-            pod.get("metadata")
-                .and_then(|m| m.get("name"))
-                .and_then(Value::as_str)
-        })
+        .or_else(|| metadata?.name.as_deref())
         .map(str::to_owned)
-        .or_else(|| {
-            pod.get("metadata")
-                .and_then(|m| m.get("generateName"))
-                .and_then(Value::as_str)
-                .map(|g| format!("{g}*"))
-        })
+        .or_else(|| metadata?.generate_name.as_deref().map(|g| format!("{g}*")))
         .unwrap_or_else(|| "<unnamed>".to_owned());
     format!("{namespace}/{name}")
 }
@@ -616,7 +413,7 @@ fn respond(
     uid: String,
     pod_name: Option<String>,
     decision: Decision,
-    pod: Option<&Value>,
+    pod: Option<&PodView<'_>>,
 ) -> (Vec<u8>, ReviewSummary) {
     let outcome = match decision.verdict() {
         Verdict::NotGoverned | Verdict::Unchanged => Outcome::Allowed,
@@ -771,10 +568,32 @@ mod tests {
     }
 
     #[test]
-    fn reduced_list_entries_give_the_whole_pods_patch() {
-        // Lists the adapter reduces (env, volumeMounts, volumes), with the shapes that could
-        // tell a reduced entry from a whole one: null lists, null and set valueFrom, extra
-        // keys, a device hostPath volume to strip.
+    fn a_repeated_field_is_read_as_the_api_server_reads_it() {
+        // serde_json and the API server keep the last of a repeated key; the view cannot
+        // read such a body, so the adapter reads it again as values.
+        let body = |security: &str| {
+            format!(
+                r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{{
+                "uid":"u","namespace":"ml","operation":"CREATE",
+                "kind":{{"group":"","version":"v1","kind":"Pod"}},
+                "object":{{"metadata":{{"name":"p"}},"spec":{{"containers":[{{"name":"a",
+                "image":"train",{security}
+                "env":[{{"name":"NVIDIA_VISIBLE_DEVICES","value":"0"}}]}}]}}}}}}}}"#
+            )
+        };
+        let source = StaticSource::new([GpuPolicy::default_policy()]);
+        let last = r#""securityContext":{"privileged":true},"#;
+        let repeated = format!(r#""securityContext":{{"privileged":false}},{last}"#);
+        let (plain, summary) = handle_review(body(last).as_bytes(), &source);
+        assert_eq!(summary.outcome, Outcome::Rewritten);
+        assert_eq!(handle_review(body(&repeated).as_bytes(), &source).0, plain);
+    }
+
+    #[test]
+    fn the_view_from_the_body_gives_the_whole_pods_patch() {
+        // Lists the view reads a few keys of (env, volumeMounts, volumes), with the shapes
+        // that could tell them apart from whole entries: null lists, null and set valueFrom,
+        // extra keys, a device hostPath volume to strip.
         let pod = serde_json::json!({
             "metadata": {"name": "p", "namespace": "ml"},
             "spec": {
@@ -824,8 +643,9 @@ mod tests {
         });
         let source = StaticSource::new([GpuPolicy::default_policy()]);
         let labels = engine::namespace_labels_or_default("ml", None);
+        let view = PodView::from_value(&pod);
         let input = Input {
-            pod: &pod,
+            pod: &view,
             namespace: "ml",
             namespace_labels: &labels,
             operation: Operation::Create,

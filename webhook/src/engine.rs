@@ -2,9 +2,10 @@
 //! a [`Decision`] (a verdict, the list of [`Change`]s, warnings and audit annotations).
 //! [`crate::patch`] turns the changes into an RFC 6902 patch.
 //!
-//! The engine reads the pod as raw JSON (`serde_json::Value`) rather than a typed `Pod`: it
-//! never drops fields it does not know, costs one parse per review, and the patch it derives
-//! touches only the fields DESIGN.md lists (container `securityContext.privileged`,
+//! The engine reads the pod through a [`PodView`]: the few fields it needs, borrowed from
+//! the review's body (or from a manifest's `Value`), rather than a whole typed `Pod`. It
+//! never drops fields it does not know, since its output is a patch, and the patch touches
+//! only the fields DESIGN.md lists (container `securityContext.privileged`,
 //! `allowPrivilegeEscalation`, `capabilities`, GPU limits, `env`, `volumeMounts`; pod
 //! `volumes` and `metadata.annotations`).
 //!
@@ -20,7 +21,8 @@ use gpuwarden_crds::{
     RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll, selector,
 };
 use serde::Serialize;
-use serde_json::{Map, Value};
+
+use crate::pod::{Container, Map, PodView};
 
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
 
@@ -195,7 +197,7 @@ pub enum Operation<'a> {
     /// `pods/ephemeralcontainers` UPDATE; the previous pod tells which containers are new.
     AddEphemeral {
         /// The pod before the update.
-        old: &'a Value,
+        old: &'a PodView<'a>,
     },
 }
 
@@ -203,7 +205,7 @@ pub enum Operation<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct Input<'a> {
     /// The pod (or a pod template: an object with `metadata` and `spec`).
-    pub pod: &'a Value,
+    pub pod: &'a PodView<'a>,
     /// The pod's namespace.
     pub namespace: &'a str,
     /// The namespace's labels (see [`namespace_labels_or_default`]).
@@ -285,7 +287,15 @@ pub fn select_policy<'p>(
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide(input: &Input<'_>, policies: &[Arc<GpuPolicy>]) -> Decision {
-    let pod_labels = string_map(input.pod.at_path(&["metadata", "labels"]));
+    let pod_labels: BTreeMap<String, String> = input
+        .pod
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
+        .collect();
     let selection = select_policy(policies, input.namespace_labels, &pod_labels);
     let mut decision = match selection.policy {
         None => Decision::new(Verdict::NotGoverned),
@@ -356,17 +366,15 @@ impl VisibleDevices {
 
 /// Reads `NVIDIA_VISIBLE_DEVICES` from a container's `env` (the last entry wins, as in the
 /// kubelet).
-fn visible_devices(container: &Value) -> (VisibleDevices, Option<String>) {
+fn visible_devices(container: &Container<'_>) -> (VisibleDevices, Option<String>) {
     let mut found = (VisibleDevices::Unset, None);
-    for entry in array(container.get("env")) {
-        if entry.get("name").and_then(Value::as_str) != Some(ENV_VISIBLE_DEVICES) {
+    for entry in container.env.iter().flatten() {
+        if entry.name.as_deref() != Some(ENV_VISIBLE_DEVICES) {
             continue;
         }
-        found = match entry.get("value").and_then(Value::as_str) {
+        found = match entry.value.as_deref() {
             Some(v) => (VisibleDevices::parse(v), Some(v.to_owned())),
-            None if entry.get("valueFrom").is_some_and(|v| !v.is_null()) => {
-                (VisibleDevices::Indirect, None)
-            }
+            None if entry.value_from => (VisibleDevices::Indirect, None),
             None => (VisibleDevices::NoGpu, Some(String::new())),
         };
     }
@@ -418,11 +426,12 @@ fn clean_path(path: &str) -> String {
 #[derive(Debug)]
 struct ContainerInfo<'a> {
     at: ContainerRef,
-    value: &'a Value,
+    value: &'a Container<'a>,
     privileged: bool,
     image_exempt: bool,
     gpu_limit: bool,
-    gpu_request: Option<(String, Value)>,
+    /// A GPU resource requested but not limited: resource, quantity.
+    gpu_request: Option<(String, String)>,
     visible: VisibleDevices,
     visible_raw: Option<String>,
     device_mounts: Vec<String>,
@@ -435,31 +444,27 @@ struct PodFacts<'a> {
     /// Device hostPath volumes: name → path.
     device_volumes: BTreeMap<String, String>,
     cdi_keys: Vec<String>,
-    annotations: Option<&'a Map<String, Value>>,
+    annotations: Option<&'a Map<'a>>,
 }
 
-fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> PodFacts<'a> {
-    let spec = pod.get("spec");
-    let annotations = pod
-        .at_path(&["metadata", "annotations"])
-        .and_then(Value::as_object);
+fn read_pod<'a>(pod: &'a PodView<'a>, policy: &GpuPolicy, kinds: &[ContainerKind]) -> PodFacts<'a> {
+    let annotations = pod.annotations();
     let mut cdi_keys = Vec::new();
     let mut cdi_nvidia = false;
     for (key, value) in annotations.into_iter().flatten() {
         if key.starts_with(CDI_ANNOTATION_PREFIX) {
-            cdi_keys.push(key.clone());
+            cdi_keys.push(key.to_string());
             if value.as_str().is_some_and(|v| v.contains("nvidia.com/")) {
                 cdi_nvidia = true;
             }
         }
     }
     let mut device_volumes = BTreeMap::new();
-    for volume in array(spec.and_then(|s| s.get("volumes"))) {
+    let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_deref());
+    for volume in volumes.unwrap_or_default() {
         let (Some(name), Some(path)) = (
-            volume.get("name").and_then(Value::as_str),
-            volume
-                .at_path(&["hostPath", "path"])
-                .and_then(Value::as_str),
+            volume.name.as_deref(),
+            volume.host_path.as_ref().and_then(|h| h.path.as_deref()),
         ) else {
             continue;
         };
@@ -472,33 +477,29 @@ fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> 
     let images = &policy.spec.exemptions.images;
     let mut containers = Vec::new();
     for &kind in kinds {
-        for (index, value) in array(spec.and_then(|s| s.get(kind.field())))
-            .iter()
-            .enumerate()
-        {
-            let name = value.get("name").and_then(Value::as_str).unwrap_or("");
-            let privileged = value
-                .at_path(&["securityContext", "privileged"])
-                .and_then(Value::as_bool)
-                == Some(true);
-            let image = value.get("image").and_then(Value::as_str).unwrap_or("");
-            let limits = value
-                .at_path(&["resources", "limits"])
-                .and_then(Value::as_object);
-            let gpu_limit = limits.is_some_and(|l| l.keys().any(|k| is_gpu_resource(k, resource)));
+        for (index, value) in pod.containers(kind.field()).iter().enumerate() {
+            let name = value.name.as_deref().unwrap_or("");
+            let privileged =
+                value.security_context.as_ref().and_then(|s| s.privileged) == Some(true);
+            let image = value.image.as_deref().unwrap_or("");
+            let resources = value.resources.as_ref();
+            let gpu_limit = resources
+                .and_then(|r| r.limits.as_ref())
+                .is_some_and(|l| l.keys().any(|k| is_gpu_resource(k, resource)));
             let gpu_request = if gpu_limit {
                 None
             } else {
-                value
-                    .at_path(&["resources", "requests"])
-                    .and_then(Value::as_object)
+                resources
+                    .and_then(|r| r.requests.as_ref())
                     .and_then(|r| r.iter().find(|(k, _)| is_gpu_resource(k, resource)))
-                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .map(|(k, v)| (k.to_string(), v.to_text()))
             };
             let (visible, visible_raw) = visible_devices(value);
-            let device_mounts: Vec<String> = array(value.get("volumeMounts"))
+            let device_mounts: Vec<String> = value
+                .volume_mounts
                 .iter()
-                .filter_map(|m| m.get("name").and_then(Value::as_str))
+                .flatten()
+                .filter_map(|m| m.name.as_deref())
                 .filter(|n| device_volumes.contains_key(*n))
                 .map(str::to_owned)
                 .collect();
@@ -535,10 +536,11 @@ fn read_pod<'a>(pod: &'a Value, policy: &GpuPolicy, kinds: &[ContainerKind]) -> 
 }
 
 /// Namespace or service-account exemption of the whole pod, with the reason.
-fn pod_exemption(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Option<String> {
+fn pod_exemption(pod: &PodView<'_>, namespace: &str, policy: &GpuPolicy) -> Option<String> {
     let sa = pod
-        .at_path(&["spec", "serviceAccountName"])
-        .and_then(Value::as_str)
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.as_deref())
         .unwrap_or("");
     policy.spec.exemptions.pod_exemption(namespace, sa)
 }
@@ -670,12 +672,13 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
 
         if target {
             // Rules 1 and 2.
-            let asked: Vec<String> =
-                array(c.value.at_path(&["securityContext", "capabilities", "add"]))
-                    .iter()
-                    .filter_map(Value::as_str)
-                    .map(normalise_cap)
-                    .collect();
+            let asked: Vec<String> = c
+                .value
+                .security_context
+                .as_ref()
+                .and_then(|s| s.capabilities.as_ref())
+                .map(|caps| caps.add.iter().map(|a| normalise_cap(a)).collect())
+                .unwrap_or_default();
             let mut add: Vec<String> = Vec::new();
             for cap in defaults
                 .iter()
@@ -717,7 +720,7 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
             // Rule 3.
             if c.gpu && !c.gpu_limit {
                 if let Some((resource, quantity)) = &c.gpu_request {
-                    let q = quantity_string(quantity);
+                    let q = quantity.clone();
                     notes.push(format!("limits {resource}={q} (from its request)"));
                     report.limits.insert(resource.clone(), q.clone());
                     report.gpu_count_from = Some("request".to_owned());
@@ -800,8 +803,8 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
         if !c.image_exempt && c.device_mounts.iter().any(|m| strips(m)) {
             let mut removed: Vec<String> = Vec::new();
             let mut indices = Vec::new();
-            for (i, m) in array(c.value.get("volumeMounts")).iter().enumerate() {
-                let name = m.get("name").and_then(Value::as_str).unwrap_or("");
+            for (i, m) in c.value.volume_mounts.iter().flatten().enumerate() {
+                let name = m.name.as_deref().unwrap_or("");
                 if strips(name) {
                     indices.push(i);
                     if !removed.iter().any(|r| r == name) {
@@ -898,11 +901,11 @@ struct EnvEdit<'s> {
 /// The edit that removes the `remove` names from a container's env and sets `set`, or `None`
 /// when the env is already so. An entry already holding the value stays where it is.
 fn rewrite_env<'s>(
-    container: &Value,
+    container: &Container<'_>,
     remove: &[&str],
     set: Option<(&'s str, &'s str)>,
 ) -> Option<EnvEdit<'s>> {
-    let env = array(container.get("env"));
+    let env = container.env.as_deref().unwrap_or_default();
     let mut edit = EnvEdit {
         remove: Vec::new(),
         append: Vec::new(),
@@ -912,7 +915,7 @@ fn rewrite_env<'s>(
     let mut set_done = false;
     let mut set_changed = false;
     for (i, entry) in env.iter().enumerate() {
-        let name = entry.get("name").and_then(Value::as_str).unwrap_or("");
+        let name = entry.name.as_deref().unwrap_or("");
         if remove.contains(&name) {
             if !edit.removed.iter().any(|r| r == name) {
                 edit.removed.push(name.to_owned());
@@ -923,8 +926,7 @@ fn rewrite_env<'s>(
         if let Some((k, v)) = set
             && name == k
         {
-            let same = entry.get("value").and_then(Value::as_str) == Some(v)
-                && entry.get("valueFrom").is_none_or(Value::is_null);
+            let same = entry.value.as_deref() == Some(v) && !entry.value_from;
             if same && !set_done {
                 set_done = true;
             } else {
@@ -945,13 +947,6 @@ fn rewrite_env<'s>(
     }
     edit.set = set.filter(|_| set_changed);
     Some(edit)
-}
-
-fn quantity_string(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1012,14 +1007,12 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         BTreeSet::new()
     };
     if !strip.is_empty() {
-        let indices: Vec<usize> = array(input.pod.at_path(&["spec", "volumes"]))
+        let volumes = input.pod.spec.as_ref().and_then(|s| s.volumes.as_deref());
+        let indices: Vec<usize> = volumes
+            .unwrap_or_default()
             .iter()
             .enumerate()
-            .filter(|(_, v)| {
-                v.get("name")
-                    .and_then(Value::as_str)
-                    .is_some_and(|n| strip.contains(n))
-            })
+            .filter(|(_, v)| v.name.as_deref().is_some_and(|n| strip.contains(n)))
             .map(|(i, _)| i)
             .collect();
         if !indices.is_empty() {
@@ -1145,11 +1138,15 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
 
 fn push_if_changed(
     pairs: &mut Vec<(String, String)>,
-    annotations: Option<&Map<String, Value>>,
+    annotations: Option<&Map<'_>>,
     key: &str,
     value: String,
 ) {
-    if annotations.and_then(|a| a.get(key)).and_then(Value::as_str) != Some(value.as_str()) {
+    if annotations
+        .and_then(|a| a.get(key))
+        .and_then(|v| v.as_str())
+        != Some(value.as_str())
+    {
         pairs.push((key.to_owned(), value));
     }
 }
@@ -1167,7 +1164,7 @@ fn summary_line(plan: &Plan) -> String {
     parts.join("; ")
 }
 
-fn decide_ephemeral(input: &Input<'_>, old: &Value, policy: &GpuPolicy) -> Decision {
+fn decide_ephemeral(input: &Input<'_>, old: &PodView<'_>, policy: &GpuPolicy) -> Decision {
     let reference = policy.reference();
     if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
         let mut d = Decision::new(Verdict::Exempt);
@@ -1175,28 +1172,24 @@ fn decide_ephemeral(input: &Input<'_>, old: &Value, policy: &GpuPolicy) -> Decis
         d.policy = Some(reference);
         return d;
     }
-    let existing: BTreeSet<&str> = array(old.at_path(&["spec", "ephemeralContainers"]))
+    let field = ContainerKind::Ephemeral.field();
+    let existing: BTreeSet<&str> = old
+        .containers(field)
         .iter()
-        .filter_map(|c| c.get("name").and_then(Value::as_str))
+        .filter_map(|c| c.name.as_deref())
         .collect();
     let images = &policy.spec.exemptions.images;
-    let offending: Vec<String> = array(input.pod.at_path(&["spec", "ephemeralContainers"]))
+    let offending: Vec<String> = input
+        .pod
+        .containers(field)
         .iter()
         .filter(|c| {
-            let name = c.get("name").and_then(Value::as_str).unwrap_or("");
-            let privileged = c
-                .at_path(&["securityContext", "privileged"])
-                .and_then(Value::as_bool)
-                == Some(true);
-            let image = c.get("image").and_then(Value::as_str).unwrap_or("");
+            let name = c.name.as_deref().unwrap_or("");
+            let privileged = c.security_context.as_ref().and_then(|s| s.privileged) == Some(true);
+            let image = c.image.as_deref().unwrap_or("");
             !existing.contains(name) && privileged && !image_exempt(image, images)
         })
-        .map(|c| {
-            c.get("name")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned()
-        })
+        .map(|c| c.name.as_deref().unwrap_or("").to_owned())
         .collect();
     let mut d = Decision::new(Verdict::Unchanged);
     d.policy = Some(reference.clone());
@@ -1228,35 +1221,12 @@ fn decide_ephemeral(input: &Input<'_>, old: &Value, policy: &GpuPolicy) -> Decis
 // ---------------------------------------------------------------------------------------
 // Small helpers.
 
-/// Walks object keys without allocating (`Value::pointer` unescapes every token into a new
-/// string, which shows in profiles of the admission path).
-pub(crate) trait AtPath {
-    fn at_path(&self, path: &[&str]) -> Option<&Value>;
-}
-
-impl AtPath for Value {
-    fn at_path(&self, path: &[&str]) -> Option<&Value> {
-        path.iter().try_fold(self, |v, key| v.get(*key))
-    }
-}
-
 /// The container `at` points to in `pod`.
-pub(crate) fn container_value<'a>(pod: &'a Value, at: &ContainerRef) -> Option<&'a Value> {
-    pod.get("spec")?.get(at.kind.field())?.get(at.index)
-}
-
-fn array(v: Option<&Value>) -> &[Value] {
-    v.and_then(Value::as_array).map_or(&[], Vec::as_slice)
-}
-
-fn string_map(v: Option<&Value>) -> BTreeMap<String, String> {
-    v.and_then(Value::as_object)
-        .map(|m| {
-            m.iter()
-                .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_owned())))
-                .collect()
-        })
-        .unwrap_or_default()
+pub(crate) fn container_value<'p, 'a>(
+    pod: &'p PodView<'a>,
+    at: &ContainerRef,
+) -> Option<&'p Container<'a>> {
+    pod.containers(at.kind.field()).get(at.index)
 }
 
 /// Cuts a warning to [`MAX_WARNING_LEN`] bytes on a character boundary.

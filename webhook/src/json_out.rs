@@ -196,9 +196,30 @@ mod tests {
             ("fooba", "Zm9vYmE="),
             ("foobar", "Zm9vYmFy"),
         ] {
-            let mut out = Vec::new();
+            let mut out = b"prefix:".to_vec();
             base64(&mut out, input.as_bytes());
-            assert_eq!(out, expected.as_bytes());
+            assert_eq!(out, format!("prefix:{expected}").as_bytes());
+        }
+    }
+
+    #[test]
+    fn base64_round_trips_every_length_and_byte() {
+        let table = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        for len in 0usize..70 {
+            let input: Vec<u8> = (0..len).map(|i| (i * 37 + len * 11) as u8).collect();
+            let mut out = Vec::new();
+            base64(&mut out, &input);
+            assert_eq!(out.len(), len.div_ceil(3) * 4);
+            let mut bits = Vec::new();
+            for &c in out.iter().filter(|&&c| c != b'=') {
+                let v = table.iter().position(|&t| t == c).unwrap();
+                bits.extend((0..6).rev().map(|i| (v >> i) & 1));
+            }
+            let decoded: Vec<u8> = bits
+                .chunks_exact(8)
+                .map(|b| b.iter().fold(0u8, |acc, &bit| (acc << 1) | bit as u8))
+                .collect();
+            assert_eq!(decoded, input, "length {len}");
         }
     }
 }

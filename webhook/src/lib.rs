@@ -9,5 +9,6 @@ pub mod manifest;
 pub mod metrics;
 pub mod mutate;
 pub mod patch;
+pub mod pod;
 pub mod server;
 pub mod tls;

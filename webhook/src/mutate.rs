@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 
 use crate::engine::{self, Decision, Input, Operation, Verdict};
 use crate::manifest::{self, Document, ManifestError};
+use crate::pod::PodView;
 
 /// Exit code: everything would be admitted.
 pub const EXIT_ADMITTED: i32 = 0;
@@ -360,8 +361,9 @@ fn judge(
         });
     };
     let display = format!("{namespace}/{}", doc.name());
+    let view = PodView::from_value(template);
     let input = Input {
-        pod: template,
+        pod: &view,
         namespace: &namespace,
         namespace_labels: labels,
         operation: Operation::Create,

@@ -6,8 +6,9 @@
 
 use serde_json::Value;
 
-use crate::engine::{AtPath, Change, ContainerRef, container_value};
+use crate::engine::{Change, ContainerRef, container_value};
 use crate::json_out;
+use crate::pod::{PodView, SecurityContext};
 
 /// One reference token of a JSON pointer.
 #[derive(Clone, Copy)]
@@ -89,14 +90,16 @@ fn capabilities(
     out: &mut Vec<u8>,
     add: &[String],
     drop: Option<&[String]>,
-    current: Option<&Value>,
+    current: Option<&SecurityContext<'_>>,
 ) {
     out.push(b'{');
     if !add.is_empty() {
         out.extend_from_slice(b"\"add\":");
         json_out::string_array(out, add.iter().map(String::as_str));
     }
-    let current_drop = current.and_then(|s| s.at_path(&["capabilities", "drop"]));
+    let current_drop = current
+        .and_then(|s| s.capabilities.as_ref())
+        .and_then(|c| c.drop.as_ref());
     if drop.is_some() || current_drop.is_some() {
         if !add.is_empty() {
             out.push(b',');
@@ -115,7 +118,7 @@ fn capabilities(
 /// missing list is created.
 fn list_edit(
     ops: &mut Ops<'_>,
-    current: Option<&Value>,
+    is_list: bool,
     base: &[Token<'_>],
     field: &str,
     remove_ascending: &[usize],
@@ -124,7 +127,7 @@ fn list_edit(
     let entry = |out: &mut Vec<u8>, (name, value): &(String, String)| {
         json_out::string_object(out, [("name", name.as_str()), ("value", value.as_str())]);
     };
-    if !current.is_some_and(Value::is_array) {
+    if !is_list {
         if !append.is_empty() {
             ops.add(base, &[Key(field)], |out| {
                 out.push(b'[');
@@ -149,7 +152,7 @@ fn list_edit(
 
 /// Appends the patch that applies `changes` to `pod` to `out`, as a JSON array; returns how
 /// many operations it holds (0: the changes are already in the pod).
-pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize {
+pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> usize {
     out.push(b'[');
     let mut ops = Ops {
         out: &mut *out,
@@ -164,8 +167,8 @@ pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize 
             } => {
                 let base = container_base(container);
                 let current =
-                    container_value(pod, container).and_then(|c| c.get("securityContext"));
-                if current.is_some_and(Value::is_object) {
+                    container_value(pod, container).and_then(|c| c.security_context.as_ref());
+                if current.is_some() {
                     let falsy = |out: &mut Vec<u8>| out.extend_from_slice(b"false");
                     ops.add(&base, &[Key("securityContext"), Key("privileged")], falsy);
                     ops.add(
@@ -196,12 +199,8 @@ pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize 
                 quantity,
             } => {
                 let base = container_base(container);
-                let resources = container_value(pod, container)
-                    .and_then(|c| c.get("resources"))
-                    .filter(|r| r.is_object());
-                let limits = resources
-                    .and_then(|r| r.get("limits"))
-                    .filter(|l| l.is_object());
+                let resources = container_value(pod, container).and_then(|c| c.resources.as_ref());
+                let limits = resources.and_then(|r| r.limits.as_ref());
                 let limit = |out: &mut Vec<u8>| {
                     json_out::string_object(out, [(resource.as_str(), quantity.as_str())]);
                 };
@@ -226,23 +225,24 @@ pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize 
                 remove,
                 append,
             } => {
-                let current = container_value(pod, container).and_then(|c| c.get("env"));
+                let is_list = container_value(pod, container).is_some_and(|c| c.env.is_some());
                 let base = container_base(container);
-                list_edit(&mut ops, current, &base, "env", remove, append);
+                list_edit(&mut ops, is_list, &base, "env", remove, append);
             }
             Change::VolumeMounts { container, remove } => {
-                let current = container_value(pod, container).and_then(|c| c.get("volumeMounts"));
+                let is_list =
+                    container_value(pod, container).is_some_and(|c| c.volume_mounts.is_some());
                 let base = container_base(container);
-                list_edit(&mut ops, current, &base, "volumeMounts", remove, &[]);
+                list_edit(&mut ops, is_list, &base, "volumeMounts", remove, &[]);
             }
             Change::Volumes { remove } => {
-                let current = pod.at_path(&["spec", "volumes"]);
-                list_edit(&mut ops, current, &[Key("spec")], "volumes", remove, &[]);
+                let is_list = pod.spec.as_ref().is_some_and(|s| s.volumes.is_some());
+                list_edit(&mut ops, is_list, &[Key("spec")], "volumes", remove, &[]);
             }
             Change::RemoveAnnotations { keys } => {
-                let annotations = pod.at_path(&["metadata", "annotations"]);
+                let annotations = pod.annotations();
                 for key in keys {
-                    if annotations.and_then(|a| a.get(key)).is_some() {
+                    if annotations.is_some_and(|a| a.contains_key(key.as_str())) {
                         ops.remove(&[Key("metadata"), Key("annotations")], &[Key(key)]);
                     }
                 }
@@ -251,10 +251,8 @@ pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize 
                 if pairs.is_empty() {
                     continue;
                 }
-                let metadata = pod.get("metadata").filter(|m| m.is_object());
-                let has_annotations = metadata
-                    .and_then(|m| m.get("annotations"))
-                    .is_some_and(Value::is_object);
+                let metadata = pod.metadata.as_ref();
+                let has_annotations = pod.annotations().is_some();
                 // As an object: keys sorted, the last of a repeated key wins.
                 let mut sorted: Vec<(&str, &str)> = Vec::with_capacity(pairs.len());
                 for (k, v) in pairs {
@@ -289,11 +287,12 @@ pub fn write_patch(pod: &Value, changes: &[Change], out: &mut Vec<u8>) -> usize 
     count
 }
 
-/// [`write_patch`], read back as a [`json_patch::Patch`]. An error would mean the writer
-/// produced text that is not a patch: a bug, reported rather than hidden.
+/// [`write_patch`] for a pod held as a `Value`, read back as a [`json_patch::Patch`]. An
+/// error would mean the writer produced text that is not a patch: a bug, reported rather
+/// than hidden.
 pub fn patch_for(pod: &Value, changes: &[Change]) -> Result<json_patch::Patch, serde_json::Error> {
     let mut out = Vec::new();
-    write_patch(pod, changes, &mut out);
+    write_patch(&PodView::from_value(pod), changes, &mut out);
     serde_json::from_slice(&out)
 }
 
@@ -314,7 +313,7 @@ mod tests {
 
     fn written(pod: &Value, changes: &[Change]) -> Value {
         let mut out = Vec::new();
-        let count = write_patch(pod, changes, &mut out);
+        let count = write_patch(&PodView::from_value(pod), changes, &mut out);
         let patch: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(patch.as_array().map(Vec::len), Some(count));
         patch
@@ -454,7 +453,10 @@ mod tests {
             Change::Volumes { remove: vec![] },
         ];
         let mut out = Vec::new();
-        assert_eq!(write_patch(&pod, &changes, &mut out), 0);
+        assert_eq!(
+            write_patch(&PodView::from_value(&pod), &changes, &mut out),
+            0
+        );
         assert_eq!(out, b"[]");
     }
 }

@@ -14,6 +14,7 @@ use gpuwarden_webhook::engine::{
     namespace_labels_or_default,
 };
 use gpuwarden_webhook::patch::patch_for;
+use gpuwarden_webhook::pod::PodView;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
@@ -475,11 +476,12 @@ fn generated_pods_hold_the_invariants() {
         *outcomes.entry(first.summary.outcome.as_str()).or_default() += 1;
         assert_ne!(first.summary.outcome, Outcome::Invalid, "{}", ctx());
         let patched = first.apply(&pod);
-        // The adapter reads only the fields the engine needs; the engine on the whole pod
-        // must produce the very same patch.
+        // The adapter reads the pod's view straight from the review's bytes; the engine on
+        // the view of the whole pod held as a Value must produce the very same patch.
         let labels = namespace_labels_or_default(&namespace, None);
+        let view = PodView::from_value(&pod);
         let input = Input {
-            pod: &pod,
+            pod: &view,
             namespace: &namespace,
             namespace_labels: &labels,
             operation: Operation::Create,

@@ -1,0 +1,608 @@
+//! A borrowed, typed view of the parts of a pod the engine reads, and nothing else.
+//!
+//! Read straight from an AdmissionReview's bytes, the view borrows its strings from the body
+//! and skips everything else (probes, affinity, commands, owner references) without building
+//! it; read from a `serde_json::Value` (a manifest's pod template), it borrows from the value.
+//!
+//! Every field is lenient: a field of the wrong JSON type reads as absent, the way the engine
+//! read `Value`s before (`as_str`, `as_bool`, `as_array`, `as_object`), and a list entry that
+//! is not an object reads as an empty entry, so indices into the list stay right. Objects are
+//! read as sorted maps in which the last of a repeated key wins, as `serde_json::Map` does.
+//! A field named twice in one object is an error from bytes; [`crate::admission`] then reads
+//! the body as a `Value` and takes the view from that, so odd input gets the same answer.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::Deserialize;
+use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::Value;
+
+/// A JSON object's string keys and their values, sorted by key.
+pub type Map<'a> = BTreeMap<Cow<'a, str>, Scalar<'a>>;
+
+/// A pod, or a pod template: `metadata` and `spec`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct PodView<'a> {
+    /// `metadata`, when it is an object.
+    #[serde(deserialize_with = "object")]
+    pub metadata: Option<Metadata<'a>>,
+    /// `spec`, when it is an object.
+    #[serde(deserialize_with = "object")]
+    pub spec: Option<Spec<'a>>,
+}
+
+/// `metadata`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct Metadata<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `generateName`.
+    #[serde(deserialize_with = "text")]
+    pub generate_name: Option<Cow<'a, str>>,
+    /// `namespace`.
+    #[serde(deserialize_with = "text")]
+    pub namespace: Option<Cow<'a, str>>,
+    /// `labels`, when an object.
+    #[serde(deserialize_with = "map")]
+    pub labels: Option<Map<'a>>,
+    /// `annotations`, when an object.
+    #[serde(deserialize_with = "map")]
+    pub annotations: Option<Map<'a>>,
+}
+
+/// `spec`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct Spec<'a> {
+    /// `serviceAccountName`.
+    #[serde(deserialize_with = "text")]
+    pub service_account_name: Option<Cow<'a, str>>,
+    /// `volumes`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub volumes: Option<Vec<Volume<'a>>>,
+    /// `containers`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub containers: Option<Vec<Container<'a>>>,
+    /// `initContainers`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub init_containers: Option<Vec<Container<'a>>>,
+    /// `ephemeralContainers`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub ephemeral_containers: Option<Vec<Container<'a>>>,
+}
+
+/// A pod volume: its name and host path.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct Volume<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `hostPath`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub host_path: Option<HostPath<'a>>,
+}
+
+/// `hostPath`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct HostPath<'a> {
+    /// `path`.
+    #[serde(deserialize_with = "text")]
+    pub path: Option<Cow<'a, str>>,
+}
+
+/// A container (regular, init or ephemeral).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct Container<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `image`.
+    #[serde(deserialize_with = "text")]
+    pub image: Option<Cow<'a, str>>,
+    /// `env`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub env: Option<Vec<EnvVar<'a>>>,
+    /// `resources`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub resources: Option<Resources<'a>>,
+    /// `securityContext`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub security_context: Option<SecurityContext<'a>>,
+    /// `volumeMounts`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub volume_mounts: Option<Vec<VolumeMount<'a>>>,
+}
+
+/// An `env` entry.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct EnvVar<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `value`.
+    #[serde(deserialize_with = "text")]
+    pub value: Option<Cow<'a, str>>,
+    /// Whether `valueFrom` is set (present and not `null`); its content is never read.
+    #[serde(rename = "valueFrom", deserialize_with = "set")]
+    pub value_from: bool,
+}
+
+/// `resources`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct Resources<'a> {
+    /// `limits`, when an object.
+    #[serde(deserialize_with = "map")]
+    pub limits: Option<Map<'a>>,
+    /// `requests`, when an object.
+    #[serde(deserialize_with = "map")]
+    pub requests: Option<Map<'a>>,
+}
+
+/// `securityContext`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct SecurityContext<'a> {
+    /// `privileged`, when a boolean.
+    #[serde(deserialize_with = "boolean")]
+    pub privileged: Option<bool>,
+    /// `capabilities`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub capabilities: Option<Capabilities<'a>>,
+}
+
+/// `securityContext.capabilities`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct Capabilities<'a> {
+    /// The strings in `add` (other entries skipped).
+    #[serde(deserialize_with = "texts")]
+    pub add: Vec<Cow<'a, str>>,
+    /// `drop` as written, `null` included: a rewrite that keeps it copies it.
+    #[serde(deserialize_with = "present")]
+    pub drop: Option<Value>,
+}
+
+/// A volume mount: the engine reads its volume name.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct VolumeMount<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+}
+
+/// A value in a map the engine reads (labels, annotations, resource quantities): a string,
+/// or whatever else was written there.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Scalar<'a> {
+    /// A string.
+    Str(Cow<'a, str>),
+    /// Anything else, as written.
+    Other(Value),
+}
+
+impl Scalar<'_> {
+    /// The string, if it is one.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Self::Str(s) => Some(s),
+            Self::Other(_) => None,
+        }
+    }
+
+    /// The string as it is, anything else as JSON (how a quantity is copied into a limit).
+    pub fn to_text(&self) -> String {
+        match self {
+            Self::Str(s) => s.to_string(),
+            Self::Other(v) => v.to_string(),
+        }
+    }
+}
+
+/// As JSON: a string is quoted, as in messages that quote a bad value.
+impl fmt::Display for Scalar<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Str(s) => write!(f, "{}", Value::String(s.to_string())),
+            Self::Other(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+impl<'a> PodView<'a> {
+    /// The view of a pod held as a `Value`, borrowing its strings. Anything that is not an
+    /// object gives an empty view.
+    pub fn from_value(pod: &'a Value) -> Self {
+        // Reading a Value cannot fail: it has no repeated keys and every field is lenient.
+        object(pod).ok().flatten().unwrap_or_default()
+    }
+
+    /// `spec.<kind field>`: the containers of one kind (empty when absent).
+    pub fn containers(&self, field: &str) -> &[Container<'a>] {
+        let Some(spec) = &self.spec else {
+            return &[];
+        };
+        let list = match field {
+            "containers" => &spec.containers,
+            "initContainers" => &spec.init_containers,
+            "ephemeralContainers" => &spec.ephemeral_containers,
+            _ => return &[],
+        };
+        list.as_deref().unwrap_or_default()
+    }
+
+    /// `metadata.annotations`, when an object.
+    pub fn annotations(&self) -> Option<&Map<'a>> {
+        self.metadata.as_ref()?.annotations.as_ref()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Lenient readers. Each reads one JSON value and keeps it only when it has the expected
+// type; anything else is skipped and reads as `None`.
+
+/// What one field keeps of each JSON type.
+trait Reader<'de>: Sized {
+    type Out;
+    fn string(self, _s: Cow<'de, str>) -> Option<Self::Out> {
+        None
+    }
+    fn boolean(self, _b: bool) -> Option<Self::Out> {
+        None
+    }
+    /// Numbers and `null`.
+    fn other(self, _v: Value) -> Option<Self::Out> {
+        None
+    }
+    fn map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Self::Out>, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+    fn seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Self::Out>, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+}
+
+struct Lenient<R>(R);
+
+impl<'de, R: Reader<'de>> Visitor<'de> for Lenient<R> {
+    type Value = Option<R::Out>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(self.0.string(Cow::Borrowed(v)))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(self.0.string(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(self.0.string(Cow::Owned(v)))
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(self.0.boolean(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(self.0.other(Value::from(v)))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(self.0.other(Value::from(v)))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(self.0.other(Value::from(v)))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(self.0.other(Value::Null))
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(self.0.other(Value::Null))
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        self.0.map(map)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        self.0.seq(seq)
+    }
+}
+
+fn read<'de, D: Deserializer<'de>, R: Reader<'de>>(
+    d: D,
+    reader: R,
+) -> Result<Option<R::Out>, D::Error> {
+    d.deserialize_any(Lenient(reader))
+}
+
+struct TextReader;
+impl<'de> Reader<'de> for TextReader {
+    type Out = Cow<'de, str>;
+    fn string(self, s: Cow<'de, str>) -> Option<Self::Out> {
+        Some(s)
+    }
+}
+
+struct BoolReader;
+impl<'de> Reader<'de> for BoolReader {
+    type Out = bool;
+    fn boolean(self, b: bool) -> Option<bool> {
+        Some(b)
+    }
+}
+
+/// An object read as `T` (a derived struct: unknown fields skipped).
+struct ObjectReader<T>(PhantomData<T>);
+impl<'de, T: Deserialize<'de>> Reader<'de> for ObjectReader<T> {
+    type Out = T;
+    fn map<A: MapAccess<'de>>(self, map: A) -> Result<Option<T>, A::Error> {
+        T::deserialize(MapAccessDeserializer::new(map)).map(Some)
+    }
+}
+
+/// A list of `T`, each entry read by [`Wrapped<T>`].
+struct ListReader<T>(PhantomData<T>);
+impl<'de, T> Reader<'de> for ListReader<T>
+where
+    Wrapped<T>: Deserialize<'de>,
+{
+    type Out = Vec<T>;
+    fn seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Vec<T>>, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some(Wrapped(item)) = seq.next_element()? {
+            out.push(item);
+        }
+        Ok(Some(out))
+    }
+}
+
+/// An object read as a [`Map`]: the last of a repeated key wins.
+struct MapReader;
+impl<'de> Reader<'de> for MapReader {
+    type Out = Map<'de>;
+    fn map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Map<'de>>, A::Error> {
+        let mut out = Map::new();
+        while let Some(Key(key)) = map.next_key()? {
+            out.insert(key, map.next_value()?);
+        }
+        Ok(Some(out))
+    }
+}
+
+/// Any value, kept as a [`Scalar`].
+struct ScalarReader;
+impl<'de> Reader<'de> for ScalarReader {
+    type Out = Scalar<'de>;
+    fn string(self, s: Cow<'de, str>) -> Option<Self::Out> {
+        Some(Scalar::Str(s))
+    }
+    fn boolean(self, b: bool) -> Option<Self::Out> {
+        Some(Scalar::Other(Value::Bool(b)))
+    }
+    fn other(self, v: Value) -> Option<Self::Out> {
+        Some(Scalar::Other(v))
+    }
+    fn map<A: MapAccess<'de>>(self, map: A) -> Result<Option<Self::Out>, A::Error> {
+        Value::deserialize(MapAccessDeserializer::new(map)).map(|v| Some(Scalar::Other(v)))
+    }
+    fn seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Option<Self::Out>, A::Error> {
+        Value::deserialize(SeqAccessDeserializer::new(seq)).map(|v| Some(Scalar::Other(v)))
+    }
+}
+
+/// An object key, borrowed when it has no escapes.
+struct Key<'a>(Cow<'a, str>);
+impl<'de: 'a, 'a> Deserialize<'de> for Key<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Cow<'de, str>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string key")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Cow::Borrowed(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v))
+            }
+        }
+        d.deserialize_str(KeyVisitor).map(Key)
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Scalar<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // ScalarReader keeps every JSON type.
+        read(d, ScalarReader).map(|s| s.unwrap_or(Scalar::Other(Value::Null)))
+    }
+}
+
+/// List entries: an object is read as the entry, anything else as an empty entry, so that
+/// an index still names the same entry in the pod.
+macro_rules! lenient_entry {
+    ($($entry:ident),*) => {$(
+        impl<'de: 'a, 'a> Deserialize<'de> for Wrapped<$entry<'a>> {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                read(d, ObjectReader::<$entry<'a>>(PhantomData)).map(|e| Wrapped(e.unwrap_or_default()))
+            }
+        }
+    )*};
+}
+
+/// A list entry, read leniently.
+struct Wrapped<T>(T);
+lenient_entry!(Volume, Container, EnvVar, VolumeMount);
+
+/// A field holding a pod: its view when it is a JSON object, `None` otherwise.
+pub fn pod_object<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PodView<'de>>, D::Error> {
+    object(d)
+}
+
+fn object<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+    read(d, ObjectReader(PhantomData))
+}
+
+fn text<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    read(d, TextReader)
+}
+
+fn boolean<'de, D: Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    read(d, BoolReader)
+}
+
+fn map<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Map<'de>>, D::Error> {
+    read(d, MapReader)
+}
+
+fn list<'de, D: Deserializer<'de>, T>(d: D) -> Result<Option<Vec<T>>, D::Error>
+where
+    Wrapped<T>: Deserialize<'de>,
+{
+    read(d, ListReader(PhantomData))
+}
+
+/// A string list entry: other entries read as `None`.
+impl<'de: 'a, 'a> Deserialize<'de> for Wrapped<Option<Cow<'a, str>>> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        read(d, TextReader).map(Wrapped)
+    }
+}
+
+/// The strings of a list; other entries are skipped.
+fn texts<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Cow<'de, str>>, D::Error> {
+    let entries: Option<Vec<Option<Cow<'de, str>>>> = list(d)?;
+    Ok(entries.into_iter().flatten().flatten().collect())
+}
+
+/// Whether the field is set: present and not `null`.
+fn set<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<IgnoredAny>::deserialize(d)?.is_some())
+}
+
+/// The field as written, `null` included.
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn from_bytes(text: &str) -> Result<PodView<'_>, serde_json::Error> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        pod_object(&mut de).map(Option::unwrap_or_default)
+    }
+
+    #[test]
+    fn strings_are_borrowed_unless_escaped() {
+        let text = r#"{"metadata": {"name": "plain", "namespace": "tab\tbed"}}"#;
+        let pod = from_bytes(text).unwrap();
+        let meta = pod.metadata.unwrap();
+        assert!(matches!(meta.name, Some(Cow::Borrowed("plain"))));
+        assert!(matches!(meta.namespace, Some(Cow::Owned(ref s)) if s == "tab\tbed"));
+    }
+
+    #[test]
+    fn wrong_types_read_as_absent_and_entries_keep_their_index() {
+        let pod = json!({
+            "metadata": {"name": 7, "labels": {"a": "1", "b": 2}, "annotations": "x"},
+            "spec": {
+                "serviceAccountName": ["sa"],
+                "volumes": {"name": "v"},
+                "containers": [
+                    "not a container",
+                    {
+                        "name": "c",
+                        "env": [null, {"name": "A", "value": 1, "valueFrom": null},
+                                {"name": "B", "valueFrom": {"fieldRef": {}}}],
+                        "resources": {"limits": [], "requests": {"nvidia.com/gpu": 2}},
+                        "securityContext": {"privileged": "true",
+                                            "capabilities": {"add": ["A", 3, "B"], "drop": null}},
+                        "volumeMounts": "m"
+                    }
+                ],
+                "initContainers": 5
+            }
+        });
+        let text = pod.to_string();
+        for view in [PodView::from_value(&pod), from_bytes(&text).unwrap()] {
+            let meta = view.metadata.as_ref().unwrap();
+            assert_eq!(meta.name, None);
+            let labels = meta.labels.as_ref().unwrap();
+            assert_eq!(labels["a"].as_str(), Some("1"));
+            assert_eq!(labels["b"], Scalar::Other(json!(2)));
+            assert_eq!(meta.annotations, None);
+            let spec = view.spec.as_ref().unwrap();
+            assert_eq!(spec.service_account_name, None);
+            assert_eq!(spec.volumes, None);
+            assert_eq!(spec.init_containers, None);
+            let containers = view.containers("containers");
+            assert_eq!(containers.len(), 2);
+            assert_eq!(containers[0], Container::default());
+            let c = &containers[1];
+            let env = c.env.as_ref().unwrap();
+            assert_eq!(env.len(), 3);
+            assert_eq!(env[0], EnvVar::default());
+            assert_eq!((env[1].value.as_deref(), env[1].value_from), (None, false));
+            assert!(env[2].value_from);
+            let resources = c.resources.as_ref().unwrap();
+            assert_eq!(resources.limits, None);
+            assert_eq!(
+                resources.requests.as_ref().unwrap()["nvidia.com/gpu"].to_text(),
+                "2"
+            );
+            let security = c.security_context.as_ref().unwrap();
+            assert_eq!(security.privileged, None);
+            let caps = security.capabilities.as_ref().unwrap();
+            assert_eq!(caps.add, ["A", "B"]);
+            assert_eq!(caps.drop, Some(Value::Null));
+            assert_eq!(c.volume_mounts, None);
+        }
+    }
+
+    #[test]
+    fn a_repeated_map_key_keeps_its_last_value() {
+        let text = r#"{"metadata": {"annotations": {"k": "1", "j": "x", "k": "2"}}}"#;
+        let pod = from_bytes(text).unwrap();
+        let annotations = pod.annotations().unwrap();
+        assert_eq!(annotations.len(), 2);
+        assert_eq!(annotations["k"].as_str(), Some("2"));
+        let value: Value = serde_json::from_str(text).unwrap();
+        assert_eq!(PodView::from_value(&value), pod);
+    }
+
+    #[test]
+    fn a_repeated_field_is_an_error_from_bytes() {
+        // The admission adapter then reads the body as a Value, where the last one wins.
+        assert!(from_bytes(r#"{"spec": {"containers": [], "containers": []}}"#).is_err());
+        assert!(from_bytes(r#"{"metadata": {"name": "a", "name": "b"}}"#).is_err());
+    }
+
+    #[test]
+    fn scalars_display_as_json() {
+        assert_eq!(Scalar::Str("two".into()).to_string(), "\"two\"");
+        assert_eq!(Scalar::Other(json!(2)).to_string(), "2");
+        assert_eq!(Scalar::Str("two".into()).to_text(), "two");
+        assert_eq!(Scalar::Other(json!(1.5)).to_text(), "1.5");
+    }
+}
