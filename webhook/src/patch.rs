@@ -68,7 +68,7 @@ impl Ops<'_> {
 /// escaping.
 fn pointer_token(out: &mut Vec<u8>, token: &str) {
     let mut rest = token;
-    while let Some(i) = rest.find(['~', '/']) {
+    while let Some(i) = rest.bytes().position(|b| b == b'~' || b == b'/') {
         json_out::str_contents(out, &rest[..i]);
         out.extend_from_slice(if rest.as_bytes()[i] == b'~' {
             b"~0"
