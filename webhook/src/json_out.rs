@@ -3,8 +3,6 @@
 //! cost more than the engine's decision; writing them field by field costs a few
 //! instructions per byte.
 
-use std::io::Write as _;
-
 use serde_json::Value;
 
 /// Whether byte `b` must be escaped inside a JSON string (RFC 8259, section 7).
@@ -17,6 +15,12 @@ fn needs_escape(b: u8) -> bool {
 pub(crate) fn str_contents(out: &mut Vec<u8>, s: &str) {
     const BLOCK: usize = 16;
     let bytes = s.as_bytes();
+    // Short strings (keys, names, pointer tokens) are checked byte by byte and most are
+    // copied at once.
+    if bytes.len() < 2 * BLOCK && !bytes.iter().any(|&b| needs_escape(b)) {
+        out.extend_from_slice(bytes);
+        return;
+    }
     let mut copied = 0;
     for (block_index, block) in bytes.chunks(BLOCK).enumerate() {
         // No early exit, so the check compiles to vector compares; most blocks are clean.
@@ -92,10 +96,20 @@ pub(crate) fn string_object<'s>(
     out.push(b'}');
 }
 
-/// Appends a number.
-pub(crate) fn number(out: &mut Vec<u8>, n: impl std::fmt::Display) {
-    // Writing into a Vec cannot fail.
-    let _ = write!(out, "{n}");
+/// Appends a non-negative integer in decimal.
+pub(crate) fn number(out: &mut Vec<u8>, n: impl Into<u64>) {
+    let mut n: u64 = n.into();
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&digits[start..]);
 }
 
 /// Appends a JSON value taken from the input as it is.
@@ -126,13 +140,17 @@ const BASE64_PAIRS: [[u8; 2]; 4096] = {
 /// Appends `input` in standard base64 with padding (RFC 4648), as a review's `patch` is
 /// encoded. The alphabet needs no JSON escaping.
 pub(crate) fn base64(out: &mut Vec<u8>, input: &[u8]) {
-    out.reserve(input.len().div_ceil(3) * 4);
+    let whole = input.len() / 3;
+    let start = out.len();
+    // Grown once and filled in place: pushing four bytes at a time checks the capacity each
+    // time.
+    out.resize(start + whole * 4, 0);
     let mut chunks = input.chunks_exact(3);
-    for c in &mut chunks {
+    for (c, quad) in (&mut chunks).zip(out[start..].chunks_exact_mut(4)) {
         let n = (usize::from(c[0]) << 16) | (usize::from(c[1]) << 8) | usize::from(c[2]);
         let [a, b] = BASE64_PAIRS[n >> 12];
         let [c, d] = BASE64_PAIRS[n & 0xfff];
-        out.extend_from_slice(&[a, b, c, d]);
+        quad.copy_from_slice(&[a, b, c, d]);
     }
     let sextet = |n: usize, shift: u32| BASE64[(n >> shift) & 63];
     match *chunks.remainder() {
@@ -198,6 +216,15 @@ mod tests {
         out.clear();
         string_array(&mut out, []);
         assert_eq!(out, b"[]");
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal() {
+        for n in [0, 7, 10, 403, 65_535, u64::MAX] {
+            let mut out = Vec::new();
+            number(&mut out, n);
+            assert_eq!(out, n.to_string().as_bytes());
+        }
     }
 
     #[test]

@@ -43,7 +43,7 @@ impl Ops<'_> {
             out.push(b'/');
             match *token {
                 Key(key) => pointer_token(out, key),
-                Index(i) => json_out::number(out, i),
+                Index(i) => json_out::number(out, i as u64),
                 End => out.push(b'-'),
             }
         }
