@@ -554,16 +554,7 @@ mod tests {
         let (out, _) = handle_review(&serde_json::to_vec(review).unwrap(), source);
         let out: Value = serde_json::from_slice(&out).unwrap();
         let encoded = out["response"]["patch"].as_str()?;
-        let table = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-        let mut bits = Vec::new();
-        for c in encoded.bytes().filter(|&c| c != b'=') {
-            let v = table.iter().position(|&t| t == c).unwrap();
-            bits.extend((0..6).rev().map(|i| (v >> i) & 1));
-        }
-        let bytes: Vec<u8> = bits
-            .chunks_exact(8)
-            .map(|b| b.iter().fold(0u8, |acc, &bit| (acc << 1) | bit as u8))
-            .collect();
+        let bytes = json_out::decode_base64(encoded.as_bytes());
         Some(serde_json::from_slice(&bytes).unwrap())
     }
 

@@ -130,14 +130,7 @@ fn list_edit(
     if !is_list {
         if !append.is_empty() {
             ops.add(base, &[Key(field)], |out| {
-                out.push(b'[');
-                for (i, pair) in append.iter().enumerate() {
-                    if i > 0 {
-                        out.push(b',');
-                    }
-                    entry(out, pair);
-                }
-                out.push(b']');
+                json_out::array(out, append, entry)
             });
         }
         return;
