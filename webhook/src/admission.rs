@@ -314,9 +314,10 @@ fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8
             respond(api_version, uid, pod, decision, object)
         }
         Err(error) => {
+            let empty = PodView::default();
             let pod = request.object.as_ref().map(|o| {
-                let view = o.0.clone().unwrap_or_default();
-                display_name(&view, request.namespace.as_deref(), request.name.as_deref())
+                let view = o.0.as_ref().unwrap_or(&empty);
+                display_name(view, request.namespace.as_deref(), request.name.as_deref())
             });
             invalid(api_version, uid, pod, &error)
         }

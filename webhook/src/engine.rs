@@ -22,6 +22,7 @@ use gpuwarden_crds::{
 };
 use serde::Serialize;
 
+pub use crate::pod::ContainerKind;
 use crate::pod::{Container, Map, PodView};
 
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
@@ -40,37 +41,6 @@ pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
 pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
 /// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
 pub const MAX_WARNING_LEN: usize = 256;
-
-/// Where a container sits in the pod spec.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub enum ContainerKind {
-    /// `spec.initContainers`.
-    Init,
-    /// `spec.containers`.
-    Regular,
-    /// `spec.ephemeralContainers`.
-    Ephemeral,
-}
-
-impl ContainerKind {
-    /// The pod spec field holding containers of this kind.
-    pub fn field(self) -> &'static str {
-        match self {
-            Self::Init => "initContainers",
-            Self::Regular => "containers",
-            Self::Ephemeral => "ephemeralContainers",
-        }
-    }
-
-    /// How a message names a container of this kind.
-    pub fn noun(self) -> &'static str {
-        match self {
-            Self::Init => "init container",
-            Self::Regular => "container",
-            Self::Ephemeral => "ephemeral container",
-        }
-    }
-}
 
 /// One container of the pod, by position and name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -460,8 +430,7 @@ fn read_pod<'a>(pod: &'a PodView<'a>, policy: &GpuPolicy, kinds: &[ContainerKind
         }
     }
     let mut device_volumes = BTreeMap::new();
-    let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_deref());
-    for volume in volumes.unwrap_or_default() {
+    for volume in pod.volumes() {
         let (Some(name), Some(path)) = (
             volume.name.as_deref(),
             volume.host_path.as_ref().and_then(|h| h.path.as_deref()),
@@ -477,10 +446,9 @@ fn read_pod<'a>(pod: &'a PodView<'a>, policy: &GpuPolicy, kinds: &[ContainerKind
     let images = &policy.spec.exemptions.images;
     let mut containers = Vec::new();
     for &kind in kinds {
-        for (index, value) in pod.containers(kind.field()).iter().enumerate() {
+        for (index, value) in pod.containers(kind).iter().enumerate() {
             let name = value.name.as_deref().unwrap_or("");
-            let privileged =
-                value.security_context.as_ref().and_then(|s| s.privileged) == Some(true);
+            let privileged = value.is_privileged();
             let image = value.image.as_deref().unwrap_or("");
             let resources = value.resources.as_ref();
             let gpu_limit = resources
@@ -1007,9 +975,9 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         BTreeSet::new()
     };
     if !strip.is_empty() {
-        let volumes = input.pod.spec.as_ref().and_then(|s| s.volumes.as_deref());
-        let indices: Vec<usize> = volumes
-            .unwrap_or_default()
+        let indices: Vec<usize> = input
+            .pod
+            .volumes()
             .iter()
             .enumerate()
             .filter(|(_, v)| v.name.as_deref().is_some_and(|n| strip.contains(n)))
@@ -1172,20 +1140,20 @@ fn decide_ephemeral(input: &Input<'_>, old: &PodView<'_>, policy: &GpuPolicy) ->
         d.policy = Some(reference);
         return d;
     }
-    let field = ContainerKind::Ephemeral.field();
+    let kind = ContainerKind::Ephemeral;
     let existing: BTreeSet<&str> = old
-        .containers(field)
+        .containers(kind)
         .iter()
         .filter_map(|c| c.name.as_deref())
         .collect();
     let images = &policy.spec.exemptions.images;
     let offending: Vec<String> = input
         .pod
-        .containers(field)
+        .containers(kind)
         .iter()
         .filter(|c| {
             let name = c.name.as_deref().unwrap_or("");
-            let privileged = c.security_context.as_ref().and_then(|s| s.privileged) == Some(true);
+            let privileged = c.is_privileged();
             let image = c.image.as_deref().unwrap_or("");
             !existing.contains(name) && privileged && !image_exempt(image, images)
         })
@@ -1226,7 +1194,7 @@ pub(crate) fn container_value<'p, 'a>(
     pod: &'p PodView<'a>,
     at: &ContainerRef,
 ) -> Option<&'p Container<'a>> {
-    pod.containers(at.kind.field()).get(at.index)
+    pod.containers(at.kind).get(at.index)
 }
 
 /// Cuts a warning to [`MAX_WARNING_LEN`] bytes on a character boundary.

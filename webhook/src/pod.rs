@@ -16,10 +16,41 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
-use serde::Deserialize;
 use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+/// Where a container sits in the pod spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum ContainerKind {
+    /// `spec.initContainers`.
+    Init,
+    /// `spec.containers`.
+    Regular,
+    /// `spec.ephemeralContainers`.
+    Ephemeral,
+}
+
+impl ContainerKind {
+    /// The pod spec field holding containers of this kind.
+    pub fn field(self) -> &'static str {
+        match self {
+            Self::Init => "initContainers",
+            Self::Regular => "containers",
+            Self::Ephemeral => "ephemeralContainers",
+        }
+    }
+
+    /// How a message names a container of this kind.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Self::Init => "init container",
+            Self::Regular => "container",
+            Self::Ephemeral => "ephemeral container",
+        }
+    }
+}
 
 /// A JSON object's string keys and their values, sorted by key.
 pub type Map<'a> = BTreeMap<Cow<'a, str>, Scalar<'a>>;
@@ -183,6 +214,13 @@ pub struct VolumeMount<'a> {
     pub name: Option<Cow<'a, str>>,
 }
 
+impl Container<'_> {
+    /// Whether `securityContext.privileged` is `true`.
+    pub fn is_privileged(&self) -> bool {
+        self.security_context.as_ref().and_then(|s| s.privileged) == Some(true)
+    }
+}
+
 /// A value in a map the engine reads (labels, annotations, resource quantities): a string,
 /// or whatever else was written there.
 #[derive(Clone, Debug, PartialEq)]
@@ -229,18 +267,25 @@ impl<'a> PodView<'a> {
         object(pod).ok().flatten().unwrap_or_default()
     }
 
-    /// `spec.<kind field>`: the containers of one kind (empty when absent).
-    pub fn containers(&self, field: &str) -> &[Container<'a>] {
+    /// The containers of one kind (empty when absent).
+    pub fn containers(&self, kind: ContainerKind) -> &[Container<'a>] {
         let Some(spec) = &self.spec else {
             return &[];
         };
-        let list = match field {
-            "containers" => &spec.containers,
-            "initContainers" => &spec.init_containers,
-            "ephemeralContainers" => &spec.ephemeral_containers,
-            _ => return &[],
+        let list = match kind {
+            ContainerKind::Init => &spec.init_containers,
+            ContainerKind::Regular => &spec.containers,
+            ContainerKind::Ephemeral => &spec.ephemeral_containers,
         };
         list.as_deref().unwrap_or_default()
+    }
+
+    /// `spec.volumes` (empty when absent).
+    pub fn volumes(&self) -> &[Volume<'a>] {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.volumes.as_deref())
+            .unwrap_or_default()
     }
 
     /// `metadata.annotations`, when an object.
@@ -556,7 +601,7 @@ mod tests {
             assert_eq!(spec.service_account_name, None);
             assert_eq!(spec.volumes, None);
             assert_eq!(spec.init_containers, None);
-            let containers = view.containers("containers");
+            let containers = view.containers(ContainerKind::Regular);
             assert_eq!(containers.len(), 2);
             assert_eq!(containers[0], Container::default());
             let c = &containers[1];
