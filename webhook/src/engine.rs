@@ -589,7 +589,9 @@ fn normalise_cap(cap: &str) -> String {
         .unwrap_or(upper)
 }
 
-fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
+/// Plans the rewrite of every container; `strip_volumes` are the device volumes that go
+/// (see [`volumes_to_strip`]).
+fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&str>) -> Plan {
     let spec = &policy.spec;
     let mut plan = Plan {
         changes: Vec::new(),
@@ -611,18 +613,6 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
         .map(|c| normalise_cap(c))
         .collect();
     let driver_caps = spec.driver_capabilities.join(",");
-
-    // Device volumes that go: those no exempt container mounts.
-    let strip_volumes: BTreeSet<&str> = if spec.strip_device_host_paths {
-        facts
-            .device_volumes
-            .keys()
-            .map(String::as_str)
-            .filter(|v| !mounted_by_exempt(facts, v))
-            .collect()
-    } else {
-        BTreeSet::new()
-    };
 
     for c in &facts.containers {
         let target = c.privileged && !c.image_exempt;
@@ -805,6 +795,20 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy) -> Plan {
     plan
 }
 
+/// Device volumes that go: those no exempt container mounts (none when the policy keeps
+/// device hostPaths).
+fn volumes_to_strip<'f>(facts: &'f PodFacts<'_>, policy: &GpuPolicy) -> BTreeSet<&'f str> {
+    if !policy.spec.strip_device_host_paths {
+        return BTreeSet::new();
+    }
+    facts
+        .device_volumes
+        .keys()
+        .map(String::as_str)
+        .filter(|v| !mounted_by_exempt(facts, v))
+        .collect()
+}
+
 /// Whether an exempt container mounts volume `name` (it then stays in the pod).
 fn mounted_by_exempt(facts: &PodFacts<'_>, name: &str) -> bool {
     facts
@@ -960,20 +964,11 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         d.policy = Some(reference);
         return d;
     }
-    let mut plan = plan_pod(&facts, policy);
     let spec = &policy.spec;
+    let strip = volumes_to_strip(&facts, policy);
+    let mut plan = plan_pod(&facts, policy, &strip);
 
     // Pod-level rule 5.
-    let strip: BTreeSet<&str> = if spec.strip_device_host_paths {
-        facts
-            .device_volumes
-            .keys()
-            .map(String::as_str)
-            .filter(|v| !mounted_by_exempt(&facts, v))
-            .collect()
-    } else {
-        BTreeSet::new()
-    };
     if !strip.is_empty() {
         let indices: Vec<usize> = input
             .pod
