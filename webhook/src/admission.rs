@@ -256,7 +256,13 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
     // Fast path: the pod read as a view borrowed from the body. A body the view cannot take
     // (a field named twice in one object) is parsed again as values, so that odd input gets
     // the same answer.
-    match serde_json::from_slice::<ReviewIn<PodObject<'_>>>(body) {
+    // A body that is valid UTF-8 as a whole is read as text, so that its strings are not
+    // checked again one by one; any other body is read as bytes, with the same answers.
+    let fast = match std::str::from_utf8(body) {
+        Ok(text) => serde_json::from_str::<ReviewIn<PodObject<'_>>>(text),
+        Err(_) => serde_json::from_slice::<ReviewIn<PodObject<'_>>>(body),
+    };
+    match fast {
         Ok(review) => answer(review, source),
         Err(_) => match serde_json::from_slice::<ReviewIn<Value>>(body) {
             Ok(review) => answer(review.views(), source),
@@ -579,6 +585,36 @@ mod tests {
         let (plain, summary) = handle_review(body(last).as_bytes(), &source);
         assert_eq!(summary.outcome, Outcome::Rewritten);
         assert_eq!(handle_review(body(&repeated).as_bytes(), &source).0, plain);
+    }
+
+    #[test]
+    fn a_body_that_is_not_utf8_is_read_as_bytes() {
+        // Invalid UTF-8 in a field the engine skips does not matter, as for any JSON reader
+        // that skips it; in a field it reads, the review is refused as not JSON.
+        let body = |image: &[u8], annotation: &[u8]| {
+            let mut body = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{
+                "uid":"u","namespace":"ml","operation":"CREATE",
+                "kind":{"group":"","version":"v1","kind":"Pod"},"userInfo":{"extra":""#
+                .to_vec();
+            body.extend_from_slice(annotation);
+            body.extend_from_slice(
+                br#""},"object":{"metadata":{"name":"p"},"spec":{"containers":[{"name":"a","image":""#,
+            );
+            body.extend_from_slice(image);
+            body.extend_from_slice(
+                br#"","securityContext":{"privileged":true},
+                "env":[{"name":"NVIDIA_VISIBLE_DEVICES","value":"0"}]}]}}}}"#,
+            );
+            body
+        };
+        let source = StaticSource::new([GpuPolicy::default_policy()]);
+        let (text, summary) = handle_review(&body(b"train", b"x"), &source);
+        assert_eq!(summary.outcome, Outcome::Rewritten);
+        let (skipped, summary) = handle_review(&body(b"train", b"\xff\xfe"), &source);
+        assert_eq!(summary.outcome, Outcome::Rewritten);
+        assert_eq!(skipped, text);
+        let (_, summary) = handle_review(&body(b"tr\xffain", b"x"), &source);
+        assert_eq!(summary.outcome, Outcome::Invalid);
     }
 
     #[test]
