@@ -12,6 +12,7 @@
 //! The same functions serve admission reviews ([`crate::admission`]) and the offline
 //! `mutate` command ([`crate::mutate`]), where the "pod" is a workload's pod template.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
@@ -257,15 +258,23 @@ pub fn select_policy<'p>(
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide(input: &Input<'_>, policies: &[Arc<GpuPolicy>]) -> Decision {
-    let pod_labels: BTreeMap<String, String> = input
-        .pod
-        .metadata
-        .as_ref()
-        .and_then(|m| m.labels.as_ref())
-        .into_iter()
-        .flatten()
-        .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
-        .collect();
+    // Only a podSelector reads the pod's labels; most policies have none.
+    let pod_labels: BTreeMap<String, String> = if policies
+        .iter()
+        .any(|p| p.spec.pod_selector.is_some())
+    {
+        input
+            .pod
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
+            .collect()
+    } else {
+        BTreeMap::new()
+    };
     let selection = select_policy(policies, input.namespace_labels, &pod_labels);
     let mut decision = match selection.policy {
         None => Decision::new(Verdict::NotGoverned),
@@ -581,12 +590,15 @@ struct Plan {
     denials: Vec<String>,
 }
 
-fn normalise_cap(cap: &str) -> String {
-    let upper = cap.trim().to_ascii_uppercase();
-    upper
-        .strip_prefix("CAP_")
-        .map(str::to_owned)
-        .unwrap_or(upper)
+/// A capability name as the runtime reads it: trimmed, upper case, without `CAP_`. Borrowed
+/// when it already is.
+fn normalise_cap(cap: &str) -> Cow<'_, str> {
+    let cap = cap.trim();
+    if cap.bytes().any(|b| b.is_ascii_lowercase()) {
+        let upper = cap.to_ascii_uppercase();
+        return Cow::Owned(upper.strip_prefix("CAP_").map_or_else(|| upper.clone(), str::to_owned));
+    }
+    Cow::Borrowed(cap.strip_prefix("CAP_").unwrap_or(cap))
 }
 
 /// Plans the rewrite of every container; `strip_volumes` are the device volumes that go
@@ -600,13 +612,13 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
         pod_notes: Vec::new(),
         denials: Vec::new(),
     };
-    let defaults: Vec<String> = spec
+    let defaults: Vec<Cow<'_, str>> = spec
         .capabilities
         .default
         .iter()
         .map(|c| normalise_cap(c))
         .collect();
-    let allowed: BTreeSet<String> = spec
+    let allowed: Vec<Cow<'_, str>> = spec
         .capabilities
         .allowed
         .iter()
@@ -630,7 +642,7 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
 
         if target {
             // Rules 1 and 2.
-            let asked: Vec<String> = c
+            let asked: Vec<Cow<'_, str>> = c
                 .value
                 .security_context
                 .as_ref()
@@ -642,16 +654,17 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
                 .iter()
                 .chain(asked.iter().filter(|a| allowed.contains(*a)))
             {
-                if !add.contains(cap) {
-                    add.push(cap.clone());
+                if !add.iter().any(|a| a == cap) {
+                    add.push(cap.to_string());
                 }
             }
             let refused: Vec<String> = asked
                 .iter()
-                .filter(|a| !add.contains(a))
-                .cloned()
+                .filter(|a| !add.iter().any(|added| added == *a))
+                .map(|a| a.as_ref())
                 .collect::<BTreeSet<_>>()
                 .into_iter()
+                .map(str::to_owned)
                 .collect();
             let drop = if spec.capabilities.drop_all {
                 Some(vec!["ALL".to_owned()])
