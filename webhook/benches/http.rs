@@ -19,12 +19,14 @@
 //! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_ROUNDS` (3) alternating
 //! engine/floor rounds, `BENCH_CONCURRENCY` (32), `BENCH_RATE` (500 req/s),
 //! `BENCH_BREAKDOWN=1` adds two reviewers that split the engine's cost: the floor answering
-//! with the engine's (larger) response, and the engine answering with the floor's.
+//! with the engine's (larger) response, and the engine answering with the floor's; and it
+//! times `review` itself inside the loaded server, beside its time in a tight loop.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -312,6 +314,50 @@ impl Reviewer for FloorWithEngineAnswer {
     fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
         let _ = ConstantAllow.review(body);
         (self.answer.clone(), self.summary.clone())
+    }
+}
+
+/// A reviewer that adds up the time spent in `review`, to compare the reviewer's cost inside
+/// the loaded server with its cost in a tight loop (where caches stay warm).
+struct Timed<R> {
+    reviewer: R,
+    nanos: AtomicU64,
+    calls: AtomicU64,
+}
+
+impl<R> Timed<R> {
+    fn new(reviewer: R) -> Self {
+        Self {
+            reviewer,
+            nanos: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+        }
+    }
+
+}
+
+impl<R: Reviewer> Reviewer for Timed<R> {
+    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
+        let start = Instant::now();
+        let answer = self.reviewer.review(body);
+        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        answer
+    }
+}
+
+/// What a [`Timed`] reviewer measured, whatever it wraps.
+trait TakeTime {
+    /// Mean microseconds per `review` call since the last call to `take`.
+    fn take(&self) -> f64;
+}
+
+impl<R> TakeTime for Timed<R> {
+    fn take(&self) -> f64 {
+        let nanos = self.nanos.swap(0, Ordering::Relaxed) as f64;
+        let calls = self.calls.swap(0, Ordering::Relaxed) as f64;
+        nanos / calls / 1000.0
     }
 }
 
@@ -709,6 +755,31 @@ fn main() {
         ] {
             measure(addr, false, format!("{name}, {concurrency} conns"));
         }
+        let timed_engine = Arc::new(Timed::new(EngineReviewer::new(Arc::new(
+            StaticPolicySource::from_file(&policy_file).unwrap(),
+        ))));
+        let timed_floor = Arc::new(Timed::new(ConstantAllow));
+        let mut inside = Vec::new();
+        for (name, addr, timed) in [
+            (
+                "engine, timed",
+                start_in_process(&server_rt, timed_engine.clone(), &pki.paths),
+                timed_engine.clone() as Arc<dyn TakeTime>,
+            ),
+            (
+                "floor, timed",
+                start_in_process(&server_rt, timed_floor.clone(), &pki.paths),
+                timed_floor.clone() as Arc<dyn TakeTime>,
+            ),
+        ] {
+            timed.take();
+            measure(addr, false, format!("{name}, {concurrency} conns"));
+            inside.push(timed.take());
+        }
+        println!(
+            "time in review() inside the loaded server: engine {:.1} µs, floor {:.2} µs (one thread, warm: {engine_alone:.1} and {floor_alone:.2} µs)",
+            inside[0], inside[1]
+        );
     }
     let engine_rate = client_rt.block_on(fixed_rate(
         engine_addr,
