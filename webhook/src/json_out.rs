@@ -220,6 +220,15 @@ mod tests {
                 cases.push(s);
             }
         }
+        // Bytes next to the ones that need escaping, and non-ASCII text, at every offset of
+        // an eight-byte word; words with several escapes.
+        for c in ['\u{20}', '!', '#', '[', ']', '\u{7f}', 'é', '日', '🚀'] {
+            for at in 0..17 {
+                cases.push(format!("{}{c}{}\"", "y".repeat(at), "z".repeat(17 - at)));
+            }
+        }
+        cases.push("\"".repeat(19));
+        cases.push("a\\b\u{1}c\"d\ne\"\"\\\\".repeat(3));
         for s in &cases {
             assert_eq!(written(s), serde_json::to_string(s).unwrap(), "{s:?}");
         }
