@@ -333,7 +333,6 @@ impl<R> Timed<R> {
             calls: AtomicU64::new(0),
         }
     }
-
 }
 
 impl<R: Reviewer> Reviewer for Timed<R> {

@@ -592,10 +592,11 @@ mod tests {
         // Invalid UTF-8 in a field the engine skips does not matter, as for any JSON reader
         // that skips it; in a field it reads, the review is refused as not JSON.
         let body = |image: &[u8], annotation: &[u8]| {
-            let mut body = br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{
+            let mut body =
+                br#"{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","request":{
                 "uid":"u","namespace":"ml","operation":"CREATE",
                 "kind":{"group":"","version":"v1","kind":"Pod"},"userInfo":{"extra":""#
-                .to_vec();
+                    .to_vec();
             body.extend_from_slice(annotation);
             body.extend_from_slice(
                 br#""},"object":{"metadata":{"name":"p"},"spec":{"containers":[{"name":"a","image":""#,
