@@ -259,22 +259,20 @@ pub fn select_policy<'p>(
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide(input: &Input<'_>, policies: &[Arc<GpuPolicy>]) -> Decision {
     // Only a podSelector reads the pod's labels; most policies have none.
-    let pod_labels: BTreeMap<String, String> = if policies
-        .iter()
-        .any(|p| p.spec.pod_selector.is_some())
-    {
-        input
-            .pod
-            .metadata
-            .as_ref()
-            .and_then(|m| m.labels.as_ref())
-            .into_iter()
-            .flatten()
-            .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
-            .collect()
-    } else {
-        BTreeMap::new()
-    };
+    let pod_labels: BTreeMap<String, String> =
+        if policies.iter().any(|p| p.spec.pod_selector.is_some()) {
+            input
+                .pod
+                .metadata
+                .as_ref()
+                .and_then(|m| m.labels.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
     let selection = select_policy(policies, input.namespace_labels, &pod_labels);
     let mut decision = match selection.policy {
         None => Decision::new(Verdict::NotGoverned),
@@ -596,7 +594,11 @@ fn normalise_cap(cap: &str) -> Cow<'_, str> {
     let cap = cap.trim();
     if cap.bytes().any(|b| b.is_ascii_lowercase()) {
         let upper = cap.to_ascii_uppercase();
-        return Cow::Owned(upper.strip_prefix("CAP_").map_or_else(|| upper.clone(), str::to_owned));
+        return Cow::Owned(
+            upper
+                .strip_prefix("CAP_")
+                .map_or_else(|| upper.clone(), str::to_owned),
+        );
     }
     Cow::Borrowed(cap.strip_prefix("CAP_").unwrap_or(cap))
 }
