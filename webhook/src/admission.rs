@@ -253,11 +253,11 @@ const API_VERSION: &str = "admission.k8s.io/v1";
 
 /// Answers one AdmissionReview body. See the module docs.
 pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
-    // Fast path: the pod read as a view borrowed from the body. A body the view cannot take
-    // (a field named twice in one object) is parsed again as values, so that odd input gets
-    // the same answer.
-    // A body that is valid UTF-8 as a whole is read as text, so that its strings are not
-    // checked again one by one; any other body is read as bytes, with the same answers.
+    // Fast path: the pod read as a view borrowed from the body. A body that is valid UTF-8
+    // as a whole is read as text, so that its strings are not checked again one by one; any
+    // other body is read as bytes, with the same answers. A body the view cannot take (a
+    // field named twice in one object) is parsed again as values, so that odd input gets the
+    // same answer.
     let fast = match std::str::from_utf8(body) {
         Ok(text) => serde_json::from_str::<ReviewIn<PodObject<'_>>>(text),
         Err(_) => serde_json::from_slice::<ReviewIn<PodObject<'_>>>(body),

@@ -593,12 +593,11 @@ struct Plan {
 fn normalise_cap(cap: &str) -> Cow<'_, str> {
     let cap = cap.trim();
     if cap.bytes().any(|b| b.is_ascii_lowercase()) {
-        let upper = cap.to_ascii_uppercase();
-        return Cow::Owned(
-            upper
-                .strip_prefix("CAP_")
-                .map_or_else(|| upper.clone(), str::to_owned),
-        );
+        let mut upper = cap.to_ascii_uppercase();
+        if upper.starts_with("CAP_") {
+            upper.drain(.."CAP_".len());
+        }
+        return Cow::Owned(upper);
     }
     Cow::Borrowed(cap.strip_prefix("CAP_").unwrap_or(cap))
 }
@@ -1272,6 +1271,22 @@ mod tests {
             "/driver",
         ] {
             assert!(!is_device_host_path(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn capability_names_are_normalised() {
+        for (raw, normal, borrowed) in [
+            ("SYS_ADMIN", "SYS_ADMIN", true),
+            (" CAP_IPC_LOCK ", "IPC_LOCK", true),
+            ("cap_sys_nice", "SYS_NICE", false),
+            ("Cap_Net_Raw", "NET_RAW", false),
+            ("net_admin", "NET_ADMIN", false),
+            ("CAP_", "", true),
+        ] {
+            let cap = normalise_cap(raw);
+            assert_eq!(cap, normal, "{raw:?}");
+            assert_eq!(matches!(cap, Cow::Borrowed(_)), borrowed, "{raw:?}");
         }
     }
 
