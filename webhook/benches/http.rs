@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use gpuwarden_webhook::admission::ReviewSummary;
+use gpuwarden_webhook::admission::{PolicySource, ReviewSummary};
 use gpuwarden_webhook::cache::{StaticPolicySource, SyncFlag};
 use gpuwarden_webhook::metrics::Metrics;
 use gpuwarden_webhook::server::{
@@ -646,8 +646,9 @@ fn main() {
         .unwrap();
 
     let policy_file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/policies/default.yaml");
-    let source = StaticPolicySource::from_file(&policy_file).unwrap();
-    let engine_reviewer = Arc::new(EngineReviewer::new(Arc::new(source)));
+    let source: Arc<dyn PolicySource> =
+        Arc::new(StaticPolicySource::from_file(&policy_file).unwrap());
+    let engine_reviewer = Arc::new(EngineReviewer::new(source.clone()));
     let engine_alone = time_reviewer(engine_reviewer.as_ref(), &body);
     let floor_alone = time_reviewer(&ConstantAllow, &body);
     let engine_threads = reviews_per_second(engine_reviewer.clone(), &body, 2);
@@ -754,9 +755,7 @@ fn main() {
         ] {
             measure(addr, false, format!("{name}, {concurrency} conns"));
         }
-        let timed_engine = Arc::new(Timed::new(EngineReviewer::new(Arc::new(
-            StaticPolicySource::from_file(&policy_file).unwrap(),
-        ))));
+        let timed_engine = Arc::new(Timed::new(EngineReviewer::new(source.clone())));
         let timed_floor = Arc::new(Timed::new(ConstantAllow));
         let mut inside = Vec::new();
         for (name, addr, timed) in [
