@@ -64,6 +64,8 @@ fn fake_node() -> FakeNode {
                 power_watts: Some(400.0),
                 ecc_uncorrected: Some(0),
                 pages_pending_retirement: Some(false),
+                row_remapping_pending: Some(false),
+                row_remapping_failed: Some(false),
                 ..Default::default()
             })
             .collect(),

@@ -26,8 +26,13 @@ pub struct GpuReading {
     pub telemetry: Telemetry,
     /// Volatile uncorrected ECC error count (since the driver loaded), when supported.
     pub ecc_uncorrected: Option<u64>,
-    /// Whether pages wait for retirement (a reset is needed), when supported.
+    /// Whether pages wait for retirement (a reset is needed), when supported (before Ampere).
     pub pages_pending_retirement: Option<bool>,
+    /// Whether rows wait to be remapped (a reset is needed), when supported (Ampere and later,
+    /// where row remapping replaces page retirement).
+    pub row_remapping_pending: Option<bool>,
+    /// Whether a row remapping failed (the GPU needs service), when supported.
+    pub row_remapping_failed: Option<bool>,
     /// Compute processes running on this GPU or its MIG devices.
     pub processes: Vec<GpuProcess>,
 }

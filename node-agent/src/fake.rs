@@ -88,6 +88,12 @@ pub struct FakeGpu {
     /// Pages pending retirement.
     #[serde(default)]
     pub pages_pending_retirement: Option<bool>,
+    /// Rows pending remapping.
+    #[serde(default)]
+    pub row_remapping_pending: Option<bool>,
+    /// A row remapping failed.
+    #[serde(default)]
+    pub row_remapping_failed: Option<bool>,
 }
 
 /// A compute process in the fake file.
@@ -420,6 +426,8 @@ impl GpuBackend for FakeBackend {
                 },
                 ecc_uncorrected: g.ecc_uncorrected,
                 pages_pending_retirement: g.pages_pending_retirement,
+                row_remapping_pending: g.row_remapping_pending,
+                row_remapping_failed: g.row_remapping_failed,
                 processes,
             });
         }
@@ -460,7 +468,8 @@ driver: {driverVersion: "550.54.15", cudaDriverVersion: "12.4"}
 gpus:
   - {index: 0, uuid: GPU-a, model: H100, memoryMiB: 81559}
   - {index: 1, uuid: GPU-b, model: H100, memoryMiB: 81559,
-     migMode: Enabled, migDevices: [{uuid: MIG-b1, profile: 1g.10gb}]}
+     migMode: Enabled, migDevices: [{uuid: MIG-b1, profile: 1g.10gb}],
+     rowRemappingPending: true, rowRemappingFailed: false}
 processes:
   - {pid: 10, gpu: "0"}
   - {pid: 11, gpu: MIG-b1}
@@ -482,6 +491,9 @@ events:
         assert_eq!(r.gpus[0].processes[0].device_uuid, "GPU-a");
         assert_eq!(r.gpus[1].processes[0].device_uuid, "MIG-b1");
         assert!(r.gpus[1].answering);
+        assert_eq!(r.gpus[0].row_remapping_pending, None);
+        assert_eq!(r.gpus[1].row_remapping_pending, Some(true));
+        assert_eq!(r.gpus[1].row_remapping_failed, Some(false));
 
         let later = add(start, Duration::from_secs(61));
         assert_eq!(b.take_events(later)[0].kind, GpuEventKind::Lost);

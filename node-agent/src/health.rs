@@ -1,9 +1,11 @@
 //! GPU health as a pure state machine over events and readings.
 //!
 //! A GPU turns unhealthy on a critical XID (one not in the governing policy's ignored list),
-//! an uncorrectable ECC error, pending page retirement, or when NVML says it is lost. It turns
+//! an uncorrectable ECC error, pending page retirement, pending or failed row remapping (the
+//! Ampere-and-later successor of page retirement), or when NVML says it is lost. It turns
 //! healthy again once `recoverAfter` has passed without a new such event while the GPU still
-//! answers and has no pages pending retirement.
+//! answers and NVML no longer reports a standing fault (pending retirement or remapping, a
+//! failed remapping).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -127,16 +129,14 @@ impl HealthTracker {
             }
             gpu.last_ecc = Some(count);
         }
-        let pending = reading.pages_pending_retirement == Some(true);
-        if pending {
-            gpu.fault(
-                now,
-                "pages pending retirement (GPU reset needed)".to_owned(),
-            );
+        let mut standing = false;
+        for reason in standing_faults(reading) {
+            gpu.fault(now, reason.to_owned());
+            standing = true;
         }
         if gpu.state == HealthState::Unhealthy
             && reading.answering
-            && !pending
+            && !standing
             && gpu
                 .last_event
                 .is_none_or(|t| elapsed(t, now) >= rules.recover_after)
@@ -185,6 +185,27 @@ impl HealthTracker {
 }
 
 const LOST: &str = "GPU is lost (fell off the bus or needs a reset)";
+
+/// Faults that hold for as long as NVML reports them, each with its reason.
+fn standing_faults(reading: &GpuReading) -> impl Iterator<Item = &'static str> {
+    [
+        (
+            reading.pages_pending_retirement,
+            "pages pending retirement (GPU reset needed)",
+        ),
+        (
+            reading.row_remapping_pending,
+            "row remapping pending (GPU reset needed)",
+        ),
+        (
+            reading.row_remapping_failed,
+            "row remapping failed (GPU needs service)",
+        ),
+    ]
+    .into_iter()
+    .filter(|(flag, _)| *flag == Some(true))
+    .map(|(_, reason)| reason)
+}
 
 fn elapsed(from: Timestamp, to: Timestamp) -> Duration {
     Duration::try_from(to.duration_since(from)).unwrap_or(Duration::ZERO)
@@ -236,6 +257,8 @@ mod tests {
             telemetry: Telemetry::default(),
             ecc_uncorrected: Some(0),
             pages_pending_retirement: Some(false),
+            row_remapping_pending: Some(false),
+            row_remapping_failed: Some(false),
             processes: vec![],
         }
     }
@@ -335,6 +358,54 @@ mod tests {
             &rules,
         );
         assert_eq!(h.health("GPU-0").state, HealthState::Unhealthy);
+    }
+
+    #[test]
+    fn row_remapping_holds_unhealthy_while_reported() {
+        let rules = HealthRules::default();
+        let mut h = HealthTracker::new();
+        // An H100 reports no page retirement at all, only row remapping.
+        let mut r = reading(true);
+        r.pages_pending_retirement = None;
+        h.observe_reading(&r, t(0), &rules);
+        assert_eq!(h.health("GPU-0").state, HealthState::Healthy);
+
+        r.row_remapping_pending = Some(true);
+        h.observe_reading(&r, t(10), &rules);
+        h.observe_reading(&r, t(10_000), &rules);
+        let health = h.health("GPU-0");
+        assert_eq!(health.state, HealthState::Unhealthy);
+        assert_eq!(
+            health.reasons,
+            vec!["row remapping pending (GPU reset needed)"]
+        );
+        assert_eq!(health.since, Some(Time(t(10))));
+
+        // After the reset the remap is applied: healthy once recoverAfter passes quietly.
+        r.row_remapping_pending = Some(false);
+        h.observe_reading(&r, t(10_001), &rules);
+        assert_eq!(h.health("GPU-0").state, HealthState::Unhealthy);
+        h.observe_reading(&r, t(10_000 + 600), &rules);
+        assert_eq!(h.health("GPU-0").state, HealthState::Healthy);
+
+        // A failed remapping holds however long it lasts, and says so beside other faults.
+        r.row_remapping_failed = Some(true);
+        r.ecc_uncorrected = Some(3);
+        h.observe_reading(&r, t(20_000), &rules);
+        h.observe_reading(&r, t(90_000), &rules);
+        let health = h.health("GPU-0");
+        assert_eq!(health.state, HealthState::Unhealthy);
+        assert_eq!(
+            health.reasons,
+            vec![
+                "uncorrectable ECC error",
+                "row remapping failed (GPU needs service)"
+            ]
+        );
+        // Unknown (not supported) is not a fault.
+        r.row_remapping_failed = None;
+        h.observe_reading(&r, t(90_000 + 600), &rules);
+        assert_eq!(h.health("GPU-0").state, HealthState::Healthy);
     }
 
     #[test]

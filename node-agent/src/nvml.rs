@@ -13,9 +13,14 @@ use gpuwarden_crds::node::{MigDevice, MigMode};
 use jiff::Timestamp;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
-use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::enums::device::{SampleValue, UsedGpuMemory};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::struct_wrappers::device::FieldValueSample;
+use nvml_wrapper::structs::device::FieldId;
+use nvml_wrapper::sys_exports::field_id::{
+    NVML_FI_DEV_REMAPPED_FAILURE, NVML_FI_DEV_REMAPPED_PENDING,
+};
 use nvml_wrapper::{Device, Nvml};
 use tokio::sync::oneshot;
 
@@ -179,6 +184,8 @@ fn read_all(nvml: &Nvml, known: &mut HashMap<u32, GpuInfo>) -> Result<Reading, B
                     telemetry: Telemetry::default(),
                     ecc_uncorrected: None,
                     pages_pending_retirement: None,
+                    row_remapping_pending: None,
+                    row_remapping_failed: None,
                     processes: Vec::new(),
                 });
             }
@@ -228,6 +235,7 @@ fn read_gpu(dev: &Device<'_>, index: u32) -> Result<GpuReading, NvmlError> {
     } else {
         processes = compute_processes(dev, &uuid);
     }
+    let remapping = row_remapping(dev);
     Ok(GpuReading {
         info: GpuInfo {
             index,
@@ -250,8 +258,39 @@ fn read_gpu(dev: &Device<'_>, index: u32) -> Result<GpuReading, NvmlError> {
             .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
             .ok(),
         pages_pending_retirement: dev.are_pages_pending_retired().ok(),
+        row_remapping_pending: remapping[0],
+        row_remapping_failed: remapping[1],
         processes,
     })
+}
+
+/// Row remapping's pending and failure flags, each `None` where the GPU does not report it
+/// (before Ampere, or a driver without the fields). Read as NVML field values, one call.
+fn row_remapping(dev: &Device<'_>) -> [Option<bool>; 2] {
+    let ids = [
+        FieldId(NVML_FI_DEV_REMAPPED_PENDING),
+        FieldId(NVML_FI_DEV_REMAPPED_FAILURE),
+    ];
+    match dev.field_values_for(&ids) {
+        Ok(samples) => {
+            let mut flags = [None; 2];
+            for (flag, sample) in flags.iter_mut().zip(samples) {
+                *flag = sample.ok().and_then(|s| flag_value(&s));
+            }
+            flags
+        }
+        Err(_) => [None; 2],
+    }
+}
+
+/// A field value read as a flag: non-zero is set.
+fn flag_value(sample: &FieldValueSample) -> Option<bool> {
+    match sample.value.as_ref().ok()? {
+        SampleValue::U32(v) => Some(*v != 0),
+        SampleValue::U64(v) => Some(*v != 0),
+        SampleValue::I64(v) => Some(*v != 0),
+        SampleValue::F64(v) => Some(*v != 0.0),
+    }
 }
 
 fn compute_processes(dev: &Device<'_>, device_uuid: &str) -> Vec<GpuProcess> {
@@ -401,6 +440,20 @@ mod tests {
                 && !e.contains('\n'),
             "{e}"
         );
+    }
+
+    #[test]
+    fn field_values_read_as_flags() {
+        let sample = |value| FieldValueSample {
+            field: FieldId(NVML_FI_DEV_REMAPPED_PENDING),
+            timestamp: 0,
+            latency: 0,
+            value,
+        };
+        assert_eq!(flag_value(&sample(Ok(SampleValue::U32(1)))), Some(true));
+        assert_eq!(flag_value(&sample(Ok(SampleValue::U64(0)))), Some(false));
+        assert_eq!(flag_value(&sample(Ok(SampleValue::I64(2)))), Some(true));
+        assert_eq!(flag_value(&sample(Err(NvmlError::NotSupported))), None);
     }
 
     /// On a machine without the NVIDIA driver the real start fails with the clear error.

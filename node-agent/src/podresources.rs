@@ -402,6 +402,8 @@ mod tests {
             telemetry: Telemetry::default(),
             ecc_uncorrected: None,
             pages_pending_retirement: None,
+            row_remapping_pending: None,
+            row_remapping_failed: None,
             processes: vec![],
         }
     }
