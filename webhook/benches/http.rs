@@ -18,9 +18,10 @@
 //!
 //! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_ROUNDS` (3) alternating
 //! engine/floor rounds, `BENCH_CONCURRENCY` (32), `BENCH_RATE` (500 req/s),
-//! `BENCH_BREAKDOWN=1` adds two reviewers that split the engine's cost: the floor answering
-//! with the engine's (larger) response, and the engine answering with the floor's; and it
-//! times `review` itself inside the loaded server, beside its time in a tight loop.
+//! `BENCH_BREAKDOWN=1` adds reviewers that split the engine's cost: the floor answering
+//! with the engine's (larger) response, the engine answering with the floor's, and the floor
+//! plus plain arithmetic that takes as long as the engine in a tight loop; and it times
+//! `review` itself inside the loaded server, beside its time in a tight loop.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -367,6 +368,45 @@ impl Reviewer for EngineWithFloorAnswer {
     fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
         let (_, summary) = self.0.review(body);
         (ConstantAllow.review(body).0, summary)
+    }
+}
+
+/// The floor plus `rounds` steps of arithmetic that touch no memory: as much CPU as the
+/// engine's extra work in a tight loop, without its allocations and data. Compared with the
+/// engine under load, it shows how much of the engine's cost comes from its memory use.
+struct FloorPlusCompute {
+    rounds: u64,
+}
+
+impl FloorPlusCompute {
+    fn compute(rounds: u64) -> u64 {
+        let mut x = 0u64;
+        for i in 0..rounds {
+            x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i));
+        }
+        x
+    }
+
+    /// A reviewer that takes `target` µs per review in a tight loop, given that the floor
+    /// alone takes `floor`; the machine's speed drifts, so it measures itself and scales once.
+    fn calibrated(target: f64, floor: f64, body: &[u8]) -> Self {
+        let extra = (target - floor).max(0.0);
+        let probe = Self { rounds: 100_000 };
+        let per_round = (time_reviewer(&probe, body) - floor).max(1e-3) / probe.rounds as f64;
+        let first = Self {
+            rounds: (extra / per_round) as u64,
+        };
+        let measured = (time_reviewer(&first, body) - floor).max(1e-3);
+        Self {
+            rounds: (first.rounds as f64 * extra / measured) as u64,
+        }
+    }
+}
+
+impl Reviewer for FloorPlusCompute {
+    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
+        std::hint::black_box(Self::compute(self.rounds));
+        ConstantAllow.review(body)
     }
 }
 
@@ -749,9 +789,16 @@ fn main() {
             Arc::new(EngineWithFloorAnswer(engine_reviewer.clone())),
             &pki.paths,
         );
+        let compute = FloorPlusCompute::calibrated(engine_alone, floor_alone, &body);
+        let compute_alone = time_reviewer(&compute, &body);
+        let compute = start_in_process(&server_rt, Arc::new(compute), &pki.paths);
+        println!(
+            "floor + plain arithmetic: {compute_alone:.1} µs per review in a tight loop, like the engine's {engine_alone:.1} µs"
+        );
         for (name, addr) in [
             ("floor work, engine's answer", big),
             ("engine work, floor's answer", small),
+            ("floor + arithmetic, as long as the engine", compute),
         ] {
             measure(addr, false, format!("{name}, {concurrency} conns"));
         }
