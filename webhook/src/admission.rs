@@ -18,7 +18,7 @@ use serde_json::Value;
 
 use crate::engine::{self, Decision, Input, Operation, Verdict};
 use crate::pod::PodView;
-use crate::{json_out, patch};
+use crate::{json_out, patch, scan};
 
 /// Where the webhook reads policies and namespace labels from.
 pub trait PolicySource: Send + Sync {
@@ -143,47 +143,48 @@ pub enum ReviewError {
 
 /// The incoming review: only what the engine needs, everything optional so that a
 /// malformed review gets a precise answer instead of a parse error.
-#[derive(serde::Deserialize)]
+#[derive(Debug, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct ReviewIn<O> {
+pub(crate) struct ReviewIn<O> {
     #[serde(default)]
-    api_version: Option<String>,
+    pub(crate) api_version: Option<String>,
     #[serde(default)]
-    kind: Option<String>,
+    pub(crate) kind: Option<String>,
     #[serde(default = "none")]
-    request: Option<RequestIn<O>>,
+    pub(crate) request: Option<RequestIn<O>>,
 }
 
 fn none<T>() -> Option<T> {
     None
 }
 
-#[derive(serde::Deserialize)]
+#[derive(Debug, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct RequestIn<O> {
+pub(crate) struct RequestIn<O> {
     #[serde(default)]
-    uid: Option<String>,
+    pub(crate) uid: Option<String>,
     #[serde(default)]
-    kind: Option<GroupVersionKind>,
+    pub(crate) kind: Option<GroupVersionKind>,
     #[serde(default)]
-    resource: Option<GroupVersionResource>,
+    pub(crate) resource: Option<GroupVersionResource>,
     #[serde(default)]
-    sub_resource: Option<String>,
+    pub(crate) sub_resource: Option<String>,
     #[serde(default)]
-    name: Option<String>,
+    pub(crate) name: Option<String>,
     #[serde(default)]
-    namespace: Option<String>,
+    pub(crate) namespace: Option<String>,
     #[serde(default)]
-    operation: Option<String>,
+    pub(crate) operation: Option<String>,
     #[serde(default = "none")]
-    object: Option<O>,
+    pub(crate) object: Option<O>,
     #[serde(default = "none")]
-    old_object: Option<O>,
+    pub(crate) old_object: Option<O>,
 }
 
 /// `request.object` or `request.oldObject`: the pod's view when it is a JSON object, read
 /// straight from the body (see [`crate::pod`]).
-struct PodObject<'a>(Option<PodView<'a>>);
+#[derive(Debug, PartialEq)]
+pub(crate) struct PodObject<'a>(pub(crate) Option<PodView<'a>>);
 
 impl<'de: 'a, 'a> serde::Deserialize<'de> for PodObject<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -216,20 +217,20 @@ impl ReviewIn<Value> {
     }
 }
 
-#[derive(Clone, serde::Deserialize)]
-struct GroupVersionKind {
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+pub(crate) struct GroupVersionKind {
     #[serde(default)]
-    group: String,
+    pub(crate) group: String,
     #[serde(default)]
-    kind: String,
+    pub(crate) kind: String,
 }
 
-#[derive(Clone, serde::Deserialize)]
-struct GroupVersionResource {
+#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+pub(crate) struct GroupVersionResource {
     #[serde(default)]
-    group: String,
+    pub(crate) group: String,
     #[serde(default)]
-    resource: String,
+    pub(crate) resource: String,
 }
 
 /// The response review's `response`, written by [`encode`].
@@ -253,13 +254,16 @@ const API_VERSION: &str = "admission.k8s.io/v1";
 
 /// Answers one AdmissionReview body. See the module docs.
 pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
-    // Fast path: the pod read as a view borrowed from the body. A body that is valid UTF-8
-    // as a whole is read as text, so that its strings are not checked again one by one; any
-    // other body is read as bytes, with the same answers. A body the view cannot take (a
-    // field named twice in one object) is parsed again as values, so that odd input gets the
-    // same answer.
+    // Fast path: the pod read as a view borrowed from the body, by the one-pass reader when
+    // it is sure of the body, else by serde. A body that is valid UTF-8 as a whole is read
+    // as text, so that its strings are not checked again one by one; any other body is read
+    // as bytes, with the same answers. A body the view cannot take (a field named twice in
+    // one object) is parsed again as values, so that odd input gets the same answer.
     let fast = match std::str::from_utf8(body) {
-        Ok(text) => serde_json::from_str::<ReviewIn<PodObject<'_>>>(text),
+        Ok(text) => match scan::read_review(text) {
+            Some(review) => Ok(review),
+            None => serde_json::from_str::<ReviewIn<PodObject<'_>>>(text),
+        },
         Err(_) => serde_json::from_slice::<ReviewIn<PodObject<'_>>>(body),
     };
     match fast {

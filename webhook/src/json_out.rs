@@ -11,6 +11,36 @@ fn needs_escape(b: u8) -> bool {
     b < 0x20 || b == b'"' || b == b'\\'
 }
 
+/// The offset of the first byte in `bytes` that JSON escapes (see [`needs_escape`]), or
+/// `bytes.len()` when there is none. Eight bytes at a time: reading a review spends most of
+/// its time inside strings.
+pub(crate) fn first_needing_escape(bytes: &[u8]) -> usize {
+    const ONES: u64 = u64::from_le_bytes([1; 8]);
+    const HIGH: u64 = ONES * 0x80;
+    let mut words = bytes.chunks_exact(8);
+    let mut at = 0;
+    for word in &mut words {
+        let word = u64::from_le_bytes(<[u8; 8]>::try_from(word).unwrap_or_default());
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        // The high bit of each byte that is zero, or below 0x20. A borrow can mark a byte
+        // above a marked one, never below it, so the lowest mark is exact.
+        let marks = ((quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash)
+            | (word.wrapping_sub(ONES * 0x20) & !word))
+            & HIGH;
+        if marks != 0 {
+            return at + (marks.trailing_zeros() / 8) as usize;
+        }
+        at += 8;
+    }
+    let rest = words.remainder();
+    at + rest
+        .iter()
+        .position(|&b| needs_escape(b))
+        .unwrap_or(rest.len())
+}
+
 /// Appends `s` as the inside of a JSON string (no quotes), escaped as serde_json escapes.
 pub(crate) fn str_contents(out: &mut Vec<u8>, s: &str) {
     const BLOCK: usize = 16;
@@ -200,6 +230,32 @@ mod tests {
         let mut out = Vec::new();
         string(&mut out, s);
         String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn the_first_byte_needing_escape_is_found_at_every_offset() {
+        // Each special byte, and bytes either side of the ranges, at every offset of two
+        // words, after plain ASCII or non-ASCII text, followed by another special byte.
+        let specials = [b'"', b'\\', 0x00, 0x1f, b'\n'];
+        let plain = [
+            b' ', b'!', b'#', b'[', b']', 0x7f, 0x80, 0x9f, 0xa0, 0xdc, 0xff,
+        ];
+        for &special in &specials {
+            for &filler in &plain {
+                for len in 0..20 {
+                    for at in 0..=len {
+                        let mut bytes = vec![filler; len];
+                        if at < len {
+                            bytes[at] = special;
+                            if at + 1 < len {
+                                bytes[at + 1] = b'"';
+                            }
+                        }
+                        assert_eq!(first_needing_escape(&bytes), at, "{bytes:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -10,5 +10,6 @@ pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod pod;
+mod scan;
 pub mod server;
 pub mod tls;
