@@ -10,6 +10,10 @@
 //! read as sorted maps in which the last of a repeated key wins, as `serde_json::Map` does.
 //! A field named twice in one object is an error from bytes; [`crate::admission`] then reads
 //! the body as a `Value` and takes the view from that, so odd input gets the same answer.
+//!
+//! On the admission path the private `scan` module fills these same types in one pass where
+//! it can, and serde reads the rest. A field added here must be added there too; its tests
+//! compare the two readings.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
