@@ -12,8 +12,8 @@
 //! the body as a `Value` and takes the view from that, so odd input gets the same answer.
 //!
 //! On the admission path the private `scan` module fills these same types in one pass where
-//! it can, and serde reads the rest. A field added here must be added there too; its tests
-//! compare the two readings.
+//! it can, and serde reads the rest. A field added here must be read there too: it names
+//! every field, so it does not compile until it does, and its tests compare the two readings.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

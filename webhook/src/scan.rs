@@ -418,9 +418,14 @@ impl<'a> Scanner<'a> {
     }
 
     // -- The pod ------------------------------------------------------------------------
+    // Each reader starts from a literal naming every field of its struct, so a field added
+    // to the view in `crate::pod` does not compile here until the reader reads it.
 
     fn pod(&mut self) -> Read<PodView<'a>> {
-        let mut pod = PodView::default();
+        let mut pod = PodView {
+            metadata: None,
+            spec: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -436,7 +441,13 @@ impl<'a> Scanner<'a> {
     }
 
     fn metadata(&mut self) -> Read<Metadata<'a>> {
-        let mut m = Metadata::default();
+        let mut m = Metadata {
+            name: None,
+            generate_name: None,
+            namespace: None,
+            labels: None,
+            annotations: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -453,7 +464,13 @@ impl<'a> Scanner<'a> {
     }
 
     fn spec(&mut self) -> Read<Spec<'a>> {
-        let mut spec = Spec::default();
+        let mut spec = Spec {
+            service_account_name: None,
+            volumes: None,
+            containers: None,
+            init_containers: None,
+            ephemeral_containers: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -479,7 +496,10 @@ impl<'a> Scanner<'a> {
     }
 
     fn volume(&mut self) -> Read<Volume<'a>> {
-        let mut volume = Volume::default();
+        let mut volume = Volume {
+            name: None,
+            host_path: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -495,7 +515,7 @@ impl<'a> Scanner<'a> {
     }
 
     fn host_path(&mut self) -> Read<HostPath<'a>> {
-        let mut host_path = HostPath::default();
+        let mut host_path = HostPath { path: None };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -508,7 +528,14 @@ impl<'a> Scanner<'a> {
     }
 
     fn container(&mut self) -> Read<Container<'a>> {
-        let mut c = Container::default();
+        let mut c = Container {
+            name: None,
+            image: None,
+            env: None,
+            resources: None,
+            security_context: None,
+            volume_mounts: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -533,7 +560,11 @@ impl<'a> Scanner<'a> {
     }
 
     fn env_var(&mut self) -> Read<EnvVar<'a>> {
-        let mut var = EnvVar::default();
+        let mut var = EnvVar {
+            name: None,
+            value: None,
+            value_from: false,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -548,7 +579,10 @@ impl<'a> Scanner<'a> {
     }
 
     fn resources(&mut self) -> Read<Resources<'a>> {
-        let mut resources = Resources::default();
+        let mut resources = Resources {
+            limits: None,
+            requests: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -562,7 +596,10 @@ impl<'a> Scanner<'a> {
     }
 
     fn security_context(&mut self) -> Read<SecurityContext<'a>> {
-        let mut context = SecurityContext::default();
+        let mut context = SecurityContext {
+            privileged: None,
+            capabilities: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -579,7 +616,10 @@ impl<'a> Scanner<'a> {
     }
 
     fn capabilities(&mut self) -> Read<Capabilities<'a>> {
-        let mut caps = Capabilities::default();
+        let mut caps = Capabilities {
+            add: Vec::new(),
+            drop: None,
+        };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
@@ -593,7 +633,7 @@ impl<'a> Scanner<'a> {
     }
 
     fn volume_mount(&mut self) -> Read<VolumeMount<'a>> {
-        let mut mount = VolumeMount::default();
+        let mut mount = VolumeMount { name: None };
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
