@@ -23,6 +23,7 @@ use gpuwarden_crds::{
 };
 use serde::Serialize;
 
+use crate::json_out;
 pub use crate::pod::ContainerKind;
 use crate::pod::{Container, Map, PodView};
 
@@ -577,6 +578,85 @@ pub struct Report {
     pub denials: Vec<String>,
 }
 
+impl Report {
+    /// The annotation value: the JSON serde writes for this struct, written straight into
+    /// one buffer (the admission path's other JSON is written the same way).
+    pub fn to_json(&self) -> String {
+        let mut out = Vec::with_capacity(256);
+        out.extend_from_slice(b"{\"containers\":{");
+        for (i, (name, c)) in self.containers.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            json_out::string(&mut out, name);
+            out.push(b':');
+            c.write_json(&mut out);
+        }
+        out.push(b'}');
+        list_field(&mut out, "volumesRemoved", &self.volumes_removed);
+        list_field(&mut out, "annotationsRemoved", &self.annotations_removed);
+        list_field(&mut out, "denials", &self.denials);
+        out.push(b'}');
+        // Only whole strings and ASCII punctuation were written.
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl ContainerReport {
+    fn write_json(&self, out: &mut Vec<u8>) {
+        out.push(b'{');
+        if let Some(kind) = self.kind {
+            out.extend_from_slice(b"\"kind\":");
+            json_out::string(out, kind);
+            out.push(b',');
+        }
+        out.extend_from_slice(if self.privileged {
+            b"\"privileged\":true"
+        } else {
+            b"\"privileged\":false"
+        });
+        out.extend_from_slice(if self.gpu {
+            b",\"gpu\":true"
+        } else {
+            b",\"gpu\":false"
+        });
+        list_field(out, "capabilitiesAdded", &self.capabilities_added);
+        list_field(out, "capabilitiesDropped", &self.capabilities_dropped);
+        list_field(out, "capabilitiesRefused", &self.capabilities_refused);
+        map_field(out, "limits", &self.limits);
+        if let Some(from) = &self.gpu_count_from {
+            out.extend_from_slice(b",\"gpuCountFrom\":");
+            json_out::string(out, from);
+        }
+        list_field(out, "envRemoved", &self.env_removed);
+        map_field(out, "envSet", &self.env_set);
+        list_field(out, "volumeMountsRemoved", &self.volume_mounts_removed);
+        out.push(b'}');
+    }
+}
+
+/// `,"<key>":[...]` unless `items` is empty (after the first field of an object).
+fn list_field(out: &mut Vec<u8>, key: &str, items: &[String]) {
+    if items.is_empty() {
+        return;
+    }
+    out.push(b',');
+    json_out::string(out, key);
+    out.push(b':');
+    json_out::string_array(out, items.iter().map(String::as_str));
+}
+
+/// `,"<key>":{...}` unless `map` is empty (after the first field of an object).
+fn map_field(out: &mut Vec<u8>, key: &str, map: &BTreeMap<String, String>) {
+    if map.is_empty() {
+        return;
+    }
+    out.push(b',');
+    json_out::string(out, key);
+    out.push(b':');
+    json_out::string_object(out, map.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+}
+
 /// The plan for one pod: the changes, what they mean, and what cannot be rewritten.
 struct Plan {
     changes: Vec<Change>,
@@ -1040,7 +1120,7 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
                     plan.pod_notes.join("; ")
                 )));
             }
-            let report = serde_json::to_string(&plan.report).unwrap_or_default();
+            let report = plan.report.to_json();
             let mut pairs = Vec::new();
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_REWRITTEN, report);
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_POLICY, reference);
@@ -1070,7 +1150,7 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
                 )));
             }
             plan.report.denials = plan.denials.clone();
-            let report = serde_json::to_string(&plan.report).unwrap_or_default();
+            let report = plan.report.to_json();
             let mut pairs = Vec::new();
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_AUDIT, report);
             if !pairs.is_empty() {
@@ -1295,6 +1375,48 @@ mod tests {
         let s = clip("é".repeat(300));
         assert!(s.len() <= MAX_WARNING_LEN);
         assert!(s.ends_with("..."));
+    }
+
+    #[test]
+    fn the_report_is_written_as_serde_writes_it() {
+        let full = ContainerReport {
+            kind: Some("init"),
+            privileged: false,
+            gpu: true,
+            capabilities_added: vec!["SYS_NICE".into(), "IPC_LOCK".into()],
+            capabilities_dropped: vec!["ALL".into()],
+            capabilities_refused: vec!["SYS_ADMIN".into()],
+            limits: BTreeMap::from([("nvidia.com/gpu".into(), "2".into())]),
+            gpu_count_from: Some("annotation gpuwarden.io/gpu-count".into()),
+            env_removed: vec!["NVIDIA_VISIBLE_DEVICES".into()],
+            env_set: BTreeMap::from([
+                (
+                    "NVIDIA_DRIVER_CAPABILITIES".into(),
+                    "compute,utility".into(),
+                ),
+                ("B".into(), "quote \" backslash \\ tab \t é\u{1}".into()),
+            ]),
+            volume_mounts_removed: vec!["dev".into()],
+        };
+        let sidecar = ContainerReport {
+            privileged: true,
+            ..ContainerReport::default()
+        };
+        let reports = [
+            Report::default(),
+            Report {
+                containers: BTreeMap::from([
+                    ("trainer \"a\"".into(), full),
+                    ("side".into(), sidecar),
+                ]),
+                volumes_removed: vec!["dev".into()],
+                annotations_removed: vec!["cdi.k8s.io/x".into()],
+                denials: vec!["init container x: too many GPUs".into()],
+            },
+        ];
+        for report in reports {
+            assert_eq!(report.to_json(), serde_json::to_string(&report).unwrap());
+        }
     }
 
     #[test]
