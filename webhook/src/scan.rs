@@ -48,9 +48,34 @@ pub(crate) fn read_review(text: &str) -> Option<ReviewIn<PodObject<'_>>> {
     (scanner.pos == text.len()).then_some(review)
 }
 
+/// The request uid, if the body is a JSON object with `request.uid`; "" otherwise. Read by
+/// the one-pass reader where it is sure of the body, else by serde.
+pub(crate) fn peek_uid(body: &[u8]) -> String {
+    std::str::from_utf8(body)
+        .ok()
+        .and_then(read_uid)
+        .or_else(|| serde_uid(body))
+        .unwrap_or_default()
+}
+
+/// `request.uid` as serde reads it ("" when absent or `null`), or `None` when serde refuses
+/// the body.
+fn serde_uid(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Review {
+        request: Option<Request>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Request {
+        uid: Option<String>,
+    }
+    let review: Review = serde_json::from_slice(body).ok()?;
+    Some(review.request.and_then(|r| r.uid).unwrap_or_default())
+}
+
 /// Reads only `request.uid` of a review body ("" when absent or `null`), or `None` when the
-/// serde reading has to (see the module docs): the floor's one read of the review.
-pub(crate) fn read_uid(text: &str) -> Option<String> {
+/// serde reading has to (see the module docs).
+fn read_uid(text: &str) -> Option<String> {
     let mut scanner = Scanner { text, pos: 0 };
     let uid = scanner.uid().ok()?;
     scanner.whitespace();
@@ -831,24 +856,10 @@ mod tests {
         serde_json::from_str(text).ok()
     }
 
-    /// The uid as the floor reads it with serde, `None` where serde refuses the body.
-    fn serde_uid(text: &str) -> Option<String> {
-        #[derive(serde::Deserialize)]
-        struct Review {
-            request: Option<Request>,
-        }
-        #[derive(serde::Deserialize)]
-        struct Request {
-            uid: Option<String>,
-        }
-        let review: Review = serde_json::from_str(text).ok()?;
-        Some(review.request.and_then(|r| r.uid).unwrap_or_default())
-    }
-
     /// Holds both readers to serde; returns whether the review reader read the body.
     fn check(text: &str) -> bool {
         if let Some(uid) = read_uid(text) {
-            assert_eq!(Some(uid), serde_uid(text), "body: {text}");
+            assert_eq!(Some(uid), serde_uid(text.as_bytes()), "body: {text}");
         }
         let Some(fast) = read_review(text) else {
             return false;

@@ -120,7 +120,7 @@ impl Reviewer for ConstantAllow {
     fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
         // The least a valid answer does: the API server rejects a response whose uid
         // does not echo the request's, so even the floor reads the review once.
-        let uid = peek_uid(body);
+        let uid = scan::peek_uid(body);
         let response = serde_json::json!({
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -540,7 +540,7 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
 
     if let Some(message) = content_type_error {
         // The uid is still worth echoing: the API server then shows this message.
-        return refuse(Refusal::ContentType, &peek_uid(&body), 415, message);
+        return refuse(Refusal::ContentType, &scan::peek_uid(&body), 415, message);
     }
 
     let span = tracing::info_span!(
@@ -562,7 +562,7 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
     let Some((response, summary)) = result else {
         return refuse(
             Refusal::Internal,
-            &peek_uid(&body),
+            &scan::peek_uid(&body),
             500,
             "gpuwarden webhook failed internally while reviewing this request; see its logs".into(),
         );
@@ -705,27 +705,6 @@ async fn read_body(
     Ok((buffer.freeze(), held))
 }
 
-/// The request uid, if the body is a JSON object with `request.uid`; "" otherwise.
-fn peek_uid(body: &[u8]) -> String {
-    // The engine's one-pass reader where it is sure of the body, as for the engine.
-    if let Some(uid) = std::str::from_utf8(body).ok().and_then(scan::read_uid) {
-        return uid;
-    }
-    #[derive(serde::Deserialize)]
-    struct Review {
-        request: Option<Request>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Request {
-        uid: Option<String>,
-    }
-    serde_json::from_slice::<Review>(body)
-        .ok()
-        .and_then(|r| r.request)
-        .and_then(|r| r.uid)
-        .unwrap_or_default()
-}
-
 /// A denial review for a request the engine never saw.
 pub fn refusal_review(uid: &str, code: u16, message: &str) -> Vec<u8> {
     serde_json::json!({
@@ -858,9 +837,9 @@ mod tests {
 
     #[test]
     fn uid_is_peeked_only_from_a_review_shape() {
-        assert_eq!(peek_uid(br#"{"request":{"uid":"abc"}}"#), "abc");
-        assert_eq!(peek_uid(b"not json"), "");
-        assert_eq!(peek_uid(br#"{"request":"x"}"#), "");
+        assert_eq!(scan::peek_uid(br#"{"request":{"uid":"abc"}}"#), "abc");
+        assert_eq!(scan::peek_uid(b"not json"), "");
+        assert_eq!(scan::peek_uid(br#"{"request":"x"}"#), "");
     }
 
     #[test]
