@@ -43,30 +43,17 @@ pub(crate) fn first_needing_escape(bytes: &[u8]) -> usize {
 
 /// Appends `s` as the inside of a JSON string (no quotes), escaped as serde_json escapes.
 pub(crate) fn str_contents(out: &mut Vec<u8>, s: &str) {
-    const BLOCK: usize = 16;
-    let bytes = s.as_bytes();
-    // Short strings (keys, names, pointer tokens) are checked byte by byte and most are
-    // copied at once.
-    if bytes.len() < 2 * BLOCK && !bytes.iter().any(|&b| needs_escape(b)) {
-        out.extend_from_slice(bytes);
-        return;
+    let mut rest = s.as_bytes();
+    loop {
+        let at = first_needing_escape(rest);
+        let (clean, tail) = rest.split_at(at);
+        out.extend_from_slice(clean);
+        let Some((&b, after)) = tail.split_first() else {
+            return;
+        };
+        escape(out, b);
+        rest = after;
     }
-    let mut copied = 0;
-    for (block_index, block) in bytes.chunks(BLOCK).enumerate() {
-        // No early exit, so the check compiles to vector compares; most blocks are clean.
-        if !block.iter().fold(false, |any, &b| any | needs_escape(b)) {
-            continue;
-        }
-        for (offset, &b) in block.iter().enumerate() {
-            if needs_escape(b) {
-                let at = block_index * BLOCK + offset;
-                out.extend_from_slice(&bytes[copied..at]);
-                escape(out, b);
-                copied = at + 1;
-            }
-        }
-    }
-    out.extend_from_slice(&bytes[copied..]);
 }
 
 fn escape(out: &mut Vec<u8>, b: u8) {
