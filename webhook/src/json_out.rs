@@ -12,8 +12,8 @@ fn needs_escape(b: u8) -> bool {
 }
 
 /// The offset of the first byte in `bytes` that JSON escapes (see [`needs_escape`]), or
-/// `bytes.len()` when there is none. Eight bytes at a time: reading a review spends most of
-/// its time inside strings.
+/// `bytes.len()` when there is none. Eight bytes at a time: reading a review and writing the
+/// answer both spend most of their time inside strings.
 pub(crate) fn first_needing_escape(bytes: &[u8]) -> usize {
     const ONES: u64 = u64::from_le_bytes([1; 8]);
     const HIGH: u64 = ONES * 0x80;
