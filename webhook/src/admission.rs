@@ -233,13 +233,11 @@ pub(crate) struct GroupVersionResource {
     pub(crate) resource: String,
 }
 
-/// The response review's `response`, written by [`encode`].
+/// The response review's `response` but its patch, written by [`encode`].
 struct ResponseOut {
     uid: String,
     allowed: bool,
     status: Option<StatusOut>,
-    /// The JSON patch, sent base64-encoded with `patchType: JSONPatch`.
-    patch: Option<Vec<u8>>,
     warnings: Vec<String>,
     audit_annotations: BTreeMap<String, String>,
 }
@@ -434,10 +432,9 @@ fn respond(
         Verdict::Denied => Outcome::Denied,
     };
     let mut response = ResponseOut {
-        uid: uid.clone(),
+        uid,
         allowed: outcome != Outcome::Denied,
         status: None,
-        patch: None,
         warnings: decision.warnings,
         audit_annotations: decision.audit_annotations,
     };
@@ -448,24 +445,31 @@ fn respond(
             message,
         });
     }
-    if response.allowed
-        && !decision.changes.is_empty()
-        && let Some(pod) = pod
-    {
-        // Sized up front: growing the buffer step by step shows in profiles.
-        let mut bytes = Vec::with_capacity(PATCH_BUFFER_BYTES);
-        if patch::write_patch(pod, &decision.changes, &mut bytes) > 0 {
-            response.patch = Some(bytes);
-        }
-    }
-    tracing::debug!(uid = %uid, pod = pod_name.as_deref().unwrap_or(""), outcome = outcome.as_str(), "admission review answered");
+    tracing::debug!(uid = %response.uid, pod = pod_name.as_deref().unwrap_or(""), outcome = outcome.as_str(), "admission review answered");
+    let body = match pod {
+        Some(pod) if response.allowed && !decision.changes.is_empty() => PATCH_SCRATCH
+            .with_borrow_mut(|bytes| {
+                bytes.clear();
+                let ops = patch::write_patch(pod, &decision.changes, bytes);
+                let body = encode(
+                    api_version,
+                    &response,
+                    (ops > 0).then_some(bytes.as_slice()),
+                );
+                if bytes.capacity() > PATCH_SCRATCH_KEPT_BYTES {
+                    *bytes = Vec::with_capacity(PATCH_SCRATCH_BYTES);
+                }
+                body
+            }),
+        _ => encode(api_version, &response, None),
+    };
     let summary = ReviewSummary {
-        uid,
+        uid: response.uid,
         outcome,
         policy: decision.policy,
         pod: pod_name,
     };
-    (encode(api_version, response), summary)
+    (body, summary)
 }
 
 fn invalid(
@@ -476,37 +480,47 @@ fn invalid(
 ) -> (Vec<u8>, ReviewSummary) {
     tracing::debug!(uid = %uid, error = %error, "malformed admission review");
     let response = ResponseOut {
-        uid: uid.clone(),
+        uid,
         allowed: false,
         status: Some(StatusOut {
             code: 400,
             reason: "BadRequest",
             message: format!("gpuwarden: {error}"),
         }),
-        patch: None,
         warnings: Vec::new(),
         audit_annotations: BTreeMap::new(),
     };
+    let body = encode(api_version, &response, None);
     let summary = ReviewSummary {
-        uid,
+        uid: response.uid,
         outcome: Outcome::Invalid,
         policy: None,
         pod,
     };
-    (encode(api_version, response), summary)
+    (body, summary)
 }
 
 /// Room reserved for a serialised patch before base64; most patches fit.
-const PATCH_BUFFER_BYTES: usize = 2048;
+const PATCH_SCRATCH_BYTES: usize = 2048;
+/// A scratch buffer grown past this by an unusual pod is given back after its review, so
+/// that each thread (the server's blocking threads too) keeps at most this much.
+const PATCH_SCRATCH_KEPT_BYTES: usize = 16 * 1024;
 
-fn encode(api_version: &str, response: ResponseOut) -> Vec<u8> {
+thread_local! {
+    /// The serialised patch before base64, reused by the next review on the same thread.
+    /// A fresh buffer per review is a large allocation, and glibc answers one by first
+    /// consolidating the small chunks the engine has just freed: a walk over memory that is
+    /// no longer in cache once the server is busy.
+    static PATCH_SCRATCH: std::cell::RefCell<Vec<u8>> =
+        std::cell::RefCell::new(Vec::with_capacity(PATCH_SCRATCH_BYTES));
+}
+
+/// The response review: `response`, and `patch` (serialised JSON) base64-encoded.
+fn encode(api_version: &str, response: &ResponseOut, patch: Option<&[u8]>) -> Vec<u8> {
     // Room for the envelope plus the variable parts, so the buffer is not regrown.
     let capacity = 256
         + response.uid.len()
-        + response
-            .patch
-            .as_ref()
-            .map_or(0, |p| p.len().div_ceil(3) * 4)
+        + patch.map_or(0, |p| p.len().div_ceil(3) * 4)
         + response.status.as_ref().map_or(0, |s| s.message.len())
         + response.warnings.iter().map(|w| w.len() + 3).sum::<usize>()
         + response
@@ -533,7 +547,7 @@ fn encode(api_version: &str, response: ResponseOut) -> Vec<u8> {
         json_out::string(&mut out, &status.message);
         out.push(b'}');
     }
-    if let Some(patch) = &response.patch {
+    if let Some(patch) = patch {
         out.extend_from_slice(b",\"patch\":\"");
         json_out::base64(&mut out, patch);
         out.extend_from_slice(b"\",\"patchType\":\"JSONPatch\"");
@@ -589,6 +603,54 @@ mod tests {
         let (plain, summary) = handle_review(body(last).as_bytes(), &source);
         assert_eq!(summary.outcome, Outcome::Rewritten);
         assert_eq!(handle_review(body(&repeated).as_bytes(), &source).0, plain);
+    }
+
+    #[test]
+    fn the_reused_patch_buffer_carries_nothing_over() {
+        // Each thread keeps its patch buffer between reviews. An unusual pod grows it past
+        // what is kept (thousands of env entries to remove); the reviews after it, on the
+        // same thread, answer exactly as on a thread of their own.
+        let review = |env_entries: usize, image: &str| {
+            let env: Vec<Value> = (0..env_entries)
+                .map(|i| serde_json::json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": i.to_string()}))
+                .collect();
+            serde_json::to_vec(&serde_json::json!({
+                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                "request": {"uid": "u", "namespace": "ml", "operation": "CREATE",
+                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "object": {"metadata": {"name": "p"}, "spec": {"containers": [{
+                        "name": "a", "image": image, "env": env,
+                        "securityContext": {"privileged": true}}]}}}
+            }))
+            .unwrap()
+        };
+        let source = Arc::new(StaticSource::new([GpuPolicy::default_policy()]));
+        let small = [review(1, "train"), review(3, "other")];
+        let alone: Vec<Vec<u8>> = small
+            .iter()
+            .map(|body| {
+                let (body, source) = (body.clone(), source.clone());
+                std::thread::spawn(move || handle_review(&body, source.as_ref()).0)
+                    .join()
+                    .unwrap()
+            })
+            .collect();
+        let (_, summary) = handle_review(&review(3000, "big"), source.as_ref());
+        assert_eq!(summary.outcome, Outcome::Rewritten);
+        PATCH_SCRATCH.with_borrow(|bytes| {
+            assert!(
+                bytes.capacity() <= PATCH_SCRATCH_KEPT_BYTES,
+                "{}",
+                bytes.capacity()
+            );
+        });
+        for (body, expected) in small
+            .iter()
+            .chain(small.iter().rev())
+            .zip(alone.iter().chain(alone.iter().rev()))
+        {
+            assert_eq!(&handle_review(body, source.as_ref()).0, expected);
+        }
     }
 
     #[test]
