@@ -22,6 +22,13 @@
 //! with the engine's (larger) response, the engine answering with the floor's, and the floor
 //! plus plain arithmetic that takes as long as the engine in a tight loop; and it times
 //! `review` itself inside the loaded server, beside its time in a tight loop.
+//!
+//! `BENCH_REQUESTS=N` with `BENCH_REVIEWER=engine|floor` instead sends N requests to that
+//! one reviewer over `BENCH_CONCURRENCY` connections and exits, without timing loops: a
+//! fixed amount of work for a cache simulator. Run it at two values of N and subtract, so
+//! that start-up (key generation, handshakes) cancels out, e.g.
+//! `valgrind --tool=callgrind --cache-sim=yes --I1=32768,8,64 --D1=32768,8,64
+//! --LL=524288,8,64` (this machine's L1 and per-core L2) on the bench executable.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -503,6 +510,30 @@ async fn closed_loop(clients: Vec<Client>, body: Bytes, duration: Duration, tick
     run
 }
 
+/// Each client sends `per_client` requests back to back; returns how many failed.
+async fn fixed_count(clients: Vec<Client>, body: Bytes, per_client: usize) -> usize {
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .map(|mut client| {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut errors = 0;
+                for _ in 0..per_client {
+                    if client.send(&body).await.is_none() {
+                        errors += 1;
+                    }
+                }
+                errors
+            })
+        })
+        .collect();
+    let mut errors = 0;
+    for task in tasks {
+        errors += task.await.unwrap_or(per_client);
+    }
+    errors
+}
+
 /// Requests at a fixed `rate` for `duration` over a pool of 32 keep-alive connections; each
 /// request is dispatched on schedule whether or not earlier ones have finished.
 async fn fixed_rate(
@@ -689,6 +720,25 @@ fn main() {
     let source: Arc<dyn PolicySource> =
         Arc::new(StaticPolicySource::from_file(&policy_file).unwrap());
     let engine_reviewer = Arc::new(EngineReviewer::new(source.clone()));
+    if let Ok(requests) = std::env::var("BENCH_REQUESTS") {
+        let requests: usize = requests.parse().expect("BENCH_REQUESTS is a whole number");
+        let reviewer: Arc<dyn Reviewer> = match std::env::var("BENCH_REVIEWER").as_deref() {
+            Ok("engine") => engine_reviewer,
+            Ok("floor") => Arc::new(ConstantAllow),
+            _ => panic!("BENCH_REQUESTS needs BENCH_REVIEWER=engine or floor"),
+        };
+        let addr = start_in_process(&server_rt, reviewer, &pki.paths);
+        let per_client = requests.div_ceil(concurrency);
+        let errors = client_rt.block_on(async {
+            let clients = clients(addr, config.clone(), concurrency, false).await;
+            fixed_count(clients, body.clone(), per_client).await
+        });
+        println!(
+            "{} requests over {concurrency} connections, {errors} failed",
+            per_client * concurrency
+        );
+        return;
+    }
     let engine_alone = time_reviewer(engine_reviewer.as_ref(), &body);
     let floor_alone = time_reviewer(&ConstantAllow, &body);
     let engine_threads = reviews_per_second(engine_reviewer.clone(), &body, 2);
