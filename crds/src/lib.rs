@@ -10,6 +10,7 @@ pub mod exemptions;
 pub mod manifests;
 pub mod node;
 pub mod policy;
+pub mod selection;
 pub mod selector;
 
 pub use node::{

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use gpuwarden_crds::{
     ANNOTATION_AUDIT, ANNOTATION_GPU_COUNT, ANNOTATION_POLICY, ANNOTATION_REWRITTEN,
     CDI_ANNOTATION_PREFIX, GpuPolicy, PolicyMode, PrivilegedMatch, RESOURCE_GPU,
-    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll, selector,
+    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll,
 };
 use serde::Serialize;
 
@@ -28,6 +28,9 @@ pub use crate::pod::ContainerKind;
 use crate::pod::{Container, Map, PodView};
 
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
+pub use gpuwarden_crds::selection::{
+    LABEL_NAMESPACE_NAME, Selection, namespace_labels_or_default, select_policy,
+};
 
 /// Environment variable the NVIDIA runtime reads to pick the GPUs it exposes.
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -37,8 +40,6 @@ pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
 pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
 /// MIG monitoring access; the runtime refuses it in unprivileged containers.
 pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
-/// Label the API server sets on every namespace.
-pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
 /// The command a denial message points users to.
 pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
 /// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
@@ -186,75 +187,6 @@ pub struct Input<'a> {
     pub operation: Operation<'a>,
     /// How the pod is named in messages (`namespace/name`).
     pub display_name: &'a str,
-}
-
-/// The labels of namespace `name`: the known ones, or what the API server sets on every
-/// namespace when the namespace is unknown. `kubernetes.io/metadata.name` is always present.
-pub fn namespace_labels_or_default(
-    name: &str,
-    known: Option<BTreeMap<String, String>>,
-) -> BTreeMap<String, String> {
-    let mut labels = known.unwrap_or_default();
-    labels
-        .entry(LABEL_NAMESPACE_NAME.to_owned())
-        .or_insert_with(|| name.to_owned());
-    labels
-}
-
-/// The result of choosing a policy.
-#[derive(Debug)]
-pub struct Selection<'p> {
-    /// The governing policy, if any.
-    pub policy: Option<&'p GpuPolicy>,
-    /// Policies skipped because a selector is invalid, with the reason.
-    pub skipped: Vec<String>,
-}
-
-/// Picks the policy that governs a pod: the highest priority whose `namespaceSelector`
-/// matches the namespace labels and whose `podSelector` (if any) matches the pod labels;
-/// ties go to the name that sorts first. A policy with an invalid selector is skipped and
-/// named in `skipped`, never a panic.
-pub fn select_policy<'p>(
-    policies: &'p [Arc<GpuPolicy>],
-    namespace_labels: &BTreeMap<String, String>,
-    pod_labels: &BTreeMap<String, String>,
-) -> Selection<'p> {
-    let mut ordered: Vec<&GpuPolicy> = policies.iter().map(Arc::as_ref).collect();
-    ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
-    let mut skipped = Vec::new();
-    for policy in ordered {
-        let name = policy.metadata.name.as_deref().unwrap_or("");
-        match selector::matches(&policy.spec.namespace_selector, namespace_labels) {
-            Ok(true) => {}
-            Ok(false) => continue,
-            Err(e) => {
-                skipped.push(format!(
-                    "GpuPolicy {name} ignored: invalid namespaceSelector: {e}"
-                ));
-                continue;
-            }
-        }
-        if let Some(pod_selector) = &policy.spec.pod_selector {
-            match selector::matches(pod_selector, pod_labels) {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    skipped.push(format!(
-                        "GpuPolicy {name} ignored: invalid podSelector: {e}"
-                    ));
-                    continue;
-                }
-            }
-        }
-        return Selection {
-            policy: Some(policy),
-            skipped,
-        };
-    }
-    Selection {
-        policy: None,
-        skipped,
-    }
 }
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
