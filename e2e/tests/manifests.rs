@@ -457,12 +457,21 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["get", "create", "patch"],
         &[install::WEBHOOK_TLS_SECRET],
     ),
-    // node agent (src/agent.rs): reflectors over its node's Pods, its Node, GpuPolicy.
+    // node agent (src/agent.rs): reflectors over its node's Pods, its Node, GpuPolicy and
+    // Namespace metadata (namespace labels choose the policy that governs a pod).
     (
         install::NODE_AGENT_NAME,
         None,
         "",
         "pods",
+        &["list", "watch"],
+        &[],
+    ),
+    (
+        install::NODE_AGENT_NAME,
+        None,
+        "",
+        "namespaces",
         &["list", "watch"],
         &[],
     ),

@@ -90,6 +90,7 @@ fn pods() -> Vec<PodInfo> {
             name: format!("inference-{i}"),
             mirror_uid: None,
             service_account: String::new(),
+            labels: Default::default(),
             exempt: None,
             containers: vec![ContainerInfo {
                 name: "server".into(),

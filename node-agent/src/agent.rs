@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use gpuwarden_crds::{GpuNodeStatus, GpuPolicy, RuntimeStatus};
 use jiff::Timestamp;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Resource};
@@ -407,22 +408,30 @@ async fn run_inner(
         Api::<Node>::all(client.clone()),
         watcher::Config::default().fields(&format!("metadata.name={node}")),
     );
+    // Namespace labels choose the policy that governs a pod, as in the webhook; only the
+    // metadata is watched.
+    let namespaces = reflect(
+        Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+        watcher::Config::default(),
+    );
     let caches_ready = Arc::new(AtomicBool::new(false));
     {
-        let (pods, policies, nodes, flag) = (
+        let (pods, policies, nodes, namespaces, flag) = (
             pods.clone(),
             policies.clone(),
             nodes.clone(),
+            namespaces.clone(),
             caches_ready.clone(),
         );
         tokio::spawn(
             async move {
                 let ok = pods.wait_until_ready().await.is_ok()
                     && policies.wait_until_ready().await.is_ok()
-                    && nodes.wait_until_ready().await.is_ok();
+                    && nodes.wait_until_ready().await.is_ok()
+                    && namespaces.wait_until_ready().await.is_ok();
                 flag.store(ok, Ordering::Relaxed);
                 if ok {
-                    info!("pod, policy and node caches synced");
+                    info!("pod, policy, node and namespace caches synced");
                 }
             }
             .in_current_span(),
@@ -497,7 +506,12 @@ async fn run_inner(
             .state()
             .iter()
             .filter_map(|p| PodInfo::from_pod(p))
-            .map(|p| p.exempt_by(&policy_refs))
+            .map(|p| {
+                let labels = namespaces
+                    .get(&reflector::ObjectRef::new(&p.namespace))
+                    .map(|ns| ns.metadata.labels.clone().unwrap_or_default());
+                p.exempt_by(&policy_list, labels)
+            })
             .collect();
         let labels: BTreeMap<String, String> = nodes
             .state()
@@ -625,14 +639,15 @@ pub async fn inspect(config: &InspectConfig) -> Result<GpuNodeStatus, AgentError
         (None, Some(node)) => AllocationSource::Static(node.pod_resources_list()),
         (None, None) => AllocationSource::None,
     };
-    // No cluster, so no GpuPolicies: the built-in default policy's exemptions apply.
-    let default_policy = GpuPolicy::default_policy();
+    // No cluster, so no GpuPolicies or Namespaces: the built-in default policy governs
+    // every pod.
+    let default_policy = [Arc::new(GpuPolicy::default_policy())];
     let pods: Vec<PodInfo> = fake
         .as_ref()
         .map(FakeNode::pod_infos)
         .unwrap_or_default()
         .into_iter()
-        .map(|p| p.exempt_by(&[&default_policy]))
+        .map(|p| p.exempt_by(&default_policy, None))
         .collect();
     let mut sweeper = Sweeper::new(
         backend,

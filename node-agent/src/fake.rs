@@ -267,6 +267,7 @@ impl FakeNode {
                 name: p.name.clone(),
                 mirror_uid: None,
                 service_account: p.service_account.clone(),
+                labels: Default::default(),
                 exempt: None,
                 containers: p
                     .containers

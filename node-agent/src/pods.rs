@@ -2,10 +2,12 @@
 //! its runtime id, whether it is privileged and whether it shows a GPU signal.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{EnvVar, Pod, ResourceRequirements, SecurityContext, VolumeMount};
 
 use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::selection::{namespace_labels_or_default, select_policy};
 use kube::ResourceExt;
 
 use crate::cgroup::strip_runtime_scheme;
@@ -26,6 +28,8 @@ pub struct PodInfo {
     pub mirror_uid: Option<String>,
     /// `spec.serviceAccountName` (empty: `default`).
     pub service_account: String,
+    /// Labels (a policy's `podSelector` reads them).
+    pub labels: BTreeMap<String, String>,
     /// Containers (init containers included).
     pub containers: Vec<ContainerInfo>,
     /// The GpuPolicy exemption that lets it keep its privilege, set by [`PodInfo::exempt_by`].
@@ -129,22 +133,34 @@ impl PodInfo {
             name: pod.metadata.name.clone().unwrap_or_default(),
             mirror_uid: annotations.and_then(|a| a.get(MIRROR_ANNOTATION).cloned()),
             service_account: spec.service_account_name.clone().unwrap_or_default(),
+            labels: pod.metadata.labels.clone().unwrap_or_default(),
             containers,
             exempt: None,
         })
     }
 
-    /// Records which GpuPolicy exemption, if any, lets this pod keep a privileged GPU
-    /// container: its namespace or service account, or the images of all its privileged GPU
-    /// containers. Policies are tried by priority (highest first), then name. The agent does
-    /// not read Namespace labels, so it cannot tell which policy governs the pod; an
-    /// exemption in any policy counts.
-    pub fn exempt_by(mut self, policies: &[&GpuPolicy]) -> Self {
-        self.exempt = self.exemption(policies);
+    /// Records which exemption, if any, lets this pod keep a privileged GPU container: its
+    /// namespace or service account, or the images of all its privileged GPU containers,
+    /// as the policy that governs the pod says. That policy is chosen as the webhook chooses
+    /// it ([`select_policy`]), from `namespace_labels` (the labels of the pod's namespace;
+    /// `None` when the namespace is not known, which leaves only its name label) and the
+    /// pod's labels. Another policy's exemptions do not count, and a pod no policy governs
+    /// has no exemption: its privileged containers count against the node.
+    pub fn exempt_by(
+        mut self,
+        policies: &[Arc<GpuPolicy>],
+        namespace_labels: Option<BTreeMap<String, String>>,
+    ) -> Self {
+        let namespace_labels = namespace_labels_or_default(&self.namespace, namespace_labels);
+        let selection = select_policy(policies, &namespace_labels, &self.labels);
+        for skipped in &selection.skipped {
+            tracing::debug!(pod = %self.name, namespace = %self.namespace, "{skipped}");
+        }
+        self.exempt = selection.policy.and_then(|policy| self.exemption(policy));
         self
     }
 
-    fn exemption(&self, policies: &[&GpuPolicy]) -> Option<String> {
+    fn exemption(&self, policy: &GpuPolicy) -> Option<String> {
         let pick = |gpu_only: bool| -> Vec<&ContainerInfo> {
             self.containers
                 .iter()
@@ -160,20 +176,16 @@ impl PodInfo {
         if privileged.is_empty() {
             return None;
         }
-        let mut ordered = policies.to_vec();
-        ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
-        ordered.into_iter().find_map(|policy| {
-            let ex = &policy.spec.exemptions;
-            let why = ex
-                .pod_exemption(&self.namespace, &self.service_account)
-                .or_else(|| {
-                    privileged
-                        .iter()
-                        .all(|c| ex.covers_image(&c.image))
-                        .then(|| format!("image {} is exempt", privileged[0].image))
-                })?;
-            Some(format!("GpuPolicy {}: {why}", policy.name_any()))
-        })
+        let ex = &policy.spec.exemptions;
+        let why = ex
+            .pod_exemption(&self.namespace, &self.service_account)
+            .or_else(|| {
+                privileged
+                    .iter()
+                    .all(|c| ex.covers_image(&c.image))
+                    .then(|| format!("image {} is exempt", privileged[0].image))
+            })?;
+        Some(format!("GpuPolicy {}: {why}", policy.name_any()))
     }
 
     /// Whether a privileged container of this pod shows a GPU signal.
@@ -287,6 +299,7 @@ impl<'a> PodIndex<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
     fn pod(json: serde_json::Value) -> Pod {
         serde_json::from_value(json).unwrap()
@@ -352,37 +365,66 @@ mod tests {
             })))
             .unwrap()
         };
+        // `team` governs the namespaces labelled team=ml, the default policy the others.
         let default = GpuPolicy::default_policy();
         let mut team = GpuPolicy::default_policy();
         team.metadata.name = Some("team".into());
         team.spec.priority = 10;
+        team.spec.namespace_selector.match_labels =
+            Some(BTreeMap::from([("team".into(), "ml".into())]));
         team.spec.exemptions.namespaces = vec![];
         team.spec.exemptions.images = vec![];
         team.spec.exemptions.service_accounts = vec!["ml/render".into()];
-        let policies = [&default, &team];
+        let policies = [Arc::new(default), Arc::new(team)];
+        let team_ml = || Some(BTreeMap::from([("team".to_owned(), "ml".to_owned())]));
 
-        let exempt = |p: PodInfo| p.exempt_by(&policies).exempt;
+        let exempt_in = |p: PodInfo, labels| p.exempt_by(&policies, labels).exempt;
+        let exempt = |p: PodInfo| exempt_in(p, None);
         assert_eq!(
             exempt(privileged_gpu("gpu-operator", "", "x")).as_deref(),
             Some("GpuPolicy default: namespace gpu-operator is exempt")
         );
         assert_eq!(
-            exempt(privileged_gpu("ml", "render", "x")).as_deref(),
+            exempt_in(privileged_gpu("ml", "render", "x"), team_ml()).as_deref(),
             Some("GpuPolicy team: service account ml/render is exempt"),
-            "the higher priority policy answers first"
         );
+        // Only the governing policy's exemptions count: `team` governs this namespace and
+        // does not exempt the image the default policy exempts, and the default policy
+        // does not exempt the service account `team` exempts.
+        let dcgm = "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04";
+        assert_eq!(exempt_in(privileged_gpu("ml", "", dcgm), team_ml()), None);
+        assert_eq!(exempt(privileged_gpu("ml", "render", "x")), None);
         assert_eq!(
-            exempt(privileged_gpu(
-                "monitoring",
-                "",
-                "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04"
-            ))
-            .as_deref(),
+            exempt(privileged_gpu("monitoring", "", dcgm)).as_deref(),
             Some(
                 "GpuPolicy default: image nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04 is exempt"
             )
         );
         assert_eq!(exempt(privileged_gpu("ml", "trainer", "pytorch:2")), None);
+        // A pod no policy governs has no exemption, whatever another policy exempts.
+        assert_eq!(
+            privileged_gpu("gpu-operator", "", dcgm)
+                .exempt_by(&policies[1..], None)
+                .exempt,
+            None
+        );
+        // A podSelector reads the pod's labels.
+        let mut render = GpuPolicy::default_policy();
+        render.metadata.name = Some("render".into());
+        render.spec.priority = 20;
+        render.spec.pod_selector = Some(LabelSelector {
+            match_labels: Some(BTreeMap::from([("app".into(), "render".into())])),
+            ..LabelSelector::default()
+        });
+        render.spec.exemptions.images = vec!["me/render:*".into()];
+        let with_render = [policies[0].clone(), Arc::new(render)];
+        let mut labelled = privileged_gpu("ml", "", "me/render:1");
+        assert_eq!(labelled.clone().exempt_by(&with_render, None).exempt, None);
+        labelled.labels.insert("app".into(), "render".into());
+        assert_eq!(
+            labelled.exempt_by(&with_render, None).exempt.as_deref(),
+            Some("GpuPolicy render: image me/render:1 is exempt")
+        );
 
         // An exempt image on one privileged GPU container does not cover another.
         let mixed = PodInfo::from_pod(&pod(serde_json::json!({

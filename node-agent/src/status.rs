@@ -328,6 +328,7 @@ mod tests {
             name: "p".into(),
             mirror_uid: None,
             service_account: String::new(),
+            labels: Default::default(),
             exempt: None,
             containers: vec![ContainerInfo {
                 name: "main".into(),

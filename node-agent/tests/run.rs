@@ -36,16 +36,25 @@ fn list(kind: &str, api_version: &str, items: Vec<serde_json::Value>) -> serde_j
     })
 }
 
-/// A policy for pool=h100 nodes that ignores no XID.
+/// A policy for pool=h100 nodes that ignores no XID. It governs the pods of namespaces
+/// labelled team=ops and exempts none of them.
 fn strict_policy() -> serde_json::Value {
     let mut p = GpuPolicy::default_policy();
     p.metadata.name = Some("strict-health".into());
     p.metadata.resource_version = Some("1".into());
     p.spec.priority = 50;
+    p.spec.namespace_selector.match_labels = Some([("team".to_string(), "ops".to_string())].into());
+    p.spec.exemptions = Default::default();
     if let Some(h) = p.spec.health.as_mut() {
         h.ignored_xids.clear();
         h.node_selector.match_labels = Some([("pool".to_string(), "h100".to_string())].into());
     }
+    serde_json::to_value(p).unwrap()
+}
+
+fn default_policy() -> serde_json::Value {
+    let mut p = GpuPolicy::default_policy();
+    p.metadata.resource_version = Some("1".into());
     serde_json::to_value(p).unwrap()
 }
 
@@ -75,7 +84,31 @@ fn mock_api() -> (kube::Client, Arc<Mutex<Vec<Call>>>) {
                 continue;
             }
             let response = match (parts.method.clone(), path.as_str()) {
-                (Method::GET, "/api/v1/pods") => list("PodList", "v1", vec![]),
+                // A privileged GPU pod in gpu-operator, which the default policy exempts;
+                // its namespace's labels put it under strict-health, which does not.
+                (Method::GET, "/api/v1/pods") => list(
+                    "PodList",
+                    "v1",
+                    vec![serde_json::json!({
+                        "apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": "exporter", "namespace": "gpu-operator",
+                            "uid": "exporter-uid", "resourceVersion": "1"},
+                        "spec": {"nodeName": NODE, "containers": [{
+                            "name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
+                            "securityContext": {"privileged": true},
+                            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]},
+                        "status": {"phase": "Running"},
+                    })],
+                ),
+                (Method::GET, "/api/v1/namespaces") => list(
+                    "NamespaceList",
+                    "v1",
+                    vec![serde_json::json!({
+                        "apiVersion": "v1", "kind": "Namespace",
+                        "metadata": {"name": "gpu-operator", "resourceVersion": "1",
+                            "labels": {"team": "ops"}},
+                    })],
+                ),
                 (Method::GET, "/api/v1/nodes") => list(
                     "NodeList",
                     "v1",
@@ -87,7 +120,7 @@ fn mock_api() -> (kube::Client, Arc<Mutex<Vec<Call>>>) {
                 (Method::GET, "/apis/gpuwarden.io/v1alpha1/gpupolicies") => list(
                     "GpuPolicyList",
                     "gpuwarden.io/v1alpha1",
-                    vec![strict_policy()],
+                    vec![strict_policy(), default_policy()],
                 ),
                 (Method::PATCH, _) | (Method::GET, _) if path.contains("/gpunodes/") => {
                     if parts.method == Method::PATCH {
@@ -210,6 +243,12 @@ async fn run_writes_status_once_renews_its_lease_and_watches_only_its_pods() {
     assert_eq!(status["gpus"][0]["health"]["state"], "Unhealthy");
     assert_eq!(status["gpus"][0]["health"]["reasons"][0], "Xid13");
     assert!(status.get("conditions").is_none() && status.get("summary").is_none());
+    // The exporter is judged by the policy its namespace's labels choose, which exempts
+    // nothing; the default policy's exemption of gpu-operator does not count.
+    let privileged = status["privilegedPods"].as_array().expect("privilegedPods");
+    assert_eq!(privileged.len(), 1, "{privileged:#?}");
+    assert_eq!(privileged[0]["name"], "exporter");
+    assert!(privileged[0].get("exempt").is_none(), "{privileged:#?}");
 
     // A restart with nothing changed: health and `since` carry over, no status write.
     let before = status_writes(&calls);

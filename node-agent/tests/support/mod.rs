@@ -76,6 +76,7 @@ pub fn pods() -> Vec<PodInfo> {
             name: "trainer-0".into(),
             mirror_uid: None,
             service_account: String::new(),
+            labels: Default::default(),
             exempt: None,
             containers: vec![ContainerInfo {
                 name: "trainer".into(),
@@ -91,6 +92,7 @@ pub fn pods() -> Vec<PodInfo> {
             name: "legacy".into(),
             mirror_uid: None,
             service_account: String::new(),
+            labels: Default::default(),
             exempt: None,
             containers: vec![ContainerInfo {
                 name: "render".into(),
