@@ -1350,13 +1350,4 @@ mod tests {
             assert_eq!(report.to_json(), serde_json::to_string(&report).unwrap());
         }
     }
-
-    #[test]
-    fn unknown_namespace_gets_the_name_label() {
-        let labels = namespace_labels_or_default("ml", None);
-        assert_eq!(
-            labels.get(LABEL_NAMESPACE_NAME).map(String::as_str),
-            Some("ml")
-        );
-    }
 }
