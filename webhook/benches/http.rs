@@ -23,10 +23,11 @@
 //! plus plain arithmetic that takes as long as the engine in a tight loop; and it times
 //! `review` itself inside the loaded server, beside its time in a tight loop.
 //!
-//! `BENCH_REQUESTS=N` with `BENCH_REVIEWER=engine|floor` instead sends N requests to that
-//! one reviewer over `BENCH_CONCURRENCY` connections and exits, without timing loops: a
-//! fixed amount of work for a cache simulator. Run it at two values of N and subtract, so
-//! that start-up (key generation, handshakes) cancels out, e.g.
+//! `BENCH_REQUESTS=N` with `BENCH_REVIEWER=engine|floor` instead sends N requests (rounded
+//! up to a whole number per connection) to that one reviewer over `BENCH_CONCURRENCY`
+//! connections and exits, without timing loops: a fixed amount of work for a cache
+//! simulator. Run it at two values of N and subtract, so that start-up (key generation,
+//! handshakes) cancels out, e.g.
 //! `valgrind --tool=callgrind --cache-sim=yes --I1=32768,8,64 --D1=32768,8,64
 //! --LL=524288,8,64` (this machine's L1 and per-core L2) on the bench executable.
 
@@ -694,7 +695,7 @@ fn row(name: &str, run: &Run) {
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let seconds: u64 = env_or("BENCH_SECONDS", 5);
-    let concurrency: usize = env_or("BENCH_CONCURRENCY", 32);
+    let concurrency: usize = env_or::<usize>("BENCH_CONCURRENCY", 32).max(1);
     let rate: u32 = env_or("BENCH_RATE", 500);
     let rounds: usize = env_or::<usize>("BENCH_ROUNDS", 3).max(1);
     let breakdown = std::env::var_os("BENCH_BREAKDOWN").is_some_and(|v| v == "1");
