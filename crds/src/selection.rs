@@ -81,14 +81,8 @@ pub fn select_policy<'p>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::selector::tests::labels;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
-
-    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
 
     fn policy(name: &str, priority: i32, namespaces: &[(&str, &str)]) -> Arc<GpuPolicy> {
         let mut p = GpuPolicy::default_policy();

@@ -83,11 +83,12 @@ pub fn is_empty(selector: &LabelSelector) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
-    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    /// A label map from pairs (the selection tests use it too).
+    pub(crate) fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
