@@ -583,6 +583,20 @@ mod tests {
         Some(serde_json::from_slice(&bytes).unwrap())
     }
 
+    /// A Pod CREATE review of `pod` in namespace `ml`.
+    fn create_review(pod: &Value) -> Value {
+        serde_json::json!({
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "u", "namespace": "ml", "operation": "CREATE",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "object": pod
+            }
+        })
+    }
+
     #[test]
     fn a_repeated_field_is_read_as_the_api_server_reads_it() {
         // serde_json and the API server keep the last of a repeated key; the view cannot
@@ -614,14 +628,11 @@ mod tests {
             let env: Vec<Value> = (0..env_entries)
                 .map(|i| serde_json::json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": i.to_string()}))
                 .collect();
-            serde_json::to_vec(&serde_json::json!({
-                "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-                "request": {"uid": "u", "namespace": "ml", "operation": "CREATE",
-                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                    "object": {"metadata": {"name": "p"}, "spec": {"containers": [{
-                        "name": "a", "image": image, "env": env,
-                        "securityContext": {"privileged": true}}]}}}
-            }))
+            serde_json::to_vec(&create_review(&serde_json::json!({
+                "metadata": {"name": "p"},
+                "spec": {"containers": [{"name": "a", "image": image, "env": env,
+                    "securityContext": {"privileged": true}}]}
+            })))
             .unwrap()
         };
         let source = Arc::new(StaticSource::new([GpuPolicy::default_policy()]));
@@ -726,16 +737,7 @@ mod tests {
                 ]
             }
         });
-        let review = serde_json::json!({
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "request": {
-                "uid": "u", "namespace": "ml", "operation": "CREATE",
-                "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                "resource": {"group": "", "version": "v1", "resource": "pods"},
-                "object": pod
-            }
-        });
+        let review = create_review(&pod);
         let source = StaticSource::new([GpuPolicy::default_policy()]);
         let labels = engine::namespace_labels_or_default("ml", None);
         let view = PodView::from_value(&pod);
