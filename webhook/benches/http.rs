@@ -13,15 +13,17 @@
 //! The client runs on the same machine and shares its cores with the server: on a 2-core
 //! machine the figures are a lower bound on what the server alone can do. Because the
 //! machine's speed drifts between runs, the engine and the floor are measured in alternating
-//! rounds and compared round by round; each round also reports the CPU time the whole
-//! process (client and server) spent per request.
+//! rounds, over HTTP/1.1 and then over HTTP/2 in each round, and compared round by round
+//! (a round with failed requests compares as NaN); each round also reports the CPU time the
+//! whole process (client and server) spent per request.
 //!
 //! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_ROUNDS` (3) alternating
 //! engine/floor rounds, `BENCH_CONCURRENCY` (32), `BENCH_RATE` (500 req/s),
 //! `BENCH_BREAKDOWN=1` adds reviewers that split the engine's cost: the floor answering
 //! with the engine's (larger) response, the engine answering with the floor's, and the floor
-//! plus plain arithmetic that takes as long as the engine in a tight loop; and it times
-//! `review` itself inside the loaded server, beside its time in a tight loop.
+//! plus plain arithmetic that takes as long as the engine in a tight loop (an engine as slow
+//! as ours with no cache footprint), each against a fresh floor run; and it times `review`
+//! itself inside the loaded server, beside its time in a tight loop.
 //!
 //! `BENCH_REQUESTS=N` with `BENCH_REVIEWER=engine|floor` instead sends N requests (rounded
 //! up to a whole number per connection) to that one reviewer over `BENCH_CONCURRENCY`
@@ -310,6 +312,48 @@ fn clock_ticks() -> f64 {
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// One round's engine and floor throughput, measured back to back.
+struct Ratio {
+    engine: f64,
+    floor: f64,
+}
+
+impl Ratio {
+    /// A round with failed requests counts as no throughput, so it cannot flatter the engine.
+    fn of(engine: &Run, floor: &Run) -> Self {
+        let throughput = |run: &Run| {
+            if run.errors == 0 {
+                run.throughput()
+            } else {
+                f64::NAN
+            }
+        };
+        Self {
+            engine: throughput(engine),
+            floor: throughput(floor),
+        }
+    }
+
+    fn percent(&self) -> f64 {
+        100.0 * self.engine / self.floor
+    }
+
+    /// `<what>: median R % (low to high %); engine E req/s, floor F req/s (medians)`.
+    fn print(what: &str, rounds: &mut [Ratio]) {
+        let mut percents: Vec<f64> = rounds.iter().map(Ratio::percent).collect();
+        let ratio = median(&mut percents);
+        // `median` sorted them: the range is the ends.
+        let (lowest, highest) = (percents[0], percents[percents.len() - 1]);
+        let mut engine: Vec<f64> = rounds.iter().map(|r| r.engine).collect();
+        let mut floor: Vec<f64> = rounds.iter().map(|r| r.floor).collect();
+        println!(
+            "{what}: median {ratio:.1} % ({lowest:.1} to {highest:.1} %); engine {:.0} req/s, floor {:.0} req/s (medians)",
+            median(&mut engine),
+            median(&mut floor),
+        );
+    }
 }
 
 /// The floor's answer pattern with the engine's response bytes: what a bigger answer alone
@@ -795,8 +839,8 @@ fn main() {
 
     let mut engine_cpu = Vec::with_capacity(rounds);
     let mut floor_cpu = Vec::with_capacity(rounds);
-    let mut engine_rps = Vec::with_capacity(rounds);
-    let mut floor_rps = Vec::with_capacity(rounds);
+    let mut ratios = Vec::with_capacity(rounds);
+    let mut h2_ratios = Vec::with_capacity(rounds);
     for round in 1..=rounds {
         let engine = measure(
             engine_addr,
@@ -810,24 +854,19 @@ fn main() {
         );
         engine_cpu.push(engine.cpu_per_request_us());
         floor_cpu.push(floor.cpu_per_request_us());
-        engine_rps.push(engine.throughput());
-        floor_rps.push(floor.throughput());
+        ratios.push(Ratio::of(&engine, &floor));
+        let engine = measure(
+            engine_addr,
+            true,
+            format!("[{round}] HTTP/2 engine, 1 conn, {concurrency} streams"),
+        );
+        let floor = measure(
+            floor_addr,
+            true,
+            format!("[{round}] HTTP/2 floor, 1 conn, {concurrency} streams"),
+        );
+        h2_ratios.push(Ratio::of(&engine, &floor));
     }
-    let engine = measure(
-        engine_addr,
-        true,
-        format!("HTTP/2 engine, 1 conn, {concurrency} streams"),
-    );
-    let floor = measure(
-        floor_addr,
-        true,
-        format!("HTTP/2 floor, 1 conn, {concurrency} streams"),
-    );
-    let h2_ratio = if engine.errors == 0 && floor.errors == 0 {
-        100.0 * engine.throughput() / floor.throughput()
-    } else {
-        f64::NAN
-    };
     if breakdown {
         let (answer, summary) = engine_reviewer.review(&body);
         let big = start_in_process(
@@ -846,12 +885,30 @@ fn main() {
         println!(
             "floor + plain arithmetic: {compute_alone:.1} µs per review in a tight loop, like the engine's {engine_alone:.1} µs"
         );
-        for (name, addr) in [
+        let runs = [
             ("floor work, engine's answer", big),
             ("engine work, floor's answer", small),
             ("floor + arithmetic, as long as the engine", compute),
+        ]
+        .map(|(name, addr)| measure(addr, false, format!("{name}, {concurrency} conns")));
+        let floor = measure(
+            floor_addr,
+            false,
+            format!("floor (constant allow), {concurrency} conns"),
+        );
+        let [big, small, compute] = &runs;
+        for (what, run) in [
+            ("floor work with the engine's answer", big),
+            ("engine work with the floor's answer", small),
+            (
+                "floor + arithmetic as long as the engine (no cache footprint)",
+                compute,
+            ),
         ] {
-            measure(addr, false, format!("{name}, {concurrency} conns"));
+            println!(
+                "  {what} / floor: {:.1} %",
+                Ratio::of(run, &floor).percent()
+            );
         }
         let timed_engine = Arc::new(Timed::new(EngineReviewer::new(source.clone())));
         let timed_floor = Arc::new(Timed::new(ConstantAllow));
@@ -972,20 +1029,14 @@ fn main() {
     drop(binary);
 
     println!();
-    let mut ratios: Vec<f64> = engine_rps
-        .iter()
-        .zip(&floor_rps)
-        .map(|(engine, floor)| 100.0 * engine / floor)
-        .collect();
-    let ratio = median(&mut ratios);
-    // `median` sorted them: the range is the ends.
-    let (lowest, highest) = (ratios[0], ratios[ratios.len() - 1]);
-    println!(
-        "engine / floor throughput, round by round: median {ratio:.1} % ({lowest:.1} to {highest:.1} %); engine {:.0} req/s, floor {:.0} req/s (medians)",
-        median(&mut engine_rps),
-        median(&mut floor_rps),
+    Ratio::print(
+        "engine / floor throughput over HTTP/1.1, round by round",
+        &mut ratios,
     );
-    println!("engine / floor throughput over HTTP/2 (one connection): {h2_ratio:.1} %");
+    Ratio::print(
+        "engine / floor throughput over HTTP/2 (one connection), round by round",
+        &mut h2_ratios,
+    );
     let floor_cpu = median(&mut floor_cpu);
     println!(
         "CPU per request, client and server together (medians): engine {:.1} µs, floor {floor_cpu:.1} µs; 80 % of the floor's throughput allows {:.1} µs, {:.1} µs more than the floor",
