@@ -14,8 +14,8 @@
 //! machine the figures are a lower bound on what the server alone can do. Because the
 //! machine's speed drifts between runs, the engine and the floor are measured in alternating
 //! rounds, over HTTP/1.1 and then over HTTP/2 in each round, and compared round by round
-//! (a round with failed requests compares as NaN); each round also reports the CPU time the
-//! whole process (client and server) spent per request.
+//! (a round with failed requests is left out, and the summary says so); each round also
+//! reports the CPU time the whole process (client and server) spent per request.
 //!
 //! Environment: `BENCH_SECONDS` (default 5) per measurement, `BENCH_ROUNDS` (3) alternating
 //! engine/floor rounds, `BENCH_CONCURRENCY` (32), `BENCH_RATE` (500 req/s),
@@ -309,9 +309,15 @@ fn clock_ticks() -> f64 {
         .unwrap_or(100.0)
 }
 
+/// The median (the mean of the two middle values of an even count); sorts `values`.
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+    let mid = values.len() / 2;
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 0 => (values[mid - 1] + values[mid]) / 2.0,
+        _ => values[mid],
+    }
 }
 
 /// One round's engine and floor throughput, measured back to back.
@@ -321,7 +327,8 @@ struct Ratio {
 }
 
 impl Ratio {
-    /// A round with failed requests counts as no throughput, so it cannot flatter the engine.
+    /// A run with failed requests has no throughput (NaN): [`Ratio::print`] leaves that
+    /// round out and says so.
     fn of(engine: &Run, floor: &Run) -> Self {
         let throughput = |run: &Run| {
             if run.errors == 0 {
@@ -340,16 +347,29 @@ impl Ratio {
         100.0 * self.engine / self.floor
     }
 
-    /// `<what>: median R % (low to high %); engine E req/s, floor F req/s (medians)`.
-    fn print(what: &str, rounds: &mut [Ratio]) {
-        let mut percents: Vec<f64> = rounds.iter().map(Ratio::percent).collect();
+    /// `<what>: median R % (low to high %) ...` over the rounds without failed requests.
+    fn print(what: &str, rounds: &[Ratio]) {
+        let clean: Vec<&Ratio> = rounds.iter().filter(|r| r.percent().is_finite()).collect();
+        let failed = rounds.len() - clean.len();
+        let failed = if failed == 0 {
+            String::new()
+        } else {
+            format!(
+                "; {failed} of {} rounds left out: requests failed",
+                rounds.len()
+            )
+        };
+        let mut percents: Vec<f64> = clean.iter().map(|r| r.percent()).collect();
         let ratio = median(&mut percents);
         // `median` sorted them: the range is the ends.
-        let (lowest, highest) = (percents[0], percents[percents.len() - 1]);
-        let mut engine: Vec<f64> = rounds.iter().map(|r| r.engine).collect();
-        let mut floor: Vec<f64> = rounds.iter().map(|r| r.floor).collect();
+        let (lowest, highest) = match (percents.first(), percents.last()) {
+            (Some(low), Some(high)) => (*low, *high),
+            _ => (f64::NAN, f64::NAN),
+        };
+        let mut engine: Vec<f64> = clean.iter().map(|r| r.engine).collect();
+        let mut floor: Vec<f64> = clean.iter().map(|r| r.floor).collect();
         println!(
-            "{what}: median {ratio:.1} % ({lowest:.1} to {highest:.1} %); engine {:.0} req/s, floor {:.0} req/s (medians)",
+            "{what}: median {ratio:.1} % ({lowest:.1} to {highest:.1} %); engine {:.0} req/s, floor {:.0} req/s (medians){failed}",
             median(&mut engine),
             median(&mut floor),
         );
@@ -1031,11 +1051,11 @@ fn main() {
     println!();
     Ratio::print(
         "engine / floor throughput over HTTP/1.1, round by round",
-        &mut ratios,
+        &ratios,
     );
     Ratio::print(
         "engine / floor throughput over HTTP/2 (one connection), round by round",
-        &mut h2_ratios,
+        &h2_ratios,
     );
     let floor_cpu = median(&mut floor_cpu);
     println!(
