@@ -13,6 +13,10 @@ use gpuwarden_webhook::admission::{Outcome, StaticSource, handle_review};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use serde_json::{Value, json};
 
+/// The binary's allocator, so that the bench measures what runs in production.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const WARMUP: usize = 2_000;
 const SAMPLES: usize = 20_000;
 

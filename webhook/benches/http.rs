@@ -58,6 +58,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::runtime::Runtime;
 use tokio_rustls::TlsConnector;
 
+/// The binary's allocator, so that the bench measures what runs in production.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 type Sender = SendRequest<Full<Bytes>>;
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {

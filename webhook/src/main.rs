@@ -12,6 +12,13 @@ use gpuwarden_webhook::mutate::{self, MutateArgs};
 use gpuwarden_webhook::server::{self, Limits, ServeOptions};
 use gpuwarden_webhook::tls::TlsPaths;
 
+/// mimalloc rather than glibc's malloc: each review makes about a hundred short-lived
+/// allocations, which mimalloc serves from per-thread free lists of recently used (so still
+/// cached) memory. About 15 % fewer instructions per rewritten review, and fewer cache misses
+/// under load; see the `http` bench.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// gpuwarden's admission webhook: takes `privileged` away from GPU pods without taking
 /// their GPUs away.
 #[derive(Debug, Parser)]
