@@ -45,15 +45,13 @@ pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
 /// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
 pub const MAX_WARNING_LEN: usize = 256;
 
-/// One container of the pod, by position and name.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One container of the pod, by position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContainerRef {
     /// Which list it is in.
     pub kind: ContainerKind,
     /// Index in that list.
     pub index: usize,
-    /// `name` (may be empty in a malformed pod).
-    pub name: String,
 }
 
 /// One change to the pod. The patch is derived from these; nothing else is written.
@@ -336,6 +334,8 @@ fn clean_path(path: &str) -> String {
 #[derive(Debug)]
 struct ContainerInfo<'a> {
     at: ContainerRef,
+    /// `name` (may be empty in a malformed pod).
+    name: &'a str,
     value: &'a Container<'a>,
     privileged: bool,
     image_exempt: bool,
@@ -418,11 +418,8 @@ fn read_pod<'a>(pod: &'a PodView<'a>, policy: &GpuPolicy, kinds: &[ContainerKind
                 || !device_mounts.is_empty()
                 || cdi_nvidia;
             containers.push(ContainerInfo {
-                at: ContainerRef {
-                    kind,
-                    index,
-                    name: name.to_owned(),
-                },
+                at: ContainerRef { kind, index },
+                name,
                 value,
                 privileged,
                 image_exempt: image_exempt(image, images),
@@ -590,14 +587,27 @@ fn map_field(out: &mut Vec<u8>, key: &str, map: &BTreeMap<String, String>) {
 }
 
 /// The plan for one pod: the changes, what they mean, and what cannot be rewritten.
-struct Plan {
+struct Plan<'f> {
     changes: Vec<Change>,
-    report: Report,
-    /// Per container: (noun + name, short phrases).
-    notes: Vec<(String, Vec<String>)>,
-    /// Pod-level phrases (volumes, annotations).
-    pod_notes: Vec<String>,
+    /// The containers the rewrite touches, in the pod's order.
+    containers: Vec<ContainerPlan<'f>>,
+    /// Pod volumes removed.
+    volumes_removed: Vec<String>,
+    /// Pod annotations removed.
+    annotations_removed: Vec<String>,
     denials: Vec<String>,
+}
+
+/// What the rewrite does to one container: its part of the report, from which the warnings
+/// and the audit summary are also written (see [`write_phrases`]).
+struct ContainerPlan<'f> {
+    kind: ContainerKind,
+    name: &'f str,
+    /// Rules 1 and 2 applied; otherwise the container only loses device mounts.
+    deprivileged: bool,
+    /// The GPU limit was copied from the container's request.
+    limit_from_request: bool,
+    report: ContainerReport,
 }
 
 /// A capability name as the runtime reads it: trimmed, upper case, without `CAP_`. Borrowed
@@ -616,13 +626,17 @@ fn normalise_cap(cap: &str) -> Cow<'_, str> {
 
 /// Plans the rewrite of every container; `strip_volumes` are the device volumes that go
 /// (see [`volumes_to_strip`]).
-fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&str>) -> Plan {
+fn plan_pod<'f>(
+    facts: &PodFacts<'f>,
+    policy: &GpuPolicy,
+    strip_volumes: &BTreeSet<&str>,
+) -> Plan<'f> {
     let spec = &policy.spec;
     let mut plan = Plan {
         changes: Vec::new(),
-        report: Report::default(),
-        notes: Vec::new(),
-        pod_notes: Vec::new(),
+        containers: Vec::new(),
+        volumes_removed: Vec::new(),
+        annotations_removed: Vec::new(),
         denials: Vec::new(),
     };
     let defaults: Vec<Cow<'_, str>> = spec
@@ -650,8 +664,8 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
             gpu: c.gpu,
             ..ContainerReport::default()
         };
-        let mut notes = Vec::new();
-        let label = format!("{} {}", c.at.kind.noun(), c.at.name);
+        let mut limit_from_request = false;
+        let mut mounts_removed = false;
 
         if target {
             // Rules 1 and 2.
@@ -684,19 +698,12 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
             } else {
                 None
             };
-            notes.push("privileged removed".to_owned());
-            if !refused.is_empty() {
-                notes.push(format!(
-                    "capabilities {} dropped (not allowed)",
-                    refused.join(",")
-                ));
-            }
             report.privileged = false;
             report.capabilities_added = add.clone();
             report.capabilities_dropped = drop.clone().unwrap_or_default();
             report.capabilities_refused = refused;
             plan.changes.push(Change::SecurityContext {
-                container: c.at.clone(),
+                container: c.at,
                 add,
                 drop,
             });
@@ -705,11 +712,11 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
             if c.gpu && !c.gpu_limit {
                 if let Some((resource, quantity)) = &c.gpu_request {
                     let q = quantity.clone();
-                    notes.push(format!("limits {resource}={q} (from its request)"));
+                    limit_from_request = true;
                     report.limits.insert(resource.clone(), q.clone());
                     report.gpu_count_from = Some("request".to_owned());
                     plan.changes.push(Change::GpuLimit {
-                        container: c.at.clone(),
+                        container: c.at,
                         resource: resource.clone(),
                         quantity: q,
                     });
@@ -717,22 +724,26 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
                     match gpu_count(c, facts, policy) {
                         Ok((n, from)) if n > spec.gpu.max_per_container => {
                             plan.denials.push(format!(
-                                "{label} would need {n} GPUs ({from}), more than maxPerContainer {}",
+                                "{} {} would need {n} GPUs ({from}), more than maxPerContainer {}",
+                                c.at.kind.noun(),
+                                c.name,
                                 spec.gpu.max_per_container
                             ));
                         }
                         Ok((n, from)) => {
                             let resource = spec.gpu.resource_name.clone();
-                            notes.push(format!("requests {resource}={n} ({from})"));
                             report.limits.insert(resource.clone(), n.to_string());
                             report.gpu_count_from = Some(from);
                             plan.changes.push(Change::GpuLimit {
-                                container: c.at.clone(),
+                                container: c.at,
                                 resource,
                                 quantity: n.to_string(),
                             });
                         }
-                        Err(denial) => plan.denials.push(format!("{label}: {denial}")),
+                        Err(denial) => {
+                            plan.denials
+                                .push(format!("{} {}: {denial}", c.at.kind.noun(), c.name))
+                        }
                     }
                 }
             }
@@ -759,16 +770,12 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
                 Some(set)
             };
             if let Some(edit) = rewrite_env(c.value, remove, set) {
-                if !edit.removed.is_empty() {
-                    notes.push(format!("env {} removed", edit.removed.join(",")));
-                }
                 if let Some((k, v)) = edit.set {
-                    notes.push(format!("{k}={v}"));
                     report.env_set.insert(k.to_owned(), v.to_owned());
                 }
                 report.env_removed = edit.removed;
                 plan.changes.push(Change::Env {
-                    container: c.at.clone(),
+                    container: c.at,
                     remove: edit.remove,
                     append: edit.append,
                 });
@@ -796,29 +803,191 @@ fn plan_pod(facts: &PodFacts<'_>, policy: &GpuPolicy, strip_volumes: &BTreeSet<&
                     }
                 }
             }
-            let paths: Vec<String> = removed
-                .iter()
-                .map(|n| {
-                    facts
-                        .device_volumes
-                        .get(n)
-                        .map_or(n.clone(), |p| format!("{n} ({p})"))
-                })
-                .collect();
-            notes.push(format!("device mount {} removed", paths.join(",")));
+            mounts_removed = true;
             report.volume_mounts_removed = removed;
             plan.changes.push(Change::VolumeMounts {
-                container: c.at.clone(),
+                container: c.at,
                 remove: indices,
             });
         }
 
-        if !notes.is_empty() {
-            plan.notes.push((label, notes));
-            plan.report.containers.insert(c.at.name.clone(), report);
+        if target || mounts_removed {
+            plan.containers.push(ContainerPlan {
+                kind: c.at.kind,
+                name: c.name,
+                deprivileged: target,
+                limit_from_request,
+                report,
+            });
         }
     }
     plan
+}
+
+/// Phrases written one after another with a separator.
+struct Phrases<'o> {
+    out: &'o mut String,
+    separator: &'static str,
+    empty: bool,
+}
+
+impl<'o> Phrases<'o> {
+    fn new(out: &'o mut String, separator: &'static str) -> Self {
+        Self {
+            out,
+            separator,
+            empty: true,
+        }
+    }
+
+    /// The buffer, ready for the next phrase.
+    fn next(&mut self) -> &mut String {
+        if !self.empty {
+            self.out.push_str(self.separator);
+        }
+        self.empty = false;
+        self.out
+    }
+}
+
+/// Appends `items` joined by commas.
+fn push_joined(out: &mut String, items: &[String]) {
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(item);
+    }
+}
+
+/// `container trainer`, `init container setup`.
+fn push_label(out: &mut String, kind: ContainerKind, name: &str) {
+    out.push_str(kind.noun());
+    out.push(' ');
+    out.push_str(name);
+}
+
+/// The short phrases that say what the rewrite does to one container: `privileged removed`,
+/// `requests nvidia.com/gpu=1 (...)`, `env ... removed`, ...
+fn write_phrases(phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>, facts: &PodFacts<'_>) {
+    let report = &c.report;
+    if c.deprivileged {
+        phrases.next().push_str("privileged removed");
+    }
+    if !report.capabilities_refused.is_empty() {
+        let out = phrases.next();
+        out.push_str("capabilities ");
+        push_joined(out, &report.capabilities_refused);
+        out.push_str(" dropped (not allowed)");
+    }
+    for (resource, quantity) in &report.limits {
+        let out = phrases.next();
+        out.push_str(if c.limit_from_request {
+            "limits "
+        } else {
+            "requests "
+        });
+        out.push_str(resource);
+        out.push('=');
+        out.push_str(quantity);
+        if c.limit_from_request {
+            out.push_str(" (from its request)");
+        } else {
+            out.push_str(" (");
+            out.push_str(report.gpu_count_from.as_deref().unwrap_or_default());
+            out.push(')');
+        }
+    }
+    if !report.env_removed.is_empty() {
+        let out = phrases.next();
+        out.push_str("env ");
+        push_joined(out, &report.env_removed);
+        out.push_str(" removed");
+    }
+    for (name, value) in &report.env_set {
+        let out = phrases.next();
+        out.push_str(name);
+        out.push('=');
+        out.push_str(value);
+    }
+    if !report.volume_mounts_removed.is_empty() {
+        let out = phrases.next();
+        out.push_str("device mount ");
+        for (i, name) in report.volume_mounts_removed.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(name);
+            if let Some(path) = facts.device_volumes.get(name) {
+                out.push_str(" (");
+                out.push_str(path);
+                out.push(')');
+            }
+        }
+        out.push_str(" removed");
+    }
+}
+
+/// The pod-level phrases: device hostPath volumes and annotations removed.
+fn write_pod_phrases(phrases: &mut Phrases<'_>, plan: &Plan<'_>) {
+    if !plan.volumes_removed.is_empty() {
+        let out = phrases.next();
+        out.push_str("device hostPath volume ");
+        push_joined(out, &plan.volumes_removed);
+        out.push_str(" removed");
+    }
+    if !plan.annotations_removed.is_empty() {
+        let out = phrases.next();
+        out.push_str("annotation ");
+        push_joined(out, &plan.annotations_removed);
+        out.push_str(" removed");
+    }
+}
+
+/// Whether the rewrite touches the pod itself (volumes or annotations).
+fn touches_pod(plan: &Plan<'_>) -> bool {
+    !plan.volumes_removed.is_empty() || !plan.annotations_removed.is_empty()
+}
+
+/// One warning per touched container, then one for the pod: `<prefix><label><middle>` and
+/// the phrases joined by `; `.
+fn push_warnings(
+    warnings: &mut Vec<String>,
+    plan: &Plan<'_>,
+    facts: &PodFacts<'_>,
+    prefix: &str,
+    middle: &str,
+) {
+    for c in &plan.containers {
+        let mut w = String::with_capacity(160);
+        w.push_str(prefix);
+        push_label(&mut w, c.kind, c.name);
+        w.push_str(middle);
+        write_phrases(&mut Phrases::new(&mut w, "; "), c, facts);
+        warnings.push(clip(w));
+    }
+    if touches_pod(plan) {
+        let mut w = String::with_capacity(96);
+        w.push_str(prefix);
+        w.push_str("pod");
+        w.push_str(middle);
+        write_pod_phrases(&mut Phrases::new(&mut w, "; "), plan);
+        warnings.push(clip(w));
+    }
+}
+
+/// The report, with the containers' parts moved out of the plan.
+fn take_report(plan: &mut Plan<'_>, denials: Vec<String>) -> Report {
+    let mut report = Report {
+        volumes_removed: std::mem::take(&mut plan.volumes_removed),
+        annotations_removed: std::mem::take(&mut plan.annotations_removed),
+        denials,
+        ..Report::default()
+    };
+    for c in plan.containers.drain(..) {
+        report.containers.insert(c.name.to_owned(), c.report);
+    }
+    report
 }
 
 /// Device volumes that go: those no exempt container mounts (none when the policy keeps
@@ -849,12 +1018,15 @@ fn gpu_count(
     facts: &PodFacts<'_>,
     policy: &GpuPolicy,
 ) -> Result<(u32, String), String> {
-    let per_container = format!("{ANNOTATION_GPU_COUNT}.{}", c.at.name);
+    let mut per_container = String::with_capacity(ANNOTATION_GPU_COUNT.len() + 1 + c.name.len());
+    per_container.push_str(ANNOTATION_GPU_COUNT);
+    per_container.push('.');
+    per_container.push_str(c.name);
     for key in [per_container.as_str(), ANNOTATION_GPU_COUNT] {
         if let Some(raw) = facts.annotations.and_then(|a| a.get(key)) {
             let text = raw.as_str().map(str::trim).unwrap_or("");
             return match text.parse::<u32>() {
-                Ok(n) if n >= 1 => Ok((n, format!("annotation {key}"))),
+                Ok(n) if n >= 1 => Ok((n, concat(&["annotation ", key]))),
                 _ => Err(format!(
                     "annotation {key}={raw} is not a whole number of GPUs of at least 1"
                 )),
@@ -866,7 +1038,7 @@ fn gpu_count(
         VisibleDevices::All => match policy.spec.gpu.visible_devices_all {
             VisibleDevicesAll::DefaultCount => Ok((
                 default,
-                format!("{ENV_VISIBLE_DEVICES}=all, policy default"),
+                concat(&[ENV_VISIBLE_DEVICES, "=all, policy default"]),
             )),
             VisibleDevicesAll::Deny => Err(format!(
                 "{ENV_VISIBLE_DEVICES}=all is not allowed: request GPUs with limits {} or annotation {ANNOTATION_GPU_COUNT}",
@@ -875,10 +1047,11 @@ fn gpu_count(
         },
         VisibleDevices::Devices(n) => Ok((
             *n,
-            format!(
-                "{ENV_VISIBLE_DEVICES}={}",
-                c.visible_raw.as_deref().unwrap_or_default()
-            ),
+            concat(&[
+                ENV_VISIBLE_DEVICES,
+                "=",
+                c.visible_raw.as_deref().unwrap_or_default(),
+            ]),
         )),
         _ => Ok((default, "policy default".to_owned())),
     }
@@ -1005,18 +1178,12 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
             .map(|(i, _)| i)
             .collect();
         if !indices.is_empty() {
-            plan.report.volumes_removed = strip.iter().map(|s| (*s).to_owned()).collect();
-            plan.pod_notes.push(format!(
-                "device hostPath volume {} removed",
-                plan.report.volumes_removed.join(",")
-            ));
+            plan.volumes_removed = strip.iter().map(|s| (*s).to_owned()).collect();
             plan.changes.push(Change::Volumes { remove: indices });
         }
     }
     if spec.strip_cdi_annotations && !facts.cdi_keys.is_empty() {
-        plan.report.annotations_removed = facts.cdi_keys.clone();
-        plan.pod_notes
-            .push(format!("annotation {} removed", facts.cdi_keys.join(",")));
+        plan.annotations_removed = facts.cdi_keys.clone();
         plan.changes.push(Change::RemoveAnnotations {
             keys: facts.cdi_keys.clone(),
         });
@@ -1026,33 +1193,23 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
     d.policy = Some(reference.clone());
     d.audit_annotations
         .insert("policy".into(), reference.clone());
-    let summary = summary_line(&plan);
+    let summary = summary_line(&plan, &facts);
     match spec.mode {
         PolicyMode::Enforce if !plan.denials.is_empty() => {
+            let reasons = plan.denials.join("; ");
             d.verdict = Some(Verdict::Denied);
             d.denial = Some(format!(
-                "gpuwarden: pod {} is denied by GpuPolicy {reference} (Enforce): {}",
+                "gpuwarden: pod {} is denied by GpuPolicy {reference} (Enforce): {reasons}",
                 input.display_name,
-                plan.denials.join("; ")
             ));
             d.audit_annotations
                 .insert("decision".into(), "denied".into());
-            d.audit_annotations
-                .insert("reason".into(), plan.denials.join("; "));
+            d.audit_annotations.insert("reason".into(), reasons);
         }
         PolicyMode::Enforce => {
             d.verdict = Some(Verdict::Rewritten);
-            for (label, notes) in &plan.notes {
-                d.warnings
-                    .push(clip(format!("gpuwarden: {label}: {}", notes.join("; "))));
-            }
-            if !plan.pod_notes.is_empty() {
-                d.warnings.push(clip(format!(
-                    "gpuwarden: pod: {}",
-                    plan.pod_notes.join("; ")
-                )));
-            }
-            let report = plan.report.to_json();
+            push_warnings(&mut d.warnings, &plan, &facts, "gpuwarden: ", ": ");
+            let report = take_report(&mut plan, Vec::new()).to_json();
             let mut pairs = Vec::new();
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_REWRITTEN, report);
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_POLICY, reference);
@@ -1064,25 +1221,21 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         }
         PolicyMode::Audit => {
             d.verdict = Some(Verdict::Audited);
-            for (label, notes) in &plan.notes {
-                d.warnings.push(clip(format!(
-                    "gpuwarden audit: {label} would change: {}",
-                    notes.join("; ")
-                )));
-            }
-            if !plan.pod_notes.is_empty() {
-                d.warnings.push(clip(format!(
-                    "gpuwarden audit: pod would change: {}",
-                    plan.pod_notes.join("; ")
-                )));
-            }
+            push_warnings(
+                &mut d.warnings,
+                &plan,
+                &facts,
+                "gpuwarden audit: ",
+                " would change: ",
+            );
             for denial in &plan.denials {
-                d.warnings.push(clip(format!(
-                    "gpuwarden audit: Enforce would deny: {denial}"
-                )));
+                d.warnings.push(clip(concat(&[
+                    "gpuwarden audit: Enforce would deny: ",
+                    denial,
+                ])));
             }
-            plan.report.denials = plan.denials.clone();
-            let report = plan.report.to_json();
+            let denials = std::mem::take(&mut plan.denials);
+            let report = take_report(&mut plan, denials).to_json();
             let mut pairs = Vec::new();
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_AUDIT, report);
             if !pairs.is_empty() {
@@ -1094,28 +1247,17 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         }
         PolicyMode::Deny => {
             d.verdict = Some(Verdict::Denied);
-            let mut parts: Vec<String> = plan
-                .notes
-                .iter()
-                .map(|(label, notes)| format!("{label}: {}", notes.join(", ")))
-                .collect();
-            if !plan.pod_notes.is_empty() {
-                parts.push(format!("pod: {}", plan.pod_notes.join(", ")));
-            }
             let mut message = format!(
-                "gpuwarden: pod {} has privileged GPU containers, which GpuPolicy {reference} (Deny) rejects. To be admitted it needs: {}",
+                "gpuwarden: pod {} has privileged GPU containers, which GpuPolicy {reference} (Deny) rejects. To be admitted it needs: {summary}",
                 input.display_name,
-                parts.join("; ")
             );
             if !plan.denials.is_empty() {
-                message.push_str(&format!(
-                    ". It also cannot be rewritten as is: {}",
-                    plan.denials.join("; ")
-                ));
+                message.push_str(". It also cannot be rewritten as is: ");
+                message.push_str(&plan.denials.join("; "));
             }
-            message.push_str(&format!(
-                ". `{OFFLINE_COMMAND}` writes the admissible manifest."
-            ));
+            message.push_str(". `");
+            message.push_str(OFFLINE_COMMAND);
+            message.push_str("` writes the admissible manifest.");
             d.denial = Some(message);
             d.audit_annotations
                 .insert("decision".into(), "denied".into());
@@ -1140,17 +1282,25 @@ fn push_if_changed(
     }
 }
 
-/// One line for the audit log: `train: privileged removed, ...; pod: ...`.
-fn summary_line(plan: &Plan) -> String {
-    let mut parts: Vec<String> = plan
-        .notes
-        .iter()
-        .map(|(label, notes)| format!("{label}: {}", notes.join(", ")))
-        .collect();
-    if !plan.pod_notes.is_empty() {
-        parts.push(format!("pod: {}", plan.pod_notes.join(", ")));
+/// One line for the audit log: `container train: privileged removed, ...; pod: ...`.
+fn summary_line(plan: &Plan<'_>, facts: &PodFacts<'_>) -> String {
+    let mut line = String::with_capacity(256);
+    for (i, c) in plan.containers.iter().enumerate() {
+        if i > 0 {
+            line.push_str("; ");
+        }
+        push_label(&mut line, c.kind, c.name);
+        line.push_str(": ");
+        write_phrases(&mut Phrases::new(&mut line, ", "), c, facts);
     }
-    parts.join("; ")
+    if touches_pod(plan) {
+        if !plan.containers.is_empty() {
+            line.push_str("; ");
+        }
+        line.push_str("pod: ");
+        write_pod_phrases(&mut Phrases::new(&mut line, ", "), plan);
+    }
+    line
 }
 
 fn decide_ephemeral(input: &Input<'_>, old: &PodView<'_>, policy: &GpuPolicy) -> Decision {
@@ -1216,6 +1366,15 @@ pub(crate) fn container_value<'p, 'a>(
     at: &ContainerRef,
 ) -> Option<&'p Container<'a>> {
     pod.containers(at.kind).get(at.index)
+}
+
+/// The parts in one string, allocated once.
+fn concat(parts: &[&str]) -> String {
+    let mut out = String::with_capacity(parts.iter().map(|p| p.len()).sum());
+    for part in parts {
+        out.push_str(part);
+    }
+    out
 }
 
 /// Cuts a warning to [`MAX_WARNING_LEN`] bytes on a character boundary.

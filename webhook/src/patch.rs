@@ -300,7 +300,6 @@ mod tests {
         ContainerRef {
             kind: ContainerKind::Regular,
             index,
-            name: format!("c{index}"),
         }
     }
 
