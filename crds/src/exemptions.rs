@@ -117,6 +117,48 @@ mod tests {
         ));
     }
 
+    /// Plain recursion over the whole text: slow and plainly right.
+    fn reference(p: &[u8], t: &[u8]) -> bool {
+        match (p.split_first(), t.split_first()) {
+            (None, _) => t.is_empty(),
+            (Some((b'*', rest)), _) => {
+                reference(rest, t) || (!t.is_empty() && reference(p, &t[1..]))
+            }
+            (Some((&c, rest)), Some((&d, after))) => {
+                (c == b'?' || c == d) && reference(rest, after)
+            }
+            (Some(_), None) => false,
+        }
+    }
+
+    #[test]
+    fn globs_match_the_reference_wherever_the_text_is_split() {
+        // Small alphabets, so that matches, near misses and prefixes that run into the
+        // tail all come up.
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 33) % n
+        };
+        for _ in 0..20_000 {
+            let p: Vec<u8> = (0..next(7)).map(|_| b"ab:*?"[next(5) as usize]).collect();
+            let t: Vec<u8> = (0..next(8)).map(|_| b"ab:"[next(3) as usize]).collect();
+            let want = reference(&p, &t);
+            for split in 0..=t.len() {
+                let (head, tail) = t.split_at(split);
+                assert_eq!(
+                    glob_bytes(&p, head, tail),
+                    want,
+                    "pattern {:?}, text {:?} split at {split}",
+                    String::from_utf8_lossy(&p),
+                    String::from_utf8_lossy(&t),
+                );
+            }
+        }
+    }
+
     #[test]
     fn pod_exemptions() {
         let ex = Exemptions {
