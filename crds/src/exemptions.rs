@@ -16,11 +16,11 @@ impl Exemptions {
         } else {
             service_account
         };
-        let full = format!("{namespace}/{sa}");
-        if self.service_accounts.contains(&full) {
-            return Some(format!("service account {full} is exempt"));
-        }
-        None
+        let listed = self
+            .service_accounts
+            .iter()
+            .any(|s| s.strip_prefix(namespace).and_then(|r| r.strip_prefix('/')) == Some(sa));
+        listed.then(|| format!("service account {namespace}/{sa} is exempt"))
     }
 
     /// Whether a container with this image keeps its privilege.

@@ -410,11 +410,20 @@ fn display_name(pod: &PodView<'_>, namespace: Option<&str>, name: Option<&str>) 
         .unwrap_or("default");
     let name = name
         .filter(|n| !n.is_empty())
-        .or_else(|| metadata?.name.as_deref())
-        .map(str::to_owned)
-        .or_else(|| metadata?.generate_name.as_deref().map(|g| format!("{g}*")))
-        .unwrap_or_else(|| "<unnamed>".to_owned());
-    format!("{namespace}/{name}")
+        .or_else(|| metadata?.name.as_deref());
+    let generate_name = metadata.and_then(|m| m.generate_name.as_deref());
+    let mut out = String::with_capacity(namespace.len() + 32);
+    out.push_str(namespace);
+    out.push('/');
+    match (name, generate_name) {
+        (Some(name), _) => out.push_str(name),
+        (None, Some(generate_name)) => {
+            out.push_str(generate_name);
+            out.push('*');
+        }
+        (None, None) => out.push_str("<unnamed>"),
+    }
+    out
 }
 
 fn respond(
