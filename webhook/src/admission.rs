@@ -239,7 +239,7 @@ struct ResponseOut {
     allowed: bool,
     status: Option<StatusOut>,
     warnings: Vec<String>,
-    audit_annotations: BTreeMap<String, String>,
+    audit_annotations: BTreeMap<&'static str, String>,
 }
 
 struct StatusOut {
@@ -572,7 +572,7 @@ fn encode(api_version: &str, response: &ResponseOut, patch: Option<&[u8]>) -> Ve
             response
                 .audit_annotations
                 .iter()
-                .map(|(k, v)| (k.as_str(), v.as_str())),
+                .map(|(k, v)| (*k, v.as_str())),
         );
     }
     out.extend_from_slice(b"}}");

@@ -141,7 +141,7 @@ pub struct Decision {
     /// Why the pod is rejected (set when the verdict is `Denied`).
     pub denial: Option<String>,
     /// Audit annotations for the API server's audit log.
-    pub audit_annotations: BTreeMap<String, String>,
+    pub audit_annotations: BTreeMap<&'static str, String>,
     /// Policies skipped because they are invalid, with the reason (also in `warnings`).
     pub skipped_policies: Vec<String>,
 }
@@ -1127,7 +1127,7 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
     let reference = policy.reference();
     if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
         let mut d = Decision::new(Verdict::Exempt);
-        d.audit_annotations.insert("exempt".into(), reason);
+        d.audit_annotations.insert("exempt", reason);
         d.policy = Some(reference);
         return d;
     }
@@ -1156,7 +1156,7 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
         });
         if exempt {
             d.audit_annotations.insert(
-                "exempt".into(),
+                "exempt",
                 "every privileged GPU container has an exempt image".into(),
             );
         }
@@ -1191,8 +1191,7 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
 
     let mut d = Decision::new(Verdict::Unchanged);
     d.policy = Some(reference.clone());
-    d.audit_annotations
-        .insert("policy".into(), reference.clone());
+    d.audit_annotations.insert("policy", reference.clone());
     let summary = summary_line(&plan, &facts);
     match spec.mode {
         PolicyMode::Enforce if !plan.denials.is_empty() => {
@@ -1202,9 +1201,8 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
                 "gpuwarden: pod {} is denied by GpuPolicy {reference} (Enforce): {reasons}",
                 input.display_name,
             ));
-            d.audit_annotations
-                .insert("decision".into(), "denied".into());
-            d.audit_annotations.insert("reason".into(), reasons);
+            d.audit_annotations.insert("decision", "denied".into());
+            d.audit_annotations.insert("reason", reasons);
         }
         PolicyMode::Enforce => {
             d.verdict = Some(Verdict::Rewritten);
@@ -1215,9 +1213,8 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
             push_if_changed(&mut pairs, facts.annotations, ANNOTATION_POLICY, reference);
             plan.changes.push(Change::SetAnnotations { pairs });
             d.changes = plan.changes;
-            d.audit_annotations
-                .insert("decision".into(), "rewritten".into());
-            d.audit_annotations.insert("changes".into(), summary);
+            d.audit_annotations.insert("decision", "rewritten".into());
+            d.audit_annotations.insert("changes", summary);
         }
         PolicyMode::Audit => {
             d.verdict = Some(Verdict::Audited);
@@ -1241,9 +1238,8 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
             if !pairs.is_empty() {
                 d.changes.push(Change::SetAnnotations { pairs });
             }
-            d.audit_annotations
-                .insert("decision".into(), "audited".into());
-            d.audit_annotations.insert("changes".into(), summary);
+            d.audit_annotations.insert("decision", "audited".into());
+            d.audit_annotations.insert("changes", summary);
         }
         PolicyMode::Deny => {
             d.verdict = Some(Verdict::Denied);
@@ -1259,9 +1255,8 @@ fn decide_create(input: &Input<'_>, policy: &GpuPolicy) -> Decision {
             message.push_str(OFFLINE_COMMAND);
             message.push_str("` writes the admissible manifest.");
             d.denial = Some(message);
-            d.audit_annotations
-                .insert("decision".into(), "denied".into());
-            d.audit_annotations.insert("changes".into(), summary);
+            d.audit_annotations.insert("decision", "denied".into());
+            d.audit_annotations.insert("changes", summary);
         }
     }
     d
@@ -1307,7 +1302,7 @@ fn decide_ephemeral(input: &Input<'_>, old: &PodView<'_>, policy: &GpuPolicy) ->
     let reference = policy.reference();
     if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
         let mut d = Decision::new(Verdict::Exempt);
-        d.audit_annotations.insert("exempt".into(), reason);
+        d.audit_annotations.insert("exempt", reason);
         d.policy = Some(reference);
         return d;
     }
@@ -1335,24 +1330,21 @@ fn decide_ephemeral(input: &Input<'_>, old: &PodView<'_>, policy: &GpuPolicy) ->
     if offending.is_empty() {
         return d;
     }
-    d.audit_annotations
-        .insert("policy".into(), reference.clone());
+    d.audit_annotations.insert("policy", reference.clone());
     let names = offending.join(", ");
     if policy.spec.mode == PolicyMode::Audit {
         d.verdict = Some(Verdict::Audited);
         d.warnings.push(clip(format!(
             "gpuwarden audit: privileged ephemeral container {names} would be denied by GpuPolicy {reference}; it sees every GPU on the node"
         )));
-        d.audit_annotations
-            .insert("decision".into(), "audited".into());
+        d.audit_annotations.insert("decision", "audited".into());
     } else {
         d.verdict = Some(Verdict::Denied);
         d.denial = Some(format!(
             "gpuwarden: privileged ephemeral container {names} on pod {} is denied by GpuPolicy {reference} ({}): a privileged container sees every GPU on the node and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general`",
             input.display_name, policy.spec.mode
         ));
-        d.audit_annotations
-            .insert("decision".into(), "denied".into());
+        d.audit_annotations.insert("decision", "denied".into());
     }
     d
 }
