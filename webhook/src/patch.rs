@@ -13,14 +13,16 @@ use crate::pod::{PodView, SecurityContext};
 /// One reference token of a JSON pointer.
 #[derive(Clone, Copy)]
 enum Token<'a> {
-    /// An object key (escaped when written).
+    /// A field name of the Pod API, written as it is: ASCII letters only.
+    Field(&'static str),
+    /// An object key from the pod or the policy (escaped when written).
     Key(&'a str),
     /// A list index.
     Index(usize),
     /// `-`: past the end of a list.
     End,
 }
-use Token::{End, Index, Key};
+use Token::{End, Field, Index, Key};
 
 /// The patch's operations, written one after another into a JSON array.
 struct Ops<'o> {
@@ -42,6 +44,10 @@ impl Ops<'_> {
         for token in base.iter().chain(rest) {
             out.push(b'/');
             match *token {
+                Field(name) => {
+                    debug_assert!(name.bytes().all(|b| b.is_ascii_alphabetic()));
+                    out.extend_from_slice(name.as_bytes());
+                }
                 Key(key) => pointer_token(out, key),
                 Index(i) => json_out::number(out, i as u64),
                 End => out.push(b'-'),
@@ -81,7 +87,7 @@ fn pointer_token(out: &mut Vec<u8>, token: &str) {
 }
 
 fn container_base(at: &ContainerRef) -> [Token<'_>; 3] {
-    [Key("spec"), Key(at.kind.field()), Index(at.index)]
+    [Field("spec"), Field(at.kind.field()), Index(at.index)]
 }
 
 /// `{"add":[...],"drop":[...]}` for `securityContext.capabilities`: `drop` as given, or the
@@ -120,7 +126,7 @@ fn list_edit(
     ops: &mut Ops<'_>,
     is_list: bool,
     base: &[Token<'_>],
-    field: &str,
+    field: &'static str,
     remove_ascending: &[usize],
     append: &[(String, String)],
 ) {
@@ -129,17 +135,17 @@ fn list_edit(
     };
     if !is_list {
         if !append.is_empty() {
-            ops.add(base, &[Key(field)], |out| {
+            ops.add(base, &[Field(field)], |out| {
                 json_out::array(out, append, entry)
             });
         }
         return;
     }
     for &i in remove_ascending.iter().rev() {
-        ops.remove(base, &[Key(field), Index(i)]);
+        ops.remove(base, &[Field(field), Index(i)]);
     }
     for pair in append {
-        ops.add(base, &[Key(field), End], |out| entry(out, pair));
+        ops.add(base, &[Field(field), End], |out| entry(out, pair));
     }
 }
 
@@ -163,21 +169,25 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                     container_value(pod, container).and_then(|c| c.security_context.as_ref());
                 if current.is_some() {
                     let falsy = |out: &mut Vec<u8>| out.extend_from_slice(b"false");
-                    ops.add(&base, &[Key("securityContext"), Key("privileged")], falsy);
                     ops.add(
                         &base,
-                        &[Key("securityContext"), Key("allowPrivilegeEscalation")],
+                        &[Field("securityContext"), Field("privileged")],
                         falsy,
                     );
                     ops.add(
                         &base,
-                        &[Key("securityContext"), Key("capabilities")],
+                        &[Field("securityContext"), Field("allowPrivilegeEscalation")],
+                        falsy,
+                    );
+                    ops.add(
+                        &base,
+                        &[Field("securityContext"), Field("capabilities")],
                         |out| {
                             capabilities(out, add, drop.as_deref(), current);
                         },
                     );
                 } else {
-                    ops.add(&base, &[Key("securityContext")], |out| {
+                    ops.add(&base, &[Field("securityContext")], |out| {
                         out.extend_from_slice(
                             b"{\"allowPrivilegeEscalation\":false,\"capabilities\":",
                         );
@@ -198,17 +208,17 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                     json_out::string_object(out, [(resource.as_str(), quantity.as_str())]);
                 };
                 if resources.is_none() {
-                    ops.add(&base, &[Key("resources")], |out| {
+                    ops.add(&base, &[Field("resources")], |out| {
                         out.extend_from_slice(b"{\"limits\":");
                         limit(out);
                         out.push(b'}');
                     });
                 } else if limits.is_none() {
-                    ops.add(&base, &[Key("resources"), Key("limits")], limit);
+                    ops.add(&base, &[Field("resources"), Field("limits")], limit);
                 } else {
                     ops.add(
                         &base,
-                        &[Key("resources"), Key("limits"), Key(resource)],
+                        &[Field("resources"), Field("limits"), Key(resource)],
                         |out| json_out::string(out, quantity),
                     );
                 }
@@ -230,13 +240,13 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
             }
             Change::Volumes { remove } => {
                 let is_list = pod.spec.as_ref().is_some_and(|s| s.volumes.is_some());
-                list_edit(&mut ops, is_list, &[Key("spec")], "volumes", remove, &[]);
+                list_edit(&mut ops, is_list, &[Field("spec")], "volumes", remove, &[]);
             }
             Change::RemoveAnnotations { keys } => {
                 let annotations = pod.annotations();
                 for key in keys {
                     if annotations.is_some_and(|a| a.contains_key(key.as_str())) {
-                        ops.remove(&[Key("metadata"), Key("annotations")], &[Key(key)]);
+                        ops.remove(&[Field("metadata"), Field("annotations")], &[Key(key)]);
                     }
                 }
             }
@@ -258,18 +268,22 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                 let object =
                     |out: &mut Vec<u8>| json_out::string_object(out, sorted.iter().copied());
                 if metadata.is_none() {
-                    ops.add(&[Key("metadata")], &[], |out| {
+                    ops.add(&[Field("metadata")], &[], |out| {
                         out.extend_from_slice(b"{\"annotations\":");
                         object(out);
                         out.push(b'}');
                     });
                 } else if !has_annotations {
-                    ops.add(&[Key("metadata"), Key("annotations")], &[], object);
+                    ops.add(&[Field("metadata"), Field("annotations")], &[], object);
                 } else {
                     for (k, v) in pairs {
-                        ops.add(&[Key("metadata"), Key("annotations")], &[Key(k)], |out| {
-                            json_out::string(out, v);
-                        });
+                        ops.add(
+                            &[Field("metadata"), Field("annotations")],
+                            &[Key(k)],
+                            |out| {
+                                json_out::string(out, v);
+                            },
+                        );
                     }
                 }
             }
