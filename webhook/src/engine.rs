@@ -473,18 +473,24 @@ pub struct ContainerReport {
     /// Capabilities the container asked for that the policy does not allow.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub capabilities_refused: Vec<String>,
-    /// GPU limit added: resource → quantity.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub limits: BTreeMap<String, String>,
+    /// GPU limit added: resource → quantity (written as an object; at most one).
+    #[serde(
+        skip_serializing_if = "Vec::is_empty",
+        serialize_with = "pairs_as_object"
+    )]
+    pub limits: Vec<(String, String)>,
     /// Where the GPU count came from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_count_from: Option<String>,
     /// Environment variables removed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub env_removed: Vec<String>,
-    /// Environment variables set.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub env_set: BTreeMap<String, String>,
+    /// Environment variables set: name → value (written as an object; at most one).
+    #[serde(
+        skip_serializing_if = "Vec::is_empty",
+        serialize_with = "pairs_as_object"
+    )]
+    pub env_set: Vec<(String, String)>,
     /// Volume mounts removed (by volume name).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts_removed: Vec<String>,
@@ -494,8 +500,9 @@ pub struct ContainerReport {
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Report {
-    /// Per container name.
-    pub containers: BTreeMap<String, ContainerReport>,
+    /// Per container name, sorted by name, each name once (written as an object).
+    #[serde(serialize_with = "pairs_as_object")]
+    pub containers: Vec<(String, ContainerReport)>,
     /// Pod volumes removed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub volumes_removed: Vec<String>,
@@ -575,15 +582,24 @@ fn list_field(out: &mut Vec<u8>, key: &str, items: &[String]) {
     json_out::string_array(out, items.iter().map(String::as_str));
 }
 
-/// `,"<key>":{...}` unless `map` is empty (after the first field of an object).
-fn map_field(out: &mut Vec<u8>, key: &str, map: &BTreeMap<String, String>) {
-    if map.is_empty() {
+/// `,"<key>":{...}` unless `pairs` is empty (after the first field of an object).
+fn map_field(out: &mut Vec<u8>, key: &str, pairs: &[(String, String)]) {
+    if pairs.is_empty() {
         return;
     }
     out.push(b',');
     json_out::string(out, key);
     out.push(b':');
-    json_out::string_object(out, map.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    json_out::string_object(out, pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+}
+
+/// Serialises pairs as an object, in their order: small maps of the report are kept as
+/// lists, which cost less to build than a `BTreeMap`'s node.
+fn pairs_as_object<S: serde::Serializer, V: Serialize>(
+    pairs: &[(String, V)],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_map(pairs.iter().map(|(k, v)| (k, v)))
 }
 
 /// The plan for one pod: the changes, what they mean, and what cannot be rewritten.
@@ -713,7 +729,7 @@ fn plan_pod<'f>(
                 if let Some((resource, quantity)) = &c.gpu_request {
                     let q = quantity.clone();
                     limit_from_request = true;
-                    report.limits.insert(resource.clone(), q.clone());
+                    report.limits.push((resource.clone(), q.clone()));
                     report.gpu_count_from = Some("request".to_owned());
                     plan.changes.push(Change::GpuLimit {
                         container: c.at,
@@ -732,7 +748,7 @@ fn plan_pod<'f>(
                         }
                         Ok((n, from)) => {
                             let resource = spec.gpu.resource_name.clone();
-                            report.limits.insert(resource.clone(), n.to_string());
+                            report.limits.push((resource.clone(), n.to_string()));
                             report.gpu_count_from = Some(from);
                             plan.changes.push(Change::GpuLimit {
                                 container: c.at,
@@ -771,7 +787,7 @@ fn plan_pod<'f>(
             };
             if let Some(edit) = rewrite_env(c.value, remove, set) {
                 if let Some((k, v)) = edit.set {
-                    report.env_set.insert(k.to_owned(), v.to_owned());
+                    report.env_set.push((k.to_owned(), v.to_owned()));
                 }
                 report.env_removed = edit.removed;
                 plan.changes.push(Change::Env {
@@ -984,8 +1000,19 @@ fn take_report(plan: &mut Plan<'_>, denials: Vec<String>) -> Report {
         denials,
         ..Report::default()
     };
-    for c in plan.containers.drain(..) {
-        report.containers.insert(c.name.to_owned(), c.report);
+    let mut containers: Vec<(String, ContainerReport)> = plan
+        .containers
+        .drain(..)
+        .map(|c| (c.name.to_owned(), c.report))
+        .collect();
+    // Stable: of containers sharing a name (a malformed pod), the last stays last.
+    containers.sort_by(|a, b| a.0.cmp(&b.0));
+    for entry in containers {
+        match report.containers.last_mut() {
+            // As in an object, the last of a repeated name wins.
+            Some(last) if last.0 == entry.0 => *last = entry,
+            _ => report.containers.push(entry),
+        }
     }
     report
 }
@@ -1469,16 +1496,16 @@ mod tests {
             capabilities_added: vec!["SYS_NICE".into(), "IPC_LOCK".into()],
             capabilities_dropped: vec!["ALL".into()],
             capabilities_refused: vec!["SYS_ADMIN".into()],
-            limits: BTreeMap::from([("nvidia.com/gpu".into(), "2".into())]),
+            limits: vec![("nvidia.com/gpu".into(), "2".into())],
             gpu_count_from: Some("annotation gpuwarden.io/gpu-count".into()),
             env_removed: vec!["NVIDIA_VISIBLE_DEVICES".into()],
-            env_set: BTreeMap::from([
+            env_set: vec![
                 (
                     "NVIDIA_DRIVER_CAPABILITIES".into(),
                     "compute,utility".into(),
                 ),
                 ("B".into(), "quote \" backslash \\ tab \t é\u{1}".into()),
-            ]),
+            ],
             volume_mounts_removed: vec!["dev".into()],
         };
         let sidecar = ContainerReport {
@@ -1488,10 +1515,7 @@ mod tests {
         let reports = [
             Report::default(),
             Report {
-                containers: BTreeMap::from([
-                    ("trainer \"a\"".into(), full),
-                    ("side".into(), sidecar),
-                ]),
+                containers: vec![("side".into(), sidecar), ("trainer \"a\"".into(), full)],
                 volumes_removed: vec!["dev".into()],
                 annotations_removed: vec!["cdi.k8s.io/x".into()],
                 denials: vec!["init container x: too many GPUs".into()],

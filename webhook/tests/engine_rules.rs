@@ -97,6 +97,48 @@ fn privileged_training_pod_is_rewritten_by_every_rule() {
 }
 
 #[test]
+fn the_report_names_containers_in_order_and_the_last_of_a_repeated_name_wins() {
+    let mut pod = training_pod();
+    let first = pod["spec"]["containers"][0].clone();
+    let with_gpus = |name: &str, devices: &str| {
+        let mut c = first.clone();
+        c["name"] = json!(name);
+        c["env"] = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": devices}]);
+        c
+    };
+    // A malformed pod (the API server refuses repeated names, an offline manifest may
+    // not): as in a JSON object, the last container of a name is the one reported.
+    pod["spec"]["containers"] = json!([
+        with_gpus("zeta", "0"),
+        with_gpus("alpha", "0"),
+        with_gpus("zeta", "0,1,2"),
+    ]);
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    let text = out["metadata"]["annotations"][ANNOTATION_REWRITTEN]
+        .as_str()
+        .unwrap();
+    let alpha = text.find("\"alpha\"").unwrap();
+    let zeta = text.find("\"zeta\"").unwrap();
+    assert!(alpha < zeta, "sorted by name: {text}");
+    assert_eq!(text.matches("\"zeta\"").count(), 1, "{text}");
+    let report: Value = serde_json::from_str(text).unwrap();
+    assert_eq!(
+        report["containers"]["zeta"]["limits"]["nvidia.com/gpu"],
+        "3"
+    );
+    assert_eq!(
+        report["containers"]["alpha"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    // Every container is still rewritten and warned about.
+    for c in out["spec"]["containers"].as_array().unwrap() {
+        assert_eq!(c["securityContext"]["privileged"], false, "{c}");
+    }
+    assert_eq!(answer.warnings().len(), 3, "{:?}", answer.warnings());
+}
+
+#[test]
 fn capabilities_keep_allowed_and_defaults_and_name_the_refused() {
     let mut pod = training_pod();
     pod["spec"]["containers"][0]["securityContext"]["capabilities"] =
