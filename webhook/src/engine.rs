@@ -866,14 +866,20 @@ impl<'o> Phrases<'o> {
     }
 }
 
-/// Appends `items` joined by commas.
-fn push_joined(out: &mut String, items: &[String]) {
+/// A phrase naming a list, unless it is empty: `<before>a,b<after>`.
+fn list_phrase(phrases: &mut Phrases<'_>, before: &str, items: &[String], after: &str) {
+    if items.is_empty() {
+        return;
+    }
+    let out = phrases.next();
+    out.push_str(before);
     for (i, item) in items.iter().enumerate() {
         if i > 0 {
             out.push(',');
         }
         out.push_str(item);
     }
+    out.push_str(after);
 }
 
 /// `container trainer`, `init container setup`.
@@ -890,12 +896,12 @@ fn write_phrases(phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>, facts: &PodFa
     if c.deprivileged {
         phrases.next().push_str("privileged removed");
     }
-    if !report.capabilities_refused.is_empty() {
-        let out = phrases.next();
-        out.push_str("capabilities ");
-        push_joined(out, &report.capabilities_refused);
-        out.push_str(" dropped (not allowed)");
-    }
+    list_phrase(
+        phrases,
+        "capabilities ",
+        &report.capabilities_refused,
+        " dropped (not allowed)",
+    );
     for (resource, quantity) in &report.limits {
         let out = phrases.next();
         out.push_str(if c.limit_from_request {
@@ -914,12 +920,7 @@ fn write_phrases(phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>, facts: &PodFa
             out.push(')');
         }
     }
-    if !report.env_removed.is_empty() {
-        let out = phrases.next();
-        out.push_str("env ");
-        push_joined(out, &report.env_removed);
-        out.push_str(" removed");
-    }
+    list_phrase(phrases, "env ", &report.env_removed, " removed");
     for (name, value) in &report.env_set {
         let out = phrases.next();
         out.push_str(name);
@@ -946,18 +947,18 @@ fn write_phrases(phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>, facts: &PodFa
 
 /// The pod-level phrases: device hostPath volumes and annotations removed.
 fn write_pod_phrases(phrases: &mut Phrases<'_>, plan: &Plan<'_>) {
-    if !plan.volumes_removed.is_empty() {
-        let out = phrases.next();
-        out.push_str("device hostPath volume ");
-        push_joined(out, &plan.volumes_removed);
-        out.push_str(" removed");
-    }
-    if !plan.annotations_removed.is_empty() {
-        let out = phrases.next();
-        out.push_str("annotation ");
-        push_joined(out, &plan.annotations_removed);
-        out.push_str(" removed");
-    }
+    list_phrase(
+        phrases,
+        "device hostPath volume ",
+        &plan.volumes_removed,
+        " removed",
+    );
+    list_phrase(
+        phrases,
+        "annotation ",
+        &plan.annotations_removed,
+        " removed",
+    );
 }
 
 /// Whether the rewrite touches the pod itself (volumes or annotations).
