@@ -289,7 +289,7 @@ fn main() {
     let decision = gpuwarden_webhook::engine::decide(&input, &policies);
     let patch = measure(|| {
         let mut bytes = Vec::new();
-        gpuwarden_webhook::patch::write_patch(black_box(&pod), &decision.changes, &mut bytes);
+        gpuwarden_webhook::patch::write_patch(black_box(&pod), decision.changes(), &mut bytes);
         black_box(bytes);
     });
     println!();

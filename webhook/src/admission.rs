@@ -233,21 +233,6 @@ pub(crate) struct GroupVersionResource {
     pub(crate) resource: String,
 }
 
-/// The response review's `response` but its patch, written by [`encode`].
-struct ResponseOut {
-    uid: String,
-    allowed: bool,
-    status: Option<StatusOut>,
-    warnings: Vec<String>,
-    audit_annotations: BTreeMap<&'static str, String>,
-}
-
-struct StatusOut {
-    code: u16,
-    reason: &'static str,
-    message: String,
-}
-
 const API_VERSION: &str = "admission.k8s.io/v1";
 
 /// Answers one AdmissionReview body. See the module docs.
@@ -316,10 +301,18 @@ fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8
         Some(uid) if !uid.is_empty() => uid.to_owned(),
         _ => return invalid(api_version, String::new(), None, &ReviewError::MissingUid),
     };
-    match review_request(&request, source) {
-        Ok((decision, pod)) => {
-            let object = request.object.as_ref().and_then(|o| o.0.as_ref());
-            respond(api_version, uid, pod, decision, object)
+    let (operation, pod) = match target(&request) {
+        Ok(Some(target)) => target,
+        // DELETE, CONNECT, plain UPDATE (privilege is immutable) and other subresources.
+        Ok(None) => {
+            let body = Response::new(api_version, &uid, true, 0).finish();
+            let summary = ReviewSummary {
+                uid,
+                outcome: Outcome::Allowed,
+                policy: None,
+                pod: None,
+            };
+            return (body, summary);
         }
         Err(error) => {
             let empty = PodView::default();
@@ -327,16 +320,44 @@ fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8
                 let view = o.0.as_ref().unwrap_or(&empty);
                 display_name(view, request.namespace.as_deref(), request.name.as_deref())
             });
-            invalid(api_version, uid, pod, &error)
+            return invalid(api_version, uid, pod, &error);
         }
+    };
+    let namespace = request
+        .namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        .or_else(|| pod.metadata.as_ref()?.namespace.as_deref())
+        .unwrap_or("default");
+    let name = display_name(pod, Some(namespace), request.name.as_deref());
+    let labels = engine::namespace_labels_or_default(namespace, source.namespace_labels(namespace));
+    let policies = source.policies();
+    let input = Input {
+        pod,
+        namespace,
+        namespace_labels: &labels,
+        operation,
+        display_name: &name,
+    };
+    let decision = engine::decide(&input, &policies);
+    for skipped in decision.skipped_policies() {
+        tracing::warn!(pod = %name, "{skipped}");
     }
+    let (body, outcome, policy) = respond(api_version, &uid, &name, decision, pod);
+    let summary = ReviewSummary {
+        uid,
+        outcome,
+        policy,
+        pod: Some(name),
+    };
+    (body, summary)
 }
 
-/// Runs the engine on a parsed request. `Ok` carries the decision and the pod's display name.
-fn review_request(
-    request: &RequestIn<PodObject<'_>>,
-    source: &dyn PolicySource,
-) -> Result<(Decision, Option<String>), ReviewError> {
+/// What the engine is asked about a request that is about a Pod: the operation and the pod,
+/// or `None` for an operation it lets through unjudged.
+fn target<'r, 'a>(
+    request: &'r RequestIn<PodObject<'a>>,
+) -> Result<Option<(Operation<'r>, &'r PodView<'a>)>, ReviewError> {
     let is_pod = match (&request.kind, &request.resource) {
         (Some(k), _) if !k.kind.is_empty() => k.group.is_empty() && k.kind == "Pod",
         (_, Some(r)) => r.group.is_empty() && r.resource == "pods",
@@ -368,8 +389,7 @@ fn review_request(
                 .ok_or(ReviewError::MissingOldObject)?;
             Operation::AddEphemeral { old }
         }
-        // DELETE, CONNECT, plain UPDATE (privilege is immutable) and other subresources.
-        _ => return Ok((Decision::default(), None)),
+        _ => return Ok(None),
     };
     let pod = request
         .object
@@ -378,27 +398,7 @@ fn review_request(
         .ok_or_else(|| ReviewError::MissingObject {
             operation: operation.to_owned(),
         })?;
-    let namespace = request
-        .namespace
-        .as_deref()
-        .filter(|n| !n.is_empty())
-        .or_else(|| pod.metadata.as_ref()?.namespace.as_deref())
-        .unwrap_or("default");
-    let name = display_name(pod, Some(namespace), request.name.as_deref());
-    let labels = engine::namespace_labels_or_default(namespace, source.namespace_labels(namespace));
-    let policies = source.policies();
-    let input = Input {
-        pod,
-        namespace,
-        namespace_labels: &labels,
-        operation: op,
-        display_name: &name,
-    };
-    let decision = engine::decide(&input, &policies);
-    for skipped in &decision.skipped_policies {
-        tracing::warn!(pod = %name, "{skipped}");
-    }
-    Ok((decision, Some(name)))
+    Ok(Some((op, pod)))
 }
 
 /// `namespace/name`, or `namespace/generateName*` for a pod not yet named.
@@ -426,13 +426,14 @@ fn display_name(pod: &PodView<'_>, namespace: Option<&str>, name: Option<&str>) 
     out
 }
 
+/// The answer for a decision, its outcome and the governing policy's reference.
 fn respond(
     api_version: &str,
-    uid: String,
-    pod_name: Option<String>,
-    decision: Decision,
-    pod: Option<&PodView<'_>>,
-) -> (Vec<u8>, ReviewSummary) {
+    uid: &str,
+    pod_name: &str,
+    decision: Decision<'_>,
+    pod: &PodView<'_>,
+) -> (Vec<u8>, Outcome, Option<String>) {
     let outcome = match decision.verdict() {
         Verdict::NotGoverned | Verdict::Unchanged => Outcome::Allowed,
         Verdict::Exempt => Outcome::Exempt,
@@ -440,45 +441,36 @@ fn respond(
         Verdict::Audited => Outcome::Audited,
         Verdict::Denied => Outcome::Denied,
     };
-    let mut response = ResponseOut {
+    let allowed = outcome != Outcome::Denied;
+    tracing::debug!(
         uid,
-        allowed: outcome != Outcome::Denied,
-        status: None,
-        warnings: decision.warnings,
-        audit_annotations: decision.audit_annotations,
-    };
-    if let Some(message) = decision.denial {
-        response.status = Some(StatusOut {
-            code: 403,
-            reason: "Forbidden",
-            message,
-        });
-    }
-    tracing::debug!(uid = %response.uid, pod = pod_name.as_deref().unwrap_or(""), outcome = outcome.as_str(), "admission review answered");
-    let body = match pod {
-        Some(pod) if response.allowed && !decision.changes.is_empty() => PATCH_SCRATCH
-            .with_borrow_mut(|bytes| {
-                bytes.clear();
-                let ops = patch::write_patch(pod, &decision.changes, bytes);
-                let body = encode(
-                    api_version,
-                    &response,
-                    (ops > 0).then_some(bytes.as_slice()),
-                );
-                if bytes.capacity() > PATCH_SCRATCH_KEPT_BYTES {
-                    *bytes = Vec::with_capacity(PATCH_SCRATCH_BYTES);
-                }
-                body
-            }),
-        _ => encode(api_version, &response, None),
-    };
-    let summary = ReviewSummary {
-        uid: response.uid,
-        outcome,
-        policy: decision.policy,
-        pod: pod_name,
-    };
-    (body, summary)
+        pod = pod_name,
+        outcome = outcome.as_str(),
+        "admission review answered"
+    );
+    let body = PATCH_SCRATCH.with_borrow_mut(|patch| {
+        patch.clear();
+        let ops = if allowed {
+            patch::write_patch(pod, decision.changes(), patch)
+        } else {
+            0
+        };
+        let patch_len = if ops > 0 { patch.len() } else { 0 };
+        let mut response = Response::new(api_version, uid, allowed, patch_len);
+        if let Some(message) = decision.denial() {
+            response.status(403, "Forbidden", &message);
+        }
+        if ops > 0 {
+            response.patch(patch);
+        }
+        decision.for_each_warning(|warning| response.warning(warning));
+        decision.for_each_audit_annotation(|key, value| response.audit_annotation(key, value));
+        if patch.capacity() > PATCH_SCRATCH_KEPT_BYTES {
+            *patch = Vec::with_capacity(PATCH_SCRATCH_BYTES);
+        }
+        response.finish()
+    });
+    (body, outcome, decision.into_policy_reference())
 }
 
 fn invalid(
@@ -488,25 +480,15 @@ fn invalid(
     error: &ReviewError,
 ) -> (Vec<u8>, ReviewSummary) {
     tracing::debug!(uid = %uid, error = %error, "malformed admission review");
-    let response = ResponseOut {
-        uid,
-        allowed: false,
-        status: Some(StatusOut {
-            code: 400,
-            reason: "BadRequest",
-            message: format!("gpuwarden: {error}"),
-        }),
-        warnings: Vec::new(),
-        audit_annotations: BTreeMap::new(),
-    };
-    let body = encode(api_version, &response, None);
+    let mut response = Response::new(api_version, &uid, false, 0);
+    response.status(400, "BadRequest", &format!("gpuwarden: {error}"));
     let summary = ReviewSummary {
-        uid: response.uid,
+        uid,
         outcome: Outcome::Invalid,
         policy: None,
         pod,
     };
-    (body, summary)
+    (response.finish(), summary)
 }
 
 /// Room reserved for a serialised patch before base64; most patches fit.
@@ -524,59 +506,103 @@ thread_local! {
         std::cell::RefCell::new(Vec::with_capacity(PATCH_SCRATCH_BYTES));
 }
 
-/// The response review: `response`, and `patch` (serialised JSON) base64-encoded.
-fn encode(api_version: &str, response: &ResponseOut, patch: Option<&[u8]>) -> Vec<u8> {
-    // Room for the envelope plus the variable parts, so the buffer is not regrown.
-    let capacity = 256
-        + response.uid.len()
-        + patch.map_or(0, |p| p.len().div_ceil(3) * 4)
-        + response.status.as_ref().map_or(0, |s| s.message.len())
-        + response.warnings.iter().map(|w| w.len() + 3).sum::<usize>()
-        + response
-            .audit_annotations
-            .iter()
-            .map(|(k, v)| k.len() + v.len() + 8)
-            .sum::<usize>();
-    let mut out = Vec::with_capacity(capacity);
-    out.extend_from_slice(b"{\"apiVersion\":");
-    json_out::string(&mut out, api_version);
-    out.extend_from_slice(b",\"kind\":\"AdmissionReview\",\"response\":{\"uid\":");
-    json_out::string(&mut out, &response.uid);
-    out.extend_from_slice(if response.allowed {
-        b",\"allowed\":true"
-    } else {
-        b",\"allowed\":false"
-    });
-    if let Some(status) = &response.status {
+/// The response review, written field by field in the order of `AdmissionResponse`'s fields:
+/// `uid`, `allowed`, `status`, `patch` (base64) and `patchType`, `warnings`,
+/// `auditAnnotations`.
+struct Response {
+    out: Vec<u8>,
+    /// Which list or object is open: warnings, then audit annotations.
+    open: Open,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Open {
+    Nothing,
+    Warnings,
+    AuditAnnotations,
+}
+
+impl Response {
+    /// Room for the envelope, the patch in base64 and the usual warnings and annotations,
+    /// so that the buffer is seldom regrown.
+    fn new(api_version: &str, uid: &str, allowed: bool, patch_len: usize) -> Self {
+        let capacity = 256 + uid.len() + patch_len.div_ceil(3) * 4 + 1024;
+        let mut out = Vec::with_capacity(capacity);
+        out.extend_from_slice(b"{\"apiVersion\":");
+        json_out::string(&mut out, api_version);
+        out.extend_from_slice(b",\"kind\":\"AdmissionReview\",\"response\":{\"uid\":");
+        json_out::string(&mut out, uid);
+        out.extend_from_slice(if allowed {
+            b",\"allowed\":true"
+        } else {
+            b",\"allowed\":false"
+        });
+        Self {
+            out,
+            open: Open::Nothing,
+        }
+    }
+
+    fn status(&mut self, code: u16, reason: &str, message: &str) {
+        let out = &mut self.out;
         out.extend_from_slice(b",\"status\":{\"status\":\"Failure\",\"code\":");
-        json_out::number(&mut out, status.code);
+        json_out::number(out, code);
         out.extend_from_slice(b",\"reason\":");
-        json_out::string(&mut out, status.reason);
+        json_out::string(out, reason);
         out.extend_from_slice(b",\"message\":");
-        json_out::string(&mut out, &status.message);
+        json_out::string(out, message);
         out.push(b'}');
     }
-    if let Some(patch) = patch {
-        out.extend_from_slice(b",\"patch\":\"");
-        json_out::base64(&mut out, patch);
-        out.extend_from_slice(b"\",\"patchType\":\"JSONPatch\"");
+
+    /// `patch`: the serialised JSON patch, base64-encoded.
+    fn patch(&mut self, patch: &[u8]) {
+        self.out.extend_from_slice(b",\"patch\":\"");
+        json_out::base64(&mut self.out, patch);
+        self.out
+            .extend_from_slice(b"\",\"patchType\":\"JSONPatch\"");
     }
-    if !response.warnings.is_empty() {
-        out.extend_from_slice(b",\"warnings\":");
-        json_out::string_array(&mut out, response.warnings.iter().map(String::as_str));
+
+    /// Moves on to `part`, closing the one before and opening this one on its first entry.
+    fn enter(&mut self, part: Open) {
+        if self.open == part {
+            self.out.push(b',');
+            return;
+        }
+        self.close();
+        self.out.extend_from_slice(match part {
+            Open::Warnings => b",\"warnings\":[",
+            Open::AuditAnnotations => b",\"auditAnnotations\":{",
+            Open::Nothing => b"",
+        });
+        self.open = part;
     }
-    if !response.audit_annotations.is_empty() {
-        out.extend_from_slice(b",\"auditAnnotations\":");
-        json_out::string_object(
-            &mut out,
-            response
-                .audit_annotations
-                .iter()
-                .map(|(k, v)| (*k, v.as_str())),
-        );
+
+    fn close(&mut self) {
+        match self.open {
+            Open::Warnings => self.out.push(b']'),
+            Open::AuditAnnotations => self.out.push(b'}'),
+            Open::Nothing => {}
+        }
+        self.open = Open::Nothing;
     }
-    out.extend_from_slice(b"}}");
-    out
+
+    fn warning(&mut self, warning: &str) {
+        self.enter(Open::Warnings);
+        json_out::string(&mut self.out, warning);
+    }
+
+    fn audit_annotation(&mut self, key: &str, value: &str) {
+        self.enter(Open::AuditAnnotations);
+        json_out::string(&mut self.out, key);
+        self.out.push(b':');
+        json_out::string(&mut self.out, value);
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        self.close();
+        self.out.extend_from_slice(b"}}");
+        self.out
+    }
 }
 
 #[cfg(test)]
@@ -760,7 +786,7 @@ mod tests {
         let decision = engine::decide(&input, &source.policies);
         assert_eq!(decision.verdict(), Verdict::Rewritten);
         let whole =
-            serde_json::to_value(patch::patch_for(&pod, &decision.changes).unwrap()).unwrap();
+            serde_json::to_value(patch::patch_for(&pod, decision.changes()).unwrap()).unwrap();
         assert_eq!(answered_patch(&review, &source), Some(whole));
     }
 }

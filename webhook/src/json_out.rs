@@ -84,6 +84,21 @@ pub(crate) fn string(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
 }
 
+/// Appends a value's `Display` text as a JSON string, escaped as it is written.
+pub(crate) fn display_string(out: &mut Vec<u8>, value: &impl std::fmt::Display) {
+    struct Escaped<'o>(&'o mut Vec<u8>);
+    impl std::fmt::Write for Escaped<'_> {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            str_contents(self.0, s);
+            Ok(())
+        }
+    }
+    out.push(b'"');
+    // Escaped's writes cannot fail.
+    let _ = std::fmt::Write::write_fmt(&mut Escaped(out), format_args!("{value}"));
+    out.push(b'"');
+}
+
 /// Appends a JSON array, each item written by `write`.
 pub(crate) fn array<T>(
     out: &mut Vec<u8>,

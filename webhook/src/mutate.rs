@@ -148,8 +148,35 @@ struct Outcome {
     /// The patch against the whole object.
     patch: json_patch::Patch,
     /// `None` for kinds that hold no pod.
-    decision: Option<Decision>,
+    decision: Option<Explanation>,
     namespace: String,
+}
+
+/// What the engine decided about an object's pod, kept to explain it on stderr.
+#[derive(Debug)]
+struct Explanation {
+    verdict: Verdict,
+    /// `name@generation` of the governing policy ("" when none governs).
+    policy: String,
+    exempt: Option<String>,
+    warnings: Vec<String>,
+    denial: Option<String>,
+}
+
+impl Explanation {
+    fn of(decision: &Decision<'_>) -> Self {
+        Self {
+            verdict: decision.verdict(),
+            policy: decision.policy_reference().unwrap_or("").to_owned(),
+            exempt: decision.exempt_reason().map(str::to_owned),
+            warnings: decision.warnings(),
+            denial: decision.denial(),
+        }
+    }
+
+    fn verdict(&self) -> Verdict {
+        self.verdict
+    }
 }
 
 /// Runs `mutate` on the process's stdin, stdout and stderr; returns the exit code.
@@ -372,24 +399,27 @@ fn judge(
     let decision = engine::decide(&input, policies);
     let mut after = doc.object.clone();
     let mut patch = json_patch::Patch(Vec::new());
-    if decision.verdict() != Verdict::Denied && !decision.changes.is_empty() {
+    if decision.verdict() != Verdict::Denied && decision.changes().next().is_some() {
         let patch_error = |message: String| MutateError::Patch {
             file: doc.source.clone(),
             index: doc.index,
             message,
         };
-        let relative = crate::patch::patch_for(template, &decision.changes)
+        let relative = crate::patch::patch_for(template, decision.changes())
             .map_err(|e| patch_error(e.to_string()))?;
         if let Some(target) = after.pointer_mut(pointer) {
             json_patch::patch(target, &relative.0).map_err(|e| patch_error(e.to_string()))?;
         }
         patch = prefixed(relative, pointer);
     }
+    let explanation = Explanation::of(&decision);
+    // The decision borrows the template inside `doc`.
+    drop(decision);
     Ok(Outcome {
         doc,
         after,
         patch,
-        decision: Some(decision),
+        decision: Some(explanation),
         namespace,
     })
 }
@@ -458,7 +488,7 @@ fn explain(outcomes: &[Outcome], stderr: &mut dyn Write) {
             );
             continue;
         };
-        let policy = d.policy.as_deref().unwrap_or("");
+        let policy = d.policy.as_str();
         let (key, line) = match d.verdict() {
             Verdict::NotGoverned => (
                 "unchanged",
@@ -472,9 +502,7 @@ fn explain(outcomes: &[Outcome], stderr: &mut dyn Write) {
                 "exempt",
                 format!(
                     "exempt, unchanged: {} (GpuPolicy {policy})",
-                    d.audit_annotations
-                        .get("exempt")
-                        .map_or("exempt", String::as_str)
+                    d.exempt.as_deref().unwrap_or("exempt")
                 ),
             ),
             Verdict::Rewritten => (

@@ -4,6 +4,8 @@
 //! these bytes as they are; [`patch_for`] reads them back as a [`json_patch::Patch`] for the
 //! offline command and the tests, so both see the one patch.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 use crate::engine::{Change, ContainerRef, container_value};
@@ -90,30 +92,30 @@ fn container_base(at: &ContainerRef) -> [Token<'_>; 3] {
     [Field("spec"), Field(at.kind.field()), Index(at.index)]
 }
 
-/// `{"add":[...],"drop":[...]}` for `securityContext.capabilities`: `drop` as given, or the
-/// container's current `capabilities.drop` when the change leaves it as it is.
+/// `{"add":[...],"drop":[...]}` for `securityContext.capabilities`: `drop` is `["ALL"]`, or
+/// the container's current `capabilities.drop` when the change leaves it as it is.
 fn capabilities(
     out: &mut Vec<u8>,
-    add: &[String],
-    drop: Option<&[String]>,
+    add: &[Cow<'_, str>],
+    drop_all: bool,
     current: Option<&SecurityContext<'_>>,
 ) {
     out.push(b'{');
     if !add.is_empty() {
         out.extend_from_slice(b"\"add\":");
-        json_out::string_array(out, add.iter().map(String::as_str));
+        json_out::string_array(out, add.iter().map(AsRef::as_ref));
     }
     let current_drop = current
         .and_then(|s| s.capabilities.as_ref())
         .and_then(|c| c.drop.as_ref());
-    if drop.is_some() || current_drop.is_some() {
+    if drop_all || current_drop.is_some() {
         if !add.is_empty() {
             out.push(b',');
         }
         out.extend_from_slice(b"\"drop\":");
-        match drop {
-            Some(drop) => json_out::string_array(out, drop.iter().map(String::as_str)),
-            None => json_out::value(out, current_drop.unwrap_or(&Value::Null)),
+        match current_drop {
+            Some(current) if !drop_all => json_out::value(out, current),
+            _ => out.extend_from_slice(b"[\"ALL\"]"),
         }
     }
     out.push(b'}');
@@ -128,15 +130,17 @@ fn list_edit(
     base: &[Token<'_>],
     field: &'static str,
     remove_ascending: &[usize],
-    append: &[(String, String)],
+    append: Option<(&str, &str)>,
 ) {
-    let entry = |out: &mut Vec<u8>, (name, value): &(String, String)| {
-        json_out::string_object(out, [("name", name.as_str()), ("value", value.as_str())]);
+    let entry = |out: &mut Vec<u8>, (name, value): (&str, &str)| {
+        json_out::string_object(out, [("name", name), ("value", value)]);
     };
     if !is_list {
-        if !append.is_empty() {
+        if let Some(pair) = append {
             ops.add(base, &[Field(field)], |out| {
-                json_out::array(out, append, entry)
+                out.push(b'[');
+                entry(out, pair);
+                out.push(b']');
             });
         }
         return;
@@ -144,14 +148,18 @@ fn list_edit(
     for &i in remove_ascending.iter().rev() {
         ops.remove(base, &[Field(field), Index(i)]);
     }
-    for pair in append {
+    if let Some(pair) = append {
         ops.add(base, &[Field(field), End], |out| entry(out, pair));
     }
 }
 
 /// Appends the patch that applies `changes` to `pod` to `out`, as a JSON array; returns how
 /// many operations it holds (0: the changes are already in the pod).
-pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> usize {
+pub fn write_patch<'c>(
+    pod: &PodView<'_>,
+    changes: impl IntoIterator<Item = Change<'c>>,
+    out: &mut Vec<u8>,
+) -> usize {
     out.push(b'[');
     let mut ops = Ops {
         out: &mut *out,
@@ -162,11 +170,11 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
             Change::SecurityContext {
                 container,
                 add,
-                drop,
+                drop_all,
             } => {
-                let base = container_base(container);
+                let base = container_base(&container);
                 let current =
-                    container_value(pod, container).and_then(|c| c.security_context.as_ref());
+                    container_value(pod, &container).and_then(|c| c.security_context.as_ref());
                 if current.is_some() {
                     let falsy = |out: &mut Vec<u8>| out.extend_from_slice(b"false");
                     ops.add(
@@ -183,7 +191,7 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                         &base,
                         &[Field("securityContext"), Field("capabilities")],
                         |out| {
-                            capabilities(out, add, drop.as_deref(), current);
+                            capabilities(out, add, drop_all, current);
                         },
                     );
                 } else {
@@ -191,7 +199,7 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                         out.extend_from_slice(
                             b"{\"allowPrivilegeEscalation\":false,\"capabilities\":",
                         );
-                        capabilities(out, add, drop.as_deref(), None);
+                        capabilities(out, add, drop_all, None);
                         out.extend_from_slice(b",\"privileged\":false}");
                     });
                 }
@@ -201,11 +209,15 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                 resource,
                 quantity,
             } => {
-                let base = container_base(container);
-                let resources = container_value(pod, container).and_then(|c| c.resources.as_ref());
+                let base = container_base(&container);
+                let resources = container_value(pod, &container).and_then(|c| c.resources.as_ref());
                 let limits = resources.and_then(|r| r.limits.as_ref());
                 let limit = |out: &mut Vec<u8>| {
-                    json_out::string_object(out, [(resource.as_str(), quantity.as_str())]);
+                    out.push(b'{');
+                    json_out::string(out, resource);
+                    out.push(b':');
+                    json_out::display_string(out, &quantity);
+                    out.push(b'}');
                 };
                 if resources.is_none() {
                     ops.add(&base, &[Field("resources")], |out| {
@@ -219,7 +231,7 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                     ops.add(
                         &base,
                         &[Field("resources"), Field("limits"), Key(resource)],
-                        |out| json_out::string(out, quantity),
+                        |out| json_out::display_string(out, &quantity),
                     );
                 }
             }
@@ -228,24 +240,24 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                 remove,
                 append,
             } => {
-                let is_list = container_value(pod, container).is_some_and(|c| c.env.is_some());
-                let base = container_base(container);
+                let is_list = container_value(pod, &container).is_some_and(|c| c.env.is_some());
+                let base = container_base(&container);
                 list_edit(&mut ops, is_list, &base, "env", remove, append);
             }
             Change::VolumeMounts { container, remove } => {
                 let is_list =
-                    container_value(pod, container).is_some_and(|c| c.volume_mounts.is_some());
-                let base = container_base(container);
-                list_edit(&mut ops, is_list, &base, "volumeMounts", remove, &[]);
+                    container_value(pod, &container).is_some_and(|c| c.volume_mounts.is_some());
+                let base = container_base(&container);
+                list_edit(&mut ops, is_list, &base, "volumeMounts", remove, None);
             }
             Change::Volumes { remove } => {
                 let is_list = pod.spec.as_ref().is_some_and(|s| s.volumes.is_some());
-                list_edit(&mut ops, is_list, &[Field("spec")], "volumes", remove, &[]);
+                list_edit(&mut ops, is_list, &[Field("spec")], "volumes", remove, None);
             }
             Change::RemoveAnnotations { keys } => {
                 let annotations = pod.annotations();
                 for key in keys {
-                    if annotations.is_some_and(|a| a.contains_key(key.as_str())) {
+                    if annotations.is_some_and(|a| a.contains_key(*key)) {
                         ops.remove(&[Field("metadata"), Field("annotations")], &[Key(key)]);
                     }
                 }
@@ -256,33 +268,22 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
                 }
                 let metadata = pod.metadata.as_ref();
                 let has_annotations = pod.annotations().is_some();
-                // As an object: keys sorted, the last of a repeated key wins.
-                let mut sorted: Vec<(&str, &str)> = Vec::with_capacity(pairs.len());
-                for (k, v) in pairs {
-                    match sorted.iter_mut().find(|(key, _)| key == k) {
-                        Some(entry) => entry.1 = v,
-                        None => sorted.push((k, v)),
-                    }
-                }
-                sorted.sort_unstable_by_key(|&(k, _)| k);
-                let object =
-                    |out: &mut Vec<u8>| json_out::string_object(out, sorted.iter().copied());
                 if metadata.is_none() {
                     ops.add(&[Field("metadata")], &[], |out| {
                         out.extend_from_slice(b"{\"annotations\":");
-                        object(out);
+                        annotations_object(out, pairs);
                         out.push(b'}');
                     });
                 } else if !has_annotations {
-                    ops.add(&[Field("metadata"), Field("annotations")], &[], object);
+                    ops.add(&[Field("metadata"), Field("annotations")], &[], |out| {
+                        annotations_object(out, pairs)
+                    });
                 } else {
                     for (k, v) in pairs {
                         ops.add(
                             &[Field("metadata"), Field("annotations")],
                             &[Key(k)],
-                            |out| {
-                                json_out::string(out, v);
-                            },
+                            |out| json_out::string(out, v),
                         );
                     }
                 }
@@ -294,10 +295,26 @@ pub fn write_patch(pod: &PodView<'_>, changes: &[Change], out: &mut Vec<u8>) -> 
     count
 }
 
+/// `pairs` as a JSON object: keys sorted, the last of a repeated key wins.
+fn annotations_object(out: &mut Vec<u8>, pairs: &[(&str, String)]) {
+    let mut sorted: Vec<(&str, &str)> = Vec::with_capacity(pairs.len());
+    for (k, v) in pairs {
+        match sorted.iter_mut().find(|(key, _)| key == k) {
+            Some(entry) => entry.1 = v,
+            None => sorted.push((k, v)),
+        }
+    }
+    sorted.sort_unstable_by_key(|&(k, _)| k);
+    json_out::string_object(out, sorted);
+}
+
 /// [`write_patch`] for a pod held as a `Value`, read back as a [`json_patch::Patch`]. An
 /// error would mean the writer produced text that is not a patch: a bug, reported rather
 /// than hidden.
-pub fn patch_for(pod: &Value, changes: &[Change]) -> Result<json_patch::Patch, serde_json::Error> {
+pub fn patch_for<'c>(
+    pod: &Value,
+    changes: impl IntoIterator<Item = Change<'c>>,
+) -> Result<json_patch::Patch, serde_json::Error> {
     let mut out = Vec::new();
     write_patch(&PodView::from_value(pod), changes, &mut out);
     serde_json::from_slice(&out)
@@ -308,7 +325,8 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::engine::ContainerKind;
+    use crate::engine::{ContainerKind, Quantity};
+    use crate::pod::Scalar;
 
     fn at(index: usize) -> ContainerRef {
         ContainerRef {
@@ -317,9 +335,9 @@ mod tests {
         }
     }
 
-    fn written(pod: &Value, changes: &[Change]) -> Value {
+    fn written(pod: &Value, changes: &[Change<'_>]) -> Value {
         let mut out = Vec::new();
-        let count = write_patch(&PodView::from_value(pod), changes, &mut out);
+        let count = write_patch(&PodView::from_value(pod), changes.iter().copied(), &mut out);
         let patch: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(patch.as_array().map(Vec::len), Some(count));
         patch
@@ -333,35 +351,34 @@ mod tests {
             {"name": "c0"},
             {"name": "c1", "securityContext": "odd", "resources": {"requests": {}}, "env": null}
         ]}});
+        let pairs = [("x/y", "2".to_owned()), ("a~b", "1".to_owned())];
         let changes = [
             Change::SecurityContext {
                 container: at(0),
-                add: vec![],
-                drop: None,
+                add: &[],
+                drop_all: false,
             },
             Change::SecurityContext {
                 container: at(1),
-                add: vec!["IPC_LOCK".into()],
-                drop: Some(vec!["ALL".into()]),
+                add: &["IPC_LOCK".into()],
+                drop_all: true,
             },
             Change::GpuLimit {
                 container: at(0),
-                resource: "a/b~c".into(),
-                quantity: "1".into(),
+                resource: "a/b~c",
+                quantity: Quantity::Count(1),
             },
             Change::GpuLimit {
                 container: at(1),
-                resource: "nvidia.com/gpu".into(),
-                quantity: "2".into(),
+                resource: "nvidia.com/gpu",
+                quantity: Quantity::Copied(&Scalar::Other(json!(2))),
             },
             Change::Env {
                 container: at(1),
-                remove: vec![],
-                append: vec![("K".into(), "v\"1".into())],
+                remove: &[],
+                append: Some(("K", "v\"1")),
             },
-            Change::SetAnnotations {
-                pairs: vec![("x/y".into(), "2".into()), ("a~b".into(), "1".into())],
-            },
+            Change::SetAnnotations { pairs: &pairs },
         ];
         let patch = written(&pod, &changes);
         assert_eq!(
@@ -379,7 +396,7 @@ mod tests {
             ])
         );
         let mut applied = pod.clone();
-        json_patch::patch(&mut applied, &patch_for(&pod, &changes).unwrap()).unwrap();
+        json_patch::patch(&mut applied, &patch_for(&pod, changes).unwrap()).unwrap();
         assert_eq!(applied["metadata"]["annotations"]["a~b"], "1");
     }
 
@@ -398,36 +415,35 @@ mod tests {
                 }]
             }
         });
+        let pairs = [
+            ("gpuwarden.io/policy", "p@1".to_owned()),
+            ("a~b/c", "\n".to_owned()),
+        ];
         let changes = [
             Change::SecurityContext {
                 container: at(0),
-                add: vec![],
-                drop: None,
+                add: &[],
+                drop_all: false,
             },
             Change::GpuLimit {
                 container: at(0),
-                resource: "nvidia.com/gpu".into(),
-                quantity: "1".into(),
+                resource: "nvidia.com/gpu",
+                quantity: Quantity::Copied(&Scalar::Str("1".into())),
             },
             Change::Env {
                 container: at(0),
-                remove: vec![0, 2],
-                append: vec![("D".into(), "d".into())],
+                remove: &[0, 2],
+                append: Some(("D", "d")),
             },
             Change::VolumeMounts {
                 container: at(0),
-                remove: vec![1],
+                remove: &[1],
             },
-            Change::Volumes { remove: vec![1] },
+            Change::Volumes { remove: &[1] },
             Change::RemoveAnnotations {
-                keys: vec!["cdi.k8s.io/gpu".into(), "cdi.k8s.io/absent".into()],
+                keys: &["cdi.k8s.io/gpu", "cdi.k8s.io/absent"],
             },
-            Change::SetAnnotations {
-                pairs: vec![
-                    ("gpuwarden.io/policy".into(), "p@1".into()),
-                    ("a~b/c".into(), "\n".into()),
-                ],
-            },
+            Change::SetAnnotations { pairs: &pairs },
         ];
         assert_eq!(
             written(&pod, &changes),
@@ -452,15 +468,13 @@ mod tests {
     fn changes_already_in_place_write_an_empty_patch() {
         let pod = json!({"metadata": {}, "spec": {}});
         let changes = [
-            Change::SetAnnotations { pairs: vec![] },
-            Change::RemoveAnnotations {
-                keys: vec!["k".into()],
-            },
-            Change::Volumes { remove: vec![] },
+            Change::SetAnnotations { pairs: &[] },
+            Change::RemoveAnnotations { keys: &["k"] },
+            Change::Volumes { remove: &[] },
         ];
         let mut out = Vec::new();
         assert_eq!(
-            write_patch(&PodView::from_value(&pod), &changes, &mut out),
+            write_patch(&PodView::from_value(&pod), changes, &mut out),
             0
         );
         assert_eq!(out, b"[]");

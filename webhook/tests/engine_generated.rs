@@ -487,9 +487,10 @@ fn generated_pods_hold_the_invariants() {
             operation: Operation::Create,
             display_name: "",
         };
-        let direct = decide(&input, &[Arc::new(policy.clone())]);
+        let policies = [Arc::new(policy.clone())];
+        let direct = decide(&input, &policies);
         if direct.verdict() != Verdict::Denied {
-            let direct = patch_for(&pod, &direct.changes).unwrap();
+            let direct = patch_for(&pod, direct.changes()).unwrap();
             let direct = (!direct.0.is_empty()).then(|| serde_json::to_value(&direct).unwrap());
             let via_review = first
                 .patch

@@ -1,0 +1,933 @@
+//! The rewrite engine: a pure function from a pod, the policies and the namespace's labels to
+//! a [`Decision`]: a verdict and, for a pod it rewrites, audits or denies, the plan of what
+//! changes in each container. The list of [`Change`]s, the warnings, the audit annotations
+//! and the `gpuwarden.io/rewritten` report are all written from that plan;
+//! [`crate::patch`] turns the changes into an RFC 6902 patch.
+//!
+//! The engine reads the pod through a [`PodView`]: the few fields it needs, borrowed from
+//! the review's body (or from a manifest's `Value`), rather than a whole typed `Pod`. A
+//! decision borrows from the pod and the policy in turn, so judging a pod copies almost
+//! nothing: on the admission path its text is written straight into the answer. It never
+//! drops fields it does not know, since its output is a patch, and the patch touches only
+//! the fields DESIGN.md lists (container `securityContext.privileged`,
+//! `allowPrivilegeEscalation`, `capabilities`, GPU limits, `env`, `volumeMounts`; pod
+//! `volumes` and `metadata.annotations`).
+//!
+//! The same functions serve admission reviews ([`crate::admission`]) and the offline
+//! `mutate` command ([`crate::mutate`]), where the "pod" is a workload's pod template.
+
+mod facts;
+mod plan;
+mod render;
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use gpuwarden_crds::{
+    ANNOTATION_AUDIT, ANNOTATION_POLICY, ANNOTATION_REWRITTEN, GpuPolicy, PolicyMode,
+};
+
+use crate::pod::{Map, PodView};
+use plan::{ContainerPlan, Plan};
+
+pub use crate::pod::ContainerKind;
+pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
+pub use gpuwarden_crds::selection::{
+    LABEL_NAMESPACE_NAME, Selection, namespace_labels_or_default, select_policy,
+};
+pub use plan::Quantity;
+
+/// Environment variable the NVIDIA runtime reads to pick the GPUs it exposes.
+pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// Environment variable naming the driver capabilities (libraries) the runtime mounts.
+pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
+/// MIG configuration access; the runtime refuses it in unprivileged containers.
+pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
+/// MIG monitoring access; the runtime refuses it in unprivileged containers.
+pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
+/// The command a denial message points users to.
+pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
+/// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
+pub const MAX_WARNING_LEN: usize = 256;
+
+/// One container of the pod, by position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContainerRef {
+    /// Which list it is in.
+    pub kind: ContainerKind,
+    /// Index in that list.
+    pub index: usize,
+}
+
+/// One change to the pod, borrowed from a [`Decision`]. The patch is written from these;
+/// nothing else is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Change<'c> {
+    /// Rules 1 and 2: `privileged: false`, `allowPrivilegeEscalation: false`,
+    /// `capabilities.add` as given, and `capabilities.drop: [ALL]` when `drop_all` (otherwise
+    /// the container's `drop` stays as it is).
+    SecurityContext {
+        /// The container.
+        container: ContainerRef,
+        /// `capabilities.add` after the rewrite.
+        add: &'c [Cow<'c, str>],
+        /// Whether `capabilities.drop` becomes `[ALL]`.
+        drop_all: bool,
+    },
+    /// Rule 3: `resources.limits[resource] = quantity`.
+    GpuLimit {
+        /// The container.
+        container: ContainerRef,
+        /// Extended resource name, e.g. `nvidia.com/gpu`.
+        resource: &'c str,
+        /// Quantity, written as a string.
+        quantity: Quantity<'c>,
+    },
+    /// Rule 4: remove these `env` entries (by index) and append this one.
+    Env {
+        /// The container.
+        container: ContainerRef,
+        /// Indices of entries to remove, ascending.
+        remove: &'c [usize],
+        /// An entry to append: name, value.
+        append: Option<(&'c str, &'c str)>,
+    },
+    /// Rule 5: remove these `volumeMounts` entries (by index, ascending).
+    VolumeMounts {
+        /// The container.
+        container: ContainerRef,
+        /// Indices of entries to remove, ascending.
+        remove: &'c [usize],
+    },
+    /// Rule 5: remove these `spec.volumes` entries (by index, ascending).
+    Volumes {
+        /// Indices of entries to remove, ascending.
+        remove: &'c [usize],
+    },
+    /// Rule 5: remove these pod annotations.
+    RemoveAnnotations {
+        /// Annotation keys.
+        keys: &'c [&'c str],
+    },
+    /// Rule 6 and Audit: set these pod annotations.
+    SetAnnotations {
+        /// Key, value.
+        pairs: &'c [(&'c str, String)],
+    },
+}
+
+/// What the engine decided about a pod.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// No policy selects the pod.
+    NotGoverned,
+    /// The governing policy exempts the pod (namespace, service account, or every privileged
+    /// GPU container by image).
+    Exempt,
+    /// Governed, but nothing to do (no privileged GPU container).
+    Unchanged,
+    /// Enforce: the changes rewrite the pod.
+    Rewritten,
+    /// Audit: admitted; the changes only add the audit annotation.
+    Audited,
+    /// Rejected: [`Decision::denial`] says why.
+    Denied,
+}
+
+/// The engine's answer for one pod, borrowing from the pod, the policy and the input. Its
+/// changes, warnings, denial message and audit annotations are written on demand.
+#[derive(Debug)]
+pub struct Decision<'a> {
+    verdict: Verdict,
+    policy: Option<&'a GpuPolicy>,
+    /// `name@generation` of the governing policy ("" when none governs).
+    reference: String,
+    /// Policies skipped because they are invalid, with the reason (also warnings).
+    skipped_policies: Vec<String>,
+    /// How the pod is named in messages.
+    display_name: &'a str,
+    detail: Detail<'a>,
+}
+
+/// What a decision holds beyond its verdict.
+#[derive(Debug)]
+enum Detail<'a> {
+    /// Nothing more.
+    Plain,
+    /// Why the pod is exempt.
+    Exempt(Cow<'static, str>),
+    /// A new pod with privileged GPU containers that its policy governs: what the rewrite
+    /// does (Enforce), would do (Audit) or needs (Deny, or Enforce with denials).
+    Create {
+        plan: Plan<'a>,
+        mode: PolicyMode,
+        /// Annotations the patch sets: the report and the policy reference.
+        set: Vec<(&'static str, String)>,
+    },
+    /// Privileged ephemeral containers added to a governed pod.
+    Ephemeral {
+        offending: Vec<&'a str>,
+        mode: PolicyMode,
+    },
+}
+
+/// What the engine is asked to judge.
+#[derive(Clone, Copy, Debug)]
+pub enum Operation<'a> {
+    /// A new pod (or a pod template, offline).
+    Create,
+    /// `pods/ephemeralcontainers` UPDATE; the previous pod tells which containers are new.
+    AddEphemeral {
+        /// The pod before the update.
+        old: &'a PodView<'a>,
+    },
+}
+
+/// Everything the engine reads, besides the policies.
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    /// The pod (or a pod template: an object with `metadata` and `spec`).
+    pub pod: &'a PodView<'a>,
+    /// The pod's namespace.
+    pub namespace: &'a str,
+    /// The namespace's labels (see [`namespace_labels_or_default`]).
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// What is being done.
+    pub operation: Operation<'a>,
+    /// How the pod is named in messages (`namespace/name`).
+    pub display_name: &'a str,
+}
+
+/// Judges one pod: selects the policy, applies exemptions and the policy's mode.
+pub fn decide<'a>(input: &Input<'a>, policies: &'a [Arc<GpuPolicy>]) -> Decision<'a> {
+    // Only a podSelector reads the pod's labels; most policies have none.
+    let pod_labels: BTreeMap<String, String> =
+        if policies.iter().any(|p| p.spec.pod_selector.is_some()) {
+            input
+                .pod
+                .metadata
+                .as_ref()
+                .and_then(|m| m.labels.as_ref())
+                .into_iter()
+                .flatten()
+                .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
+                .collect()
+        } else {
+            BTreeMap::new()
+        };
+    let selection = select_policy(policies, input.namespace_labels, &pod_labels);
+    let mut decision = match selection.policy {
+        None => Decision::new(Verdict::NotGoverned, None, String::new(), input),
+        Some(policy) => match input.operation {
+            Operation::Create => decide_create(input, policy),
+            Operation::AddEphemeral { old } => decide_ephemeral(input, old, policy),
+        },
+    };
+    decision.skipped_policies = selection.skipped;
+    decision
+}
+
+fn decide_create<'a>(input: &Input<'a>, policy: &'a GpuPolicy) -> Decision<'a> {
+    let reference = policy.reference();
+    if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
+        return Decision::new(Verdict::Exempt, Some(policy), reference, input)
+            .with(Detail::Exempt(reason.into()));
+    }
+    let facts = facts::read_pod(input.pod, policy);
+    let triggered = facts
+        .containers
+        .iter()
+        .any(|c| c.privileged && c.gpu && !c.image_exempt);
+    if !triggered {
+        let exempt = facts
+            .containers
+            .iter()
+            .any(|c| c.privileged && c.gpu && c.image_exempt);
+        return if exempt {
+            Decision::new(Verdict::Exempt, Some(policy), reference, input).with(Detail::Exempt(
+                "every privileged GPU container has an exempt image".into(),
+            ))
+        } else {
+            Decision::new(Verdict::Unchanged, Some(policy), reference, input)
+        };
+    }
+    let strip = plan::volumes_to_strip(&facts, policy);
+    let plan = plan::plan_pod(input.pod, facts, policy, strip);
+    let annotations = input.pod.annotations();
+    let mode = policy.spec.mode;
+    let mut set = Vec::new();
+    let verdict = match mode {
+        PolicyMode::Enforce if !plan.denials.is_empty() => Verdict::Denied,
+        PolicyMode::Enforce => {
+            push_if_changed(&mut set, annotations, ANNOTATION_REWRITTEN, plan.report());
+            push_if_changed(&mut set, annotations, ANNOTATION_POLICY, reference.clone());
+            Verdict::Rewritten
+        }
+        PolicyMode::Audit => {
+            push_if_changed(&mut set, annotations, ANNOTATION_AUDIT, plan.report());
+            Verdict::Audited
+        }
+        PolicyMode::Deny => Verdict::Denied,
+    };
+    Decision::new(verdict, Some(policy), reference, input).with(Detail::Create { plan, mode, set })
+}
+
+fn decide_ephemeral<'a>(
+    input: &Input<'a>,
+    old: &PodView<'_>,
+    policy: &'a GpuPolicy,
+) -> Decision<'a> {
+    let new = |verdict| Decision::new(verdict, Some(policy), policy.reference(), input);
+    if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
+        return new(Verdict::Exempt).with(Detail::Exempt(reason.into()));
+    }
+    let kind = ContainerKind::Ephemeral;
+    let images = &policy.spec.exemptions.images;
+    let offending: Vec<&'a str> = input
+        .pod
+        .containers(kind)
+        .iter()
+        .filter(|c| {
+            let name = c.name.as_deref().unwrap_or("");
+            let existing = old
+                .containers(kind)
+                .iter()
+                .any(|o| o.name.as_deref() == Some(name));
+            let image = c.image.as_deref().unwrap_or("");
+            !existing && c.is_privileged() && !image_exempt(image, images)
+        })
+        .map(|c| c.name.as_deref().unwrap_or(""))
+        .collect();
+    if offending.is_empty() {
+        return new(Verdict::Unchanged);
+    }
+    let mode = policy.spec.mode;
+    let verdict = if mode == PolicyMode::Audit {
+        Verdict::Audited
+    } else {
+        Verdict::Denied
+    };
+    new(verdict).with(Detail::Ephemeral { offending, mode })
+}
+
+/// Namespace or service-account exemption of the whole pod, with the reason.
+fn pod_exemption(pod: &PodView<'_>, namespace: &str, policy: &GpuPolicy) -> Option<String> {
+    let sa = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.as_deref())
+        .unwrap_or("");
+    policy.spec.exemptions.pod_exemption(namespace, sa)
+}
+
+/// Adds `key=value` unless the pod's annotation already says so.
+fn push_if_changed(
+    pairs: &mut Vec<(&'static str, String)>,
+    annotations: Option<&Map<'_>>,
+    key: &'static str,
+    value: String,
+) {
+    if annotations
+        .and_then(|a| a.get(key))
+        .and_then(|v| v.as_str())
+        != Some(value.as_str())
+    {
+        pairs.push((key, value));
+    }
+}
+
+impl<'a> Decision<'a> {
+    fn new(
+        verdict: Verdict,
+        policy: Option<&'a GpuPolicy>,
+        reference: String,
+        input: &Input<'a>,
+    ) -> Self {
+        Self {
+            verdict,
+            policy,
+            reference,
+            skipped_policies: Vec::new(),
+            display_name: input.display_name,
+            detail: Detail::Plain,
+        }
+    }
+
+    fn with(mut self, detail: Detail<'a>) -> Self {
+        self.detail = detail;
+        self
+    }
+
+    /// The verdict.
+    pub fn verdict(&self) -> Verdict {
+        self.verdict
+    }
+
+    /// The governing policy, if any.
+    pub fn policy(&self) -> Option<&'a GpuPolicy> {
+        self.policy
+    }
+
+    /// `name@generation` of the governing policy, if any.
+    pub fn policy_reference(&self) -> Option<&str> {
+        self.policy.map(|_| self.reference.as_str())
+    }
+
+    /// [`Decision::policy_reference`], taken out of the decision.
+    pub fn into_policy_reference(self) -> Option<String> {
+        self.policy.map(|_| self.reference)
+    }
+
+    /// Policies skipped because they are invalid, with the reason (each is also a warning).
+    pub fn skipped_policies(&self) -> &[String] {
+        &self.skipped_policies
+    }
+
+    /// Why the pod is exempt, when it is.
+    pub fn exempt_reason(&self) -> Option<&str> {
+        match &self.detail {
+            Detail::Exempt(reason) => Some(reason),
+            _ => None,
+        }
+    }
+
+    /// The changes to apply: the rewrite in Enforce, the audit annotation in Audit, none
+    /// otherwise.
+    pub fn changes(&self) -> impl Iterator<Item = Change<'_>> {
+        let (plan, set) = match (&self.detail, self.verdict) {
+            (Detail::Create { plan, set, .. }, Verdict::Rewritten) => (Some(plan), &set[..]),
+            (Detail::Create { set, .. }, Verdict::Audited) => (None, &set[..]),
+            _ => (None, &[][..]),
+        };
+        let containers = plan.into_iter().flat_map(|plan| {
+            plan.containers
+                .iter()
+                .flat_map(move |c| container_changes(plan, c))
+        });
+        let pod = plan.into_iter().flat_map(|plan| {
+            [
+                (!plan.volumes.is_empty()).then_some(Change::Volumes {
+                    remove: &plan.volumes,
+                }),
+                (!plan.annotations_removed.is_empty()).then_some(Change::RemoveAnnotations {
+                    keys: &plan.annotations_removed,
+                }),
+            ]
+            .into_iter()
+            .flatten()
+        });
+        let annotations = (!set.is_empty()).then_some(Change::SetAnnotations { pairs: set });
+        containers.chain(pod).chain(annotations)
+    }
+
+    /// Calls `f` with each warning for the user, in order: invalid policies skipped, then
+    /// one per changed container and one for the pod (Enforce and Audit), then what Enforce
+    /// would deny (Audit).
+    pub fn for_each_warning(&self, mut f: impl FnMut(&str)) {
+        let f: &mut dyn FnMut(&str) = &mut f;
+        let mut scratch = String::with_capacity(MAX_WARNING_LEN + 32);
+        for skipped in &self.skipped_policies {
+            scratch.clear();
+            scratch.push_str("gpuwarden: ");
+            scratch.push_str(skipped);
+            f(render::clip(&mut scratch));
+        }
+        match (&self.detail, self.verdict) {
+            (Detail::Create { plan, .. }, Verdict::Rewritten) => {
+                plan.for_each_warning("gpuwarden: ", ": ", &mut scratch, f);
+            }
+            (Detail::Create { plan, .. }, Verdict::Audited) => {
+                plan.for_each_warning("gpuwarden audit: ", " would change: ", &mut scratch, f);
+                for denial in &plan.denials {
+                    scratch.clear();
+                    scratch.push_str("gpuwarden audit: Enforce would deny: ");
+                    scratch.push_str(denial);
+                    f(render::clip(&mut scratch));
+                }
+            }
+            (Detail::Ephemeral { offending, .. }, Verdict::Audited) => {
+                scratch.clear();
+                let _ = write!(
+                    scratch,
+                    "gpuwarden audit: privileged ephemeral container {} would be denied by GpuPolicy {}; it sees every GPU on the node",
+                    offending.join(", "),
+                    self.reference
+                );
+                f(render::clip(&mut scratch));
+            }
+            _ => {}
+        }
+    }
+
+    /// The warnings, collected (see [`Decision::for_each_warning`]).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        self.for_each_warning(|w| warnings.push(w.to_owned()));
+        warnings
+    }
+
+    /// Why the pod is rejected, when the verdict is [`Verdict::Denied`].
+    pub fn denial(&self) -> Option<String> {
+        if self.verdict != Verdict::Denied {
+            return None;
+        }
+        let (name, reference) = (self.display_name, &self.reference);
+        match &self.detail {
+            Detail::Create {
+                plan,
+                mode: PolicyMode::Deny,
+                ..
+            } => {
+                let mut message = format!(
+                    "gpuwarden: pod {name} has privileged GPU containers, which GpuPolicy {reference} (Deny) rejects. To be admitted it needs: "
+                );
+                plan.write_summary(&mut message);
+                if !plan.denials.is_empty() {
+                    message.push_str(". It also cannot be rewritten as is: ");
+                    message.push_str(&plan.denials.join("; "));
+                }
+                message.push_str(". `");
+                message.push_str(OFFLINE_COMMAND);
+                message.push_str("` writes the admissible manifest.");
+                Some(message)
+            }
+            Detail::Create { plan, .. } => Some(format!(
+                "gpuwarden: pod {name} is denied by GpuPolicy {reference} (Enforce): {}",
+                plan.denials.join("; ")
+            )),
+            Detail::Ephemeral { offending, mode } => Some(format!(
+                "gpuwarden: privileged ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): a privileged container sees every GPU on the node and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general`",
+                offending.join(", "),
+            )),
+            Detail::Plain | Detail::Exempt(_) => None,
+        }
+    }
+
+    /// Calls `f` with each audit annotation for the API server's audit log, sorted by key:
+    /// `changes` (what the rewrite does), `decision`, `exempt` (why), `policy`, `reason`
+    /// (why Enforce denies).
+    pub fn for_each_audit_annotation(&self, mut f: impl FnMut(&'static str, &str)) {
+        let decision = match self.verdict {
+            Verdict::Rewritten => "rewritten",
+            Verdict::Audited => "audited",
+            _ => "denied",
+        };
+        match &self.detail {
+            Detail::Plain => {}
+            Detail::Exempt(reason) => f("exempt", reason),
+            Detail::Create { plan, mode, .. } => {
+                let denied_in_enforce = *mode == PolicyMode::Enforce && !plan.denials.is_empty();
+                if !denied_in_enforce {
+                    let mut summary = String::with_capacity(256);
+                    plan.write_summary(&mut summary);
+                    f("changes", &summary);
+                }
+                f("decision", decision);
+                f("policy", &self.reference);
+                if denied_in_enforce {
+                    f("reason", &plan.denials.join("; "));
+                }
+            }
+            Detail::Ephemeral { .. } => {
+                f("decision", decision);
+                f("policy", &self.reference);
+            }
+        }
+    }
+
+    /// The audit annotations, collected (see [`Decision::for_each_audit_annotation`]).
+    pub fn audit_annotations(&self) -> BTreeMap<&'static str, String> {
+        let mut annotations = BTreeMap::new();
+        self.for_each_audit_annotation(|k, v| {
+            annotations.insert(k, v.to_owned());
+        });
+        annotations
+    }
+}
+
+/// The changes to one container, in the order the patch applies them.
+fn container_changes<'c>(
+    plan: &'c Plan<'_>,
+    c: &'c ContainerPlan<'_>,
+) -> impl Iterator<Item = Change<'c>> {
+    let container = c.at;
+    [
+        c.deprivileged.then_some(Change::SecurityContext {
+            container,
+            add: &c.caps_added,
+            drop_all: c.drop_all,
+        }),
+        c.limit.as_ref().map(|limit| Change::GpuLimit {
+            container,
+            resource: limit.resource,
+            quantity: limit.quantity,
+        }),
+        c.env.as_ref().map(|env| Change::Env {
+            container,
+            remove: &env.remove,
+            append: env
+                .set
+                .as_ref()
+                .filter(|_| env.append)
+                .map(|(name, value)| (*name, plan.env_value(value))),
+        }),
+        (!c.mounts.is_empty()).then_some(Change::VolumeMounts {
+            container,
+            remove: &c.mounts,
+        }),
+    ]
+    .into_iter()
+    .flatten()
+}
+
+// ---------------------------------------------------------------------------------------
+// Reading values.
+
+/// How a container's `NVIDIA_VISIBLE_DEVICES` reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VisibleDevices {
+    /// Not set in the pod spec.
+    Unset,
+    /// `none`, `void` or empty: no GPU.
+    NoGpu,
+    /// `all`.
+    All,
+    /// A list of indices, GPU UUIDs or MIG identifiers; the number of distinct entries.
+    Devices(u32),
+    /// Set from a ConfigMap, Secret or field reference: the value is unknown here.
+    Indirect,
+}
+
+impl VisibleDevices {
+    /// Parses an `NVIDIA_VISIBLE_DEVICES` value.
+    pub fn parse(value: &str) -> Self {
+        let value = value.trim();
+        if value.is_empty()
+            || value.eq_ignore_ascii_case("none")
+            || value.eq_ignore_ascii_case("void")
+        {
+            return Self::NoGpu;
+        }
+        if value.eq_ignore_ascii_case("all") {
+            return Self::All;
+        }
+        let ids: BTreeSet<&str> = value
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
+        if ids.iter().any(|id| id.eq_ignore_ascii_case("all")) {
+            return Self::All;
+        }
+        if ids.is_empty() {
+            return Self::NoGpu;
+        }
+        Self::Devices(u32::try_from(ids.len()).unwrap_or(u32::MAX))
+    }
+
+    /// Whether this value hands GPUs to the container.
+    pub fn is_gpu_signal(&self) -> bool {
+        matches!(self, Self::All | Self::Devices(_) | Self::Indirect)
+    }
+}
+
+/// Whether a hostPath is a device path: `/dev`, `/dev/nvidia*`, `/dev/dri`, `/dev/dri/...`.
+pub fn is_device_host_path(path: &str) -> bool {
+    let is_device = |clean: &str| {
+        clean == "/dev"
+            || clean.starts_with("/dev/nvidia")
+            || clean == "/dev/dri"
+            || clean.starts_with("/dev/dri/")
+    };
+    if is_clean(path) {
+        is_device(path)
+    } else {
+        is_device(&clean_path(path))
+    }
+}
+
+/// Whether [`clean_path`] would leave `path` as it is: `/`, or absolute with no empty, `.`
+/// or `..` part and no trailing `/`.
+fn is_clean(path: &str) -> bool {
+    path == "/"
+        || path
+            .strip_prefix('/')
+            .is_some_and(|rest| rest.split('/').all(|p| !matches!(p, "" | "." | "..")))
+}
+
+/// Lexically cleans an absolute path (`//`, `.`, `..`, trailing `/`), as the kubelet would
+/// resolve it, so `/dev/./nvidia0/` and `/dev//dri` are recognised.
+fn clean_path(path: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    let mut out = String::with_capacity(path.len() + 1);
+    for p in parts {
+        out.push('/');
+        out.push_str(p);
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    out
+}
+
+/// The container `at` points to in `pod`.
+pub(crate) fn container_value<'p, 'a>(
+    pod: &'p PodView<'a>,
+    at: &ContainerRef,
+) -> Option<&'p crate::pod::Container<'a>> {
+    pod.containers(at.kind).get(at.index)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    #[test]
+    fn visible_devices_parsing() {
+        assert_eq!(VisibleDevices::parse("all"), VisibleDevices::All);
+        assert_eq!(VisibleDevices::parse(" ALL "), VisibleDevices::All);
+        assert_eq!(VisibleDevices::parse("none"), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse("void"), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse(""), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse(" , "), VisibleDevices::NoGpu);
+        assert_eq!(VisibleDevices::parse("0,1"), VisibleDevices::Devices(2));
+        assert_eq!(VisibleDevices::parse("0, 1,1"), VisibleDevices::Devices(2));
+        assert_eq!(
+            VisibleDevices::parse("GPU-8f2c3b1a-1111-2222-3333-444455556666"),
+            VisibleDevices::Devices(1)
+        );
+        assert_eq!(
+            VisibleDevices::parse(
+                "MIG-2a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff,MIG-GPU-8f2c3b1a-1111-2222-3333-444455556666/1/0,0:1"
+            ),
+            VisibleDevices::Devices(3)
+        );
+        assert!(!VisibleDevices::parse("void").is_gpu_signal());
+        assert!(VisibleDevices::parse("3").is_gpu_signal());
+    }
+
+    #[test]
+    fn device_paths() {
+        for p in [
+            "/dev",
+            "/dev/",
+            "/dev/nvidia0",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/dri",
+            "/dev/dri/card0",
+            "//dev/./nvidia1",
+            "/host/../dev",
+            "dev/nvidia0",
+            "/dev/dri/../nvidia0",
+            "/dev/dri/..",
+        ] {
+            assert!(is_device_host_path(p), "{p}");
+        }
+        for p in [
+            "/dev/shm",
+            "/devices",
+            "/var/lib/nvidia",
+            "/dev/fuse",
+            "/",
+            "",
+            "/driver",
+            "/dev/nvidia0/../../shm",
+            "/dev/dri/../shm",
+        ] {
+            assert!(!is_device_host_path(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn a_path_is_clean_exactly_when_cleaning_leaves_it_as_it_is() {
+        let parts = ["", ".", "..", "dev", "dri", "nvidia0", "x"];
+        // Every path of up to four parts from the list, with and without the leading slash.
+        let mut paths = vec![String::new()];
+        for _ in 0..4 {
+            let longer: Vec<String> = paths
+                .iter()
+                .flat_map(|p| parts.iter().map(move |part| format!("{p}/{part}")))
+                .collect();
+            paths.extend(longer);
+        }
+        for path in paths
+            .iter()
+            .flat_map(|p| [p.clone(), p.trim_start_matches('/').to_owned()])
+        {
+            assert_eq!(is_clean(&path), clean_path(&path) == path, "{path:?}");
+        }
+    }
+
+    #[test]
+    fn capability_names_are_normalised() {
+        for (raw, normal, borrowed) in [
+            ("SYS_ADMIN", "SYS_ADMIN", true),
+            (" CAP_IPC_LOCK ", "IPC_LOCK", true),
+            ("cap_sys_nice", "SYS_NICE", false),
+            ("Cap_Net_Raw", "NET_RAW", false),
+            ("net_admin", "NET_ADMIN", false),
+            ("CAP_", "", true),
+        ] {
+            let cap = plan::normalise_cap(raw);
+            assert_eq!(cap, normal, "{raw:?}");
+            assert_eq!(matches!(cap, Cow::Borrowed(_)), borrowed, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn warnings_are_clipped_on_char_boundaries() {
+        let mut text = "é".repeat(300);
+        let clipped = render::clip(&mut text);
+        assert!(clipped.len() <= MAX_WARNING_LEN);
+        assert!(clipped.ends_with("..."));
+        let mut short = "short".to_owned();
+        assert_eq!(render::clip(&mut short), "short");
+    }
+
+    /// The decision for `pod` (a Pod as JSON) in namespace `ml` under `policy`.
+    fn decision_of<'a>(
+        view: &'a PodView<'a>,
+        labels: &'a BTreeMap<String, String>,
+        policies: &'a [Arc<GpuPolicy>],
+    ) -> Decision<'a> {
+        let input = Input {
+            pod: view,
+            namespace: "ml",
+            namespace_labels: labels,
+            operation: Operation::Create,
+            display_name: "ml/p",
+        };
+        decide(&input, policies)
+    }
+
+    #[test]
+    fn the_report_says_per_container_what_changed_as_json() {
+        // An init container that asks for capabilities, one allowed and one not; a container
+        // whose name needs escaping, with a GPU request copied into its limit, a device
+        // mount and a MIG variable; a privileged sidecar; a repeated name.
+        let pod = json!({
+            "metadata": {"name": "p", "annotations": {"cdi.k8s.io/gpu": "nvidia.com/gpu=0"}},
+            "spec": {
+                "volumes": [{"name": "dev", "hostPath": {"path": "/dev/nvidia0"}}],
+                "initContainers": [{
+                    "name": "setup", "securityContext": {"privileged": true,
+                        "capabilities": {"add": ["cap_ipc_lock", "SYS_ADMIN"]}},
+                    "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]
+                }],
+                "containers": [
+                    {"name": "trainer \"a\"", "securityContext": {"privileged": true},
+                     "resources": {"requests": {"nvidia.com/gpu": 2}},
+                     "env": [{"name": "NVIDIA_MIG_CONFIG_DEVICES", "value": "all"}],
+                     "volumeMounts": [{"name": "dev", "mountPath": "/dev/nvidia0"}]},
+                    {"name": "side", "securityContext": {"privileged": true}},
+                    {"name": "side", "securityContext": {"privileged": true},
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}
+                ]
+            }
+        });
+        let mut policy = GpuPolicy::default_policy();
+        policy.spec.capabilities.default = vec!["SYS_NICE".into()];
+        let policies = [Arc::new(policy)];
+        let labels = namespace_labels_or_default("ml", None);
+        let view = PodView::from_value(&pod);
+        let decision = decision_of(&view, &labels, &policies);
+        assert_eq!(decision.verdict(), Verdict::Rewritten);
+        let Some(Change::SetAnnotations { pairs }) = decision.changes().last() else {
+            panic!("no annotations set: {decision:?}");
+        };
+        assert_eq!(pairs[0].0, ANNOTATION_REWRITTEN);
+        assert_eq!(pairs[1], (ANNOTATION_POLICY, "default@0".to_owned()));
+        let report: Value = serde_json::from_str(&pairs[0].1).unwrap();
+        assert_eq!(
+            report,
+            json!({
+                "containers": {
+                    "setup": {
+                        "kind": "init", "privileged": false, "gpu": true,
+                        "capabilitiesAdded": ["SYS_NICE", "IPC_LOCK"],
+                        "capabilitiesDropped": ["ALL"],
+                        "capabilitiesRefused": ["SYS_ADMIN"],
+                        "limits": {"nvidia.com/gpu": "2"},
+                        "gpuCountFrom": "NVIDIA_VISIBLE_DEVICES=0,1",
+                        "envRemoved": ["NVIDIA_VISIBLE_DEVICES"],
+                        "envSet": {"NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
+                    },
+                    "side": {
+                        "privileged": false, "gpu": true,
+                        "capabilitiesAdded": ["SYS_NICE"],
+                        "capabilitiesDropped": ["ALL"],
+                        "limits": {"nvidia.com/gpu": "1"},
+                        "gpuCountFrom": "policy default",
+                        "envRemoved": ["NVIDIA_VISIBLE_DEVICES"],
+                        "envSet": {"NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
+                    },
+                    "trainer \"a\"": {
+                        "privileged": false, "gpu": true,
+                        "capabilitiesAdded": ["SYS_NICE"],
+                        "capabilitiesDropped": ["ALL"],
+                        "limits": {"nvidia.com/gpu": "2"},
+                        "gpuCountFrom": "request",
+                        "envRemoved": ["NVIDIA_MIG_CONFIG_DEVICES"],
+                        "envSet": {"NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
+                        "volumeMountsRemoved": ["dev"]
+                    }
+                },
+                "volumesRemoved": ["dev"],
+                "annotationsRemoved": ["cdi.k8s.io/gpu"]
+            })
+        );
+        // Every container holds a GPU through the CDI annotation, so the second `side`,
+        // whose report wins, loses its `void`. The summary says what the report says, in the
+        // pod's order.
+        let annotations = decision.audit_annotations();
+        assert_eq!(
+            annotations["changes"],
+            "init container setup: privileged removed, capabilities SYS_ADMIN dropped (not allowed), requests nvidia.com/gpu=2 (NVIDIA_VISIBLE_DEVICES=0,1), env NVIDIA_VISIBLE_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility; container trainer \"a\": privileged removed, limits nvidia.com/gpu=2 (from its request), env NVIDIA_MIG_CONFIG_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility, device mount dev (/dev/nvidia0) removed; container side: privileged removed, requests nvidia.com/gpu=1 (policy default), NVIDIA_DRIVER_CAPABILITIES=compute,utility; container side: privileged removed, requests nvidia.com/gpu=1 (policy default), env NVIDIA_VISIBLE_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility; pod: device hostPath volume dev removed, annotation cdi.k8s.io/gpu removed"
+        );
+        assert_eq!(annotations["decision"], "rewritten");
+        assert_eq!(decision.warnings().len(), 5, "{:?}", decision.warnings());
+    }
+
+    #[test]
+    fn the_report_is_not_set_again_when_the_pod_already_carries_it() {
+        let mut pod = json!({
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "c", "securityContext": {"privileged": true},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}
+        });
+        let policies = [Arc::new(GpuPolicy::default_policy())];
+        let labels = namespace_labels_or_default("ml", None);
+        let view = PodView::from_value(&pod);
+        let decision = decision_of(&view, &labels, &policies);
+        let Some(Change::SetAnnotations { pairs }) = decision.changes().last() else {
+            panic!("no annotations set");
+        };
+        let report = pairs[0].1.clone();
+        pod["metadata"]["annotations"] = json!({
+            ANNOTATION_REWRITTEN: report,
+            ANNOTATION_POLICY: "default@0"
+        });
+        let view = PodView::from_value(&pod);
+        let decision = decision_of(&view, &labels, &policies);
+        assert!(
+            !decision
+                .changes()
+                .any(|c| matches!(c, Change::SetAnnotations { .. })),
+            "{decision:?}"
+        );
+    }
+}
