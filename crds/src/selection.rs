@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use crate::{GpuPolicy, selector};
+use crate::GpuPolicy;
+use crate::selector::{self, Labels};
 
 /// Label the API server sets on every namespace.
 pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
@@ -16,10 +17,32 @@ pub fn namespace_labels_or_default(
     known: Option<BTreeMap<String, String>>,
 ) -> BTreeMap<String, String> {
     let mut labels = known.unwrap_or_default();
+    if !labels.contains_key(LABEL_NAMESPACE_NAME) {
+        labels.insert(LABEL_NAMESPACE_NAME.to_owned(), name.to_owned());
+    }
     labels
-        .entry(LABEL_NAMESPACE_NAME.to_owned())
-        .or_insert_with(|| name.to_owned());
-    labels
+}
+
+/// A namespace's labels as the API server keeps them, read in place: the known ones (none
+/// when the namespace is unknown), and `kubernetes.io/metadata.name` set to the namespace's
+/// name unless they carry it. The same labels as [`namespace_labels_or_default`], without
+/// building a map.
+#[derive(Clone, Copy, Debug)]
+pub struct NamespaceLabels<'a> {
+    /// The namespace's name.
+    pub name: &'a str,
+    /// Its labels, when it is known.
+    pub known: Option<&'a BTreeMap<String, String>>,
+}
+
+impl Labels for NamespaceLabels<'_> {
+    fn label(&self, key: &str) -> Option<&str> {
+        match self.known.and_then(|labels| labels.get(key)) {
+            Some(value) => Some(value),
+            None if key == LABEL_NAMESPACE_NAME => Some(self.name),
+            None => None,
+        }
+    }
 }
 
 /// The result of choosing a policy.
@@ -35,47 +58,65 @@ pub struct Selection<'p> {
 /// matches the namespace labels and whose `podSelector` (if any) matches the pod labels;
 /// ties go to the name that sorts first. A policy with an invalid selector is skipped and
 /// named in `skipped`, never a panic.
-pub fn select_policy<'p>(
+pub fn select_policy<'p, N, P>(
     policies: &'p [Arc<GpuPolicy>],
-    namespace_labels: &BTreeMap<String, String>,
-    pod_labels: &BTreeMap<String, String>,
-) -> Selection<'p> {
-    let mut ordered: Vec<&GpuPolicy> = policies.iter().map(Arc::as_ref).collect();
-    ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
+    namespace_labels: &N,
+    pod_labels: &P,
+) -> Selection<'p>
+where
+    N: Labels + ?Sized,
+    P: Labels + ?Sized,
+{
     let mut skipped = Vec::new();
-    for policy in ordered {
-        let name = policy.metadata.name.as_deref().unwrap_or("");
-        match selector::matches(&policy.spec.namespace_selector, namespace_labels) {
+    let mut governs =
+        |policy: &GpuPolicy| governs(policy, namespace_labels, pod_labels, &mut skipped);
+    let policy = if let [only] = policies {
+        // A single policy, the usual case, needs no ordering.
+        Some(only.as_ref()).filter(|p| governs(p))
+    } else {
+        let mut ordered: Vec<&GpuPolicy> = policies.iter().map(Arc::as_ref).collect();
+        ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
+        ordered.into_iter().find(|p| governs(p))
+    };
+    Selection { policy, skipped }
+}
+
+/// Whether `policy` selects the pod. A policy with an invalid selector selects nothing and
+/// is named in `skipped`.
+fn governs<N, P>(
+    policy: &GpuPolicy,
+    namespace_labels: &N,
+    pod_labels: &P,
+    skipped: &mut Vec<String>,
+) -> bool
+where
+    N: Labels + ?Sized,
+    P: Labels + ?Sized,
+{
+    let name = policy.metadata.name.as_deref().unwrap_or("");
+    match selector::matches(&policy.spec.namespace_selector, namespace_labels) {
+        Ok(true) => {}
+        Ok(false) => return false,
+        Err(e) => {
+            skipped.push(format!(
+                "GpuPolicy {name} ignored: invalid namespaceSelector: {e}"
+            ));
+            return false;
+        }
+    }
+    if let Some(pod_selector) = &policy.spec.pod_selector {
+        match selector::matches(pod_selector, pod_labels) {
             Ok(true) => {}
-            Ok(false) => continue,
+            Ok(false) => return false,
             Err(e) => {
                 skipped.push(format!(
-                    "GpuPolicy {name} ignored: invalid namespaceSelector: {e}"
+                    "GpuPolicy {name} ignored: invalid podSelector: {e}"
                 ));
-                continue;
+                return false;
             }
         }
-        if let Some(pod_selector) = &policy.spec.pod_selector {
-            match selector::matches(pod_selector, pod_labels) {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(e) => {
-                    skipped.push(format!(
-                        "GpuPolicy {name} ignored: invalid podSelector: {e}"
-                    ));
-                    continue;
-                }
-            }
-        }
-        return Selection {
-            policy: Some(policy),
-            skipped,
-        };
     }
-    Selection {
-        policy: None,
-        skipped,
-    }
+    true
 }
 
 #[cfg(test)]
@@ -161,6 +202,19 @@ mod tests {
             "{:?}",
             selection.skipped
         );
+    }
+
+    #[test]
+    fn namespace_labels_read_in_place_are_the_labels_built_in_full() {
+        let known = labels(&[("team", "a"), (LABEL_NAMESPACE_NAME, "renamed")]);
+        let without_name = labels(&[("team", "a")]);
+        for known in [None, Some(&known), Some(&without_name)] {
+            let built = namespace_labels_or_default("ml", known.cloned());
+            let lent = NamespaceLabels { name: "ml", known };
+            for key in ["team", LABEL_NAMESPACE_NAME, "other"] {
+                assert_eq!(lent.label(key), built.label(key), "{key} of {known:?}");
+            }
+        }
     }
 
     #[test]

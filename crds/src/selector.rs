@@ -21,23 +21,35 @@ pub enum SelectorError {
     },
 }
 
+/// An object's labels, as a selector reads them: by key.
+pub trait Labels: std::fmt::Debug {
+    /// The value of label `key`.
+    fn label(&self, key: &str) -> Option<&str>;
+}
+
+impl Labels for BTreeMap<String, String> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key).map(String::as_str)
+    }
+}
+
 /// Whether `selector` selects an object with `labels`. An empty selector selects everything.
-pub fn matches(
+pub fn matches<L: Labels + ?Sized>(
     selector: &LabelSelector,
-    labels: &BTreeMap<String, String>,
+    labels: &L,
 ) -> Result<bool, SelectorError> {
     validate(selector)?;
     if let Some(ml) = &selector.match_labels
-        && ml.iter().any(|(k, v)| labels.get(k) != Some(v))
+        && ml.iter().any(|(k, v)| labels.label(k) != Some(v.as_str()))
     {
         return Ok(false);
     }
     for expr in selector.match_expressions.iter().flatten() {
-        let value = labels.get(&expr.key);
+        let value = labels.label(&expr.key);
         let values = expr.values.as_deref().unwrap_or_default();
         let ok = match expr.operator.as_str() {
-            "In" => value.is_some_and(|v| values.contains(v)),
-            "NotIn" => value.is_none_or(|v| !values.contains(v)),
+            "In" => value.is_some_and(|v| values.iter().any(|w| w == v)),
+            "NotIn" => value.is_none_or(|v| !values.iter().any(|w| w == v)),
             "Exists" => value.is_some(),
             "DoesNotExist" => value.is_none(),
             other => return Err(SelectorError::UnknownOperator(other.to_owned())),

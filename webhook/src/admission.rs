@@ -10,14 +10,15 @@
 //!   with the request uid when one could be read, `allowed: false` and a status saying what
 //!   was wrong.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use gpuwarden_crds::GpuPolicy;
 use serde_json::Value;
 
-use crate::engine::{self, Decision, Input, Operation, Verdict};
-use crate::pod::PodView;
+use crate::engine::{self, Decision, Input, NamespaceLabels, Operation, Verdict};
+use crate::pod::{PodView, Str};
 use crate::{json_out, patch, scan};
 
 /// Where the webhook reads policies and namespace labels from.
@@ -26,7 +27,20 @@ pub trait PolicySource: Send + Sync {
     fn policies(&self) -> Vec<Arc<GpuPolicy>>;
     /// Labels of namespace `name`, or `None` when the namespace is unknown.
     fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>>;
+    /// Calls `read` with what [`PolicySource::policies`] and
+    /// [`PolicySource::namespace_labels`] return for `namespace`, lent where the source
+    /// holds them instead of copied: every review reads them.
+    fn lend(&self, namespace: &str, read: &mut PolicyReader<'_>) {
+        let labels = self.namespace_labels(namespace);
+        read(&self.policies(), labels.as_ref());
+    }
 }
+
+/// A namespace's labels.
+pub type Labels = BTreeMap<String, String>;
+
+/// What [`PolicySource::lend`] calls with the policies and a namespace's labels.
+pub type PolicyReader<'r> = dyn FnMut(&[Arc<GpuPolicy>], Option<&Labels>) + 'r;
 
 /// What happened to one review, for metrics and logs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,6 +124,9 @@ impl PolicySource for StaticSource {
     fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
         self.namespaces.get(name).cloned()
     }
+    fn lend(&self, namespace: &str, read: &mut PolicyReader<'_>) {
+        read(&self.policies, self.namespaces.get(namespace));
+    }
 }
 
 /// Why a request could not be judged. Each becomes a rejected review with the message.
@@ -136,22 +153,26 @@ pub enum ReviewError {
         /// The operation.
         operation: String,
     },
+    /// The policy source lent nothing to judge with.
+    #[error("the webhook's policy source answered nothing; this is a bug")]
+    NoPolicySource,
     /// No usable `request.oldObject` on an ephemeral-container update.
     #[error("AdmissionReview request for pods/ephemeralcontainers has no pod in request.oldObject")]
     MissingOldObject,
 }
 
 /// The incoming review: only what the engine needs, everything optional so that a
-/// malformed review gets a precise answer instead of a parse error.
+/// malformed review gets a precise answer instead of a parse error. Its strings borrow from
+/// the body unless they hold escapes.
 #[derive(Debug, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct ReviewIn<O> {
-    #[serde(default)]
-    pub(crate) api_version: Option<String>,
-    #[serde(default)]
-    pub(crate) kind: Option<String>,
-    #[serde(default = "none")]
-    pub(crate) request: Option<RequestIn<O>>,
+pub(crate) struct ReviewIn<'a, O> {
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) api_version: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) kind: Option<Cow<'a, str>>,
+    #[serde(default = "none", borrow)]
+    pub(crate) request: Option<RequestIn<'a, O>>,
 }
 
 fn none<T>() -> Option<T> {
@@ -160,25 +181,37 @@ fn none<T>() -> Option<T> {
 
 #[derive(Debug, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub(crate) struct RequestIn<O> {
-    #[serde(default)]
-    pub(crate) uid: Option<String>,
-    #[serde(default)]
-    pub(crate) kind: Option<GroupVersionKind>,
-    #[serde(default)]
-    pub(crate) resource: Option<GroupVersionResource>,
-    #[serde(default)]
-    pub(crate) sub_resource: Option<String>,
-    #[serde(default)]
-    pub(crate) name: Option<String>,
-    #[serde(default)]
-    pub(crate) namespace: Option<String>,
-    #[serde(default)]
-    pub(crate) operation: Option<String>,
+pub(crate) struct RequestIn<'a, O> {
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) uid: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    pub(crate) kind: Option<GroupVersionKind<'a>>,
+    #[serde(default, borrow)]
+    pub(crate) resource: Option<GroupVersionResource<'a>>,
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) sub_resource: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) name: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) namespace: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    pub(crate) operation: Option<Cow<'a, str>>,
     #[serde(default = "none")]
     pub(crate) object: Option<O>,
     #[serde(default = "none")]
     pub(crate) old_object: Option<O>,
+}
+
+/// A string, borrowed when it has no escapes; `null` is `None`, any other type an error (as
+/// for an `Option<String>`).
+fn optional_str<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    <Option<Str<'de>> as serde::Deserialize>::deserialize(d).map(|s| s.map(|s| s.0))
+}
+
+/// A string, borrowed when it has no escapes; any other type is an error (as for a
+/// `String`).
+fn required_str<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Cow<'de, str>, D::Error> {
+    <Str<'de> as serde::Deserialize>::deserialize(d).map(|s| s.0)
 }
 
 /// `request.object` or `request.oldObject`: the pod's view when it is a JSON object, read
@@ -192,9 +225,9 @@ impl<'de: 'a, 'a> serde::Deserialize<'de> for PodObject<'a> {
     }
 }
 
-impl ReviewIn<Value> {
+impl<'a> ReviewIn<'a, Value> {
     /// The same review with views of its pods, borrowed from the values.
-    fn views(&self) -> ReviewIn<PodObject<'_>> {
+    fn views(&self) -> ReviewIn<'_, PodObject<'_>> {
         fn view(o: &Option<Value>) -> Option<PodObject<'_>> {
             o.as_ref()
                 .map(|o| PodObject(o.is_object().then(|| PodView::from_value(o))))
@@ -218,19 +251,19 @@ impl ReviewIn<Value> {
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Deserialize)]
-pub(crate) struct GroupVersionKind {
-    #[serde(default)]
-    pub(crate) group: String,
-    #[serde(default)]
-    pub(crate) kind: String,
+pub(crate) struct GroupVersionKind<'a> {
+    #[serde(default, borrow, deserialize_with = "required_str")]
+    pub(crate) group: Cow<'a, str>,
+    #[serde(default, borrow, deserialize_with = "required_str")]
+    pub(crate) kind: Cow<'a, str>,
 }
 
 #[derive(Clone, Debug, PartialEq, serde::Deserialize)]
-pub(crate) struct GroupVersionResource {
-    #[serde(default)]
-    pub(crate) group: String,
-    #[serde(default)]
-    pub(crate) resource: String,
+pub(crate) struct GroupVersionResource<'a> {
+    #[serde(default, borrow, deserialize_with = "required_str")]
+    pub(crate) group: Cow<'a, str>,
+    #[serde(default, borrow, deserialize_with = "required_str")]
+    pub(crate) resource: Cow<'a, str>,
 }
 
 const API_VERSION: &str = "admission.k8s.io/v1";
@@ -245,13 +278,13 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
     let fast = match std::str::from_utf8(body) {
         Ok(text) => match scan::read_review(text) {
             Some(review) => Ok(review),
-            None => serde_json::from_str::<ReviewIn<PodObject<'_>>>(text),
+            None => serde_json::from_str::<ReviewIn<'_, PodObject<'_>>>(text),
         },
-        Err(_) => serde_json::from_slice::<ReviewIn<PodObject<'_>>>(body),
+        Err(_) => serde_json::from_slice::<ReviewIn<'_, PodObject<'_>>>(body),
     };
     match fast {
         Ok(review) => answer(review, source),
-        Err(_) => match serde_json::from_slice::<ReviewIn<Value>>(body) {
+        Err(_) => match serde_json::from_slice::<ReviewIn<'_, Value>>(body) {
             Ok(review) => answer(review.views(), source),
             Err(e) => {
                 // Say whether it was JSON at all, and echo the uid if one can be found.
@@ -272,7 +305,10 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
 }
 
 /// Answers a parsed review.
-fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
+fn answer(
+    review: ReviewIn<'_, PodObject<'_>>,
+    source: &dyn PolicySource,
+) -> (Vec<u8>, ReviewSummary) {
     let api_version = match review.api_version.as_deref() {
         Some(v @ "admission.k8s.io/v1beta1") => v,
         _ => API_VERSION,
@@ -281,8 +317,9 @@ fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8
         let uid = review
             .request
             .as_ref()
-            .and_then(|r| r.uid.clone())
-            .unwrap_or_default();
+            .and_then(|r| r.uid.as_deref())
+            .unwrap_or_default()
+            .to_owned();
         let what = match review.kind {
             Some(kind) => format!("kind is {kind:?}"),
             None => "kind is missing".to_owned(),
@@ -330,20 +367,29 @@ fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8
         .or_else(|| pod.metadata.as_ref()?.namespace.as_deref())
         .unwrap_or("default");
     let name = display_name(pod, Some(namespace), request.name.as_deref());
-    let labels = engine::namespace_labels_or_default(namespace, source.namespace_labels(namespace));
-    let policies = source.policies();
-    let input = Input {
-        pod,
-        namespace,
-        namespace_labels: &labels,
-        operation,
-        display_name: &name,
+    let mut answer = None;
+    source.lend(namespace, &mut |policies, known| {
+        let input = Input {
+            pod,
+            namespace,
+            namespace_labels: &NamespaceLabels {
+                name: namespace,
+                known,
+            },
+            operation,
+            display_name: &name,
+        };
+        let decision = engine::decide(&input, policies);
+        for skipped in decision.skipped_policies() {
+            tracing::warn!(pod = %name, "{skipped}");
+        }
+        answer = Some(respond(api_version, &uid, &name, decision, pod));
+    });
+    // A source that does not call back is a bug; its reviews are denied, not admitted.
+    let Some((body, outcome, policy)) = answer else {
+        let error = ReviewError::NoPolicySource;
+        return invalid(api_version, uid, Some(name), &error);
     };
-    let decision = engine::decide(&input, &policies);
-    for skipped in decision.skipped_policies() {
-        tracing::warn!(pod = %name, "{skipped}");
-    }
-    let (body, outcome, policy) = respond(api_version, &uid, &name, decision, pod);
     let summary = ReviewSummary {
         uid,
         outcome,
@@ -356,7 +402,7 @@ fn answer(review: ReviewIn<PodObject<'_>>, source: &dyn PolicySource) -> (Vec<u8
 /// What the engine is asked about a request that is about a Pod: the operation and the pod,
 /// or `None` for an operation it lets through unjudged.
 fn target<'r, 'a>(
-    request: &'r RequestIn<PodObject<'a>>,
+    request: &'r RequestIn<'a, PodObject<'a>>,
 ) -> Result<Option<(Operation<'r>, &'r PodView<'a>)>, ReviewError> {
     let is_pod = match (&request.kind, &request.resource) {
         (Some(k), _) if !k.kind.is_empty() => k.group.is_empty() && k.kind == "Pod",
@@ -367,12 +413,12 @@ fn target<'r, 'a>(
         let what = match (&request.kind, &request.resource) {
             (Some(k), _) if !k.kind.is_empty() => {
                 if k.group.is_empty() {
-                    k.kind.clone()
+                    k.kind.to_string()
                 } else {
                     format!("{}.{}", k.kind, k.group)
                 }
             }
-            (_, Some(r)) if !r.resource.is_empty() => r.resource.clone(),
+            (_, Some(r)) if !r.resource.is_empty() => r.resource.to_string(),
             _ => "an unnamed kind".to_owned(),
         };
         return Err(ReviewError::NotAPod(what));
@@ -630,6 +676,74 @@ mod tests {
                 "object": pod
             }
         })
+    }
+
+    #[test]
+    fn a_source_that_copies_answers_as_one_that_lends() {
+        // A source with only the two required methods goes through the default `lend`.
+        struct Copying(StaticSource);
+        impl PolicySource for Copying {
+            fn policies(&self) -> Vec<Arc<GpuPolicy>> {
+                self.0.policies()
+            }
+            fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
+                self.0.namespace_labels(name)
+            }
+        }
+        let mut team = GpuPolicy::default_policy();
+        team.metadata.name = Some("team".into());
+        team.spec.priority = 5;
+        team.spec.mode = gpuwarden_crds::PolicyMode::Deny;
+        team.spec.namespace_selector.match_labels = Some([("team".into(), "a".into())].into());
+        let lending = StaticSource::new([GpuPolicy::default_policy(), team])
+            .with_namespace("ml", &[("team", "a")]);
+        let copying = Copying(lending.clone());
+        let pod = serde_json::json!({
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "c", "securityContext": {"privileged": true},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]}]}
+        });
+        for namespace in ["ml", "other"] {
+            let mut review = create_review(&pod);
+            review["request"]["namespace"] = serde_json::json!(namespace);
+            let body = serde_json::to_vec(&review).unwrap();
+            let lent = handle_review(&body, &lending);
+            assert_eq!(lent, handle_review(&body, &copying), "{namespace}");
+            let expected = if namespace == "ml" {
+                Outcome::Denied
+            } else {
+                Outcome::Rewritten
+            };
+            assert_eq!(lent.1.outcome, expected, "{namespace}");
+        }
+    }
+
+    #[test]
+    fn a_source_that_lends_nothing_gets_its_reviews_denied() {
+        struct Silent;
+        impl PolicySource for Silent {
+            fn policies(&self) -> Vec<Arc<GpuPolicy>> {
+                Vec::new()
+            }
+            fn namespace_labels(&self, _: &str) -> Option<BTreeMap<String, String>> {
+                None
+            }
+            fn lend(&self, _: &str, _: &mut PolicyReader<'_>) {}
+        }
+        let body = serde_json::to_vec(&create_review(
+            &serde_json::json!({"metadata": {"name": "p"}}),
+        ))
+        .unwrap();
+        let (answer, summary) = handle_review(&body, &Silent);
+        assert_eq!(summary.outcome, Outcome::Invalid);
+        let answer: Value = serde_json::from_slice(&answer).unwrap();
+        assert_eq!(answer["response"]["allowed"], false);
+        assert!(
+            answer["response"]["status"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("policy source")),
+            "{answer}"
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
-use crate::admission::PolicySource;
+use crate::admission::{Labels, PolicyReader, PolicySource};
 use crate::metrics::Metrics;
 use crate::server::Shutdown;
 
@@ -162,6 +162,11 @@ impl PolicySource for StaticPolicySource {
             name.to_owned(),
         )]))
     }
+
+    fn lend(&self, _: &str, read: &mut PolicyReader<'_>) {
+        // The name label is all it knows of a namespace, and the engine adds that itself.
+        read(&self.policies, None);
+    }
 }
 
 /// Reflector caches of every `GpuPolicy` and of every Namespace's metadata.
@@ -285,6 +290,15 @@ impl PolicySource for ReflectorCache {
         self.namespaces
             .get(&ObjectRef::new(name))
             .map(|ns| ns.metadata.labels.clone().unwrap_or_default())
+    }
+
+    fn lend(&self, namespace: &str, read: &mut PolicyReader<'_>) {
+        let no_labels = Labels::new();
+        let known = self.namespaces.get(&ObjectRef::new(namespace));
+        let labels = known
+            .as_ref()
+            .map(|ns| ns.metadata.labels.as_ref().unwrap_or(&no_labels));
+        read(&self.policies.state(), labels);
     }
 }
 

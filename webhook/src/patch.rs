@@ -257,7 +257,7 @@ pub fn write_patch<'c>(
             Change::RemoveAnnotations { keys } => {
                 let annotations = pod.annotations();
                 for key in keys {
-                    if annotations.is_some_and(|a| a.contains_key(*key)) {
+                    if annotations.is_some_and(|a| a.contains_key(key)) {
                         ops.remove(&[Field("metadata"), Field("annotations")], &[Key(key)]);
                     }
                 }

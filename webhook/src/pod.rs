@@ -16,7 +16,6 @@
 //! every field, so it does not compile until it does, and its tests compare the two readings.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -56,8 +55,86 @@ impl ContainerKind {
     }
 }
 
-/// A JSON object's string keys and their values, sorted by key.
-pub type Map<'a> = BTreeMap<Cow<'a, str>, Scalar<'a>>;
+/// A JSON object's string keys and their values, sorted by key; the last of a repeated key
+/// wins, as in `serde_json::Map`. A sorted list rather than a tree: the maps a pod carries
+/// (labels, annotations, resource quantities) hold a handful of entries each.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Map<'a>(Vec<(Cow<'a, str>, Scalar<'a>)>);
+
+impl<'a> Map<'a> {
+    /// An empty map.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets `key` to `value`, replacing an earlier value.
+    pub fn insert(&mut self, key: Cow<'a, str>, value: Scalar<'a>) {
+        // The API server writes maps sorted, so most keys go at the end.
+        if self.0.last().is_none_or(|(last, _)| *last < key) {
+            self.0.push((key, value));
+            return;
+        }
+        match self
+            .0
+            .binary_search_by(|(k, _)| k.as_ref().cmp(key.as_ref()))
+        {
+            Ok(i) => self.0[i].1 = value,
+            Err(i) => self.0.insert(i, (key, value)),
+        }
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&Scalar<'a>> {
+        self.0
+            .binary_search_by(|(k, _)| k.as_ref().cmp(key))
+            .ok()
+            .map(|i| &self.0[i].1)
+    }
+
+    /// Whether `key` is set.
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// The keys, sorted.
+    pub fn keys(&self) -> impl Iterator<Item = &Cow<'a, str>> {
+        self.0.iter().map(|(k, _)| k)
+    }
+
+    /// The entries, sorted by key.
+    pub fn iter(&self) -> impl Iterator<Item = (&Cow<'a, str>, &Scalar<'a>)> + Clone {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+
+    /// How many entries it holds.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A pod's labels: the string values (a label of another type selects nothing).
+impl gpuwarden_crds::selector::Labels for Map<'_> {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(Scalar::as_str)
+    }
+}
+
+impl<'m, 'a> IntoIterator for &'m Map<'a> {
+    type Item = (&'m Cow<'a, str>, &'m Scalar<'a>);
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'m, (Cow<'a, str>, Scalar<'a>)>,
+        fn(&'m (Cow<'a, str>, Scalar<'a>)) -> (&'m Cow<'a, str>, &'m Scalar<'a>),
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+}
 
 /// A pod, or a pod template: `metadata` and `spec`.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
@@ -425,7 +502,7 @@ impl<'de> Reader<'de> for MapReader {
     type Out = Map<'de>;
     fn map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Map<'de>>, A::Error> {
         let mut out = Map::new();
-        while let Some(Key(key)) = map.next_key()? {
+        while let Some(Str(key)) = map.next_key()? {
             out.insert(key, map.next_value()?);
         }
         Ok(Some(out))
@@ -453,15 +530,16 @@ impl<'de> Reader<'de> for ScalarReader {
     }
 }
 
-/// An object key, borrowed when it has no escapes.
-struct Key<'a>(Cow<'a, str>);
-impl<'de: 'a, 'a> Deserialize<'de> for Key<'a> {
+/// A string (an object key, or a field of the review), borrowed when it has no escapes; any
+/// other type is an error.
+pub(crate) struct Str<'a>(pub(crate) Cow<'a, str>);
+impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct KeyVisitor;
         impl<'de> Visitor<'de> for KeyVisitor {
             type Value = Cow<'de, str>;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a string key")
+                f.write_str("a string")
             }
             fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
                 Ok(Cow::Borrowed(v))
@@ -473,7 +551,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Key<'a> {
                 Ok(Cow::Owned(v))
             }
         }
-        d.deserialize_str(KeyVisitor).map(Key)
+        d.deserialize_str(KeyVisitor).map(Str)
     }
 }
 
@@ -563,6 +641,33 @@ mod tests {
     }
 
     #[test]
+    fn a_map_keeps_its_keys_sorted_and_the_last_of_a_repeated_key() {
+        // Against a BTreeMap fed the same entries: keys in order, out of order and repeated.
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        for round in 0..500 {
+            let mut map = Map::new();
+            let mut tree = std::collections::BTreeMap::new();
+            for i in 0..(round % 12) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let key = ["a", "b", "c", "d", "e", "ab", ""][(state % 7) as usize];
+                let value = Scalar::Str(format!("{round}-{i}").into());
+                map.insert(Cow::Borrowed(key), value.clone());
+                tree.insert(key, value);
+            }
+            let entries: Vec<(&str, &Scalar<'_>)> =
+                map.iter().map(|(k, v)| (k.as_ref(), v)).collect();
+            let expected: Vec<(&str, &Scalar<'_>)> = tree.iter().map(|(k, v)| (*k, v)).collect();
+            assert_eq!(entries, expected);
+            for key in ["a", "b", "ab", "", "z"] {
+                assert_eq!(map.get(key), tree.get(key), "{key:?}");
+            }
+            assert_eq!(map.len(), tree.len());
+        }
+    }
+
+    #[test]
     fn strings_are_borrowed_unless_escaped() {
         let text = r#"{"metadata": {"name": "plain", "namespace": "tab\tbed"}}"#;
         let pod = from_bytes(text).unwrap();
@@ -598,8 +703,8 @@ mod tests {
             let meta = view.metadata.as_ref().unwrap();
             assert_eq!(meta.name, None);
             let labels = meta.labels.as_ref().unwrap();
-            assert_eq!(labels["a"].as_str(), Some("1"));
-            assert_eq!(labels["b"], Scalar::Other(json!(2)));
+            assert_eq!(labels.get("a").and_then(Scalar::as_str), Some("1"));
+            assert_eq!(labels.get("b"), Some(&Scalar::Other(json!(2))));
             assert_eq!(meta.annotations, None);
             let spec = view.spec.as_ref().unwrap();
             assert_eq!(spec.service_account_name, None);
@@ -617,7 +722,13 @@ mod tests {
             let resources = c.resources.as_ref().unwrap();
             assert_eq!(resources.limits, None);
             assert_eq!(
-                resources.requests.as_ref().unwrap()["nvidia.com/gpu"].to_text(),
+                resources
+                    .requests
+                    .as_ref()
+                    .unwrap()
+                    .get("nvidia.com/gpu")
+                    .unwrap()
+                    .to_text(),
                 "2"
             );
             let security = c.security_context.as_ref().unwrap();
@@ -635,7 +746,7 @@ mod tests {
         let pod = from_bytes(text).unwrap();
         let annotations = pod.annotations().unwrap();
         assert_eq!(annotations.len(), 2);
-        assert_eq!(annotations["k"].as_str(), Some("2"));
+        assert_eq!(annotations.get("k").and_then(Scalar::as_str), Some("2"));
         let value: Value = serde_json::from_str(text).unwrap();
         assert_eq!(PodView::from_value(&value), pod);
     }

@@ -41,7 +41,7 @@ type Read<T> = Result<T, GiveUp>;
 const MAX_SKIP_DEPTH: u32 = 64;
 
 /// Reads a review body, or `None` when the serde view has to (see the module docs).
-pub(crate) fn read_review(text: &str) -> Option<ReviewIn<PodObject<'_>>> {
+pub(crate) fn read_review(text: &str) -> Option<ReviewIn<'_, PodObject<'_>>> {
     let mut scanner = Scanner { text, pos: 0 };
     let review = scanner.review().ok()?;
     scanner.whitespace();
@@ -79,7 +79,7 @@ fn read_uid(text: &str) -> Option<String> {
     let mut scanner = Scanner { text, pos: 0 };
     let uid = scanner.uid().ok()?;
     scanner.whitespace();
-    (scanner.pos == text.len()).then(|| uid.unwrap_or_default())
+    (scanner.pos == text.len()).then(|| uid.map(Cow::into_owned).unwrap_or_default())
 }
 
 /// Which known fields of one object were seen: serde refuses a field named twice.
@@ -672,7 +672,7 @@ impl<'a> Scanner<'a> {
 
     // -- The review ---------------------------------------------------------------------
 
-    fn review(&mut self) -> Read<ReviewIn<PodObject<'a>>> {
+    fn review(&mut self) -> Read<ReviewIn<'a, PodObject<'a>>> {
         let mut review = ReviewIn {
             api_version: None,
             kind: None,
@@ -696,7 +696,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// `request.uid` of a review whose other fields are only skipped.
-    fn uid(&mut self) -> Read<Option<String>> {
+    fn uid(&mut self) -> Read<Option<Cow<'a, str>>> {
         let mut uid = None;
         let mut seen = Seen::default();
         self.object(|s, key| {
@@ -728,7 +728,7 @@ impl<'a> Scanner<'a> {
         Ok(uid)
     }
 
-    fn request(&mut self) -> Read<RequestIn<PodObject<'a>>> {
+    fn request(&mut self) -> Read<RequestIn<'a, PodObject<'a>>> {
         let mut r = RequestIn {
             uid: None,
             kind: None,
@@ -759,19 +759,19 @@ impl<'a> Scanner<'a> {
         Ok(r)
     }
 
-    fn kind(&mut self) -> Read<GroupVersionKind> {
+    fn kind(&mut self) -> Read<GroupVersionKind<'a>> {
         let (group, kind) = self.group_and("kind")?;
         Ok(GroupVersionKind { group, kind })
     }
 
-    fn resource(&mut self) -> Read<GroupVersionResource> {
+    fn resource(&mut self) -> Read<GroupVersionResource<'a>> {
         let (group, resource) = self.group_and("resource")?;
         Ok(GroupVersionResource { group, resource })
     }
 
     /// `group` and one other string field, both defaulting to "".
-    fn group_and(&mut self, other: &str) -> Read<(String, String)> {
-        let (mut group, mut value) = (String::new(), String::new());
+    fn group_and(&mut self, other: &str) -> Read<(Cow<'a, str>, Cow<'a, str>)> {
+        let (mut group, mut value) = (Cow::Borrowed(""), Cow::Borrowed(""));
         let mut seen = Seen::default();
         self.object(|s, key| {
             if key == "group" {
@@ -806,20 +806,20 @@ impl<'a> Scanner<'a> {
     }
 
     /// A string, `null` as `None`; anything else gives up.
-    fn optional_string(&mut self) -> Read<Option<String>> {
+    fn optional_string(&mut self) -> Read<Option<Cow<'a, str>>> {
         match self.peek()? {
             b'n' => self.literal("null").map(|()| None),
-            b'"' => self.string().map(|s| Some(s.into_owned())),
+            b'"' => self.string().map(Some),
             _ => Err(GiveUp),
         }
     }
 
     /// A string; anything else gives up.
-    fn required_string(&mut self) -> Read<String> {
+    fn required_string(&mut self) -> Read<Cow<'a, str>> {
         if self.peek()? != b'"' {
             return Err(GiveUp);
         }
-        self.string().map(Cow::into_owned)
+        self.string()
     }
 }
 
@@ -852,7 +852,7 @@ mod tests {
     use super::*;
 
     /// The serde view of a body: what `handle_review` reads when the reader gives up.
-    fn serde_view(text: &str) -> Option<ReviewIn<PodObject<'_>>> {
+    fn serde_view(text: &str) -> Option<ReviewIn<'_, PodObject<'_>>> {
         serde_json::from_str(text).ok()
     }
 

@@ -146,6 +146,17 @@ async fn caches_sync_from_lists_and_answer_from_memory() {
     let labels = cache.namespace_labels("ml").unwrap();
     assert_eq!(labels["team"], "research");
     assert_eq!(cache.namespace_labels("unknown"), None);
+    // What a review reads: the same policies and labels, lent.
+    for (namespace, expected) in [("ml", Some(labels)), ("unknown", None)] {
+        let mut lent = None;
+        cache.lend(namespace, &mut |policies, labels| {
+            lent = Some((policies.to_vec(), labels.cloned()));
+        });
+        let (lent_policies, lent_labels) = lent.expect("lend calls back");
+        assert_eq!(lent_policies.len(), 1);
+        assert_eq!(lent_policies[0].reference(), "default@3");
+        assert_eq!(lent_labels, expected, "{namespace}");
+    }
 
     // Reading the caches made no request: only lists and watches were ever sent.
     let requests = seen.lock().unwrap().clone();

@@ -35,8 +35,9 @@ use plan::{ContainerPlan, Plan};
 pub use crate::pod::ContainerKind;
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
 pub use gpuwarden_crds::selection::{
-    LABEL_NAMESPACE_NAME, Selection, namespace_labels_or_default, select_policy,
+    LABEL_NAMESPACE_NAME, NamespaceLabels, Selection, namespace_labels_or_default, select_policy,
 };
+pub use gpuwarden_crds::selector::Labels;
 pub use plan::Quantity;
 
 /// Environment variable the NVIDIA runtime reads to pick the GPUs it exposes.
@@ -192,8 +193,9 @@ pub struct Input<'a> {
     pub pod: &'a PodView<'a>,
     /// The pod's namespace.
     pub namespace: &'a str,
-    /// The namespace's labels (see [`namespace_labels_or_default`]).
-    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// The namespace's labels: a map from [`namespace_labels_or_default`], or the same read
+    /// in place ([`NamespaceLabels`]).
+    pub namespace_labels: &'a dyn Labels,
     /// What is being done.
     pub operation: Operation<'a>,
     /// How the pod is named in messages (`namespace/name`).
@@ -202,22 +204,14 @@ pub struct Input<'a> {
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide<'a>(input: &Input<'a>, policies: &'a [Arc<GpuPolicy>]) -> Decision<'a> {
-    // Only a podSelector reads the pod's labels; most policies have none.
-    let pod_labels: BTreeMap<String, String> =
-        if policies.iter().any(|p| p.spec.pod_selector.is_some()) {
-            input
-                .pod
-                .metadata
-                .as_ref()
-                .and_then(|m| m.labels.as_ref())
-                .into_iter()
-                .flatten()
-                .filter_map(|(k, v)| Some((k.to_string(), v.as_str()?.to_owned())))
-                .collect()
-        } else {
-            BTreeMap::new()
-        };
-    let selection = select_policy(policies, input.namespace_labels, &pod_labels);
+    let no_labels = Map::new();
+    let pod_labels = input
+        .pod
+        .metadata
+        .as_ref()
+        .and_then(|m| m.labels.as_ref())
+        .unwrap_or(&no_labels);
+    let selection = select_policy(policies, input.namespace_labels, pod_labels);
     let mut decision = match selection.policy {
         None => Decision::new(Verdict::NotGoverned, None, String::new(), input),
         Some(policy) => match input.operation {
