@@ -76,11 +76,28 @@ pub fn image_exempt(image: &str, patterns: &[String]) -> bool {
     }
     let last = image.rsplit('/').next().unwrap_or(image);
     let untagged = !last.contains(':') && !image.contains('@');
+    let image = image.as_bytes();
     patterns.iter().any(|pattern| {
         let p = pattern.as_bytes();
-        glob_bytes(p, image.as_bytes(), b"")
-            || (untagged && glob_bytes(p, image.as_bytes(), b":latest"))
+        // The text before the first wildcard must be where the image starts; most patterns
+        // name another image and fail there, with one comparison.
+        let literal = &p[..p
+            .iter()
+            .position(|&b| b == b'*' || b == b'?')
+            .unwrap_or(p.len())];
+        (image.starts_with(literal) && glob_bytes(p, image, b""))
+            || (untagged
+                && starts_with_both(image, b":latest", literal)
+                && glob_bytes(p, image, b":latest"))
     })
+}
+
+/// Whether `head` + `tail` starts with `prefix`, without building it.
+fn starts_with_both(head: &[u8], tail: &[u8], prefix: &[u8]) -> bool {
+    match prefix.split_at_checked(head.len()) {
+        Some((in_head, in_tail)) => head == in_head && tail.starts_with(in_tail),
+        None => head.starts_with(prefix),
+    }
 }
 
 #[cfg(test)]
@@ -156,6 +173,38 @@ mod tests {
                     String::from_utf8_lossy(&t),
                 );
             }
+        }
+    }
+
+    #[test]
+    fn image_exemption_matches_the_reference_with_and_without_a_tag() {
+        // Patterns whose literal start is shorter or longer than the image, runs into the
+        // implied `:latest`, or is empty.
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |n: u64| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
+            (state >> 33) % n
+        };
+        for _ in 0..20_000 {
+            let image: String = (0..next(6))
+                .map(|_| ["a", "b", "/", ":", "l", "@"][next(6) as usize])
+                .collect();
+            let pattern: String = (0..next(9))
+                .map(|_| ["a", "b", "/", ":", "l", "*", "?", ":latest"][next(8) as usize])
+                .collect();
+            let last = image.rsplit('/').next().unwrap_or(&image);
+            let untagged = !last.contains(':') && !image.contains('@');
+            let tagged = format!("{image}:latest");
+            let want = !image.is_empty()
+                && (reference(pattern.as_bytes(), image.as_bytes())
+                    || (untagged && reference(pattern.as_bytes(), tagged.as_bytes())));
+            assert_eq!(
+                image_exempt(&image, std::slice::from_ref(&pattern)),
+                want,
+                "image {image:?}, pattern {pattern:?}"
+            );
         }
     }
 

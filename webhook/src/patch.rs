@@ -33,42 +33,80 @@ struct Ops<'o> {
 }
 
 impl Ops<'_> {
-    /// Writes `{"op":"<op>","path":"<base><rest>"` (the object is left open).
-    fn open(&mut self, op: &str, base: &[Token<'_>], rest: &[Token<'_>]) {
+    /// Writes `{"op":"<op>","path":"<base><rest>"` (the object is left open). `base` is a
+    /// pointer already written ([`Base`]).
+    fn open(&mut self, header: &[u8], base: &[u8], rest: &[Token<'_>]) {
         let out = &mut *self.out;
         if self.count > 0 {
             out.push(b',');
         }
         self.count += 1;
-        out.extend_from_slice(b"{\"op\":\"");
-        out.extend_from_slice(op.as_bytes());
-        out.extend_from_slice(b"\",\"path\":\"");
-        for token in base.iter().chain(rest) {
-            out.push(b'/');
-            match *token {
-                Field(name) => {
-                    debug_assert!(name.bytes().all(|b| b.is_ascii_alphabetic()));
-                    out.extend_from_slice(name.as_bytes());
-                }
-                Key(key) => pointer_token(out, key),
-                Index(i) => json_out::number(out, i as u64),
-                End => out.push(b'-'),
-            }
-        }
+        out.extend_from_slice(header);
+        out.extend_from_slice(base);
+        write_tokens(out, rest);
         out.push(b'"');
     }
 
     /// An `add` whose value `value` writes.
-    fn add(&mut self, base: &[Token<'_>], rest: &[Token<'_>], value: impl FnOnce(&mut Vec<u8>)) {
-        self.open("add", base, rest);
+    fn add(&mut self, base: &[u8], rest: &[Token<'_>], value: impl FnOnce(&mut Vec<u8>)) {
+        self.open(b"{\"op\":\"add\",\"path\":\"", base, rest);
         self.out.extend_from_slice(b",\"value\":");
         value(self.out);
         self.out.push(b'}');
     }
 
-    fn remove(&mut self, base: &[Token<'_>], rest: &[Token<'_>]) {
-        self.open("remove", base, rest);
+    fn remove(&mut self, base: &[u8], rest: &[Token<'_>]) {
+        self.open(b"{\"op\":\"remove\",\"path\":\"", base, rest);
         self.out.push(b'}');
+    }
+}
+
+/// Writes each token of a pointer after a `/`.
+fn write_tokens(out: &mut Vec<u8>, tokens: &[Token<'_>]) {
+    for token in tokens {
+        out.push(b'/');
+        match *token {
+            Field(name) => {
+                debug_assert!(name.bytes().all(|b| b.is_ascii_alphabetic()));
+                out.extend_from_slice(name.as_bytes());
+            }
+            Key(key) => pointer_token(out, key),
+            Index(i) => json_out::number(out, i as u64),
+            End => out.push(b'-'),
+        }
+    }
+}
+
+/// The pointer to a container, `/spec/<list>/<index>`, written once for all the
+/// operations on it.
+struct Base {
+    bytes: [u8; 64],
+    len: usize,
+}
+
+impl Base {
+    fn container(at: &ContainerRef) -> Self {
+        let mut base = Self {
+            bytes: [0; 64],
+            len: 0,
+        };
+        // At most 6 + 19 + 1 + 20 bytes: it fits.
+        base.push(b"/spec/");
+        base.push(at.kind.field().as_bytes());
+        base.push(b"/");
+        base.push(json_out::decimal(at.index as u64, &mut [0; 20]));
+        base
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        if let Some(slot) = self.bytes.get_mut(self.len..self.len + bytes.len()) {
+            slot.copy_from_slice(bytes);
+            self.len += bytes.len();
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
     }
 }
 
@@ -86,10 +124,6 @@ fn pointer_token(out: &mut Vec<u8>, token: &str) {
         rest = &rest[i + 1..];
     }
     json_out::str_contents(out, rest);
-}
-
-fn container_base(at: &ContainerRef) -> [Token<'_>; 3] {
-    [Field("spec"), Field(at.kind.field()), Index(at.index)]
 }
 
 /// `{"add":[...],"drop":[...]}` for `securityContext.capabilities`: `drop` is `["ALL"]`, or
@@ -127,7 +161,7 @@ fn capabilities(
 fn list_edit(
     ops: &mut Ops<'_>,
     is_list: bool,
-    base: &[Token<'_>],
+    base: &[u8],
     field: &'static str,
     remove_ascending: &[usize],
     append: Option<(&str, &str)>,
@@ -172,30 +206,31 @@ pub fn write_patch<'c>(
                 add,
                 drop_all,
             } => {
-                let base = container_base(&container);
+                let base = Base::container(&container);
+                let base = base.as_bytes();
                 let current =
                     container_value(pod, &container).and_then(|c| c.security_context.as_ref());
                 if current.is_some() {
                     let falsy = |out: &mut Vec<u8>| out.extend_from_slice(b"false");
                     ops.add(
-                        &base,
+                        base,
                         &[Field("securityContext"), Field("privileged")],
                         falsy,
                     );
                     ops.add(
-                        &base,
+                        base,
                         &[Field("securityContext"), Field("allowPrivilegeEscalation")],
                         falsy,
                     );
                     ops.add(
-                        &base,
+                        base,
                         &[Field("securityContext"), Field("capabilities")],
                         |out| {
                             capabilities(out, add, drop_all, current);
                         },
                     );
                 } else {
-                    ops.add(&base, &[Field("securityContext")], |out| {
+                    ops.add(base, &[Field("securityContext")], |out| {
                         out.extend_from_slice(
                             b"{\"allowPrivilegeEscalation\":false,\"capabilities\":",
                         );
@@ -209,29 +244,30 @@ pub fn write_patch<'c>(
                 resource,
                 quantity,
             } => {
-                let base = container_base(&container);
+                let base = Base::container(&container);
+                let base = base.as_bytes();
                 let resources = container_value(pod, &container).and_then(|c| c.resources.as_ref());
                 let limits = resources.and_then(|r| r.limits.as_ref());
                 let limit = |out: &mut Vec<u8>| {
                     out.push(b'{');
                     json_out::string(out, resource);
                     out.push(b':');
-                    json_out::display_string(out, &quantity);
+                    quantity.with_text(|text| json_out::string(out, text));
                     out.push(b'}');
                 };
                 if resources.is_none() {
-                    ops.add(&base, &[Field("resources")], |out| {
+                    ops.add(base, &[Field("resources")], |out| {
                         out.extend_from_slice(b"{\"limits\":");
                         limit(out);
                         out.push(b'}');
                     });
                 } else if limits.is_none() {
-                    ops.add(&base, &[Field("resources"), Field("limits")], limit);
+                    ops.add(base, &[Field("resources"), Field("limits")], limit);
                 } else {
                     ops.add(
-                        &base,
+                        base,
                         &[Field("resources"), Field("limits"), Key(resource)],
-                        |out| json_out::display_string(out, &quantity),
+                        |out| quantity.with_text(|text| json_out::string(out, text)),
                     );
                 }
             }
@@ -241,24 +277,26 @@ pub fn write_patch<'c>(
                 append,
             } => {
                 let is_list = container_value(pod, &container).is_some_and(|c| c.env.is_some());
-                let base = container_base(&container);
-                list_edit(&mut ops, is_list, &base, "env", remove, append);
+                let base = Base::container(&container);
+                let base = base.as_bytes();
+                list_edit(&mut ops, is_list, base, "env", remove, append);
             }
             Change::VolumeMounts { container, remove } => {
                 let is_list =
                     container_value(pod, &container).is_some_and(|c| c.volume_mounts.is_some());
-                let base = container_base(&container);
-                list_edit(&mut ops, is_list, &base, "volumeMounts", remove, None);
+                let base = Base::container(&container);
+                let base = base.as_bytes();
+                list_edit(&mut ops, is_list, base, "volumeMounts", remove, None);
             }
             Change::Volumes { remove } => {
                 let is_list = pod.spec.as_ref().is_some_and(|s| s.volumes.is_some());
-                list_edit(&mut ops, is_list, &[Field("spec")], "volumes", remove, None);
+                list_edit(&mut ops, is_list, b"/spec", "volumes", remove, None);
             }
             Change::RemoveAnnotations { keys } => {
                 let annotations = pod.annotations();
                 for key in keys {
                     if annotations.is_some_and(|a| a.contains_key(key)) {
-                        ops.remove(&[Field("metadata"), Field("annotations")], &[Key(key)]);
+                        ops.remove(b"/metadata/annotations", &[Key(key)]);
                     }
                 }
             }
@@ -269,22 +307,20 @@ pub fn write_patch<'c>(
                 let metadata = pod.metadata.as_ref();
                 let has_annotations = pod.annotations().is_some();
                 if metadata.is_none() {
-                    ops.add(&[Field("metadata")], &[], |out| {
+                    ops.add(b"/metadata", &[], |out| {
                         out.extend_from_slice(b"{\"annotations\":");
                         annotations_object(out, pairs);
                         out.push(b'}');
                     });
                 } else if !has_annotations {
-                    ops.add(&[Field("metadata"), Field("annotations")], &[], |out| {
+                    ops.add(b"/metadata/annotations", &[], |out| {
                         annotations_object(out, pairs)
                     });
                 } else {
                     for (k, v) in pairs {
-                        ops.add(
-                            &[Field("metadata"), Field("annotations")],
-                            &[Key(k)],
-                            |out| json_out::string(out, v),
-                        );
+                        ops.add(b"/metadata/annotations", &[Key(k)], |out| {
+                            json_out::string(out, v)
+                        });
                     }
                 }
             }

@@ -420,25 +420,27 @@ impl<'a> Decision<'a> {
     /// one per changed container and one for the pod (Enforce and Audit), then what Enforce
     /// would deny (Audit).
     pub fn for_each_warning(&self, mut f: impl FnMut(&str)) {
-        let f: &mut dyn FnMut(&str) = &mut f;
-        let mut scratch = String::with_capacity(MAX_WARNING_LEN + 32);
+        render::with_scratch(|scratch| self.write_warnings(scratch, &mut f));
+    }
+
+    fn write_warnings(&self, scratch: &mut String, f: &mut dyn FnMut(&str)) {
         for skipped in &self.skipped_policies {
             scratch.clear();
             scratch.push_str("gpuwarden: ");
             scratch.push_str(skipped);
-            f(render::clip(&mut scratch));
+            f(render::clip(scratch));
         }
         match (&self.detail, self.verdict) {
             (Detail::Create { plan, .. }, Verdict::Rewritten) => {
-                plan.for_each_warning("gpuwarden: ", ": ", &mut scratch, f);
+                plan.for_each_warning("gpuwarden: ", ": ", scratch, f);
             }
             (Detail::Create { plan, .. }, Verdict::Audited) => {
-                plan.for_each_warning("gpuwarden audit: ", " would change: ", &mut scratch, f);
+                plan.for_each_warning("gpuwarden audit: ", " would change: ", scratch, f);
                 for denial in &plan.denials {
                     scratch.clear();
                     scratch.push_str("gpuwarden audit: Enforce would deny: ");
                     scratch.push_str(denial);
-                    f(render::clip(&mut scratch));
+                    f(render::clip(scratch));
                 }
             }
             (Detail::Ephemeral { offending, .. }, Verdict::Audited) => {
@@ -449,7 +451,7 @@ impl<'a> Decision<'a> {
                     offending.join(", "),
                     self.reference
                 );
-                f(render::clip(&mut scratch));
+                f(render::clip(scratch));
             }
             _ => {}
         }
@@ -514,9 +516,10 @@ impl<'a> Decision<'a> {
             Detail::Create { plan, mode, .. } => {
                 let denied_in_enforce = *mode == PolicyMode::Enforce && !plan.denials.is_empty();
                 if !denied_in_enforce {
-                    let mut summary = String::with_capacity(256);
-                    plan.write_summary(&mut summary);
-                    f("changes", &summary);
+                    render::with_scratch(|summary| {
+                        plan.write_summary(summary);
+                        f("changes", summary);
+                    });
                 }
                 f("decision", decision);
                 f("policy", &self.reference);

@@ -12,6 +12,7 @@ use super::{
     ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
     ENV_VISIBLE_DEVICES, VisibleDevices,
 };
+use crate::json_out;
 use crate::pod::{Container, Scalar};
 
 /// The plan for one pod.
@@ -76,13 +77,26 @@ pub enum Quantity<'a> {
     Copied(&'a Scalar<'a>),
 }
 
+impl Quantity<'_> {
+    /// Calls `f` with the quantity as a limit holds it: a count in decimal, a string as it
+    /// is, any other JSON value as JSON.
+    pub fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
+        match self {
+            Self::Count(n) => {
+                let mut digits = [0; 20];
+                let digits = json_out::decimal(u64::from(*n), &mut digits);
+                // Only ASCII digits were written.
+                f(std::str::from_utf8(digits).unwrap_or_default())
+            }
+            Self::Copied(Scalar::Str(s)) => f(s),
+            Self::Copied(Scalar::Other(v)) => f(&v.to_string()),
+        }
+    }
+}
+
 impl fmt::Display for Quantity<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Count(n) => write!(f, "{n}"),
-            Self::Copied(Scalar::Str(s)) => f.write_str(s),
-            Self::Copied(Scalar::Other(v)) => write!(f, "{v}"),
-        }
+        self.with_text(|text| f.write_str(text))
     }
 }
 
@@ -103,18 +117,23 @@ pub(super) enum CountFrom<'a> {
     PolicyDefault,
 }
 
+impl<'a> CountFrom<'a> {
+    /// The text, in parts that follow each other.
+    pub(super) fn parts(&self) -> [&'a str; 4] {
+        match *self {
+            Self::Request => ["request", "", "", ""],
+            Self::ContainerAnnotation(name) => ["annotation ", ANNOTATION_GPU_COUNT, ".", name],
+            Self::PodAnnotation => ["annotation ", ANNOTATION_GPU_COUNT, "", ""],
+            Self::VisibleAll => [ENV_VISIBLE_DEVICES, "=all, policy default", "", ""],
+            Self::Visible(raw) => [ENV_VISIBLE_DEVICES, "=", raw, ""],
+            Self::PolicyDefault => ["policy default", "", "", ""],
+        }
+    }
+}
+
 impl fmt::Display for CountFrom<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Request => f.write_str("request"),
-            Self::ContainerAnnotation(name) => {
-                write!(f, "annotation {ANNOTATION_GPU_COUNT}.{name}")
-            }
-            Self::PodAnnotation => write!(f, "annotation {ANNOTATION_GPU_COUNT}"),
-            Self::VisibleAll => write!(f, "{ENV_VISIBLE_DEVICES}=all, policy default"),
-            Self::Visible(raw) => write!(f, "{ENV_VISIBLE_DEVICES}={raw}"),
-            Self::PolicyDefault => f.write_str("policy default"),
-        }
+        self.parts().iter().try_for_each(|part| f.write_str(part))
     }
 }
 

@@ -2,8 +2,6 @@
 //! (kubectl prints them), one summary line (the `changes` audit annotation) and the
 //! `gpuwarden.io/rewritten` report (JSON). All three are written from the same phrases.
 
-use std::fmt::Write as _;
-
 use super::plan::{ContainerPlan, CountFrom, EnvValue, Plan};
 use super::{ContainerKind, MAX_WARNING_LEN};
 use crate::json_out;
@@ -84,12 +82,17 @@ impl Plan<'_> {
             out.push_str(if from_request { "limits " } else { "requests " });
             out.push_str(limit.resource);
             out.push('=');
-            // Writing into a String cannot fail.
-            let _ = write!(out, "{}", limit.quantity);
+            limit.quantity.with_text(|text| out.push_str(text));
             if from_request {
                 out.push_str(" (from its request)");
             } else {
-                let _ = write!(out, " ({})", limit.from);
+                out.push_str(" (");
+                limit
+                    .from
+                    .parts()
+                    .iter()
+                    .for_each(|part| out.push_str(part));
+                out.push(')');
             }
         }
         if let Some(env) = &c.env {
@@ -191,11 +194,23 @@ impl Plan<'_> {
     /// an object); the pod's volumes and annotations removed; and why Enforce would deny the
     /// pod (Audit only).
     pub(super) fn report(&self) -> String {
-        let mut out = Vec::with_capacity(256);
+        let mut out = Vec::with_capacity(512);
         out.extend_from_slice(b"{\"containers\":{");
-        // Stable: of containers sharing a name (a malformed pod), the last stays last.
-        let mut order: Vec<&ContainerPlan<'_>> = self.containers.iter().collect();
-        order.sort_by(|a, b| a.name.cmp(b.name));
+        let (single, sorted);
+        let order: &[&ContainerPlan<'_>] = match self.containers.as_slice() {
+            [] => &[],
+            [only] => {
+                single = [only];
+                &single
+            }
+            _ => {
+                // Stable: of containers sharing a name (a malformed pod), the last stays last.
+                let mut order: Vec<&ContainerPlan<'_>> = self.containers.iter().collect();
+                order.sort_by(|a, b| a.name.cmp(b.name));
+                sorted = order;
+                &sorted
+            }
+        };
         let mut first = true;
         for (i, c) in order.iter().enumerate() {
             if order.get(i + 1).is_some_and(|next| next.name == c.name) {
@@ -241,9 +256,9 @@ impl Plan<'_> {
             out.extend_from_slice(b",\"limits\":{");
             json_out::string(out, limit.resource);
             out.push(b':');
-            json_out::display_string(out, &limit.quantity);
+            limit.quantity.with_text(|text| json_out::string(out, text));
             out.extend_from_slice(b"},\"gpuCountFrom\":");
-            json_out::display_string(out, &limit.from);
+            json_out::string_of_parts(out, &limit.from.parts());
         }
         if let Some(env) = &c.env {
             list_field(out, "envRemoved", env.removed.as_slice());
@@ -258,6 +273,27 @@ impl Plan<'_> {
         list_field(out, "volumeMountsRemoved", &c.mounts_removed);
         out.push(b'}');
     }
+}
+
+/// Bytes of text buffer a thread keeps between reviews.
+const SCRATCH_KEPT_BYTES: usize = 4096;
+
+thread_local! {
+    /// The text buffer warnings and the summary line are written in, kept for the next
+    /// review on the same thread.
+    static SCRATCH: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
+}
+
+/// Runs `f` with the thread's text buffer, empty. A call from inside `f` gets a buffer of
+/// its own; a buffer an unusual pod grew past [`SCRATCH_KEPT_BYTES`] is given back.
+pub(super) fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
+    let mut text = SCRATCH.take();
+    text.clear();
+    let result = f(&mut text);
+    if text.capacity() <= SCRATCH_KEPT_BYTES {
+        SCRATCH.set(text);
+    }
+    result
 }
 
 /// `,"<key>":[...]` unless `items` is empty (after the first field of an object).
@@ -282,4 +318,25 @@ pub(super) fn clip(text: &mut String) -> &str {
         text.push_str("...");
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_buffer_starts_empty_and_is_not_shared_by_nested_calls() {
+        with_scratch(|outer| {
+            outer.push_str("outer");
+            with_scratch(|inner| {
+                assert!(inner.is_empty());
+                inner.push_str("inner");
+            });
+            assert_eq!(outer, "outer");
+        });
+        with_scratch(|text| assert!(text.is_empty(), "{text:?}"));
+        // A buffer grown past what is kept is given back, not kept.
+        with_scratch(|text| text.push_str(&"x".repeat(2 * SCRATCH_KEPT_BYTES)));
+        with_scratch(|text| assert!(text.capacity() <= SCRATCH_KEPT_BYTES));
+    }
 }
