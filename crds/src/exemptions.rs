@@ -79,25 +79,32 @@ pub fn image_exempt(image: &str, patterns: &[String]) -> bool {
     let image = image.as_bytes();
     patterns.iter().any(|pattern| {
         let p = pattern.as_bytes();
-        // The text before the first wildcard must be where the image starts; most patterns
-        // name another image and fail there, with one comparison.
-        let literal = &p[..p
-            .iter()
-            .position(|&b| b == b'*' || b == b'?')
-            .unwrap_or(p.len())];
-        (image.starts_with(literal) && glob_bytes(p, image, b""))
-            || (untagged
-                && starts_with_both(image, b":latest", literal)
-                && glob_bytes(p, image, b":latest"))
+        // Most patterns name another image and differ from it before their first wildcard:
+        // those fail on their common start, read eight bytes at a time. Where the image
+        // ends first, its implied `:latest` may still match.
+        let common = common_prefix(p, image);
+        let at_wildcard = matches!(p.get(common), None | Some(b'*' | b'?'));
+        (at_wildcard || common == image.len())
+            && (glob_bytes(p, image, b"") || (untagged && glob_bytes(p, image, b":latest")))
     })
 }
 
-/// Whether `head` + `tail` starts with `prefix`, without building it.
-fn starts_with_both(head: &[u8], tail: &[u8], prefix: &[u8]) -> bool {
-    match prefix.split_at_checked(head.len()) {
-        Some((in_head, in_tail)) => head == in_head && tail.starts_with(in_tail),
-        None => head.starts_with(prefix),
+/// How many bytes `a` and `b` share at their start.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    let mut at = 0;
+    for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+        let x = u64::from_le_bytes(<[u8; 8]>::try_from(x).unwrap_or_default());
+        let y = u64::from_le_bytes(<[u8; 8]>::try_from(y).unwrap_or_default());
+        if x != y {
+            return at + ((x ^ y).trailing_zeros() / 8) as usize;
+        }
+        at += 8;
     }
+    at + a[at..]
+        .iter()
+        .zip(&b[at..])
+        .take_while(|(x, y)| x == y)
+        .count()
 }
 
 #[cfg(test)]
@@ -205,6 +212,22 @@ mod tests {
                 want,
                 "image {image:?}, pattern {pattern:?}"
             );
+        }
+    }
+
+    #[test]
+    fn the_common_start_is_found_at_every_offset() {
+        for len in 0..20 {
+            let a = vec![b'x'; len];
+            for at in 0..=len {
+                let mut b = a.clone();
+                if at < len {
+                    b[at] = b'y';
+                }
+                assert_eq!(common_prefix(&a, &b), at, "length {len}");
+                assert_eq!(common_prefix(&a, &a[..at]), at, "length {len}");
+                assert_eq!(common_prefix(&a[..at], &a), at, "length {len}");
+            }
         }
     }
 

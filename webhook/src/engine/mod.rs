@@ -389,31 +389,17 @@ impl<'a> Decision<'a> {
 
     /// The changes to apply: the rewrite in Enforce, the audit annotation in Audit, none
     /// otherwise.
-    pub fn changes(&self) -> impl Iterator<Item = Change<'_>> {
+    pub fn changes(&self) -> Changes<'_> {
         let (plan, set) = match (&self.detail, self.verdict) {
             (Detail::Create { plan, set, .. }, Verdict::Rewritten) => (Some(plan), &set[..]),
             (Detail::Create { set, .. }, Verdict::Audited) => (None, &set[..]),
             _ => (None, &[][..]),
         };
-        let containers = plan.into_iter().flat_map(|plan| {
-            plan.containers
-                .iter()
-                .flat_map(move |c| container_changes(plan, c))
-        });
-        let pod = plan.into_iter().flat_map(|plan| {
-            [
-                (!plan.volumes.is_empty()).then_some(Change::Volumes {
-                    remove: &plan.volumes,
-                }),
-                (!plan.annotations_removed.is_empty()).then_some(Change::RemoveAnnotations {
-                    keys: &plan.annotations_removed,
-                }),
-            ]
-            .into_iter()
-            .flatten()
-        });
-        let annotations = (!set.is_empty()).then_some(Change::SetAnnotations { pairs: set });
-        containers.chain(pod).chain(annotations)
+        Changes {
+            plan,
+            set,
+            step: Step::Container(0, 0),
+        }
     }
 
     /// Calls `f` with each warning for the user, in order: invalid policies skipped, then
@@ -544,24 +530,90 @@ impl<'a> Decision<'a> {
     }
 }
 
-/// The changes to one container, in the order the patch applies them.
-fn container_changes<'c>(
+/// The changes of a [`Decision`], in the order the patch applies them: per container
+/// (in the pod's order) its security context, GPU limit, environment and mounts; then the
+/// pod's volumes, annotations removed and annotations set.
+#[derive(Clone, Debug)]
+pub struct Changes<'c> {
+    plan: Option<&'c Plan<'c>>,
+    set: &'c [(&'static str, String)],
+    step: Step,
+}
+
+/// Where [`Changes`] is: a container and which of its changes is next, or a pod-level one.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Container(usize, u8),
+    Volumes,
+    RemoveAnnotations,
+    SetAnnotations,
+    Done,
+}
+
+impl<'c> Iterator for Changes<'c> {
+    type Item = Change<'c>;
+
+    fn next(&mut self) -> Option<Change<'c>> {
+        loop {
+            let plan = self.plan;
+            let (step, change) = match self.step {
+                Step::Container(index, part) => match plan.and_then(|p| p.containers.get(index)) {
+                    Some(c) => {
+                        let next = if part == 3 {
+                            Step::Container(index + 1, 0)
+                        } else {
+                            Step::Container(index, part + 1)
+                        };
+                        (next, container_change(plan?, c, part))
+                    }
+                    None => (Step::Volumes, None),
+                },
+                Step::Volumes => (
+                    Step::RemoveAnnotations,
+                    plan.filter(|p| !p.volumes.is_empty())
+                        .map(|p| Change::Volumes { remove: &p.volumes }),
+                ),
+                Step::RemoveAnnotations => (
+                    Step::SetAnnotations,
+                    plan.filter(|p| !p.annotations_removed.is_empty()).map(|p| {
+                        Change::RemoveAnnotations {
+                            keys: &p.annotations_removed,
+                        }
+                    }),
+                ),
+                Step::SetAnnotations => (
+                    Step::Done,
+                    (!self.set.is_empty()).then_some(Change::SetAnnotations { pairs: self.set }),
+                ),
+                Step::Done => return None,
+            };
+            self.step = step;
+            if change.is_some() {
+                return change;
+            }
+        }
+    }
+}
+
+/// Change number `part` (0 to 3) of a container, if it has that one.
+fn container_change<'c>(
     plan: &'c Plan<'_>,
     c: &'c ContainerPlan<'_>,
-) -> impl Iterator<Item = Change<'c>> {
+    part: u8,
+) -> Option<Change<'c>> {
     let container = c.at;
-    [
-        c.deprivileged.then_some(Change::SecurityContext {
+    match part {
+        0 => c.deprivileged.then_some(Change::SecurityContext {
             container,
             add: &c.caps_added,
             drop_all: c.drop_all,
         }),
-        c.limit.as_ref().map(|limit| Change::GpuLimit {
+        1 => c.limit.as_ref().map(|limit| Change::GpuLimit {
             container,
             resource: limit.resource,
             quantity: limit.quantity,
         }),
-        c.env.as_ref().map(|env| Change::Env {
+        2 => c.env.as_ref().map(|env| Change::Env {
             container,
             remove: &env.remove,
             append: env
@@ -570,13 +622,11 @@ fn container_changes<'c>(
                 .filter(|_| env.append)
                 .map(|(name, value)| (*name, plan.env_value(value))),
         }),
-        (!c.mounts.is_empty()).then_some(Change::VolumeMounts {
+        _ => (!c.mounts.is_empty()).then_some(Change::VolumeMounts {
             container,
             remove: &c.mounts,
         }),
-    ]
-    .into_iter()
-    .flatten()
+    }
 }
 
 // ---------------------------------------------------------------------------------------
