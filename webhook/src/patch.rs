@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
-use crate::engine::{Change, ContainerRef, container_value};
+use crate::engine::{AnnotationValue, Change, ContainerRef, container_value};
 use crate::json_out;
 use crate::pod::{PodView, SecurityContext};
 
@@ -301,7 +301,7 @@ pub fn write_patch<'c>(
                 }
             }
             Change::SetAnnotations { pairs } => {
-                if pairs.is_empty() {
+                if pairs.iter().all(Option::is_none) {
                     continue;
                 }
                 let metadata = pod.metadata.as_ref();
@@ -309,17 +309,17 @@ pub fn write_patch<'c>(
                 if metadata.is_none() {
                     ops.add(b"/metadata", &[], |out| {
                         out.extend_from_slice(b"{\"annotations\":");
-                        annotations_object(out, pairs);
+                        annotations_object(out, &pairs);
                         out.push(b'}');
                     });
                 } else if !has_annotations {
                     ops.add(b"/metadata/annotations", &[], |out| {
-                        annotations_object(out, pairs)
+                        annotations_object(out, &pairs)
                     });
                 } else {
-                    for (k, v) in pairs {
+                    for (k, v) in pairs.iter().flatten() {
                         ops.add(b"/metadata/annotations", &[Key(k)], |out| {
-                            json_out::string(out, v)
+                            annotation_value(out, v)
                         });
                     }
                 }
@@ -332,16 +332,34 @@ pub fn write_patch<'c>(
 }
 
 /// `pairs` as a JSON object: keys sorted, the last of a repeated key wins.
-fn annotations_object(out: &mut Vec<u8>, pairs: &[(&str, String)]) {
-    let mut sorted: Vec<(&str, &str)> = Vec::with_capacity(pairs.len());
-    for (k, v) in pairs {
-        match sorted.iter_mut().find(|(key, _)| key == k) {
-            Some(entry) => entry.1 = v,
-            None => sorted.push((k, v)),
+fn annotations_object(out: &mut Vec<u8>, pairs: &[Option<(&str, AnnotationValue<'_>)>; 2]) {
+    let entries = match pairs {
+        [Some(a), Some(b)] if a.0 == b.0 => [None, Some(b)],
+        [Some(a), Some(b)] if b.0 < a.0 => [Some(b), Some(a)],
+        [a, b] => [a.as_ref(), b.as_ref()],
+    };
+    out.push(b'{');
+    for (i, (key, value)) in entries.into_iter().flatten().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        json_out::string(out, key);
+        out.push(b':');
+        annotation_value(out, value);
+    }
+    out.push(b'}');
+}
+
+/// An annotation's value, as a JSON string.
+fn annotation_value(out: &mut Vec<u8>, value: &AnnotationValue<'_>) {
+    match value {
+        AnnotationValue::Text(text) => json_out::string(out, text),
+        AnnotationValue::Report(report) => {
+            out.push(b'"');
+            report.write_escaped(out);
+            out.push(b'"');
         }
     }
-    sorted.sort_unstable_by_key(|&(k, _)| k);
-    json_out::string_object(out, sorted);
 }
 
 /// [`write_patch`] for a pod held as a `Value`, read back as a [`json_patch::Patch`]. An
@@ -387,7 +405,10 @@ mod tests {
             {"name": "c0"},
             {"name": "c1", "securityContext": "odd", "resources": {"requests": {}}, "env": null}
         ]}});
-        let pairs = [("x/y", "2".to_owned()), ("a~b", "1".to_owned())];
+        let pairs = [
+            Some(("x/y", AnnotationValue::Text("2"))),
+            Some(("a~b", AnnotationValue::Text("1"))),
+        ];
         let changes = [
             Change::SecurityContext {
                 container: at(0),
@@ -414,7 +435,7 @@ mod tests {
                 remove: &[],
                 append: Some(("K", "v\"1")),
             },
-            Change::SetAnnotations { pairs: &pairs },
+            Change::SetAnnotations { pairs },
         ];
         let patch = written(&pod, &changes);
         assert_eq!(
@@ -452,8 +473,8 @@ mod tests {
             }
         });
         let pairs = [
-            ("gpuwarden.io/policy", "p@1".to_owned()),
-            ("a~b/c", "\n".to_owned()),
+            Some(("gpuwarden.io/policy", AnnotationValue::Text("p@1"))),
+            Some(("a~b/c", AnnotationValue::Text("\n"))),
         ];
         let changes = [
             Change::SecurityContext {
@@ -479,7 +500,7 @@ mod tests {
             Change::RemoveAnnotations {
                 keys: &["cdi.k8s.io/gpu", "cdi.k8s.io/absent"],
             },
-            Change::SetAnnotations { pairs: &pairs },
+            Change::SetAnnotations { pairs },
         ];
         assert_eq!(
             written(&pod, &changes),
@@ -501,10 +522,40 @@ mod tests {
     }
 
     #[test]
+    fn an_annotations_object_holds_the_last_of_a_repeated_key() {
+        let pod = json!({"metadata": {}});
+        for (pairs, expected) in [
+            (
+                [
+                    Some(("k", AnnotationValue::Text("1"))),
+                    Some(("k", AnnotationValue::Text("2"))),
+                ],
+                json!({"k": "2"}),
+            ),
+            (
+                [None, Some(("k", AnnotationValue::Text("2")))],
+                json!({"k": "2"}),
+            ),
+            (
+                [Some(("b", AnnotationValue::Text("1"))), None],
+                json!({"b": "1"}),
+            ),
+        ] {
+            let patch = written(&pod, &[Change::SetAnnotations { pairs }]);
+            assert_eq!(
+                patch,
+                json!([{"op": "add", "path": "/metadata/annotations", "value": expected}])
+            );
+        }
+    }
+
+    #[test]
     fn changes_already_in_place_write_an_empty_patch() {
         let pod = json!({"metadata": {}, "spec": {}});
         let changes = [
-            Change::SetAnnotations { pairs: &[] },
+            Change::SetAnnotations {
+                pairs: [None, None],
+            },
             Change::RemoveAnnotations { keys: &["k"] },
             Change::Volumes { remove: &[] },
         ];

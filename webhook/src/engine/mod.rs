@@ -29,7 +29,7 @@ use gpuwarden_crds::{
     ANNOTATION_AUDIT, ANNOTATION_POLICY, ANNOTATION_REWRITTEN, GpuPolicy, PolicyMode,
 };
 
-use crate::pod::{Map, PodView};
+use crate::pod::{Map, PodView, Scalar};
 use plan::{ContainerPlan, Plan};
 
 pub use crate::pod::ContainerKind;
@@ -112,11 +112,51 @@ pub enum Change<'c> {
         /// Annotation keys.
         keys: &'c [&'c str],
     },
-    /// Rule 6 and Audit: set these pod annotations.
+    /// Rule 6 and Audit: set these pod annotations (the engine sets at most two: the report
+    /// and the policy reference).
     SetAnnotations {
         /// Key, value.
-        pairs: &'c [(&'c str, String)],
+        pairs: [Option<(&'c str, AnnotationValue<'c>)>; 2],
     },
+}
+
+/// A value the patch sets an annotation to.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AnnotationValue<'c> {
+    /// Text, as it is.
+    Text(&'c str),
+    /// What the rewrite does ([`Report`]).
+    Report(Report<'c>),
+}
+
+/// The `gpuwarden.io/rewritten` (or `gpuwarden.io/audit`) annotation value of a decision:
+/// JSON written from its plan when it is needed. The patch carries it escaped inside a JSON
+/// string, and writes it that way at once rather than writing it and escaping it again.
+#[derive(Clone, Copy)]
+pub struct Report<'c>(&'c Plan<'c>);
+
+impl Report<'_> {
+    /// The report as JSON text.
+    pub fn to_json(&self) -> String {
+        self.0.report()
+    }
+
+    /// Appends the report as the contents of a JSON string: escaped, without the quotes.
+    pub(crate) fn write_escaped(&self, out: &mut Vec<u8>) {
+        self.0.write_report(&mut render::Quoted(out));
+    }
+}
+
+impl std::fmt::Debug for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.to_json())
+    }
+}
+
+impl PartialEq for Report<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_json() == other.to_json()
+    }
 }
 
 /// What the engine decided about a pod.
@@ -152,6 +192,15 @@ pub struct Decision<'a> {
     detail: Detail<'a>,
 }
 
+/// What an annotation the patch sets holds.
+#[derive(Clone, Copy, Debug)]
+enum Set {
+    /// The report of what the rewrite does.
+    Report,
+    /// The governing policy's `name@generation`.
+    Reference,
+}
+
 /// What a decision holds beyond its verdict.
 #[derive(Debug)]
 enum Detail<'a> {
@@ -164,8 +213,9 @@ enum Detail<'a> {
     Create {
         plan: Plan<'a>,
         mode: PolicyMode,
-        /// Annotations the patch sets: the report and the policy reference.
-        set: Vec<(&'static str, String)>,
+        /// Annotations the patch sets: the report and the policy reference, unless the pod
+        /// already carries them.
+        set: [Option<(&'static str, Set)>; 2],
     },
     /// Privileged ephemeral containers added to a governed pod.
     Ephemeral {
@@ -249,18 +299,33 @@ fn decide_create<'a>(input: &Input<'a>, policy: &'a GpuPolicy) -> Decision<'a> {
     }
     let strip = plan::volumes_to_strip(&facts, policy);
     let plan = plan::plan_pod(input.pod, facts, policy, strip);
-    let annotations = input.pod.annotations();
+    // The pod's own value of an annotation; a pass over a pod already rewritten finds the
+    // report and the reference it set, and sets nothing again.
+    let carried = |key| {
+        input
+            .pod
+            .annotations()
+            .and_then(|a| a.get(key))
+            .and_then(Scalar::as_str)
+    };
+    let report_changed = |key| carried(key).is_none_or(|text| !plan.report_is(text));
     let mode = policy.spec.mode;
-    let mut set = Vec::new();
+    let mut set = [None, None];
     let verdict = match mode {
         PolicyMode::Enforce if !plan.denials.is_empty() => Verdict::Denied,
         PolicyMode::Enforce => {
-            push_if_changed(&mut set, annotations, ANNOTATION_REWRITTEN, plan.report());
-            push_if_changed(&mut set, annotations, ANNOTATION_POLICY, reference.clone());
+            if report_changed(ANNOTATION_REWRITTEN) {
+                set[0] = Some((ANNOTATION_REWRITTEN, Set::Report));
+            }
+            if carried(ANNOTATION_POLICY) != Some(reference.as_str()) {
+                set[1] = Some((ANNOTATION_POLICY, Set::Reference));
+            }
             Verdict::Rewritten
         }
         PolicyMode::Audit => {
-            push_if_changed(&mut set, annotations, ANNOTATION_AUDIT, plan.report());
+            if report_changed(ANNOTATION_AUDIT) {
+                set[0] = Some((ANNOTATION_AUDIT, Set::Report));
+            }
             Verdict::Audited
         }
         PolicyMode::Deny => Verdict::Denied,
@@ -314,22 +379,6 @@ fn pod_exemption(pod: &PodView<'_>, namespace: &str, policy: &GpuPolicy) -> Opti
         .and_then(|s| s.service_account_name.as_deref())
         .unwrap_or("");
     policy.spec.exemptions.pod_exemption(namespace, sa)
-}
-
-/// Adds `key=value` unless the pod's annotation already says so.
-fn push_if_changed(
-    pairs: &mut Vec<(&'static str, String)>,
-    annotations: Option<&Map<'_>>,
-    key: &'static str,
-    value: String,
-) {
-    if annotations
-        .and_then(|a| a.get(key))
-        .and_then(|v| v.as_str())
-        != Some(value.as_str())
-    {
-        pairs.push((key, value));
-    }
 }
 
 impl<'a> Decision<'a> {
@@ -391,13 +440,21 @@ impl<'a> Decision<'a> {
     /// otherwise.
     pub fn changes(&self) -> Changes<'_> {
         let (plan, set) = match (&self.detail, self.verdict) {
-            (Detail::Create { plan, set, .. }, Verdict::Rewritten) => (Some(plan), &set[..]),
-            (Detail::Create { set, .. }, Verdict::Audited) => (None, &set[..]),
-            _ => (None, &[][..]),
+            (Detail::Create { plan, set, .. }, Verdict::Rewritten | Verdict::Audited) => {
+                (Some(plan), set)
+            }
+            _ => (None, &[None, None]),
+        };
+        let value = |what: &Set| match what {
+            Set::Reference => AnnotationValue::Text(&self.reference),
+            // A set report implies a plan.
+            Set::Report => plan.map_or(AnnotationValue::Text(""), |plan| {
+                AnnotationValue::Report(Report(plan))
+            }),
         };
         Changes {
-            plan,
-            set,
+            plan: plan.filter(|_| self.verdict == Verdict::Rewritten),
+            set: set.map(|pair| pair.map(|(key, what)| (key, value(&what)))),
             step: Step::Container(0, 0),
         }
     }
@@ -535,8 +592,9 @@ impl<'a> Decision<'a> {
 /// pod's volumes, annotations removed and annotations set.
 #[derive(Clone, Debug)]
 pub struct Changes<'c> {
+    /// The plan whose container and pod changes go into the patch (Enforce only).
     plan: Option<&'c Plan<'c>>,
-    set: &'c [(&'static str, String)],
+    set: [Option<(&'c str, AnnotationValue<'c>)>; 2],
     step: Step,
 }
 
@@ -583,7 +641,10 @@ impl<'c> Iterator for Changes<'c> {
                 ),
                 Step::SetAnnotations => (
                     Step::Done,
-                    (!self.set.is_empty()).then_some(Change::SetAnnotations { pairs: self.set }),
+                    self.set
+                        .iter()
+                        .any(Option::is_some)
+                        .then_some(Change::SetAnnotations { pairs: self.set }),
                 ),
                 Step::Done => return None,
             };
@@ -896,9 +957,20 @@ mod tests {
         let Some(Change::SetAnnotations { pairs }) = decision.changes().last() else {
             panic!("no annotations set: {decision:?}");
         };
-        assert_eq!(pairs[0].0, ANNOTATION_REWRITTEN);
-        assert_eq!(pairs[1], (ANNOTATION_POLICY, "default@0".to_owned()));
-        let report: Value = serde_json::from_str(&pairs[0].1).unwrap();
+        let [
+            Some((ANNOTATION_REWRITTEN, AnnotationValue::Report(report))),
+            Some((ANNOTATION_POLICY, AnnotationValue::Text("default@0"))),
+        ] = pairs
+        else {
+            panic!("not the report and the reference: {pairs:?}");
+        };
+        // The patch carries the report escaped inside a string: the same text.
+        let mut escaped = b"\"".to_vec();
+        report.write_escaped(&mut escaped);
+        escaped.push(b'"');
+        let carried: String = serde_json::from_slice(&escaped).unwrap();
+        assert_eq!(carried, report.to_json());
+        let report: Value = serde_json::from_str(&report.to_json()).unwrap();
         assert_eq!(
             report,
             json!({
@@ -963,7 +1035,10 @@ mod tests {
         let Some(Change::SetAnnotations { pairs }) = decision.changes().last() else {
             panic!("no annotations set");
         };
-        let report = pairs[0].1.clone();
+        let Some((_, AnnotationValue::Report(report))) = pairs[0] else {
+            panic!("no report set: {pairs:?}");
+        };
+        let report = report.to_json();
         pod["metadata"]["annotations"] = json!({
             ANNOTATION_REWRITTEN: report,
             ANNOTATION_POLICY: "default@0"

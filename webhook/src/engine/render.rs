@@ -3,6 +3,19 @@
 //! `gpuwarden.io/rewritten` report (JSON). All three are written from the same phrases.
 
 use super::plan::{ContainerPlan, CountFrom, EnvValue, Plan};
+
+/// A [`Lit`] from a byte string literal, its escaped form worked out at compile time.
+macro_rules! lit {
+    ($text:literal) => {{
+        const PLAIN: &[u8] = $text;
+        const QUOTED: [u8; quoted_len(PLAIN)] = quoted(PLAIN);
+        const LIT: Lit = Lit {
+            plain: PLAIN,
+            quoted: &QUOTED,
+        };
+        &LIT
+    }};
+}
 use super::{ContainerKind, MAX_WARNING_LEN};
 use crate::json_out;
 
@@ -189,13 +202,12 @@ impl Plan<'_> {
         }
     }
 
-    /// The `gpuwarden.io/rewritten` (or `gpuwarden.io/audit`) annotation value: per
+    /// Writes the `gpuwarden.io/rewritten` (or `gpuwarden.io/audit`) annotation value: per
     /// container name, sorted by name, what changed (the last of a repeated name wins, as in
     /// an object); the pod's volumes and annotations removed; and why Enforce would deny the
     /// pod (Audit only).
-    pub(super) fn report(&self) -> String {
-        let mut out = Vec::with_capacity(512);
-        out.extend_from_slice(b"{\"containers\":{");
+    pub(super) fn write_report(&self, out: &mut impl ReportOut) {
+        out.lit(lit!(b"{\"containers\":{"));
         let (single, sorted);
         let order: &[&ContainerPlan<'_>] = match self.containers.as_slice() {
             [] => &[],
@@ -217,61 +229,177 @@ impl Plan<'_> {
                 continue;
             }
             if !first {
-                out.push(b',');
+                out.lit(lit!(b","));
             }
             first = false;
-            json_out::string(&mut out, c.name);
-            out.push(b':');
-            self.write_container_report(&mut out, c);
+            out.string(&[c.name]);
+            out.lit(lit!(b":"));
+            self.write_container_report(out, c);
         }
-        out.push(b'}');
-        list_field(&mut out, "volumesRemoved", &self.volumes_removed);
-        list_field(&mut out, "annotationsRemoved", &self.annotations_removed);
-        list_field(&mut out, "denials", &self.denials);
-        out.push(b'}');
-        // Only whole strings and ASCII punctuation were written.
-        String::from_utf8(out).unwrap_or_default()
+        out.lit(lit!(b"}"));
+        list_field(out, lit!(b",\"volumesRemoved\":"), &self.volumes_removed);
+        list_field(
+            out,
+            lit!(b",\"annotationsRemoved\":"),
+            &self.annotations_removed,
+        );
+        list_field(out, lit!(b",\"denials\":"), &self.denials);
+        out.lit(lit!(b"}"));
     }
 
-    fn write_container_report(&self, out: &mut Vec<u8>, c: &ContainerPlan<'_>) {
-        out.push(b'{');
-        match c.at.kind {
-            ContainerKind::Init => out.extend_from_slice(b"\"kind\":\"init\","),
-            ContainerKind::Ephemeral => out.extend_from_slice(b"\"kind\":\"ephemeral\","),
-            ContainerKind::Regular => {}
-        }
-        // The container lost privilege, or never had it.
-        out.extend_from_slice(b"\"privileged\":false");
-        out.extend_from_slice(if c.gpu {
-            b",\"gpu\":true"
-        } else {
-            b",\"gpu\":false"
+    fn write_container_report(&self, out: &mut impl ReportOut, c: &ContainerPlan<'_>) {
+        out.lit(match c.at.kind {
+            ContainerKind::Init => lit!(b"{\"kind\":\"init\",\"privileged\":false"),
+            ContainerKind::Ephemeral => lit!(b"{\"kind\":\"ephemeral\",\"privileged\":false"),
+            // The container lost privilege, or never had it.
+            ContainerKind::Regular => lit!(b"{\"privileged\":false"),
         });
-        list_field(out, "capabilitiesAdded", &c.caps_added);
+        out.lit(if c.gpu {
+            lit!(b",\"gpu\":true")
+        } else {
+            lit!(b",\"gpu\":false")
+        });
+        list_field(out, lit!(b",\"capabilitiesAdded\":"), &c.caps_added);
         if c.drop_all {
-            out.extend_from_slice(b",\"capabilitiesDropped\":[\"ALL\"]");
+            out.lit(lit!(b",\"capabilitiesDropped\":[\"ALL\"]"));
         }
-        list_field(out, "capabilitiesRefused", &c.caps_refused);
+        list_field(out, lit!(b",\"capabilitiesRefused\":"), &c.caps_refused);
         if let Some(limit) = &c.limit {
-            out.extend_from_slice(b",\"limits\":{");
-            json_out::string(out, limit.resource);
-            out.push(b':');
-            limit.quantity.with_text(|text| json_out::string(out, text));
-            out.extend_from_slice(b"},\"gpuCountFrom\":");
-            json_out::string_of_parts(out, &limit.from.parts());
+            out.lit(lit!(b",\"limits\":{"));
+            out.string(&[limit.resource]);
+            out.lit(lit!(b":"));
+            limit.quantity.with_text(|text| out.string(&[text]));
+            out.lit(lit!(b"},\"gpuCountFrom\":"));
+            out.string(&limit.from.parts());
         }
         if let Some(env) = &c.env {
-            list_field(out, "envRemoved", env.removed.as_slice());
+            list_field(out, lit!(b",\"envRemoved\":"), env.removed.as_slice());
             if let Some((name, value)) = &env.set {
-                out.extend_from_slice(b",\"envSet\":{");
-                json_out::string(out, name);
-                out.push(b':');
-                json_out::string(out, self.env_value(value));
-                out.push(b'}');
+                out.lit(lit!(b",\"envSet\":{"));
+                out.string(&[name]);
+                out.lit(lit!(b":"));
+                out.string(&[self.env_value(value)]);
+                out.lit(lit!(b"}"));
             }
         }
-        list_field(out, "volumeMountsRemoved", &c.mounts_removed);
-        out.push(b'}');
+        list_field(out, lit!(b",\"volumeMountsRemoved\":"), &c.mounts_removed);
+        out.lit(lit!(b"}"));
+    }
+
+    /// The report as JSON text.
+    pub(super) fn report(&self) -> String {
+        let mut out = Plain(Vec::with_capacity(512));
+        self.write_report(&mut out);
+        // Only whole strings and ASCII punctuation were written.
+        String::from_utf8(out.0).unwrap_or_default()
+    }
+
+    /// Whether `text` is the report, written byte for byte.
+    pub(super) fn report_is(&self, text: &str) -> bool {
+        self.report() == text
+    }
+}
+
+/// `<key>[...]` unless `items` is empty; `key` holds the comma and colon around it.
+fn list_field<S: AsRef<str>>(out: &mut impl ReportOut, key: &Lit, items: &[S]) {
+    if items.is_empty() {
+        return;
+    }
+    out.lit(key);
+    out.lit(lit!(b"["));
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.lit(lit!(b","));
+        }
+        out.string(&[item.as_ref()]);
+    }
+    out.lit(lit!(b"]"));
+}
+
+/// A piece of the report's JSON punctuation and key names, as it is and as it reads inside
+/// a JSON string (each `"` and `\` escaped), both worked out when the program is compiled.
+pub(super) struct Lit {
+    plain: &'static [u8],
+    quoted: &'static [u8],
+}
+
+/// How long `text` is once each `"` and `\` in it is escaped.
+pub(super) const fn quoted_len(text: &[u8]) -> usize {
+    let mut len = text.len();
+    let mut i = 0;
+    while i < text.len() {
+        if text[i] == b'"' || text[i] == b'\\' {
+            len += 1;
+        }
+        i += 1;
+    }
+    len
+}
+
+/// `text` with each `"` and `\` escaped, in `N` ([`quoted_len`]) bytes.
+pub(super) const fn quoted<const N: usize>(text: &[u8]) -> [u8; N] {
+    let mut out = [0; N];
+    let (mut i, mut j) = (0, 0);
+    while i < text.len() {
+        if text[i] == b'"' || text[i] == b'\\' {
+            out[j] = b'\\';
+            j += 1;
+        }
+        out[j] = text[i];
+        j += 1;
+        i += 1;
+    }
+    out
+}
+
+/// Where the report goes: a JSON document ([`Plain`]), or the contents of the JSON string
+/// that carries it in the patch ([`Quoted`]), so that it is not written once and escaped
+/// again.
+pub(super) trait ReportOut {
+    /// Punctuation and key names.
+    fn lit(&mut self, lit: &Lit);
+    /// A JSON string whose text is the concatenation of `parts`.
+    fn string(&mut self, parts: &[&str]);
+}
+
+/// The report as a JSON document.
+pub(super) struct Plain(pub(super) Vec<u8>);
+
+impl ReportOut for Plain {
+    fn lit(&mut self, lit: &Lit) {
+        self.0.extend_from_slice(lit.plain);
+    }
+
+    fn string(&mut self, parts: &[&str]) {
+        json_out::string_of_parts(&mut self.0, parts);
+    }
+}
+
+/// The report escaped as the contents of a JSON string, appended to a buffer.
+pub(super) struct Quoted<'o>(pub(super) &'o mut Vec<u8>);
+
+impl ReportOut for Quoted<'_> {
+    fn lit(&mut self, lit: &Lit) {
+        self.0.extend_from_slice(lit.quoted);
+    }
+
+    fn string(&mut self, parts: &[&str]) {
+        let plain = parts
+            .iter()
+            .all(|part| json_out::first_needing_escape(part.as_bytes()) == part.len());
+        if plain {
+            // Escaping text that needs none leaves it as it is, twice over.
+            self.0.extend_from_slice(b"\\\"");
+            parts
+                .iter()
+                .for_each(|part| self.0.extend_from_slice(part.as_bytes()));
+            self.0.extend_from_slice(b"\\\"");
+        } else {
+            let mut once = Vec::new();
+            json_out::string_of_parts(&mut once, parts);
+            // Only whole strings were written.
+            json_out::str_contents(self.0, std::str::from_utf8(&once).unwrap_or_default());
+        }
     }
 }
 
@@ -294,17 +422,6 @@ pub(super) fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
         SCRATCH.set(text);
     }
     result
-}
-
-/// `,"<key>":[...]` unless `items` is empty (after the first field of an object).
-fn list_field<S: AsRef<str>>(out: &mut Vec<u8>, key: &str, items: &[S]) {
-    if items.is_empty() {
-        return;
-    }
-    out.push(b',');
-    json_out::string(out, key);
-    out.push(b':');
-    json_out::string_array(out, items.iter().map(AsRef::as_ref));
 }
 
 /// The text cut to [`MAX_WARNING_LEN`] bytes on a character boundary, with `...`.
