@@ -164,7 +164,7 @@ pub enum ReviewError {
 /// The incoming review: only what the engine needs, everything optional so that a
 /// malformed review gets a precise answer instead of a parse error. Its strings borrow from
 /// the body unless they hold escapes.
-#[derive(Debug, PartialEq, serde::Deserialize)]
+#[derive(Debug, Default, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct ReviewIn<'a, O> {
     #[serde(default, borrow, deserialize_with = "optional_str")]
@@ -179,7 +179,7 @@ fn none<T>() -> Option<T> {
     None
 }
 
-#[derive(Debug, PartialEq, serde::Deserialize)]
+#[derive(Debug, Default, PartialEq, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct RequestIn<'a, O> {
     #[serde(default, borrow, deserialize_with = "optional_str")]
@@ -216,7 +216,7 @@ fn required_str<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Cow<'de, str>,
 
 /// `request.object` or `request.oldObject`: the pod's view when it is a JSON object, read
 /// straight from the body (see [`crate::pod`]).
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Default, PartialEq)]
 pub(crate) struct PodObject<'a>(pub(crate) Option<PodView<'a>>);
 
 impl<'de: 'a, 'a> serde::Deserialize<'de> for PodObject<'a> {
@@ -250,7 +250,7 @@ impl<'a> ReviewIn<'a, Value> {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
 pub(crate) struct GroupVersionKind<'a> {
     #[serde(default, borrow, deserialize_with = "required_str")]
     pub(crate) group: Cow<'a, str>,
@@ -258,7 +258,7 @@ pub(crate) struct GroupVersionKind<'a> {
     pub(crate) kind: Cow<'a, str>,
 }
 
-#[derive(Clone, Debug, PartialEq, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
 pub(crate) struct GroupVersionResource<'a> {
     #[serde(default, borrow, deserialize_with = "required_str")]
     pub(crate) group: Cow<'a, str>,
@@ -275,17 +275,16 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
     // as text, so that its strings are not checked again one by one; any other body is read
     // as bytes, with the same answers. A body the view cannot take (a field named twice in
     // one object) is parsed again as values, so that odd input gets the same answer.
+    let mut review = ReviewIn::default();
     let fast = match std::str::from_utf8(body) {
-        Ok(text) => match scan::read_review(text) {
-            Some(review) => Ok(review),
-            None => serde_json::from_str::<ReviewIn<'_, PodObject<'_>>>(text),
-        },
+        Ok(text) if scan::read_review(text, &mut review) => return answer(&review, source),
+        Ok(text) => serde_json::from_str::<ReviewIn<'_, PodObject<'_>>>(text),
         Err(_) => serde_json::from_slice::<ReviewIn<'_, PodObject<'_>>>(body),
     };
     match fast {
-        Ok(review) => answer(review, source),
+        Ok(review) => answer(&review, source),
         Err(_) => match serde_json::from_slice::<ReviewIn<'_, Value>>(body) {
-            Ok(review) => answer(review.views(), source),
+            Ok(review) => answer(&review.views(), source),
             Err(e) => {
                 // Say whether it was JSON at all, and echo the uid if one can be found.
                 let (error, uid) = match serde_json::from_slice::<Value>(body) {
@@ -306,7 +305,7 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
 
 /// Answers a parsed review.
 fn answer(
-    review: ReviewIn<'_, PodObject<'_>>,
+    review: &ReviewIn<'_, PodObject<'_>>,
     source: &dyn PolicySource,
 ) -> (Vec<u8>, ReviewSummary) {
     let api_version = match review.api_version.as_deref() {
@@ -320,13 +319,13 @@ fn answer(
             .and_then(|r| r.uid.as_deref())
             .unwrap_or_default()
             .to_owned();
-        let what = match review.kind {
+        let what = match &review.kind {
             Some(kind) => format!("kind is {kind:?}"),
             None => "kind is missing".to_owned(),
         };
         return invalid(api_version, uid, None, &ReviewError::NotAReview(what));
     }
-    let Some(request) = review.request else {
+    let Some(request) = &review.request else {
         return invalid(
             api_version,
             String::new(),
@@ -338,7 +337,7 @@ fn answer(
         Some(uid) if !uid.is_empty() => uid.to_owned(),
         _ => return invalid(api_version, String::new(), None, &ReviewError::MissingUid),
     };
-    let (operation, pod) = match target(&request) {
+    let (operation, pod) = match target(request) {
         Ok(Some(target)) => target,
         // DELETE, CONNECT, plain UPDATE (privilege is immutable) and other subresources.
         Ok(None) => {

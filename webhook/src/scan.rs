@@ -40,12 +40,15 @@ type Read<T> = Result<T, GiveUp>;
 /// How deep a skipped value may nest before the reader gives up.
 const MAX_SKIP_DEPTH: u32 = 64;
 
-/// Reads a review body, or `None` when the serde view has to (see the module docs).
-pub(crate) fn read_review(text: &str) -> Option<ReviewIn<'_, PodObject<'_>>> {
+/// Reads a review body into `review` (an empty one); `false` when the serde view has to
+/// read it instead (see the module docs), and `review` is then to be thrown away.
+pub(crate) fn read_review<'a>(text: &'a str, review: &mut ReviewIn<'a, PodObject<'a>>) -> bool {
     let mut scanner = Scanner { text, pos: 0 };
-    let review = scanner.review().ok()?;
+    if scanner.review(review).is_err() {
+        return false;
+    }
     scanner.whitespace();
-    (scanner.pos == text.len()).then_some(review)
+    scanner.pos == text.len()
 }
 
 /// The request uid, if the body is a JSON object with `request.uid`; "" otherwise. Read by
@@ -374,26 +377,40 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// An object read by `read`, or `None` for any other value.
-    fn lenient<T>(&mut self, read: impl FnOnce(&mut Self) -> Read<T>) -> Read<Option<T>> {
+    /// An object read in place into `out` by `read`, or `None` for any other value.
+    fn lenient<T: Default>(
+        &mut self,
+        out: &mut Option<T>,
+        read: impl FnOnce(&mut Self, &mut T) -> Read<()>,
+    ) -> Read<()> {
         if self.peek()? == b'{' {
-            return read(self).map(Some);
+            return read(self, out.insert(T::default()));
         }
-        self.unwanted().map(|()| None)
+        *out = None;
+        self.unwanted()
     }
 
-    /// A list whose object entries are read by `read` and other entries read as empty ones.
-    fn list<T: Default>(&mut self, read: impl Fn(&mut Self) -> Read<T>) -> Read<Option<Vec<T>>> {
+    /// A list whose object entries are read in place by `read` and other entries read as
+    /// empty ones.
+    fn list<T: Default>(
+        &mut self,
+        out: &mut Option<Vec<T>>,
+        read: impl Fn(&mut Self, &mut T) -> Read<()>,
+    ) -> Read<()> {
         if self.peek()? != b'[' {
-            return self.unwanted().map(|()| None);
+            *out = None;
+            return self.unwanted();
         }
-        let mut out = Vec::new();
+        let list = out.insert(Vec::new());
         self.array(|s| {
-            let entry = s.lenient(&read)?.unwrap_or_default();
-            out.push(entry);
-            Ok(())
-        })?;
-        Ok(Some(out))
+            list.push(T::default());
+            let entry = list.last_mut().ok_or(GiveUp)?;
+            if s.peek()? == b'{' {
+                read(s, entry)
+            } else {
+                s.unwanted()
+            }
+        })
     }
 
     /// The strings of a list; other entries are skipped, and anything but a list is empty.
@@ -443,256 +460,220 @@ impl<'a> Scanner<'a> {
     }
 
     // -- The pod ------------------------------------------------------------------------
-    // Each reader starts from a literal naming every field of its struct, so a field added
-    // to the view in `crate::pod` does not compile here until the reader reads it.
+    // Each reader fills its struct in place (moving these structs around costs more than
+    // reading them) and starts by naming every field of it, so a field added to the view in
+    // `crate::pod` does not compile here until the reader reads it.
 
-    fn pod(&mut self) -> Read<PodView<'a>> {
-        let mut pod = PodView {
-            metadata: None,
-            spec: None,
-        };
+    fn pod(&mut self, pod: &mut PodView<'a>) -> Read<()> {
+        let PodView { metadata, spec } = pod;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "metadata" => {
-                    pod.metadata = s.field(&mut seen, 0, |s| s.lenient(Self::metadata))?
-                }
-                "spec" => pod.spec = s.field(&mut seen, 1, |s| s.lenient(Self::spec))?,
+                "metadata" => s.field(&mut seen, 0, |s| s.lenient(metadata, Self::metadata))?,
+                "spec" => s.field(&mut seen, 1, |s| s.lenient(spec, Self::spec))?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(pod)
+        })
     }
 
-    fn metadata(&mut self) -> Read<Metadata<'a>> {
-        let mut m = Metadata {
-            name: None,
-            generate_name: None,
-            namespace: None,
-            labels: None,
-            annotations: None,
-        };
+    fn metadata(&mut self, m: &mut Metadata<'a>) -> Read<()> {
+        let Metadata {
+            name,
+            generate_name,
+            namespace,
+            labels,
+            annotations,
+        } = m;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "name" => m.name = s.field(&mut seen, 0, Self::text)?,
-                "generateName" => m.generate_name = s.field(&mut seen, 1, Self::text)?,
-                "namespace" => m.namespace = s.field(&mut seen, 2, Self::text)?,
-                "labels" => m.labels = s.field(&mut seen, 3, Self::map)?,
-                "annotations" => m.annotations = s.field(&mut seen, 4, Self::map)?,
+                "name" => *name = s.field(&mut seen, 0, Self::text)?,
+                "generateName" => *generate_name = s.field(&mut seen, 1, Self::text)?,
+                "namespace" => *namespace = s.field(&mut seen, 2, Self::text)?,
+                "labels" => *labels = s.field(&mut seen, 3, Self::map)?,
+                "annotations" => *annotations = s.field(&mut seen, 4, Self::map)?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(m)
+        })
     }
 
-    fn spec(&mut self) -> Read<Spec<'a>> {
-        let mut spec = Spec {
-            service_account_name: None,
-            volumes: None,
-            containers: None,
-            init_containers: None,
-            ephemeral_containers: None,
-        };
+    fn spec(&mut self, spec: &mut Spec<'a>) -> Read<()> {
+        let Spec {
+            service_account_name,
+            volumes,
+            containers,
+            init_containers,
+            ephemeral_containers,
+        } = spec;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
                 "serviceAccountName" => {
-                    spec.service_account_name = s.field(&mut seen, 0, Self::text)?
+                    *service_account_name = s.field(&mut seen, 0, Self::text)?
                 }
-                "volumes" => spec.volumes = s.field(&mut seen, 1, |s| s.list(Self::volume))?,
-                "containers" => {
-                    spec.containers = s.field(&mut seen, 2, |s| s.list(Self::container))?
-                }
+                "volumes" => s.field(&mut seen, 1, |s| s.list(volumes, Self::volume))?,
+                "containers" => s.field(&mut seen, 2, |s| s.list(containers, Self::container))?,
                 "initContainers" => {
-                    spec.init_containers = s.field(&mut seen, 3, |s| s.list(Self::container))?
+                    s.field(&mut seen, 3, |s| s.list(init_containers, Self::container))?
                 }
-                "ephemeralContainers" => {
-                    spec.ephemeral_containers =
-                        s.field(&mut seen, 4, |s| s.list(Self::container))?
-                }
+                "ephemeralContainers" => s.field(&mut seen, 4, |s| {
+                    s.list(ephemeral_containers, Self::container)
+                })?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(spec)
+        })
     }
 
-    fn volume(&mut self) -> Read<Volume<'a>> {
-        let mut volume = Volume {
-            name: None,
-            host_path: None,
-        };
+    fn volume(&mut self, volume: &mut Volume<'a>) -> Read<()> {
+        let Volume { name, host_path } = volume;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "name" => volume.name = s.field(&mut seen, 0, Self::text)?,
-                "hostPath" => {
-                    volume.host_path = s.field(&mut seen, 1, |s| s.lenient(Self::host_path))?
-                }
+                "name" => *name = s.field(&mut seen, 0, Self::text)?,
+                "hostPath" => s.field(&mut seen, 1, |s| s.lenient(host_path, Self::host_path))?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(volume)
+        })
     }
 
-    fn host_path(&mut self) -> Read<HostPath<'a>> {
-        let mut host_path = HostPath { path: None };
+    fn host_path(&mut self, host_path: &mut HostPath<'a>) -> Read<()> {
+        let HostPath { path } = host_path;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "path" => host_path.path = s.field(&mut seen, 0, Self::text)?,
+                "path" => *path = s.field(&mut seen, 0, Self::text)?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(host_path)
+        })
     }
 
-    fn container(&mut self) -> Read<Container<'a>> {
-        let mut c = Container {
-            name: None,
-            image: None,
-            env: None,
-            resources: None,
-            security_context: None,
-            volume_mounts: None,
-        };
+    fn container(&mut self, c: &mut Container<'a>) -> Read<()> {
+        let Container {
+            name,
+            image,
+            env,
+            resources,
+            security_context,
+            volume_mounts,
+        } = c;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "name" => c.name = s.field(&mut seen, 0, Self::text)?,
-                "image" => c.image = s.field(&mut seen, 1, Self::text)?,
-                "env" => c.env = s.field(&mut seen, 2, |s| s.list(Self::env_var))?,
-                "resources" => {
-                    c.resources = s.field(&mut seen, 3, |s| s.lenient(Self::resources))?
-                }
-                "securityContext" => {
-                    c.security_context =
-                        s.field(&mut seen, 4, |s| s.lenient(Self::security_context))?
-                }
+                "name" => *name = s.field(&mut seen, 0, Self::text)?,
+                "image" => *image = s.field(&mut seen, 1, Self::text)?,
+                "env" => s.field(&mut seen, 2, |s| s.list(env, Self::env_var))?,
+                "resources" => s.field(&mut seen, 3, |s| s.lenient(resources, Self::resources))?,
+                "securityContext" => s.field(&mut seen, 4, |s| {
+                    s.lenient(security_context, Self::security_context)
+                })?,
                 "volumeMounts" => {
-                    c.volume_mounts = s.field(&mut seen, 5, |s| s.list(Self::volume_mount))?
+                    s.field(&mut seen, 5, |s| s.list(volume_mounts, Self::volume_mount))?
                 }
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(c)
+        })
     }
 
-    fn env_var(&mut self) -> Read<EnvVar<'a>> {
-        let mut var = EnvVar {
-            name: None,
-            value: None,
-            value_from: false,
-        };
+    fn env_var(&mut self, var: &mut EnvVar<'a>) -> Read<()> {
+        let EnvVar {
+            name,
+            value,
+            value_from,
+        } = var;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "name" => var.name = s.field(&mut seen, 0, Self::text)?,
-                "value" => var.value = s.field(&mut seen, 1, Self::text)?,
-                "valueFrom" => var.value_from = s.field(&mut seen, 2, Self::set)?,
+                "name" => *name = s.field(&mut seen, 0, Self::text)?,
+                "value" => *value = s.field(&mut seen, 1, Self::text)?,
+                "valueFrom" => *value_from = s.field(&mut seen, 2, Self::set)?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(var)
+        })
     }
 
-    fn resources(&mut self) -> Read<Resources<'a>> {
-        let mut resources = Resources {
-            limits: None,
-            requests: None,
-        };
+    fn resources(&mut self, resources: &mut Resources<'a>) -> Read<()> {
+        let Resources { limits, requests } = resources;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "limits" => resources.limits = s.field(&mut seen, 0, Self::map)?,
-                "requests" => resources.requests = s.field(&mut seen, 1, Self::map)?,
+                "limits" => *limits = s.field(&mut seen, 0, Self::map)?,
+                "requests" => *requests = s.field(&mut seen, 1, Self::map)?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(resources)
+        })
     }
 
-    fn security_context(&mut self) -> Read<SecurityContext<'a>> {
-        let mut context = SecurityContext {
-            privileged: None,
-            capabilities: None,
-        };
+    fn security_context(&mut self, context: &mut SecurityContext<'a>) -> Read<()> {
+        let SecurityContext {
+            privileged,
+            capabilities,
+        } = context;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "privileged" => context.privileged = s.field(&mut seen, 0, Self::boolean)?,
-                "capabilities" => {
-                    context.capabilities =
-                        s.field(&mut seen, 1, |s| s.lenient(Self::capabilities))?
-                }
+                "privileged" => *privileged = s.field(&mut seen, 0, Self::boolean)?,
+                "capabilities" => s.field(&mut seen, 1, |s| {
+                    s.lenient(capabilities, Self::capabilities)
+                })?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(context)
+        })
     }
 
-    fn capabilities(&mut self) -> Read<Capabilities<'a>> {
-        let mut caps = Capabilities {
-            add: Vec::new(),
-            drop: None,
-        };
+    fn capabilities(&mut self, caps: &mut Capabilities<'a>) -> Read<()> {
+        let Capabilities { add, drop } = caps;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "add" => caps.add = s.field(&mut seen, 0, Self::texts)?,
-                "drop" => caps.drop = Some(s.field(&mut seen, 1, Self::value)?),
+                "add" => *add = s.field(&mut seen, 0, Self::texts)?,
+                "drop" => *drop = Some(s.field(&mut seen, 1, Self::value)?),
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(caps)
+        })
     }
 
-    fn volume_mount(&mut self) -> Read<VolumeMount<'a>> {
-        let mut mount = VolumeMount { name: None };
+    fn volume_mount(&mut self, mount: &mut VolumeMount<'a>) -> Read<()> {
+        let VolumeMount { name } = mount;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "name" => mount.name = s.field(&mut seen, 0, Self::text)?,
+                "name" => *name = s.field(&mut seen, 0, Self::text)?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(mount)
+        })
     }
 
     // -- The review ---------------------------------------------------------------------
 
-    fn review(&mut self) -> Read<ReviewIn<'a, PodObject<'a>>> {
-        let mut review = ReviewIn {
-            api_version: None,
-            kind: None,
-            request: None,
-        };
+    fn review(&mut self, review: &mut ReviewIn<'a, PodObject<'a>>) -> Read<()> {
+        let ReviewIn {
+            api_version,
+            kind,
+            request,
+        } = review;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "apiVersion" => {
-                    review.api_version = s.field(&mut seen, 0, Self::optional_string)?
-                }
-                "kind" => review.kind = s.field(&mut seen, 1, Self::optional_string)?,
-                "request" => {
-                    review.request = s.field(&mut seen, 2, |s| s.optional(Self::request))?
-                }
+                "apiVersion" => *api_version = s.field(&mut seen, 0, Self::optional_string)?,
+                "kind" => *kind = s.field(&mut seen, 1, Self::optional_string)?,
+                "request" => s.field(&mut seen, 2, |s| {
+                    s.optional_in_place(request, Self::request)
+                })?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(review)
+        })
     }
 
     /// `request.uid` of a review whose other fields are only skipped.
@@ -728,35 +709,34 @@ impl<'a> Scanner<'a> {
         Ok(uid)
     }
 
-    fn request(&mut self) -> Read<RequestIn<'a, PodObject<'a>>> {
-        let mut r = RequestIn {
-            uid: None,
-            kind: None,
-            resource: None,
-            sub_resource: None,
-            name: None,
-            namespace: None,
-            operation: None,
-            object: None,
-            old_object: None,
-        };
+    fn request(&mut self, r: &mut RequestIn<'a, PodObject<'a>>) -> Read<()> {
+        let RequestIn {
+            uid,
+            kind,
+            resource,
+            sub_resource,
+            name,
+            namespace,
+            operation,
+            object,
+            old_object,
+        } = r;
         let mut seen = Seen::default();
         self.object(|s, key| {
             match key {
-                "uid" => r.uid = s.field(&mut seen, 0, Self::optional_string)?,
-                "kind" => r.kind = s.field(&mut seen, 1, |s| s.optional(Self::kind))?,
-                "resource" => r.resource = s.field(&mut seen, 2, |s| s.optional(Self::resource))?,
-                "subResource" => r.sub_resource = s.field(&mut seen, 3, Self::optional_string)?,
-                "name" => r.name = s.field(&mut seen, 4, Self::optional_string)?,
-                "namespace" => r.namespace = s.field(&mut seen, 5, Self::optional_string)?,
-                "operation" => r.operation = s.field(&mut seen, 6, Self::optional_string)?,
-                "object" => r.object = s.field(&mut seen, 7, Self::pod_object)?,
-                "oldObject" => r.old_object = s.field(&mut seen, 8, Self::pod_object)?,
+                "uid" => *uid = s.field(&mut seen, 0, Self::optional_string)?,
+                "kind" => *kind = s.field(&mut seen, 1, |s| s.optional(Self::kind))?,
+                "resource" => *resource = s.field(&mut seen, 2, |s| s.optional(Self::resource))?,
+                "subResource" => *sub_resource = s.field(&mut seen, 3, Self::optional_string)?,
+                "name" => *name = s.field(&mut seen, 4, Self::optional_string)?,
+                "namespace" => *namespace = s.field(&mut seen, 5, Self::optional_string)?,
+                "operation" => *operation = s.field(&mut seen, 6, Self::optional_string)?,
+                "object" => s.field(&mut seen, 7, |s| s.pod_object(object))?,
+                "oldObject" => s.field(&mut seen, 8, |s| s.pod_object(old_object))?,
                 _ => s.skip()?,
             }
             Ok(())
-        })?;
-        Ok(r)
+        })
     }
 
     fn kind(&mut self) -> Read<GroupVersionKind<'a>> {
@@ -788,12 +768,30 @@ impl<'a> Scanner<'a> {
 
     /// `request.object` or `request.oldObject`: `null` is absent, an object is the pod's
     /// view, anything else an empty one.
-    fn pod_object(&mut self) -> Read<Option<PodObject<'a>>> {
+    fn pod_object(&mut self, out: &mut Option<PodObject<'a>>) -> Read<()> {
         if self.peek()? == b'n' {
-            self.literal("null")?;
-            return Ok(None);
+            *out = None;
+            return self.literal("null");
         }
-        self.lenient(Self::pod).map(|pod| Some(PodObject(pod)))
+        let object = out.insert(PodObject(None));
+        self.lenient(&mut object.0, Self::pod)
+    }
+
+    /// An object read in place into `out` by `read`, `null` as `None`; anything else gives
+    /// up.
+    fn optional_in_place<T: Default>(
+        &mut self,
+        out: &mut Option<T>,
+        read: impl FnOnce(&mut Self, &mut T) -> Read<()>,
+    ) -> Read<()> {
+        match self.peek()? {
+            b'n' => {
+                *out = None;
+                self.literal("null")
+            }
+            b'{' => read(self, out.insert(T::default())),
+            _ => Err(GiveUp),
+        }
     }
 
     /// An object read by `read`, `null` as `None`; anything else gives up.
@@ -856,12 +854,18 @@ mod tests {
         serde_json::from_str(text).ok()
     }
 
+    /// The reader's reading of a body, when it takes it.
+    fn read(text: &str) -> Option<ReviewIn<'_, PodObject<'_>>> {
+        let mut review = ReviewIn::default();
+        read_review(text, &mut review).then_some(review)
+    }
+
     /// Holds both readers to serde; returns whether the review reader read the body.
     fn check(text: &str) -> bool {
         if let Some(uid) = read_uid(text) {
             assert_eq!(Some(uid), serde_uid(text.as_bytes()), "body: {text}");
         }
-        let Some(fast) = read_review(text) else {
+        let Some(fast) = read(text) else {
             return false;
         };
         assert_eq!(Some(fast), serde_view(text), "body: {text}");
@@ -945,7 +949,7 @@ mod tests {
     #[test]
     fn reads_a_pod_review_as_serde_does() {
         let text = review(training_pod()).to_string();
-        let fast = read_review(&text).expect("the reader takes a plain review");
+        let fast = read(&text).expect("the reader takes a plain review");
         let pod = fast.request.as_ref().unwrap().object.as_ref().unwrap();
         let containers = pod
             .0
@@ -1077,7 +1081,7 @@ mod tests {
         for (from, to) in edits {
             assert!(body.contains(from), "{from}");
             let text = body.replacen(from, to, 1);
-            assert!(read_review(&text).is_none(), "read: {to}");
+            assert!(read(&text).is_none(), "read: {to}");
         }
         let deep = format!("{}1{}", "[".repeat(70), "]".repeat(70));
         for text in [
@@ -1089,7 +1093,7 @@ mod tests {
             &review(json!({"spec": {"x": serde_json::from_str::<Value>(&deep).unwrap()}}))
                 .to_string(),
         ] {
-            assert!(read_review(text).is_none(), "read: {text}");
+            assert!(read(text).is_none(), "read: {text}");
         }
     }
 
