@@ -3,7 +3,8 @@
 //!
 //! CONTRACT (shared by the server and the engine; keep these signatures):
 //! - `PolicySource` gives the current policies and namespace labels (reflector caches in the
-//!   server, fixed values in tests and the CLI).
+//!   server, fixed values in tests and the CLI). A review reads them through
+//!   `PolicySource::lend`, which sources override to lend what they hold without copying.
 //! - `handle_review(body, source)` parses the body as `admission.k8s.io/v1` AdmissionReview
 //!   and returns the response review as JSON bytes plus a `ReviewSummary` for metrics/logs.
 //!   Bad input (not JSON, not a review, not a Pod, missing fields) still yields a review:
@@ -36,11 +37,8 @@ pub trait PolicySource: Send + Sync {
     }
 }
 
-/// A namespace's labels.
-pub type Labels = BTreeMap<String, String>;
-
 /// What [`PolicySource::lend`] calls with the policies and a namespace's labels.
-pub type PolicyReader<'r> = dyn FnMut(&[Arc<GpuPolicy>], Option<&Labels>) + 'r;
+pub type PolicyReader<'r> = dyn FnMut(&[Arc<GpuPolicy>], Option<&BTreeMap<String, String>>) + 'r;
 
 /// What happened to one review, for metrics and logs.
 #[derive(Clone, Debug, PartialEq, Eq)]

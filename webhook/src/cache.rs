@@ -17,7 +17,7 @@ use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
-use crate::admission::{Labels, PolicyReader, PolicySource};
+use crate::admission::{PolicyReader, PolicySource};
 use crate::metrics::Metrics;
 use crate::server::Shutdown;
 
@@ -293,7 +293,7 @@ impl PolicySource for ReflectorCache {
     }
 
     fn lend(&self, namespace: &str, read: &mut PolicyReader<'_>) {
-        let no_labels = Labels::new();
+        let no_labels = BTreeMap::new();
         let known = self.namespaces.get(&ObjectRef::new(namespace));
         let labels = known
             .as_ref()
