@@ -155,17 +155,22 @@ mod tests {
         }
     }
 
-    #[test]
-    fn globs_match_the_reference_wherever_the_text_is_split() {
-        // Small alphabets, so that matches, near misses and prefixes that run into the
-        // tail all come up.
-        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = |n: u64| {
+    /// Pseudo-random numbers below `n` from a seed: the same sequence on every run.
+    fn numbers(seed: u64) -> impl FnMut(u64) -> u64 {
+        let mut state = seed;
+        move |n| {
             state = state
                 .wrapping_mul(6_364_136_223_846_793_005)
                 .wrapping_add(1);
             (state >> 33) % n
-        };
+        }
+    }
+
+    #[test]
+    fn globs_match_the_reference_wherever_the_text_is_split() {
+        // Small alphabets, so that matches, near misses and prefixes that run into the
+        // tail all come up.
+        let mut next = numbers(0x9e37_79b9_7f4a_7c15);
         for _ in 0..20_000 {
             let p: Vec<u8> = (0..next(7)).map(|_| b"ab:*?"[next(5) as usize]).collect();
             let t: Vec<u8> = (0..next(8)).map(|_| b"ab:"[next(3) as usize]).collect();
@@ -187,13 +192,7 @@ mod tests {
     fn image_exemption_matches_the_reference_with_and_without_a_tag() {
         // Patterns whose literal start is shorter or longer than the image, runs into the
         // implied `:latest`, or is empty.
-        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = |n: u64| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1);
-            (state >> 33) % n
-        };
+        let mut next = numbers(0x2545_f491_4f6c_dd1d);
         for _ in 0..20_000 {
             let image: String = (0..next(6))
                 .map(|_| ["a", "b", "/", ":", "l", "@"][next(6) as usize])

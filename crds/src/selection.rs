@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
 use crate::GpuPolicy;
 use crate::selector::{self, Labels};
 
@@ -93,30 +95,32 @@ where
     N: Labels + ?Sized,
     P: Labels + ?Sized,
 {
-    let name = policy.metadata.name.as_deref().unwrap_or("");
-    match selector::matches(&policy.spec.namespace_selector, namespace_labels) {
-        Ok(true) => {}
-        Ok(false) => return false,
-        Err(e) => {
-            skipped.push(format!(
-                "GpuPolicy {name} ignored: invalid namespaceSelector: {e}"
-            ));
-            return false;
-        }
-    }
-    if let Some(pod_selector) = &policy.spec.pod_selector {
-        match selector::matches(pod_selector, pod_labels) {
-            Ok(true) => {}
-            Ok(false) => return false,
-            Err(e) => {
-                skipped.push(format!(
-                    "GpuPolicy {name} ignored: invalid podSelector: {e}"
-                ));
-                return false;
-            }
-        }
-    }
-    true
+    let spec = &policy.spec;
+    matches(
+        policy,
+        &spec.namespace_selector,
+        namespace_labels,
+        "namespaceSelector",
+        skipped,
+    ) && spec.pod_selector.as_ref().is_none_or(|pod_selector| {
+        matches(policy, pod_selector, pod_labels, "podSelector", skipped)
+    })
+}
+
+/// Whether `policy`'s `field` selects `labels`; an invalid one selects nothing and is named
+/// in `skipped`.
+fn matches<L: Labels + ?Sized>(
+    policy: &GpuPolicy,
+    selector: &LabelSelector,
+    labels: &L,
+    field: &str,
+    skipped: &mut Vec<String>,
+) -> bool {
+    selector::matches(selector, labels).unwrap_or_else(|e| {
+        let name = policy.metadata.name.as_deref().unwrap_or("");
+        skipped.push(format!("GpuPolicy {name} ignored: invalid {field}: {e}"));
+        false
+    })
 }
 
 #[cfg(test)]
