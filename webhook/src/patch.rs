@@ -33,8 +33,8 @@ struct Ops<'o> {
 }
 
 impl Ops<'_> {
-    /// Writes `{"op":"<op>","path":"<base><rest>"` (the object is left open). `base` is a
-    /// pointer already written ([`Base`]).
+    /// Writes `{"op":"<op>","path":"<base><rest>"`, the object left open: `header` is the
+    /// part up to the path's opening quote, `base` a pointer already written ([`Base`]).
     fn open(&mut self, header: &[u8], base: &[u8], rest: &[Token<'_>]) {
         let out = &mut *self.out;
         if self.count > 0 {

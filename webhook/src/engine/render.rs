@@ -1,8 +1,10 @@
 //! Writing what a plan does, in the three forms the answer carries: a warning per container
-//! (kubectl prints them), one summary line (the `changes` audit annotation) and the
-//! `gpuwarden.io/rewritten` report (JSON). All three are written from the same phrases.
+//! (kubectl prints them) and one summary line (the `changes` audit annotation), both from
+//! the same phrases, and the `gpuwarden.io/rewritten` report, which says the same as JSON.
 
 use super::plan::{ContainerPlan, CountFrom, EnvValue, Plan};
+use super::{ContainerKind, MAX_WARNING_LEN};
+use crate::json_out;
 
 /// A [`Lit`] from a byte string literal, its escaped form worked out at compile time.
 macro_rules! lit {
@@ -16,8 +18,6 @@ macro_rules! lit {
         &LIT
     }};
 }
-use super::{ContainerKind, MAX_WARNING_LEN};
-use crate::json_out;
 
 /// Phrases written one after another with a separator.
 struct Phrases<'o> {
