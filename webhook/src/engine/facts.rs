@@ -7,6 +7,7 @@ use gpuwarden_crds::{
     RESOURCE_MIG_PREFIX,
 };
 
+use super::list::SmallList;
 use super::{ContainerKind, ContainerRef, ENV_VISIBLE_DEVICES, VisibleDevices, image_exempt};
 use crate::pod::{Container, Map, PodView, Scalar};
 
@@ -56,12 +57,12 @@ pub(super) struct PodFacts<'a> {
 /// The pod's device hostPath volumes: name and path, sorted by name, each name once (the
 /// last of a repeated name wins, as it does in the kubelet's map of volumes).
 #[derive(Debug, Default)]
-pub(super) struct DeviceVolumes<'a>(Vec<(&'a str, &'a str)>);
+pub(super) struct DeviceVolumes<'a>(SmallList<(&'a str, &'a str), 4>);
 
 impl<'a> DeviceVolumes<'a> {
     fn insert(&mut self, name: &'a str, path: &'a str) {
         match self.0.binary_search_by(|(n, _)| (*n).cmp(name)) {
-            Ok(i) => self.0[i].1 = path,
+            Ok(i) => self.0.set(i, (name, path)),
             Err(i) => self.0.insert(i, (name, path)),
         }
     }

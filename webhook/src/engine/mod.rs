@@ -17,6 +17,7 @@
 //! `mutate` command ([`crate::mutate`]), where the "pod" is a workload's pod template.
 
 mod facts;
+mod list;
 mod plan;
 mod render;
 
@@ -203,6 +204,10 @@ enum Set {
 
 /// What a decision holds beyond its verdict.
 #[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "a decision lives on the stack for one review; boxing the plan costs an allocation per rewrite"
+)]
 enum Detail<'a> {
     /// Nothing more.
     Plain,

@@ -8,6 +8,7 @@ use std::fmt;
 use gpuwarden_crds::{ANNOTATION_GPU_COUNT, GpuPolicy, VisibleDevicesAll};
 
 use super::facts::{ContainerFacts, DeviceVolumes, PodFacts};
+use super::list::SmallList;
 use super::{
     ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
     ENV_VISIBLE_DEVICES, VisibleDevices,
@@ -21,9 +22,9 @@ pub(super) struct Plan<'a> {
     /// The containers the rewrite touches, in the pod's order.
     pub(super) containers: Vec<ContainerPlan<'a>>,
     /// Indices of the `spec.volumes` entries removed, ascending.
-    pub(super) volumes: Vec<usize>,
+    pub(super) volumes: Indices,
     /// Names of the device volumes removed, sorted.
-    pub(super) volumes_removed: Vec<&'a str>,
+    pub(super) volumes_removed: Names<'a>,
     /// Pod annotations removed (`cdi.k8s.io/*`), sorted.
     pub(super) annotations_removed: Vec<&'a str>,
     /// Why Enforce cannot rewrite the pod as it is.
@@ -54,9 +55,9 @@ pub(super) struct ContainerPlan<'a> {
     /// Rule 4: how its `env` changes.
     pub(super) env: Option<EnvEdit<'a>>,
     /// Rule 5: indices of the `volumeMounts` entries removed, ascending.
-    pub(super) mounts: Vec<usize>,
+    pub(super) mounts: Indices,
     /// Names of the volumes whose mounts are removed, each once, in order.
-    pub(super) mounts_removed: Vec<&'a str>,
+    pub(super) mounts_removed: Names<'a>,
 }
 
 /// A GPU limit the rewrite adds.
@@ -141,11 +142,11 @@ impl fmt::Display for CountFrom<'_> {
 #[derive(Debug)]
 pub(super) struct EnvEdit<'a> {
     /// Indices of entries to remove, ascending.
-    pub(super) remove: Vec<usize>,
+    pub(super) remove: Indices,
     /// Whether the pair that is set is appended (it was missing, different or repeated).
     pub(super) append: bool,
     /// Names removed, each once, in the order first seen.
-    pub(super) removed: Names,
+    pub(super) removed: SmallList<&'static str, 3>,
     /// The pair the container ends up with, when it was not already so.
     pub(super) set: Option<(&'static str, EnvValue<'a>)>,
 }
@@ -159,25 +160,11 @@ pub(super) enum EnvValue<'a> {
     Fixed(&'a str),
 }
 
-/// Up to three of the engine's own environment variable names, each once.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Names {
-    names: [&'static str; 3],
-    len: usize,
-}
+/// Indices of list entries, ascending.
+pub(super) type Indices = SmallList<usize, 4>;
 
-impl Names {
-    fn insert(&mut self, name: &'static str) {
-        if !self.as_slice().contains(&name) && self.len < self.names.len() {
-            self.names[self.len] = name;
-            self.len += 1;
-        }
-    }
-
-    pub(super) fn as_slice(&self) -> &[&'static str] {
-        &self.names[..self.len]
-    }
-}
+/// Names (of volumes), in the order the messages give them.
+pub(super) type Names<'a> = SmallList<&'a str, 4>;
 
 /// A capability name as the runtime reads it: trimmed, upper case, without `CAP_`. Borrowed
 /// when it already is.
@@ -195,9 +182,9 @@ pub(super) fn normalise_cap(cap: &str) -> Cow<'_, str> {
 
 /// Device volumes that go: those no exempt container mounts (none when the policy keeps
 /// device hostPaths). Sorted.
-pub(super) fn volumes_to_strip<'a>(facts: &PodFacts<'a>, policy: &GpuPolicy) -> Vec<&'a str> {
+pub(super) fn volumes_to_strip<'a>(facts: &PodFacts<'a>, policy: &GpuPolicy) -> Names<'a> {
     if !policy.spec.strip_device_host_paths {
-        return Vec::new();
+        return Names::default();
     }
     facts
         .device_volumes
@@ -217,13 +204,13 @@ pub(super) fn plan_pod<'a>(
     pod: &'a crate::pod::PodView<'a>,
     facts: PodFacts<'a>,
     policy: &'a GpuPolicy,
-    strip: Vec<&'a str>,
+    strip: Names<'a>,
 ) -> Plan<'a> {
     let spec = &policy.spec;
     let mut plan = Plan {
-        containers: Vec::new(),
-        volumes: Vec::new(),
-        volumes_removed: Vec::new(),
+        containers: Vec::with_capacity(facts.containers.len()),
+        volumes: Indices::default(),
+        volumes_removed: Names::default(),
         annotations_removed: Vec::new(),
         denials: Vec::new(),
         driver_capabilities: spec.driver_capabilities.join(","),
@@ -241,8 +228,8 @@ pub(super) fn plan_pod<'a>(
             caps_refused: Vec::new(),
             limit: None,
             env: None,
-            mounts: Vec::new(),
-            mounts_removed: Vec::new(),
+            mounts: Indices::default(),
+            mounts_removed: Names::default(),
         };
         if target {
             capabilities(&mut p, c.value, policy);
@@ -436,9 +423,9 @@ fn rewrite_env<'a>(
 ) -> Option<EnvEdit<'a>> {
     let env = container.env.as_deref().unwrap_or_default();
     let mut edit = EnvEdit {
-        remove: Vec::new(),
+        remove: Indices::default(),
         append: false,
-        removed: Names::default(),
+        removed: SmallList::default(),
         set: None,
     };
     let wanted = set.map(|(k, v)| {
@@ -453,7 +440,9 @@ fn rewrite_env<'a>(
     for (i, entry) in env.iter().enumerate() {
         let name = entry.name.as_deref().unwrap_or("");
         if let Some(&known) = remove.iter().find(|r| **r == name) {
-            edit.removed.insert(known);
+            if !edit.removed.contains(&known) {
+                edit.removed.push(known);
+            }
             edit.remove.push(i);
             continue;
         }

@@ -109,7 +109,7 @@ impl Plan<'_> {
             }
         }
         if let Some(env) = &c.env {
-            list_phrase(phrases, "env ", env.removed.as_slice(), " removed");
+            list_phrase(phrases, "env ", &env.removed, " removed");
             if let Some((name, value)) = &env.set {
                 let out = phrases.next();
                 out.push_str(name);
@@ -273,7 +273,7 @@ impl Plan<'_> {
             out.string(&limit.from.parts());
         }
         if let Some(env) = &c.env {
-            list_field(out, lit!(b",\"envRemoved\":"), env.removed.as_slice());
+            list_field(out, lit!(b",\"envRemoved\":"), &env.removed);
             if let Some((name, value)) = &env.set {
                 out.lit(lit!(b",\"envSet\":{"));
                 out.string(&[name]);
