@@ -352,18 +352,14 @@ fn answer(
             let empty = PodView::default();
             let pod = request.object.as_ref().map(|o| {
                 let view = o.0.as_ref().unwrap_or(&empty);
-                display_name(view, request.namespace.as_deref(), request.name.as_deref())
+                let namespace = namespace_of(view, request.namespace.as_deref());
+                display_name(view, namespace, request.name.as_deref())
             });
             return invalid(api_version, uid, pod, &error);
         }
     };
-    let namespace = request
-        .namespace
-        .as_deref()
-        .filter(|n| !n.is_empty())
-        .or_else(|| pod.metadata.as_ref()?.namespace.as_deref())
-        .unwrap_or("default");
-    let name = display_name(pod, Some(namespace), request.name.as_deref());
+    let namespace = namespace_of(pod, request.namespace.as_deref());
+    let name = display_name(pod, namespace, request.name.as_deref());
     let mut answer = None;
     source.lend(namespace, &mut |policies, known| {
         let input = Input {
@@ -444,13 +440,17 @@ fn target<'r, 'a>(
     Ok(Some((op, pod)))
 }
 
-/// `namespace/name`, or `namespace/generateName*` for a pod not yet named.
-fn display_name(pod: &PodView<'_>, namespace: Option<&str>, name: Option<&str>) -> String {
-    let metadata = pod.metadata.as_ref();
-    let namespace = namespace
+/// The pod's namespace: the request's, else the pod's own, else `default`.
+fn namespace_of<'p>(pod: &'p PodView<'_>, requested: Option<&'p str>) -> &'p str {
+    requested
         .filter(|n| !n.is_empty())
-        .or_else(|| metadata?.namespace.as_deref())
-        .unwrap_or("default");
+        .or_else(|| pod.metadata.as_ref()?.namespace.as_deref())
+        .unwrap_or("default")
+}
+
+/// `namespace/name`, or `namespace/generateName*` for a pod not yet named.
+fn display_name(pod: &PodView<'_>, namespace: &str, name: Option<&str>) -> String {
+    let metadata = pod.metadata.as_ref();
     let name = name
         .filter(|n| !n.is_empty())
         .or_else(|| metadata?.name.as_deref());
