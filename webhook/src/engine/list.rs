@@ -47,6 +47,16 @@ impl<T: Copy + Default, const N: usize> SmallList<T, N> {
         }
     }
 
+    /// Appends `item` unless the list already holds it.
+    pub(super) fn push_new(&mut self, item: T)
+    where
+        T: PartialEq,
+    {
+        if !self.contains(&item) {
+            self.push(item);
+        }
+    }
+
     /// Sets the entry at `index`.
     pub(super) fn set(&mut self, index: usize, item: T) {
         let slot = match self {
@@ -105,5 +115,14 @@ mod tests {
             let collected: SmallList<usize, 4> = vec.iter().copied().collect();
             assert_eq!(&*collected, vec.as_slice());
         }
+    }
+
+    #[test]
+    fn push_new_keeps_each_entry_once_in_first_seen_order() {
+        let mut list: SmallList<u8, 2> = SmallList::default();
+        for item in [3, 1, 3, 2, 1, 4, 2] {
+            list.push_new(item);
+        }
+        assert_eq!(&*list, &[3, 1, 2, 4]);
     }
 }

@@ -301,9 +301,7 @@ pub(super) fn plan_pod<'a>(
             for (i, name) in c.mount_names().enumerate() {
                 if strips(name) {
                     p.mounts.push(i);
-                    if !p.mounts_removed.contains(&name) {
-                        p.mounts_removed.push(name);
-                    }
+                    p.mounts_removed.push_new(name);
                 }
             }
         }
@@ -440,9 +438,7 @@ fn rewrite_env<'a>(
     for (i, entry) in env.iter().enumerate() {
         let name = entry.name.as_deref().unwrap_or("");
         if let Some(&known) = remove.iter().find(|r| **r == name) {
-            if !edit.removed.contains(&known) {
-                edit.removed.push(known);
-            }
+            edit.removed.push_new(known);
             edit.remove.push(i);
             continue;
         }
