@@ -4,6 +4,7 @@
 //! This crate does no I/O. The CRD YAML under `deploy/crds/` is generated from these
 //! types (`cargo run -p gpuwarden-crds --bin crdgen`) and a test fails when they drift.
 
+pub mod bounds;
 pub mod conditions;
 pub mod duration;
 pub mod exemptions;
@@ -15,7 +16,7 @@ pub mod selector;
 
 pub use node::{
     Binding, BindingSource, DriverInfo, GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus,
-    GpuNodeSummary, GpuStatus, HealthState, MigDevice, PodRef, RuntimeStatus,
+    GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice, PodRef, RuntimeStatus, Truncated,
 };
 pub use policy::{
     CapabilitiesSpec, Exemptions, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec,
@@ -83,6 +84,8 @@ pub mod condition_types {
     pub const ISOLATED: &str = "Isolated";
     /// The NVIDIA runtime does not hand GPUs to unprivileged containers by environment variable.
     pub const RUNTIME_ISOLATION: &str = "RuntimeIsolation";
+    /// The node agent listed everything it found: no list was cut to its bound.
+    pub const STATUS_COMPLETE: &str = "StatusComplete";
     /// `GpuPolicy`: the spec is valid and in force.
     pub const READY: &str = "Ready";
 }

@@ -117,6 +117,7 @@ mod tests {
             [
                 "Node",
                 "GPUs",
+                "Source",
                 "Healthy",
                 "Allocated",
                 "Model",

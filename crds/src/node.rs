@@ -7,6 +7,12 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::bounds::{
+    self, DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN, MAX_BINDING_DEVICES, MAX_BINDINGS, MAX_GPUS,
+    MAX_HEALTH_REASONS, MAX_MIG_DEVICES, MAX_PRIVILEGED_PODS, MESSAGE_LEN, NVML_STRING_LEN,
+    PATH_LEN, PCI_BUS_ID_LEN, QUALIFIED_NAME_LEN, REASON_LEN, UUID_LEN,
+};
+
 /// A node's GPUs: what they are, whether they are healthy, and which pod holds which.
 // kube-derive takes one `printcolumn(...)` per column, which clippy reads as a duplicate.
 #[allow(clippy::duplicated_attributes)]
@@ -20,6 +26,11 @@ use serde::{Deserialize, Serialize};
     status = "GpuNodeStatus",
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.nodeName"),
     printcolumn(name = "GPUs", type_ = "integer", json_path = ".status.summary.gpus"),
+    printcolumn(
+        name = "Source",
+        type_ = "string",
+        json_path = ".status.summary.gpusFrom"
+    ),
     printcolumn(
         name = "Healthy",
         type_ = "integer",
@@ -67,33 +78,44 @@ use serde::{Deserialize, Serialize};
     )
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = bounds::kubernetes_integers)]
 pub struct GpuNodeSpec {
     /// Name of the Node this object describes (equal to `metadata.name`).
+    #[schemars(length(max = DNS_SUBDOMAIN_LEN))]
     pub node_name: String,
 }
 
 /// Observed state of a GPU node. Small and slow-changing: no utilisation, temperatures or
-/// per-poll timestamps (those are metrics).
+/// per-poll timestamps (those are metrics). Every list is bounded; the node agent keeps the
+/// most important entries when a list would be longer and counts the rest in `truncated`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = bounds::kubernetes_integers)]
 pub struct GpuNodeStatus {
     /// Driver, CUDA and NVML versions (node agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub driver: Option<DriverInfo>,
 
-    /// The node's GPUs, keyed by UUID (node agent).
+    /// The node's GPUs, keyed by UUID (node agent). At most 32; beyond that unhealthy GPUs
+    /// are kept first and the rest counted in `truncated.gpus`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_GPUS))]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["uuid"]))]
     pub gpus: Option<Vec<GpuStatus>>,
 
     /// Which pod container holds which GPUs, keyed by pod UID and container (node agent).
+    /// At most 512; beyond that out-of-band bindings are kept first and the rest counted in
+    /// `truncated.bindings`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_BINDINGS))]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["podUid", "container"]))]
     pub bindings: Option<Vec<Binding>>,
 
     /// Pods on this node with a privileged GPU container (node agent), exempt ones included
-    /// and marked.
+    /// and marked. At most 256; beyond that pods no exemption covers are kept first and the
+    /// rest counted in `truncated.privilegedPods`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MAX_PRIVILEGED_PODS))]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["uid"]))]
     pub privileged_pods: Option<Vec<PodRef>>,
 
@@ -101,8 +123,15 @@ pub struct GpuNodeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<RuntimeStatus>,
 
-    /// `AgentReady`, `Healthy`, `Isolated`, `RuntimeIsolation` (operator).
+    /// Entries the node agent left out of its lists to stay within their bounds, per list;
+    /// absent when nothing was left out (node agent). The `StatusComplete` condition says the
+    /// same.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncated: Option<Truncated>,
+
+    /// `AgentReady`, `Healthy`, `Isolated`, `RuntimeIsolation`, `StatusComplete` (operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = bounds::conditions)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Option<Vec<Condition>>,
 
@@ -116,12 +145,15 @@ pub struct GpuNodeStatus {
 #[serde(rename_all = "camelCase")]
 pub struct DriverInfo {
     /// Kernel driver version, e.g. `550.54.15`.
+    #[schemars(length(max = NVML_STRING_LEN))]
     pub driver_version: String,
     /// Highest CUDA version the driver supports, e.g. `12.4`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = NVML_STRING_LEN))]
     pub cuda_driver_version: Option<String>,
     /// NVML library version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = NVML_STRING_LEN))]
     pub nvml_version: Option<String>,
 }
 
@@ -132,12 +164,15 @@ pub struct GpuStatus {
     /// NVML index on this node.
     pub index: u32,
     /// GPU UUID, e.g. `GPU-5e4f...`.
+    #[schemars(length(max = UUID_LEN))]
     pub uuid: String,
     /// Product name, e.g. `NVIDIA H100 80GB HBM3`.
+    #[schemars(length(max = NVML_STRING_LEN))]
     pub model: String,
     /// Total framebuffer memory in MiB.
     pub memory_mi_b: u64,
     /// PCI bus id, e.g. `00000000:18:00.0`.
+    #[schemars(length(max = PCI_BUS_ID_LEN))]
     pub pci_bus_id: String,
     /// Minor number of `/dev/nvidia<N>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -146,8 +181,10 @@ pub struct GpuStatus {
     /// waits for a GPU reset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mig_mode: Option<MigMode>,
-    /// MIG devices, when MIG is enabled.
+    /// MIG devices, when MIG is enabled. At most 16 (a GPU has at most 7 today); the rest
+    /// are counted in `truncated.migDevices`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_MIG_DEVICES))]
     pub mig_devices: Vec<MigDevice>,
     /// Health as the agent judges it.
     pub health: GpuHealth,
@@ -158,8 +195,10 @@ pub struct GpuStatus {
 #[serde(rename_all = "camelCase")]
 pub struct MigMode {
     /// Mode in force.
+    #[schemars(length(max = 32))]
     pub current: String,
     /// Mode after the next GPU reset.
+    #[schemars(length(max = 32))]
     pub pending: String,
 }
 
@@ -168,9 +207,11 @@ pub struct MigMode {
 #[serde(rename_all = "camelCase")]
 pub struct MigDevice {
     /// MIG device UUID, e.g. `MIG-1a2b...`.
+    #[schemars(length(max = UUID_LEN))]
     pub uuid: String,
     /// Profile name, e.g. `1g.10gb`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
     pub profile: Option<String>,
     /// GPU instance id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -199,11 +240,14 @@ pub enum HealthState {
 pub struct GpuHealth {
     /// `Healthy` or `Unhealthy`.
     pub state: HealthState,
-    /// Why it is unhealthy, e.g. `Xid79: GPU has fallen off the bus`.
+    /// Why it is unhealthy, e.g. `Xid79: GPU has fallen off the bus`. At most 16 reasons
+    /// of 512 characters; the rest are counted in `truncated.healthReasons`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_HEALTH_REASONS), inner(length(max = REASON_LEN)))]
     pub reasons: Vec<String>,
     /// When the state last changed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = bounds::timestamp)]
     pub since: Option<Time>,
 }
 
@@ -225,18 +269,25 @@ pub enum BindingSource {
 #[serde(rename_all = "camelCase")]
 pub struct Binding {
     /// Pod UID.
+    #[schemars(length(max = 64))]
     pub pod_uid: String,
     /// Container name.
+    #[schemars(length(max = DNS_LABEL_LEN))]
     pub container: String,
     /// Pod namespace.
+    #[schemars(length(max = DNS_LABEL_LEN))]
     pub namespace: String,
     /// Pod name.
+    #[schemars(length(max = DNS_SUBDOMAIN_LEN))]
     pub pod: String,
     /// Resource name the GPUs were allocated under (e.g. `nvidia.com/gpu`); absent when only
     /// observed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = QUALIFIED_NAME_LEN))]
     pub resource_name: Option<String>,
-    /// GPU (or MIG device) UUIDs.
+    /// GPU (or MIG device) UUIDs. At most 64; the rest are counted in
+    /// `truncated.bindingDevices`.
+    #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = UUID_LEN)))]
     pub gpu_uuids: Vec<String>,
     /// `Allocated`, `Observed` (out of band) or `AllocatedAndObserved`.
     pub source: BindingSource,
@@ -254,15 +305,19 @@ impl Binding {
 #[serde(rename_all = "camelCase")]
 pub struct PodRef {
     /// Pod UID.
+    #[schemars(length(max = 64))]
     pub uid: String,
     /// Pod namespace.
+    #[schemars(length(max = DNS_LABEL_LEN))]
     pub namespace: String,
     /// Pod name.
+    #[schemars(length(max = DNS_SUBDOMAIN_LEN))]
     pub name: String,
     /// The GpuPolicy exemption that lets this pod keep its privilege (GPU Operator
     /// components and the like), as `<policy>: <reason>`; absent when none does. Exempt
     /// pods are listed but leave the node `Isolated` and are not counted in the summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = REASON_LEN))]
     pub exempt: Option<String>,
 }
 
@@ -272,6 +327,7 @@ pub struct PodRef {
 pub struct RuntimeStatus {
     /// Path of the NVIDIA container runtime `config.toml` read, when one was found.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = PATH_LEN))]
     pub config_path: Option<String>,
     /// `accept-nvidia-visible-devices-envvar-when-unprivileged`: when true (NVIDIA's default)
     /// an unprivileged container gets GPUs by setting `NVIDIA_VISIBLE_DEVICES`.
@@ -279,14 +335,17 @@ pub struct RuntimeStatus {
     pub accept_env_var_when_unprivileged: Option<bool>,
     /// Runtime mode: `auto`, `legacy`, `cdi` or `csv`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
     pub mode: Option<String>,
     /// Device list strategy of the device plugin / runtime (`envvar`, `volume-mounts`, `cdi-annotations`, `cdi-cri`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
     pub device_list_strategy: Option<String>,
     /// Whether NVIDIA CDI specs exist under `/etc/cdi` or `/var/run/cdi`.
     pub cdi_enabled: bool,
     /// What could not be read, if anything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = MESSAGE_LEN))]
     pub error: Option<String>,
 }
 
@@ -302,12 +361,60 @@ impl RuntimeStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GpuNodeSummary {
-    /// GPUs the agent reports.
+    /// GPUs on the node: what the agent reports, or, before it has, the Node's allocatable
+    /// `nvidia.com/gpu` (see `gpusFrom`).
     pub gpus: u32,
-    /// Healthy GPUs.
-    pub healthy: u32,
-    /// GPUs allocated to or used by a pod.
-    pub allocated: u32,
-    /// Pods on the node with a privileged GPU container that no exemption covers.
+    /// Where `gpus` comes from: `Agent` (NVML) or `Node` (allocatable, until an agent
+    /// reports).
+    #[serde(default)]
+    pub gpus_from: GpusFrom,
+    /// Healthy GPUs; absent until the agent reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub healthy: Option<u32>,
+    /// GPUs allocated to or used by a pod; absent until the agent reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated: Option<u32>,
+    /// Pods on the node with a privileged GPU container that no exemption covers; absent
+    /// until the agent reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privileged_pods: Option<u32>,
+}
+
+/// See [`GpuNodeSummary::gpus_from`].
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum GpusFrom {
+    /// The node agent's NVML inventory.
+    #[default]
+    Agent,
+    /// The Node's allocatable `nvidia.com/gpu`: no agent has reported yet.
+    Node,
+}
+
+/// How many entries the node agent left out of each list of its status. Zero fields are
+/// omitted.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Truncated {
+    /// GPUs left out of `gpus`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gpus: u32,
+    /// MIG devices left out, over all GPUs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mig_devices: u32,
+    /// Health reasons left out, over all GPUs.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub health_reasons: u32,
+    /// Bindings left out of `bindings`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bindings: u32,
+    /// Device UUIDs left out, over all bindings.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub binding_devices: u32,
+    /// Pods left out of `privilegedPods`.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub privileged_pods: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use crate::bounds::{self, DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN, IMAGE_LEN, QUALIFIED_NAME_LEN};
 use crate::duration::DURATION_PATTERN;
 
 /// How privileged GPU pods are treated. The highest-priority `GpuPolicy` whose selectors match
@@ -41,20 +42,24 @@ use crate::duration::DURATION_PATTERN;
     )
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = bounds::kubernetes_integers)]
 pub struct GpuPolicySpec {
     /// Priority among policies that select the same pod: the highest wins, ties go to the
     /// policy whose name sorts first.
     #[serde(default)]
     pub priority: i32,
 
-    /// Namespaces this policy governs, by label. `{}` selects every namespace.
+    /// Namespaces this policy governs, by label. `{}` selects every namespace. At most 64
+    /// `matchLabels` and 32 `matchExpressions` of 64 values each.
     #[serde(default)]
+    #[schemars(transform = bounds::label_selector)]
     pub namespace_selector: LabelSelector,
 
     /// Optional narrowing to pods with these labels. It can only narrow what the namespace
     /// selector chose; it is never a way for a pod to opt out of a stricter policy, because
     /// the next policy in priority order still applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(transform = bounds::label_selector)]
     pub pod_selector: Option<LabelSelector>,
 
     /// What happens to a governed pod with a privileged GPU container: `Enforce` rewrites it,
@@ -77,7 +82,7 @@ pub struct GpuPolicySpec {
     /// `NVIDIA_DRIVER_CAPABILITIES` set on rewritten containers.
     #[serde(default = "default_driver_capabilities")]
     #[x_kube(validation = Rule::new("self.all(c, c in ['compute', 'utility', 'video', 'graphics', 'display', 'compat32'])").message("driver capabilities are compute, utility, video, graphics, display or compat32"))]
-    #[schemars(length(max = 6))]
+    #[schemars(length(max = 6), inner(length(max = 16)))]
     pub driver_capabilities: Vec<String>,
 
     /// Remove hostPath volumes of `/dev`, `/dev/nvidia*` and `/dev/dri` (and their mounts)
@@ -150,7 +155,7 @@ pub struct GpuSpec {
     /// Extended resource name a rewritten container requests.
     #[serde(default = "default_resource_name")]
     #[x_kube(validation = Rule::new("self.matches('^[a-z0-9.-]+/[a-zA-Z0-9._-]+$')").message("resourceName must be a domain-prefixed extended resource name such as nvidia.com/gpu"))]
-    #[schemars(length(max = 253))]
+    #[schemars(length(max = QUALIFIED_NAME_LEN))]
     pub resource_name: String,
 
     /// GPUs requested when neither an annotation nor `NVIDIA_VISIBLE_DEVICES` says how many.
@@ -200,14 +205,14 @@ pub struct CapabilitiesSpec {
     /// Capabilities always added to a rewritten container.
     #[serde(default)]
     #[x_kube(validation = Rule::new("self.all(c, c.matches('^[A-Z][A-Z0-9_]*$') && !c.startsWith('CAP_'))").message("capability names are upper case without the CAP_ prefix, e.g. IPC_LOCK"))]
-    #[schemars(length(max = 64))]
+    #[schemars(length(max = 64), inner(length(max = CAPABILITY_LEN)))]
     pub default: Vec<String>,
 
     /// Capabilities a rewritten container keeps when it asked for them (`capabilities.add`).
     /// Anything else it asked for is dropped and named in a warning.
     #[serde(default = "default_allowed_caps")]
     #[x_kube(validation = Rule::new("self.all(c, c.matches('^[A-Z][A-Z0-9_]*$') && !c.startsWith('CAP_'))").message("capability names are upper case without the CAP_ prefix, e.g. IPC_LOCK"))]
-    #[schemars(length(max = 64))]
+    #[schemars(length(max = 64), inner(length(max = CAPABILITY_LEN)))]
     pub allowed: Vec<String>,
 }
 
@@ -225,21 +230,22 @@ impl Default for CapabilitiesSpec {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct Exemptions {
-    /// Namespaces whose pods are never changed.
+    /// Namespaces whose pods are never changed (at most 256).
     #[serde(default)]
-    #[schemars(length(max = 256))]
+    #[schemars(length(max = 256), inner(length(max = DNS_LABEL_LEN)))]
     pub namespaces: Vec<String>,
 
-    /// Service accounts, as `namespace/name`, whose pods are never changed.
+    /// Service accounts, as `namespace/name`, whose pods are never changed (at most 256).
     #[serde(default)]
     #[x_kube(validation = Rule::new("self.all(s, s.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$'))").message("service accounts are written namespace/name"))]
-    #[schemars(length(max = 256))]
+    #[schemars(length(max = 256), inner(length(max = SERVICE_ACCOUNT_LEN)))]
     pub service_accounts: Vec<String>,
 
     /// Image glob patterns (`*` and `?`), e.g. `nvcr.io/nvidia/k8s/dcgm-exporter:*`. A
-    /// container whose image matches keeps its privilege.
+    /// container whose image matches keeps its privilege. At most 256 patterns of 512
+    /// characters.
     #[serde(default)]
-    #[schemars(length(max = 256))]
+    #[schemars(length(max = 256), inner(length(max = IMAGE_LEN)))]
     pub images: Vec<String>,
 }
 
@@ -249,6 +255,7 @@ pub struct Exemptions {
 pub struct HealthSpec {
     /// Nodes these rules apply to, by label. `{}` selects every node.
     #[serde(default)]
+    #[schemars(transform = bounds::label_selector)]
     pub node_selector: LabelSelector,
 
     /// XID error codes that do not make a GPU unhealthy (application errors such as 13, 31,
@@ -277,6 +284,7 @@ impl Default for HealthSpec {
 /// Observed state of a `GpuPolicy`, written by the operator.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = bounds::kubernetes_integers)]
 pub struct GpuPolicyStatus {
     /// The `metadata.generation` the operator last validated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -284,9 +292,16 @@ pub struct GpuPolicyStatus {
 
     /// `Ready`: the spec is valid; when it is not, the reason and message say why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(transform = bounds::conditions)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
+
+/// Longest Linux capability name without `CAP_` (the longest today, `CHECKPOINT_RESTORE`,
+/// has 18).
+const CAPABILITY_LEN: usize = 32;
+/// Longest `namespace/name` of a service account.
+const SERVICE_ACCOUNT_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
 fn default_true() -> bool {
     true

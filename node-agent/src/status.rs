@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use gpuwarden_crds::bounds;
 use gpuwarden_crds::{
     Binding, BindingSource, GpuNodeStatus, GpuStatus, HealthState, PodRef, RuntimeStatus,
 };
@@ -209,16 +210,20 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
         }
     }
 
+    let mut status = GpuNodeStatus {
+        driver: Some(input.reading.driver.clone()),
+        gpus: Some(gpus),
+        bindings: Some(bindings),
+        privileged_pods: Some(privileged.into_values().collect()),
+        runtime: Some(input.runtime.clone()),
+        truncated: None,
+        conditions: None,
+        summary: None,
+    };
+    // The metrics keep every holder; only the status is cut to the CRD's bounds.
+    bounds::fit_status(&mut status);
     Computed {
-        status: GpuNodeStatus {
-            driver: Some(input.reading.driver.clone()),
-            gpus: Some(gpus),
-            bindings: Some(bindings),
-            privileged_pods: Some(privileged.into_values().collect()),
-            runtime: Some(input.runtime.clone()),
-            conditions: None,
-            summary: None,
-        },
+        status,
         holders,
         host_processes,
     }
@@ -249,6 +254,7 @@ pub fn agent_fields(status: &GpuNodeStatus) -> GpuNodeStatus {
         bindings: non_empty(&status.bindings),
         privileged_pods: non_empty(&status.privileged_pods),
         runtime: status.runtime.clone(),
+        truncated: status.truncated.clone(),
         conditions: None,
         summary: None,
     }

@@ -7,11 +7,13 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use gpuwarden_crds::condition_types::{AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION};
+use gpuwarden_crds::condition_types::{
+    AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION, STATUS_COMPLETE,
+};
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{
-    GpuNodeStatus, GpuNodeSummary, HealthState, LABEL_GPU_PRESENT, RESOURCE_GPU,
-    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX,
+    GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState, LABEL_GPU_PRESENT, RESOURCE_GPU,
+    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, Truncated,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -159,7 +161,7 @@ fn format_ts(ts: Timestamp) -> String {
     ts.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
-/// The four GpuNode conditions, computed from the agent's status and Lease.
+/// The five GpuNode conditions, computed from the agent's status and Lease.
 pub fn desired_conditions(
     status: Option<&GpuNodeStatus>,
     liveness: &AgentLiveness,
@@ -338,14 +340,64 @@ pub fn desired_conditions(
         }
     };
 
-    vec![agent, healthy, isolated, runtime]
+    let complete = match status {
+        Some(s) if s.gpus.is_some() => match &s.truncated {
+            Some(cut) => DesiredCondition::new(
+                STATUS_COMPLETE,
+                false,
+                "ListsTruncated",
+                format!(
+                    "the node agent found more than a GpuNode holds and left out {}; the lists keep \
+                     unhealthy GPUs, out-of-band bindings and unexempt privileged pods first",
+                    describe_truncated(cut)
+                ),
+            ),
+            None => DesiredCondition::new(
+                STATUS_COMPLETE,
+                true,
+                "AllListed",
+                "the node agent's lists hold everything it found",
+            ),
+        },
+        _ => DesiredCondition::unknown(
+            STATUS_COMPLETE,
+            "NotReported",
+            "the node agent has not reported yet",
+        ),
+    };
+
+    vec![agent, healthy, isolated, runtime, complete]
 }
 
-/// Summary counts; `None` until the agent has reported GPUs, so a silent agent never reads
-/// as "zero GPUs".
-pub fn summary(status: Option<&GpuNodeStatus>) -> Option<GpuNodeSummary> {
+/// "3 bindings, 2 privileged pods" for the counts that are not zero.
+fn describe_truncated(cut: &Truncated) -> String {
+    [
+        (cut.gpus, "GPUs"),
+        (cut.mig_devices, "MIG devices"),
+        (cut.health_reasons, "health reasons"),
+        (cut.bindings, "bindings"),
+        (cut.binding_devices, "device UUIDs of bindings"),
+        (cut.privileged_pods, "privileged pods"),
+    ]
+    .iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, what)| format!("{n} {what}"))
+    .collect::<Vec<_>>()
+    .join(", ")
+}
+
+/// Label NVIDIA GPU feature discovery sets to the number of time-slicing or MPS replicas the
+/// device plugin advertises per GPU.
+const LABEL_GPU_REPLICAS: &str = "nvidia.com/gpu.replicas";
+
+/// Summary counts. Until the agent has reported GPUs, the GPU count is the Node's
+/// allocatable `nvidia.com/gpu` (divided by its time-slicing replicas) and the other counts
+/// are absent; with neither, `None`, so a silent agent never reads as "zero GPUs".
+pub fn summary(status: Option<&GpuNodeStatus>, node: Option<&Node>) -> Option<GpuNodeSummary> {
+    let Some(gpus) = status.and_then(|s| s.gpus.as_ref()) else {
+        return node.and_then(node_summary);
+    };
     let status = status?;
-    let gpus = status.gpus.as_ref()?;
     let healthy = gpus
         .iter()
         .filter(|g| g.health.state == HealthState::Healthy)
@@ -373,9 +425,36 @@ pub fn summary(status: Option<&GpuNodeStatus>) -> Option<GpuNodeSummary> {
     let clamp = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     Some(GpuNodeSummary {
         gpus: clamp(gpus.len()),
-        healthy: clamp(healthy),
-        allocated: clamp(allocated),
-        privileged_pods: clamp(privileged_pods),
+        gpus_from: GpusFrom::Agent,
+        healthy: Some(clamp(healthy)),
+        allocated: Some(clamp(allocated)),
+        privileged_pods: Some(clamp(privileged_pods)),
+    })
+}
+
+/// What the Node itself says about its GPUs, before an agent reports.
+fn node_summary(node: &Node) -> Option<GpuNodeSummary> {
+    let allocatable = node
+        .status
+        .as_ref()?
+        .allocatable
+        .as_ref()?
+        .get(RESOURCE_GPU)
+        .map(quantity_count)?;
+    let replicas = node
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_GPU_REPLICAS))
+        .and_then(|r| r.parse::<u64>().ok())
+        .filter(|r| *r > 0)
+        .unwrap_or(1);
+    Some(GpuNodeSummary {
+        gpus: u32::try_from(allocatable / replicas).unwrap_or(u32::MAX),
+        gpus_from: GpusFrom::Node,
+        healthy: None,
+        allocated: None,
+        privileged_pods: None,
     })
 }
 
@@ -643,8 +722,9 @@ mod tests {
         assert_eq!(find(&c, HEALTHY).status, "Unknown");
         assert_eq!(find(&c, ISOLATED).status, "Unknown");
         assert_eq!(find(&c, RUNTIME_ISOLATION).status, "Unknown");
-        assert_eq!(summary(None), None);
-        assert_eq!(summary(Some(&GpuNodeStatus::default())), None);
+        assert_eq!(summary(None, None), None);
+        assert_eq!(summary(Some(&GpuNodeStatus::default()), None), None);
+        assert_eq!(find(&c, STATUS_COMPLETE).status, "Unknown");
 
         let expired = AgentLiveness::Expired { expired: ts(5) };
         let c = desired_conditions(None, &expired);
@@ -680,12 +760,13 @@ mod tests {
         assert_eq!(find(&c, ISOLATED).status, "True");
         assert_eq!(find(&c, RUNTIME_ISOLATION).status, "True");
         assert_eq!(
-            summary(Some(&status)),
+            summary(Some(&status), None),
             Some(GpuNodeSummary {
                 gpus: 2,
-                healthy: 2,
-                allocated: 1,
-                privileged_pods: 0
+                gpus_from: GpusFrom::Agent,
+                healthy: Some(2),
+                allocated: Some(1),
+                privileged_pods: Some(0)
             })
         );
 
@@ -727,12 +808,13 @@ mod tests {
         assert!(i.message.contains("ml/priv-0 container sneaky"));
         assert_eq!(find(&c, RUNTIME_ISOLATION).status, "False");
         assert_eq!(
-            summary(Some(&status)),
+            summary(Some(&status), None),
             Some(GpuNodeSummary {
                 gpus: 2,
-                healthy: 1,
-                allocated: 2,
-                privileged_pods: 1
+                gpus_from: GpusFrom::Agent,
+                healthy: Some(1),
+                allocated: Some(2),
+                privileged_pods: Some(1)
             })
         );
 
@@ -749,7 +831,10 @@ mod tests {
         status.privileged_pods.as_mut().unwrap().remove(0);
         let i = desired_conditions(Some(&status), &live);
         assert_eq!(find(&i, ISOLATED).status, "True");
-        assert_eq!(summary(Some(&status)).unwrap().privileged_pods, 0);
+        assert_eq!(
+            summary(Some(&status), None).unwrap().privileged_pods,
+            Some(0)
+        );
 
         // An agent that found no GPUs at all is unhealthy, not healthy-with-zero.
         status.gpus = Some(vec![]);
@@ -772,7 +857,7 @@ mod tests {
             }]),
             ..Default::default()
         };
-        assert_eq!(summary(Some(&status)).unwrap().allocated, 1);
+        assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(1));
     }
 
     #[test]
@@ -783,9 +868,14 @@ mod tests {
             ..Default::default()
         };
         let desired = desired_conditions(Some(&status), &live);
-        let first = plan_status(Some(&status), &desired, summary(Some(&status)), ts(10));
+        let first = plan_status(
+            Some(&status),
+            &desired,
+            summary(Some(&status), None),
+            ts(10),
+        );
         let applied = first.apply.clone().unwrap();
-        assert_eq!(first.transitions.len(), 4);
+        assert_eq!(first.transitions.len(), 5);
         assert!(
             applied
                 .conditions
@@ -796,14 +886,24 @@ mod tests {
         let mut current = status.clone();
         current.conditions = Some(applied.conditions.clone());
         current.summary = applied.summary.clone();
-        let again = plan_status(Some(&current), &desired, summary(Some(&current)), ts(50));
+        let again = plan_status(
+            Some(&current),
+            &desired,
+            summary(Some(&current), None),
+            ts(50),
+        );
         assert_eq!(again.apply, None);
         assert!(again.transitions.is_empty());
 
         // The agent goes silent: only AgentReady (and nothing else) transitions.
         let expired = AgentLiveness::Expired { expired: ts(100) };
         let desired = desired_conditions(Some(&current), &expired);
-        let plan = plan_status(Some(&current), &desired, summary(Some(&current)), ts(101));
+        let plan = plan_status(
+            Some(&current),
+            &desired,
+            summary(Some(&current), None),
+            ts(101),
+        );
         let merged = plan.apply.unwrap().conditions;
         assert_eq!(plan.transitions.len(), 1);
         assert_eq!(plan.transitions[0].type_, AGENT_READY);
@@ -817,5 +917,76 @@ mod tests {
             assert_eq!(c.last_transition_time, Time(expect), "{}", c.type_);
         }
         assert!(!wants_unhealthy_taint(&merged));
+    }
+
+    #[test]
+    fn before_the_agent_reports_the_node_says_how_many_gpus() {
+        let n = node(&[("nvidia.com/gpu", "8")], &[]);
+        let from_node = Some(GpuNodeSummary {
+            gpus: 8,
+            gpus_from: GpusFrom::Node,
+            healthy: None,
+            allocated: None,
+            privileged_pods: None,
+        });
+        assert_eq!(summary(None, Some(&n)), from_node);
+        assert_eq!(
+            summary(Some(&GpuNodeStatus::default()), Some(&n)),
+            from_node
+        );
+
+        // Time-slicing advertises replicas per GPU; feature discovery labels how many.
+        let shared = node(
+            &[("nvidia.com/gpu", "32")],
+            &[("nvidia.com/gpu.replicas", "4")],
+        );
+        assert_eq!(summary(None, Some(&shared)).unwrap().gpus, 8);
+
+        // MIG-only or label-only nodes do not say how many GPUs: no summary.
+        let mig = node(&[("nvidia.com/mig-1g.10gb", "7")], &[]);
+        assert_eq!(summary(None, Some(&mig)), None);
+        let labelled = node(&[], &[(LABEL_GPU_PRESENT, "true")]);
+        assert_eq!(summary(None, Some(&labelled)), None);
+
+        // Once the agent reports, its inventory wins.
+        let status = GpuNodeStatus {
+            gpus: Some(vec![gpu(0, true)]),
+            ..Default::default()
+        };
+        let s = summary(Some(&status), Some(&n)).unwrap();
+        assert_eq!(
+            (s.gpus, s.gpus_from, s.healthy),
+            (1, GpusFrom::Agent, Some(1))
+        );
+    }
+
+    #[test]
+    fn truncated_lists_make_the_status_incomplete() {
+        let live = AgentLiveness::Live { expires: ts(100) };
+        let mut status = GpuNodeStatus {
+            gpus: Some(vec![gpu(0, true)]),
+            ..Default::default()
+        };
+        let c = desired_conditions(Some(&status), &live);
+        assert_eq!(find(&c, STATUS_COMPLETE).status, "True");
+
+        status.truncated = Some(Truncated {
+            bindings: 37,
+            privileged_pods: 2,
+            ..Default::default()
+        });
+        let c = desired_conditions(Some(&status), &live);
+        let complete = find(&c, STATUS_COMPLETE);
+        assert_eq!(
+            (complete.status, complete.reason.as_str()),
+            ("False", "ListsTruncated")
+        );
+        assert!(
+            complete
+                .message
+                .contains("left out 37 bindings, 2 privileged pods;"),
+            "{}",
+            complete.message
+        );
     }
 }

@@ -175,12 +175,13 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
                 }
             };
             let desired = gpunode::desired_conditions(gn.status.as_ref(), &liveness);
-            let summary = gpunode::summary(gn.status.as_ref());
+            let summary = gpunode::summary(gn.status.as_ref(), Some(&*node));
             let plan = gpunode::plan_status(gn.status.as_ref(), &desired, summary, now);
             let conditions = match plan.apply {
                 Some(status) => {
-                    // No summary until the agent reports: leaving it out of the apply removes
-                    // it, so a silent agent never reads as "0 GPUs".
+                    // No summary when neither the agent nor the Node says how many GPUs:
+                    // leaving it out of the apply removes it, so a silent agent never reads
+                    // as "0 GPUs".
                     let mut fields = serde_json::Map::new();
                     fields.insert("conditions".into(), json!(status.conditions));
                     if let Some(summary) = &status.summary {

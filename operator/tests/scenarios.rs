@@ -332,9 +332,14 @@ async fn gpu_node_gets_a_gpunode_owned_by_its_node() {
         "/apis/gpuwarden.io/v1alpha1/gpunodes/gpu-1/status"
     );
     assert!(status.query.contains("fieldManager=gpuwarden-operator"));
-    // Only the operator's fields: conditions and (absent until the agent reports) summary.
+    // Only the operator's fields: conditions and the summary, whose GPU count comes from
+    // the Node until the agent reports.
     let fields: Vec<&String> = status.body["status"].as_object().unwrap().keys().collect();
-    assert_eq!(fields, ["conditions"]);
+    assert_eq!(fields, ["conditions", "summary"]);
+    assert_eq!(
+        status.body["status"]["summary"],
+        json!({"gpus": 8, "gpusFrom": "Node"})
+    );
     let conditions = status.body["status"]["conditions"].as_array().unwrap();
     for t in [AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION] {
         assert_eq!(condition(conditions, t)["status"], "Unknown", "{t}");
@@ -458,7 +463,7 @@ async fn agent_ready_flips_to_false_when_the_lease_expires_with_an_event() {
     }
     assert_eq!(
         writes[0].body["status"]["summary"],
-        json!({"gpus": 8, "healthy": 8, "allocated": 0, "privilegedPods": 0})
+        json!({"gpus": 8, "gpusFrom": "Agent", "healthy": 8, "allocated": 0, "privilegedPods": 0})
     );
     apply_status(&mut w, &writes[0].body);
 

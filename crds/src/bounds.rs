@@ -1,0 +1,378 @@
+//! Bounds on every list, string and map of both CRDs, and the schema transforms that put
+//! them there.
+//!
+//! The API server estimates the worst-case cost of each CEL rule from the sizes the schema
+//! allows, and refuses a CRD whose rules could exceed its budget; an unbounded list or
+//! string is infinitely large to it. Bounds also keep a `GpuNode` far below etcd's object
+//! size limit on a busy node. The node agent never fails a write because of them: it cuts
+//! its lists to these limits, most important entries first, and counts what it left out in
+//! `status.truncated` (see [`fit_status`]); the operator turns that count into the
+//! `StatusComplete` condition.
+//!
+//! The numbers are for real fleets: 8 GPUs per node is common, 16 the most sold in one
+//! chassis today; A100/H100/B200 carve at most 7 MIG devices out of a GPU; a node runs at
+//! most a few hundred pods (kubelet `maxPods`, 110 by default).
+
+use schemars::Schema;
+use serde_json::{Map, Value, json};
+
+use crate::node::{BindingSource, GpuNodeStatus, Truncated};
+
+/// Most GPUs one `GpuNode` lists.
+pub const MAX_GPUS: usize = 32;
+/// Most MIG devices listed under one GPU.
+pub const MAX_MIG_DEVICES: usize = 16;
+/// Most health reasons listed for one GPU.
+pub const MAX_HEALTH_REASONS: usize = 16;
+/// Most bindings (pod containers holding GPUs) one `GpuNode` lists: every container of a
+/// 250-pod node sharing time-sliced GPUs, with room to spare.
+pub const MAX_BINDINGS: usize = 512;
+/// Most device UUIDs listed in one binding: all MIG devices of 8 GPUs.
+pub const MAX_BINDING_DEVICES: usize = 64;
+/// Most privileged GPU pods one `GpuNode` lists.
+pub const MAX_PRIVILEGED_PODS: usize = 256;
+/// Most conditions on an object.
+pub const MAX_CONDITIONS: usize = 16;
+
+/// Longest device UUID (`GPU-<uuid>` is 40 characters; the old MIG form
+/// `MIG-GPU-<uuid>/<gi>/<ci>` about 60).
+pub const UUID_LEN: usize = 128;
+/// Longest product name or version string NVML writes (its buffers are 96 and 80 bytes).
+pub const NVML_STRING_LEN: usize = 256;
+/// Longest health reason.
+pub const REASON_LEN: usize = 512;
+/// Longest PCI bus id (`00000000:18:00.0`; NVML's buffer is 32 bytes).
+pub const PCI_BUS_ID_LEN: usize = 32;
+/// Longest DNS label: namespace and container names.
+pub const DNS_LABEL_LEN: usize = 63;
+/// Longest DNS subdomain: pod, node and policy names.
+pub const DNS_SUBDOMAIN_LEN: usize = 253;
+/// Longest qualified name with a prefix (label keys, extended resource names).
+pub const QUALIFIED_NAME_LEN: usize = 317;
+/// Longest label value.
+pub const LABEL_VALUE_LEN: usize = 63;
+/// Longest file path (Linux `PATH_MAX`).
+pub const PATH_LEN: usize = 4096;
+/// Longest free-form message the agent writes (an error it could not read something with).
+pub const MESSAGE_LEN: usize = 4096;
+/// Longest RFC 3339 timestamp.
+pub const TIMESTAMP_LEN: usize = 64;
+/// Longest image reference or image pattern: a 255-character name, a 128-character tag and
+/// a digest.
+pub const IMAGE_LEN: usize = 512;
+
+/// Most labels a selector may require by value, and most expressions it may hold.
+const SELECTOR_LABELS: usize = 64;
+const SELECTOR_EXPRESSIONS: usize = 32;
+const SELECTOR_VALUES: usize = 64;
+/// The Kubernetes `metav1.Condition` bounds.
+const CONDITION_TYPE_LEN: usize = 316;
+const CONDITION_REASON_LEN: usize = 1024;
+const CONDITION_MESSAGE_LEN: usize = 32768;
+
+/// Container-level transform for the spec and status types: integers get formats the API
+/// server knows. schemars writes Rust's `u32`/`u64` as `format: uint32`/`uint64`, which
+/// kube-apiserver warns about on every apply; they become `int32`/`int64` with
+/// `minimum: 0`. (A `u64` above `i64::MAX` cannot be stored either way.)
+pub fn kubernetes_integers(schema: &mut Schema) {
+    let Some(root) = schema.as_object_mut() else {
+        return;
+    };
+    walk(root, &mut |node| {
+        let format = match node.get("format").and_then(Value::as_str) {
+            Some("uint32" | "uint16" | "uint8") => "int32",
+            Some("uint64" | "uint") => "int64",
+            _ => return,
+        };
+        node.insert("format".into(), json!(format));
+        let minimum = node.get("minimum").and_then(Value::as_f64).unwrap_or(0.0);
+        node.insert("minimum".into(), json!(minimum.max(0.0) as i64));
+    });
+}
+
+/// Field transform for a `LabelSelector` (or `Option<LabelSelector>`): bounds its labels,
+/// expressions and values.
+pub fn label_selector(schema: &mut Schema) {
+    let Some(props) = schema.get_mut("properties").and_then(Value::as_object_mut) else {
+        return;
+    };
+    if let Some(labels) = props.get_mut("matchLabels").and_then(Value::as_object_mut) {
+        labels.insert("maxProperties".into(), json!(SELECTOR_LABELS));
+        if let Some(value) = labels
+            .get_mut("additionalProperties")
+            .and_then(Value::as_object_mut)
+        {
+            value.insert("maxLength".into(), json!(LABEL_VALUE_LEN));
+        }
+    }
+    let Some(expressions) = props
+        .get_mut("matchExpressions")
+        .and_then(Value::as_object_mut)
+    else {
+        return;
+    };
+    expressions.insert("maxItems".into(), json!(SELECTOR_EXPRESSIONS));
+    let Some(item) = expressions.get_mut("items").and_then(|i| properties(i)) else {
+        return;
+    };
+    set_max_length(item, "key", QUALIFIED_NAME_LEN);
+    // In, NotIn, Exists, DoesNotExist.
+    set_max_length(item, "operator", 16);
+    if let Some(values) = item.get_mut("values").and_then(Value::as_object_mut) {
+        values.insert("maxItems".into(), json!(SELECTOR_VALUES));
+        if let Some(v) = values.get_mut("items").and_then(Value::as_object_mut) {
+            v.insert("maxLength".into(), json!(LABEL_VALUE_LEN));
+        }
+    }
+}
+
+/// Field transform for a list of `metav1.Condition`: the bounds Kubernetes gives them.
+pub fn conditions(schema: &mut Schema) {
+    let Some(list) = schema.as_object_mut() else {
+        return;
+    };
+    list.insert("maxItems".into(), json!(MAX_CONDITIONS));
+    let Some(item) = list.get_mut("items").and_then(|i| properties(i)) else {
+        return;
+    };
+    set_max_length(item, "type", CONDITION_TYPE_LEN);
+    set_max_length(item, "reason", CONDITION_REASON_LEN);
+    set_max_length(item, "message", CONDITION_MESSAGE_LEN);
+    set_max_length(item, "lastTransitionTime", TIMESTAMP_LEN);
+    if let Some(status) = item.get_mut("status").and_then(Value::as_object_mut) {
+        status.insert("enum".into(), json!(["True", "False", "Unknown"]));
+    }
+}
+
+/// Field transform for a timestamp (`metav1.Time`).
+pub fn timestamp(schema: &mut Schema) {
+    if let Some(node) = schema.as_object_mut() {
+        node.insert("maxLength".into(), json!(TIMESTAMP_LEN));
+    }
+}
+
+fn properties(node: &mut Value) -> Option<&mut Map<String, Value>> {
+    node.get_mut("properties")?.as_object_mut()
+}
+
+fn set_max_length(props: &mut Map<String, Value>, name: &str, max: usize) {
+    if let Some(p) = props.get_mut(name).and_then(Value::as_object_mut) {
+        p.insert("maxLength".into(), json!(max));
+    }
+}
+
+/// Calls `f` on every schema object under `obj`, itself included.
+fn walk(obj: &mut Map<String, Value>, f: &mut impl FnMut(&mut Map<String, Value>)) {
+    f(obj);
+    for key in ["properties", "patternProperties"] {
+        if let Some(map) = obj.get_mut(key).and_then(Value::as_object_mut) {
+            for child in map.values_mut().filter_map(Value::as_object_mut) {
+                walk(child, f);
+            }
+        }
+    }
+    for key in ["items", "additionalProperties", "not"] {
+        if let Some(child) = obj.get_mut(key).and_then(Value::as_object_mut) {
+            walk(child, f);
+        }
+    }
+    for key in ["allOf", "anyOf", "oneOf"] {
+        if let Some(list) = obj.get_mut(key).and_then(Value::as_array_mut) {
+            for child in list.iter_mut().filter_map(Value::as_object_mut) {
+                walk(child, f);
+            }
+        }
+    }
+}
+
+/// Cuts the agent's lists in `status` to the schema's bounds and records in
+/// `status.truncated` how many entries each lost; `truncated` is `None` when nothing was
+/// cut. What matters most is kept: out-of-band bindings before allocated ones, privileged
+/// pods no exemption covers before exempt ones, unhealthy GPUs before healthy ones, so the
+/// conditions the operator derives (`Isolated`, `Healthy`) stay true. Each list keeps its
+/// own order otherwise.
+pub fn fit_status(status: &mut GpuNodeStatus) {
+    let mut cut = Truncated::default();
+    if let Some(gpus) = status.gpus.as_mut() {
+        gpus.sort_by_key(|g| g.health.state != crate::HealthState::Unhealthy);
+        cut.gpus = keep_first(gpus, MAX_GPUS);
+        gpus.sort_by_key(|g| g.index);
+        for gpu in gpus.iter_mut() {
+            cut.mig_devices += keep_first(&mut gpu.mig_devices, MAX_MIG_DEVICES);
+            cut.health_reasons += keep_first(&mut gpu.health.reasons, MAX_HEALTH_REASONS);
+            for reason in &mut gpu.health.reasons {
+                truncate_chars(reason, REASON_LEN);
+            }
+        }
+    }
+    if let Some(bindings) = status.bindings.as_mut() {
+        let before = bindings.len();
+        if before > MAX_BINDINGS {
+            let (mut kept, allocated): (Vec<_>, Vec<_>) = std::mem::take(bindings)
+                .into_iter()
+                .partition(|b| b.source == BindingSource::Observed);
+            kept.extend(allocated);
+            kept.truncate(MAX_BINDINGS);
+            kept.sort_by(|a, b| (&a.pod_uid, &a.container).cmp(&(&b.pod_uid, &b.container)));
+            *bindings = kept;
+        }
+        cut.bindings = count(before - bindings.len());
+        for binding in bindings.iter_mut() {
+            cut.binding_devices += keep_first(&mut binding.gpu_uuids, MAX_BINDING_DEVICES);
+        }
+    }
+    if let Some(pods) = status.privileged_pods.as_mut() {
+        pods.sort_by(|a, b| (a.exempt.is_some(), &a.uid).cmp(&(b.exempt.is_some(), &b.uid)));
+        cut.privileged_pods = keep_first(pods, MAX_PRIVILEGED_PODS);
+        pods.sort_by(|a, b| a.uid.cmp(&b.uid));
+    }
+    status.truncated = (cut != Truncated::default()).then_some(cut);
+}
+
+fn keep_first<T>(list: &mut Vec<T>, max: usize) -> u32 {
+    let cut = list.len().saturating_sub(max);
+    list.truncate(max);
+    count(cut)
+}
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn truncate_chars(s: &mut String, max: usize) {
+    if let Some((i, _)) = s.char_indices().nth(max) {
+        s.truncate(i);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Binding, GpuHealth, GpuStatus, HealthState, MigDevice, PodRef};
+
+    fn binding(i: usize, source: BindingSource) -> Binding {
+        Binding {
+            pod_uid: format!("uid-{i:04}"),
+            container: "main".into(),
+            namespace: "ns".into(),
+            pod: format!("pod-{i}"),
+            resource_name: None,
+            gpu_uuids: vec![format!("GPU-{}", i % 8)],
+            source,
+        }
+    }
+
+    #[test]
+    fn a_status_within_bounds_is_left_as_it_is() {
+        let mut status = GpuNodeStatus {
+            gpus: Some(vec![GpuStatus::default(); 8]),
+            bindings: Some(
+                (0..100)
+                    .map(|i| binding(i, BindingSource::Allocated))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let before = status.clone();
+        fit_status(&mut status);
+        assert_eq!(status, before);
+        assert_eq!(status.truncated, None);
+    }
+
+    #[test]
+    fn long_lists_keep_what_the_conditions_need_and_count_the_rest() {
+        // 600 allocated bindings and 20 out-of-band ones, spread through the list.
+        let bindings: Vec<Binding> = (0..620)
+            .map(|i| {
+                let source = if i % 31 == 0 {
+                    BindingSource::Observed
+                } else {
+                    BindingSource::Allocated
+                };
+                let mut b = binding(i, source);
+                if i == 1 {
+                    b.gpu_uuids = (0..100).map(|d| format!("MIG-{d}")).collect();
+                }
+                b
+            })
+            .collect();
+        let out_of_band = bindings.iter().filter(|b| b.is_out_of_band()).count();
+        let mut gpus: Vec<GpuStatus> = (0..40)
+            .map(|i| GpuStatus {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                mig_devices: vec![MigDevice::default(); 20],
+                ..Default::default()
+            })
+            .collect();
+        gpus[39].health = GpuHealth {
+            state: HealthState::Unhealthy,
+            reasons: vec!["x".repeat(2000); 20],
+            since: None,
+        };
+        let pods: Vec<PodRef> = (0..300)
+            .map(|i| PodRef {
+                uid: format!("p{i:03}"),
+                exempt: (i >= 10).then(|| "exempt".to_owned()),
+                ..Default::default()
+            })
+            .collect();
+        let mut status = GpuNodeStatus {
+            gpus: Some(gpus),
+            bindings: Some(bindings),
+            privileged_pods: Some(pods),
+            ..Default::default()
+        };
+        fit_status(&mut status);
+
+        let cut = status.truncated.clone().expect("lists were cut");
+        let gpus = status.gpus.as_ref().unwrap();
+        assert_eq!(gpus.len(), MAX_GPUS);
+        assert_eq!(cut.gpus, 8);
+        assert!(
+            gpus.iter().any(|g| g.index == 39),
+            "the unhealthy GPU is kept"
+        );
+        assert!(
+            gpus.windows(2).all(|w| w[0].index < w[1].index),
+            "in index order"
+        );
+        assert_eq!(cut.mig_devices, 32 * 4);
+        let sick = gpus.iter().find(|g| g.index == 39).unwrap();
+        assert_eq!(sick.health.reasons.len(), MAX_HEALTH_REASONS);
+        assert!(sick.health.reasons.iter().all(|r| r.len() == REASON_LEN));
+        assert_eq!(cut.health_reasons, 4);
+
+        let bindings = status.bindings.as_ref().unwrap();
+        assert_eq!(bindings.len(), MAX_BINDINGS);
+        assert_eq!(cut.bindings, 620 - 512);
+        assert_eq!(
+            bindings.iter().filter(|b| b.is_out_of_band()).count(),
+            out_of_band,
+            "every out-of-band binding is kept"
+        );
+        assert!(
+            bindings.windows(2).all(|w| w[0].pod_uid < w[1].pod_uid),
+            "in key order"
+        );
+        assert_eq!(cut.binding_devices, 100 - MAX_BINDING_DEVICES as u32);
+
+        let pods = status.privileged_pods.as_ref().unwrap();
+        assert_eq!(pods.len(), MAX_PRIVILEGED_PODS);
+        assert_eq!(cut.privileged_pods, 300 - 256);
+        assert_eq!(pods.iter().filter(|p| p.exempt.is_none()).count(), 10);
+
+        // What was cut fits the schema the API server checks.
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["truncated"]["bindings"], 108);
+        let only_bindings = Truncated {
+            bindings: 3,
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_value(only_bindings).unwrap(),
+            serde_json::json!({"bindings": 3}),
+            "zero counts are left out"
+        );
+    }
+}
