@@ -694,15 +694,31 @@ async fn operator_keeps_one_gpunode_per_gpu_node() {
         assert_eq!(Some(&owner.uid), node.metadata.uid.as_ref());
 
         // kubectl's view: the Table the server renders from additionalPrinterColumns.
-        let request = http::Request::get(format!(
-            "/apis/{}/{}/gpunodes/{name}",
-            gpuwarden_crds::GROUP,
-            gpuwarden_crds::VERSION
-        ))
-        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
-        .body(Vec::new())
-        .expect("request");
-        let table: Value = env.client().request(request).await.expect("Table");
+        let table = || async {
+            let request = http::Request::get(format!(
+                "/apis/{}/{}/gpunodes/{name}",
+                gpuwarden_crds::GROUP,
+                gpuwarden_crds::VERSION
+            ))
+            .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+            .body(Vec::new())
+            .expect("request");
+            env.client().request::<Value>(request).await.expect("Table")
+        };
+        // Before any agent reports, GPUS is the Node's allocatable count and says so.
+        let expected = if name == capacity.name_any() {
+            json!([8, "Node"])
+        } else {
+            json!([null, null])
+        };
+        let cells = wait_for(SHORT, || async {
+            let cells = &table().await["rows"][0]["cells"];
+            let shown = json!([cells[2], cells[3]]);
+            (shown == expected).then_some(shown)
+        })
+        .await;
+        assert!(cells.is_some(), "{name}: GPUS and SOURCE never showed {expected}");
+        let table = table().await;
         let columns: Vec<&str> = table["columnDefinitions"]
             .as_array()
             .expect("columnDefinitions")
@@ -716,6 +732,7 @@ async fn operator_keeps_one_gpunode_per_gpu_node() {
                 "Name",
                 "Node",
                 "GPUs",
+                "Source",
                 "Healthy",
                 "Allocated",
                 "Model",
