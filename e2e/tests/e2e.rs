@@ -717,7 +717,10 @@ async fn operator_keeps_one_gpunode_per_gpu_node() {
             (shown == expected).then_some(shown)
         })
         .await;
-        assert!(cells.is_some(), "{name}: GPUS and SOURCE never showed {expected}");
+        assert!(
+            cells.is_some(),
+            "{name}: GPUS and SOURCE never showed {expected}"
+        );
         let table = table().await;
         let columns: Vec<&str> = table["columnDefinitions"]
             .as_array()

@@ -1,0 +1,281 @@
+//! The install and uninstall in the README, run as written against a real API server.
+//!
+//! The commands are read from the README's "Install" and "Uninstall" code blocks, so the
+//! README cannot drift from what is tested. They run through `bash` with the `kubectl` on
+//! `PATH`. The `rollout status` loop is left out: without kubelets the workloads stay
+//! unscheduled. In their place the operator runs in this process, out of cluster, as its
+//! own ServiceAccount (impersonated), so its RBAC is what the API server checks; the test
+//! waits until `kubectl get gpupolicies` shows `default` Ready and the operator has written
+//! the webhook's certificate. After the README's uninstall, no object of the install is
+//! left. Once with `kubectl apply -k deploy/`, once with `deploy/install.yaml`.
+//!
+//! ```sh
+//! KUBECONFIG=... cargo test -p gpuwarden-e2e --test install -- --ignored --test-threads=1
+//! ```
+//!
+//! They refuse to run where gpuwarden is already installed: they would delete it.
+
+use std::process::Command;
+use std::time::Duration;
+
+use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, OPERATOR_NAME, WEBHOOK_TLS_SECRET};
+use gpuwarden_e2e::cluster::{Cluster, skip, wait_for};
+use gpuwarden_e2e::manifests::{Document, load_file, repo_root};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+
+/// The lines of the first `sh` block under the heading `## {heading}` of the README.
+fn readme_block(heading: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let section = readme
+        .split_once(&format!("\n## {heading}\n"))
+        .unwrap_or_else(|| panic!("README has no section {heading}"))
+        .1;
+    let block = section
+        .split_once("```sh\n")
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .unwrap_or_else(|| panic!("README section {heading} has no sh block"))
+        .0;
+    block.lines().map(str::to_owned).collect()
+}
+
+/// Which of the README's two install commands to run.
+#[derive(Clone, Copy, Debug)]
+enum Variant {
+    /// `kubectl apply --server-side -k deploy/`.
+    Kustomize,
+    /// The alternative the README gives after `# or:` (`-f deploy/install.yaml`).
+    InstallYaml,
+}
+
+/// The commands of a README block: comments dropped, a `# or: ALT` alternative taken in
+/// the `InstallYaml` variant, and the `rollout status` loop (which needs kubelets) left out.
+fn commands(lines: &[String], variant: Variant) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut in_loop = false;
+    for line in lines {
+        let (command, comment) = match line.split_once('#') {
+            Some((c, comment)) => (c.trim(), comment.trim()),
+            None => (line.trim(), ""),
+        };
+        if command.starts_with("for ") {
+            in_loop = true;
+        }
+        if in_loop {
+            in_loop = command != "done";
+            continue;
+        }
+        if command.is_empty() {
+            continue;
+        }
+        let alternative = comment.strip_prefix("or:").map(str::trim);
+        out.push(match (variant, alternative) {
+            (Variant::InstallYaml, Some(alt)) => alt.to_owned(),
+            _ => command.to_owned(),
+        });
+    }
+    out
+}
+
+/// Runs one command line as the README reader would; fails on an error or a warning.
+fn run(command: &str) -> String {
+    eprintln!("$ {command}");
+    let output = Command::new("bash")
+        .arg("-c")
+        .arg(command)
+        .current_dir(repo_root())
+        .output()
+        .expect("run bash");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    eprint!("{stdout}{stderr}");
+    assert!(output.status.success(), "`{command}` failed: {stderr}");
+    assert!(
+        !stderr.to_ascii_lowercase().contains("warning"),
+        "`{command}` printed a warning: {stderr}"
+    );
+    stdout.into_owned()
+}
+
+/// Every object the install creates.
+fn install_objects() -> Vec<Document> {
+    load_file("deploy/install.yaml").expect("deploy/install.yaml")
+}
+
+fn api_for(cluster: &Cluster, doc: &Document) -> Api<DynamicObject> {
+    let (group, version) = match doc.api_version().split_once('/') {
+        Some((g, v)) => (g, v),
+        None => ("", doc.api_version()),
+    };
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, doc.kind()));
+    match doc.namespace() {
+        Some(ns) => Api::namespaced_with(cluster.client.clone(), ns, &resource),
+        None => Api::all_with(cluster.client.clone(), &resource),
+    }
+}
+
+/// The objects of the install that exist now.
+async fn present(cluster: &Cluster) -> Vec<String> {
+    let mut out = Vec::new();
+    for doc in install_objects() {
+        if let Ok(Some(_)) = api_for(cluster, &doc).get_opt(doc.name()).await {
+            out.push(doc.id());
+        }
+    }
+    out
+}
+
+/// A client that acts as the operator's ServiceAccount.
+async fn operator_client() -> kube::Client {
+    let mut config = kube::Config::infer().await.expect("KUBECONFIG");
+    let namespace = gpuwarden_crds::SYSTEM_NAMESPACE;
+    config.auth_info.impersonate =
+        Some(format!("system:serviceaccount:{namespace}:{OPERATOR_NAME}"));
+    config.auth_info.impersonate_groups = Some(vec![
+        "system:serviceaccounts".into(),
+        format!("system:serviceaccounts:{namespace}"),
+        "system:authenticated".into(),
+    ]);
+    kube::Client::try_from(config).expect("impersonating client")
+}
+
+async fn install_and_uninstall(variant: Variant) {
+    let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+    let crds: Api<CustomResourceDefinition> = Api::all(cluster.client.clone());
+    let already = present(&cluster).await;
+    if !already.is_empty() {
+        skip(
+            "the README install",
+            &format!(
+                "gpuwarden is installed here ({}); uninstall it first",
+                already.join(", ")
+            ),
+        );
+        return;
+    }
+
+    for command in commands(&readme_block("Install"), variant) {
+        run(&command);
+    }
+    let missing: Vec<String> = {
+        let here = present(&cluster).await;
+        install_objects()
+            .into_iter()
+            .map(|d| d.id())
+            .filter(|id| !here.contains(id))
+            .collect()
+    };
+    assert!(missing.is_empty(), "not installed: {missing:?}");
+
+    // The operator, out of cluster, with the installed RBAC and its defaults (leader
+    // election, webhook certificates).
+    let mut config = gpuwarden_operator::Config::new(gpuwarden_crds::SYSTEM_NAMESPACE);
+    config.health_listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = operator_client().await;
+    let operator = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        gpuwarden_operator::run(config, client, shutdown).await
+    });
+
+    let ready = wait_for(Duration::from_secs(90), || async {
+        let out = run("kubectl get gpupolicies");
+        // NAME PRIORITY MODE READY AGE
+        out.lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .any(|cols| cols.first() == Some(&"default") && cols.get(3) == Some(&"True"))
+            .then_some(out)
+    })
+    .await;
+    assert!(
+        ready.is_some(),
+        "the default GpuPolicy never showed Ready True"
+    );
+
+    let secrets: Api<Secret> =
+        Api::namespaced(cluster.client.clone(), gpuwarden_crds::SYSTEM_NAMESPACE);
+    let webhooks: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
+    let certified = wait_for(Duration::from_secs(60), || async {
+        let secret = secrets.get_opt(WEBHOOK_TLS_SECRET).await.ok().flatten()?;
+        let data = secret.data?;
+        let ca = data.get("ca.crt")?;
+        let config = webhooks
+            .get_opt(MUTATING_WEBHOOK_CONFIGURATION)
+            .await
+            .ok()
+            .flatten()?;
+        let bundle = config.webhooks?.first()?.client_config.ca_bundle.clone()?;
+        (bundle.0 == ca.0).then_some(())
+    })
+    .await;
+    assert!(
+        certified.is_some(),
+        "the operator never wrote the webhook's certificate and caBundle"
+    );
+
+    let _ = stop.send(());
+    match operator.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("the operator failed: {e}"),
+        Err(e) => panic!("the operator panicked: {e}"),
+    }
+
+    let uninstall = readme_block("Uninstall");
+    for command in commands(&uninstall, variant) {
+        run(&command);
+    }
+    let leftovers = wait_for(Duration::from_secs(120), || async {
+        let left = present(&cluster).await;
+        left.is_empty().then_some(())
+    })
+    .await;
+    assert!(
+        leftovers.is_some(),
+        "left behind after uninstall: {:?}",
+        present(&cluster).await
+    );
+    for name in ["gpupolicies.gpuwarden.io", "gpunodes.gpuwarden.io"] {
+        assert!(
+            crds.get_opt(name).await.expect("read CRDs").is_none(),
+            "CRD {name} left behind"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e --test install -- --ignored --test-threads=1"]
+async fn readme_install_with_kustomize_then_uninstall_leaves_nothing() {
+    install_and_uninstall(Variant::Kustomize).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e --test install -- --ignored --test-threads=1"]
+async fn readme_install_with_install_yaml_then_uninstall_leaves_nothing() {
+    install_and_uninstall(Variant::InstallYaml).await;
+}
+
+#[test]
+fn the_readme_blocks_are_the_commands_this_test_runs() {
+    let install = readme_block("Install");
+    assert_eq!(
+        commands(&install, Variant::Kustomize),
+        [
+            "kubectl apply --server-side -f deploy/crds/",
+            "kubectl wait --for condition=Established crd/gpupolicies.gpuwarden.io crd/gpunodes.gpuwarden.io",
+            "kubectl apply --server-side -k deploy/",
+        ]
+    );
+    assert_eq!(
+        commands(&install, Variant::InstallYaml)[2],
+        "kubectl apply --server-side -f deploy/install.yaml"
+    );
+    let uninstall = readme_block("Uninstall");
+    assert_eq!(
+        commands(&uninstall, Variant::InstallYaml).last().unwrap(),
+        "kubectl delete --ignore-not-found -f deploy/install.yaml"
+    );
+}
