@@ -359,6 +359,50 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_node_lists_what_the_crd_holds_and_counts_the_rest() {
+        // 600 time-sliced containers on one GPU: more than a GpuNode lists.
+        let allocations: Vec<Allocation> = (0..600)
+            .map(|i| Allocation {
+                namespace: "ns".into(),
+                pod: format!("p{i:03}"),
+                container: "main".into(),
+                resource_name: "nvidia.com/gpu".into(),
+                device_uuids: vec!["GPU-a".into()],
+            })
+            .collect();
+        let pods: Vec<PodInfo> = (0..600)
+            .map(|i| PodInfo {
+                uid: format!("u{i:03}"),
+                namespace: "ns".into(),
+                name: format!("p{i:03}"),
+                mirror_uid: None,
+                service_account: String::new(),
+                labels: Default::default(),
+                exempt: None,
+                containers: vec![],
+            })
+            .collect();
+        let r = reading();
+        let index = PodIndex::new(&pods, true);
+        let c = compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations: &allocations,
+            observed: &[],
+            pods: &index,
+            devices: &DeviceMap::new(&r.gpus),
+            runtime: &RuntimeStatus::default(),
+        });
+        let bindings = c.status.bindings.as_ref().unwrap();
+        assert_eq!(bindings.len(), gpuwarden_crds::bounds::MAX_BINDINGS);
+        assert_eq!(c.status.truncated.as_ref().unwrap().bindings, 88);
+        // The metrics are not bounded by the CRD: every holder is there.
+        assert_eq!(c.holders["GPU-a"].len(), 600);
+        // What the writer applies keeps the count.
+        assert_eq!(agent_fields(&c.status).truncated, c.status.truncated);
+    }
+
+    #[test]
     fn host_processes_are_counted_not_bound() {
         let mut p = observed("u1", "x");
         p.container = None;
