@@ -8,6 +8,7 @@ pub mod bounds;
 pub mod conditions;
 pub mod duration;
 pub mod exemptions;
+pub mod gpu;
 pub mod manifests;
 pub mod node;
 pub mod policy;

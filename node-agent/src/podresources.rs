@@ -370,7 +370,7 @@ pub fn allocatable_gpu_devices(list: &[ContainerDevices], devices: &DeviceMap) -
         for id in &dev.device_ids {
             if devices.resolve(id).is_some() {
                 known += 1;
-            } else if crate::pods::is_gpu_resource(&dev.resource_name) {
+            } else if gpuwarden_crds::gpu::is_gpu_resource(&dev.resource_name) {
                 unknown += 1;
             }
         }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{EnvVar, Pod, ResourceRequirements, SecurityContext, VolumeMount};
 
 use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::gpu::{self, VisibleDevices};
 use gpuwarden_crds::selection::{namespace_labels_or_default, select_policy};
 use kube::ResourceExt;
 
@@ -91,7 +92,7 @@ impl PodInfo {
             .filter(|v| {
                 v.host_path
                     .as_ref()
-                    .is_some_and(|h| is_device_path(&h.path))
+                    .is_some_and(|h| gpu::is_device_host_path(&h.path))
             })
             .map(|v| v.name.as_str())
             .collect();
@@ -194,11 +195,6 @@ impl PodInfo {
     }
 }
 
-fn is_device_path(path: &str) -> bool {
-    let p = path.trim_end_matches('/');
-    p == "/dev" || p.starts_with("/dev/nvidia") || p == "/dev/dri" || p.starts_with("/dev/dri/")
-}
-
 /// A GPU container as the webhook defines it: a GPU resource limit, a meaningful
 /// `NVIDIA_VISIBLE_DEVICES`, or a device hostPath mount.
 fn is_gpu_container(
@@ -210,25 +206,21 @@ fn is_gpu_container(
     let gpu_limit = resources
         .as_ref()
         .and_then(|r| r.limits.as_ref())
-        .is_some_and(|l: &BTreeMap<_, _>| l.keys().any(|k: &String| is_gpu_resource(k)));
-    let env = env.iter().flatten().any(|e| {
-        e.name == "NVIDIA_VISIBLE_DEVICES"
-            && e.value
-                .as_deref()
-                .is_some_and(|v| !matches!(v.trim(), "" | "none" | "void"))
-    });
+        .is_some_and(|l: &BTreeMap<_, _>| l.keys().any(|k: &String| gpu::is_gpu_resource(k)));
+    // The last entry wins, as in the kubelet.
+    let env = env
+        .iter()
+        .flatten()
+        .rfind(|e| e.name == gpu::ENV_VISIBLE_DEVICES)
+        .is_some_and(|e| match &e.value {
+            Some(v) => VisibleDevices::parse(v).is_gpu_signal(),
+            None => e.value_from.is_some(),
+        });
     let mounts = mounts
         .iter()
         .flatten()
         .any(|m| device_volumes.contains(&m.name.as_str()));
     gpu_limit || env || mounts
-}
-
-/// `nvidia.com/gpu`, `nvidia.com/gpu.shared`, `nvidia.com/mig-*`.
-pub fn is_gpu_resource(name: &str) -> bool {
-    name == gpuwarden_crds::RESOURCE_GPU
-        || name == gpuwarden_crds::RESOURCE_GPU_SHARED
-        || name.starts_with(gpuwarden_crds::RESOURCE_MIG_PREFIX)
 }
 
 /// Lookups over the pods on the node, built once per sweep.
@@ -350,6 +342,48 @@ mod tests {
         assert_eq!(idx.by_container_id("aaa").unwrap().1, "main");
         assert_eq!(idx.by_uid("abc").unwrap().name, "train");
         assert_eq!(idx.by_name("ml", "train").unwrap().uid, "u1");
+    }
+
+    #[test]
+    fn gpu_signals_read_as_the_webhook_reads_them() {
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ml", "uid": "u1"},
+            "spec": {
+                "containers": [
+                    {"name": "fuse", "volumeMounts": [{"name": "fuse", "mountPath": "/dev/fuse"}]},
+                    {"name": "dotted", "volumeMounts": [{"name": "dotted", "mountPath": "/dev/x"}]},
+                    {"name": "upper-none", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": " NONE "}]},
+                    {"name": "last-wins", "env": [
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
+                    ]},
+                    {"name": "from-configmap", "env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+                        "valueFrom": {"configMapKeyRef": {"name": "gpus", "key": "devices"}}}]},
+                    {"name": "mig", "resources": {"limits": {"nvidia.com/mig-1g.10gb": "1"}}}
+                ],
+                "volumes": [
+                    {"name": "fuse", "hostPath": {"path": "/dev/fuse"}},
+                    {"name": "dotted", "hostPath": {"path": "/dev/./nvidia0/"}}
+                ]
+            }
+        }));
+        let info = PodInfo::from_pod(&p).unwrap();
+        let gpu: Vec<(&str, bool)> = info
+            .containers
+            .iter()
+            .map(|c| (c.name.as_str(), c.gpu))
+            .collect();
+        assert_eq!(
+            gpu,
+            [
+                ("fuse", false),
+                ("dotted", true),
+                ("upper-none", false),
+                ("last-wins", false),
+                ("from-configmap", true),
+                ("mig", true),
+            ]
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use gpuwarden_crds::condition_types::{
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{
     GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState, LABEL_GPU_PRESENT, RESOURCE_GPU,
-    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, Truncated,
+    Truncated, gpu,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -32,11 +32,6 @@ pub enum GpuSignal {
     Agent,
 }
 
-/// Whether `name` is a GPU resource name.
-pub fn is_gpu_resource(name: &str) -> bool {
-    name == RESOURCE_GPU || name == RESOURCE_GPU_SHARED || name.starts_with(RESOURCE_MIG_PREFIX)
-}
-
 /// Parses a resource quantity as a whole count; extended resources are integers, so anything
 /// else (`500m`, garbage) counts as zero rather than as a GPU.
 fn quantity_count(q: &Quantity) -> u64 {
@@ -51,7 +46,7 @@ pub fn node_gpu_signal(node: &Node) -> Option<GpuSignal> {
         .and_then(|s| s.allocatable.as_ref())
         .into_iter()
         .flatten()
-        .find(|(name, q)| is_gpu_resource(name) && quantity_count(q) > 0);
+        .find(|(name, q)| gpu::is_gpu_resource(name) && quantity_count(q) > 0);
     if let Some((name, _)) = allocatable {
         return Some(GpuSignal::Allocatable(name.clone()));
     }

@@ -2,10 +2,7 @@
 //! volumes and annotations hand out devices. Everything here borrows from the pod's view
 //! and the policy.
 
-use gpuwarden_crds::{
-    CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, RESOURCE_GPU, RESOURCE_GPU_SHARED,
-    RESOURCE_MIG_PREFIX,
-};
+use gpuwarden_crds::{CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, gpu};
 
 use super::list::SmallList;
 use super::{ContainerKind, ContainerRef, ENV_VISIBLE_DEVICES, VisibleDevices, image_exempt};
@@ -171,10 +168,7 @@ pub(super) fn read_pod<'a>(pod: &'a PodView<'a>, policy: &GpuPolicy) -> PodFacts
 
 /// Whether `name` is a GPU resource under a policy whose resource is `policy_resource`.
 fn is_gpu_resource(name: &str, policy_resource: &str) -> bool {
-    name == RESOURCE_GPU
-        || name == RESOURCE_GPU_SHARED
-        || name.starts_with(RESOURCE_MIG_PREFIX)
-        || name == policy_resource
+    gpu::is_gpu_resource(name) || name == policy_resource
 }
 
 /// Reads `NVIDIA_VISIBLE_DEVICES` from a container's `env` (the last entry wins, as in the
