@@ -15,7 +15,8 @@
 //!
 //! `GPUWARDEN_BENCH_NODES` (default 5000) and `GPUWARDEN_BENCH_QUIET_SECS` (default 600)
 //! change the size and the quiet window. It creates Nodes labelled `gpuwarden.io/bench=scale`
-//! and deletes them at the end: use a disposable cluster. Without `KUBECONFIG` it says so
+//! and deletes them at the end, with the CRDs and the namespace if it installed them: use a
+//! disposable cluster. Without `KUBECONFIG` it says so
 //! and does nothing.
 
 use std::process::{Command, Stdio};
@@ -92,9 +93,25 @@ async fn operator_writes(port: u16, kind: &str) -> f64 {
     counter_sum(&text, "gpuwarden_operator_writes_total", kind)
 }
 
-async fn ensure_api(client: &Client) {
+/// What [`ensure_api`] created, to delete again at the end.
+#[derive(Default)]
+struct Installed {
+    crds: Vec<String>,
+    namespace: bool,
+}
+
+async fn ensure_api(client: &Client) -> Installed {
+    let mut installed = Installed::default();
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for crd in [GpuPolicy::crd(), GpuNode::crd()] {
+        if crds
+            .get_opt(&crd.name_any())
+            .await
+            .expect("read the CRDs")
+            .is_none()
+        {
+            installed.crds.push(crd.name_any());
+        }
         crds.patch(
             &crd.name_any(),
             &PatchParams::apply(FIELD_MANAGER).force(),
@@ -109,10 +126,11 @@ async fn ensure_api(client: &Client) {
         .create(&PostParams::default(), &ns)
         .await
     {
-        Ok(_) => {}
+        Ok(_) => installed.namespace = true,
         Err(kube::Error::Api(s)) if s.code == 409 => {}
         Err(e) => panic!("create namespace {SYSTEM_NAMESPACE}: {e}"),
     }
+    installed
 }
 
 async fn create_nodes(client: &Client, n: u64) {
@@ -168,7 +186,7 @@ async fn create_nodes(client: &Client, n: u64) {
         .unwrap_or_else(|e| panic!("failed to create the Nodes: {e}"));
 }
 
-async fn delete_all(client: &Client) {
+async fn delete_all(client: &Client, installed: &Installed) {
     let by_label = ListParams::default().labels(&format!("{LABEL}=scale"));
     let _ = Api::<Node>::all(client.clone())
         .delete_collection(&DeleteParams::background(), &by_label)
@@ -186,6 +204,15 @@ async fn delete_all(client: &Client) {
                     .await;
             }
         }
+    }
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in &installed.crds {
+        let _ = crds.delete(name, &DeleteParams::background()).await;
+    }
+    if installed.namespace {
+        let _ = Api::<Namespace>::all(client.clone())
+            .delete(SYSTEM_NAMESPACE, &DeleteParams::background())
+            .await;
     }
 }
 
@@ -205,7 +232,7 @@ async fn main() {
         .expect("a client from KUBECONFIG");
     let version = client.apiserver_version().await.expect("server version");
 
-    ensure_api(&client).await;
+    let installed = ensure_api(&client).await;
     let created = Instant::now();
     create_nodes(&client, n).await;
     println!(
@@ -274,7 +301,7 @@ async fn main() {
 
     let _ = operator.kill();
     let _ = operator.wait();
-    delete_all(&client).await;
+    delete_all(&client, &installed).await;
 
     let cold_s = cold.as_secs_f64();
     println!();
