@@ -189,50 +189,58 @@ fn walk(obj: &mut Map<String, Value>, f: &mut impl FnMut(&mut Map<String, Value>
 /// `status.truncated` how many entries each lost; `truncated` is `None` when nothing was
 /// cut. What matters most is kept: out-of-band bindings before allocated ones, privileged
 /// pods no exemption covers before exempt ones, unhealthy GPUs before healthy ones, so the
-/// conditions the operator derives (`Isolated`, `Healthy`) stay true. Each list keeps its
-/// own order otherwise.
+/// conditions the operator derives (`Isolated`, `Healthy`) stay true. Free-text fields are
+/// cut to their length. Each list keeps its order.
 pub fn fit_status(status: &mut GpuNodeStatus) {
     let mut cut = Truncated::default();
     if let Some(gpus) = status.gpus.as_mut() {
-        gpus.sort_by_key(|g| g.health.state != crate::HealthState::Unhealthy);
-        cut.gpus = keep_first(gpus, MAX_GPUS);
-        gpus.sort_by_key(|g| g.index);
+        cut.gpus = keep(gpus, MAX_GPUS, |g| {
+            g.health.state == crate::HealthState::Unhealthy
+        });
         for gpu in gpus.iter_mut() {
-            cut.mig_devices += keep_first(&mut gpu.mig_devices, MAX_MIG_DEVICES);
-            cut.health_reasons += keep_first(&mut gpu.health.reasons, MAX_HEALTH_REASONS);
+            cut.mig_devices += keep(&mut gpu.mig_devices, MAX_MIG_DEVICES, |_| false);
+            cut.health_reasons += keep(&mut gpu.health.reasons, MAX_HEALTH_REASONS, |_| false);
             for reason in &mut gpu.health.reasons {
                 truncate_chars(reason, REASON_LEN);
             }
         }
     }
     if let Some(bindings) = status.bindings.as_mut() {
-        let before = bindings.len();
-        if before > MAX_BINDINGS {
-            let (mut kept, allocated): (Vec<_>, Vec<_>) = std::mem::take(bindings)
-                .into_iter()
-                .partition(|b| b.source == BindingSource::Observed);
-            kept.extend(allocated);
-            kept.truncate(MAX_BINDINGS);
-            kept.sort_by(|a, b| (&a.pod_uid, &a.container).cmp(&(&b.pod_uid, &b.container)));
-            *bindings = kept;
-        }
-        cut.bindings = count(before - bindings.len());
+        cut.bindings = keep(bindings, MAX_BINDINGS, |b| {
+            b.source == BindingSource::Observed
+        });
         for binding in bindings.iter_mut() {
-            cut.binding_devices += keep_first(&mut binding.gpu_uuids, MAX_BINDING_DEVICES);
+            cut.binding_devices += keep(&mut binding.gpu_uuids, MAX_BINDING_DEVICES, |_| false);
         }
     }
     if let Some(pods) = status.privileged_pods.as_mut() {
-        pods.sort_by(|a, b| (a.exempt.is_some(), &a.uid).cmp(&(b.exempt.is_some(), &b.uid)));
-        cut.privileged_pods = keep_first(pods, MAX_PRIVILEGED_PODS);
-        pods.sort_by(|a, b| a.uid.cmp(&b.uid));
+        cut.privileged_pods = keep(pods, MAX_PRIVILEGED_PODS, |p| p.exempt.is_none());
+        for exempt in pods.iter_mut().filter_map(|p| p.exempt.as_mut()) {
+            truncate_chars(exempt, REASON_LEN);
+        }
+    }
+    if let Some(error) = status.runtime.as_mut().and_then(|r| r.error.as_mut()) {
+        truncate_chars(error, MESSAGE_LEN);
     }
     status.truncated = (cut != Truncated::default()).then_some(cut);
 }
 
-fn keep_first<T>(list: &mut Vec<T>, max: usize) -> u32 {
-    let cut = list.len().saturating_sub(max);
-    list.truncate(max);
-    count(cut)
+/// Keeps at most `max` entries of `list`, the `important` ones first, in their order, and
+/// returns how many it dropped.
+fn keep<T>(list: &mut Vec<T>, max: usize, important: impl Fn(&T) -> bool) -> u32 {
+    let dropped = list.len().saturating_sub(max);
+    if dropped == 0 {
+        return 0;
+    }
+    let mut kept = vec![false; list.len()];
+    let (first, rest): (Vec<usize>, Vec<usize>) =
+        (0..list.len()).partition(|&i| important(&list[i]));
+    for i in first.into_iter().chain(rest).take(max) {
+        kept[i] = true;
+    }
+    let mut kept = kept.into_iter();
+    list.retain(|_| kept.next().unwrap_or(false));
+    count(dropped)
 }
 
 fn count(n: usize) -> u32 {
@@ -313,7 +321,7 @@ mod tests {
         let pods: Vec<PodRef> = (0..300)
             .map(|i| PodRef {
                 uid: format!("p{i:03}"),
-                exempt: (i >= 10).then(|| "exempt".to_owned()),
+                exempt: (i >= 10).then(|| format!("image {} is exempt", "x".repeat(i * 2))),
                 ..Default::default()
             })
             .collect();
@@ -361,6 +369,11 @@ mod tests {
         assert_eq!(pods.len(), MAX_PRIVILEGED_PODS);
         assert_eq!(cut.privileged_pods, 300 - 256);
         assert_eq!(pods.iter().filter(|p| p.exempt.is_none()).count(), 10);
+        assert!(
+            pods.iter()
+                .filter_map(|p| p.exempt.as_ref())
+                .all(|e| e.chars().count() <= REASON_LEN)
+        );
 
         // What was cut fits the schema the API server checks.
         let json = serde_json::to_value(&status).unwrap();
