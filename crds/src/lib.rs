@@ -7,6 +7,7 @@
 pub mod bounds;
 pub mod conditions;
 pub mod duration;
+mod error;
 pub mod exemptions;
 pub mod gpu;
 pub mod manifests;
@@ -15,6 +16,7 @@ pub mod policy;
 pub mod selection;
 pub mod selector;
 
+pub use error::error_chain;
 pub use node::{
     Binding, BindingSource, DriverInfo, GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus,
     GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice, PodRef, RuntimeStatus, Truncated,
@@ -23,6 +25,7 @@ pub use policy::{
     CapabilitiesSpec, Exemptions, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec,
     PolicyMode, PrivilegedMatch, VisibleDevicesAll,
 };
+pub use selection::LABEL_NAMESPACE_NAME;
 
 /// API group of every gpuwarden kind.
 pub const GROUP: &str = "gpuwarden.io";

@@ -2,6 +2,7 @@
 //! cgroups, computes the status and the metrics; `run` repeats it and writes the status,
 //! `inspect` does it once and prints it.
 
+use gpuwarden_crds::error_chain;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -591,21 +592,6 @@ where
         .in_current_span(),
     );
     store
-}
-
-/// `a: b: c` for an error and its sources, on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 /// Settings of `inspect`.

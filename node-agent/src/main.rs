@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use gpuwarden_node_agent::agent::error_chain;
+use gpuwarden_crds::error_chain;
 use gpuwarden_node_agent::{Config, InspectConfig};
 
 /// gpuwarden node agent: NVML inventory and health, kubelet pod-resources bindings,

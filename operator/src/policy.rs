@@ -266,13 +266,12 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
 
 /// The namespaces a selector picks when it selects by `kubernetes.io/metadata.name` only.
 fn names_selected_only(sel: &LabelSelector) -> Option<BTreeSet<String>> {
-    const NAME: &str = "kubernetes.io/metadata.name";
     let mut c = BTreeMap::new();
     constrain(&mut c, sel);
     if c.len() != 1 {
         return None;
     }
-    let k = c.get(NAME)?;
+    let k = c.get(gpuwarden_crds::LABEL_NAMESPACE_NAME)?;
     let allowed = k.allowed.as_ref()?;
     Some(allowed.difference(&k.forbidden).cloned().collect())
 }

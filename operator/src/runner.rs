@@ -2,6 +2,7 @@
 //! and lease renewals from waking it, three appliers with bounded concurrency and per-object
 //! backoff, the certificate keeper, leader election and the health server.
 
+use gpuwarden_crds::error_chain;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -672,17 +673,6 @@ fn error_action(
     let delay = backoffs.next(key);
     warn!(object = key, error = %chain, retry_in = ?delay, "reconcile failed; retrying");
     Action::requeue(delay)
-}
-
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut out = err.to_string();
-    let mut source = err.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 async fn cert_loop(ctx: CertContext, shutdown: watch::Receiver<bool>) {

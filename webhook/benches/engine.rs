@@ -288,9 +288,8 @@ fn main() {
     });
     let decision = gpuwarden_webhook::engine::decide(&input, &policies);
     let patch = measure(|| {
-        let mut bytes = Vec::new();
-        gpuwarden_webhook::patch::write_patch(black_box(&pod), decision.changes(), &mut bytes);
-        black_box(bytes);
+        let patch = gpuwarden_webhook::patch::patch_for_view(black_box(&pod), decision.changes());
+        black_box(serde_json::to_vec(&patch).unwrap_or_default());
     });
     println!();
     println!(

@@ -19,10 +19,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::admission::{PolicyReader, PolicySource};
 use crate::metrics::Metrics;
-use crate::server::Shutdown;
-
-/// The label the API server sets on every namespace to its own name.
-const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+use crate::shutdown::Shutdown;
 
 /// Errors building a policy source.
 #[derive(Debug, thiserror::Error)]
@@ -158,7 +155,7 @@ impl PolicySource for StaticPolicySource {
 
     fn namespace_labels(&self, name: &str) -> Option<BTreeMap<String, String>> {
         Some(BTreeMap::from([(
-            NAMESPACE_NAME_LABEL.to_owned(),
+            gpuwarden_crds::LABEL_NAMESPACE_NAME.to_owned(),
             name.to_owned(),
         )]))
     }
@@ -269,7 +266,7 @@ where
             item = stream.next() => match item {
                 Some(Ok(_)) => {}
                 Some(Err(error)) => {
-                    tracing::warn!(cache, error = %crate::tls::error_chain(&error), "watch failed; retrying with backoff");
+                    tracing::warn!(cache, error = %gpuwarden_crds::error_chain(&error), "watch failed; retrying with backoff");
                 }
                 None => {
                     tracing::error!(cache, "watch stream ended");
@@ -317,7 +314,7 @@ mod tests {
         assert_eq!(policies.len(), 1);
         assert_eq!(policies[0].spec, GpuPolicy::default_policy().spec);
         assert_eq!(
-            source.namespace_labels("ml").unwrap()[NAMESPACE_NAME_LABEL],
+            source.namespace_labels("ml").unwrap()[gpuwarden_crds::LABEL_NAMESPACE_NAME],
             "ml"
         );
     }

@@ -4,12 +4,11 @@
 pub mod admission;
 pub mod cache;
 pub mod engine;
-mod json_out;
 pub mod manifest;
 pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod pod;
-mod scan;
 pub mod server;
+pub mod shutdown;
 pub mod tls;

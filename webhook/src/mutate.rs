@@ -405,8 +405,7 @@ fn judge(
             index: doc.index,
             message,
         };
-        let relative = crate::patch::patch_for(template, decision.changes())
-            .map_err(|e| patch_error(e.to_string()))?;
+        let relative = crate::patch::patch_for(template, decision.changes());
         if let Some(target) = after.pointer_mut(pointer) {
             json_patch::patch(target, &relative.0).map_err(|e| patch_error(e.to_string()))?;
         }

@@ -30,14 +30,15 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use rustls::ServerConfig;
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
 use crate::admission::{self, PolicySource, ReviewSummary};
 use crate::cache::{ReflectorCache, StaticPolicySource, SyncFlag};
 use crate::metrics::{self, Metrics, Refusal};
-use crate::scan;
-use crate::tls::{CertReloader, CertStore, TlsPaths, error_chain};
+pub use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
+use crate::tls::{CertReloader, CertStore, TlsPaths};
+use gpuwarden_crds::error_chain;
 
 /// Largest request body accepted: the API server's own request limit.
 pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
@@ -111,31 +112,6 @@ impl Reviewer for EngineReviewer {
     }
 }
 
-/// Allows every request, echoing only its uid: the cheapest answer an API server accepts.
-/// The benchmark's floor, measuring the server stack around the engine.
-#[derive(Debug, Clone, Copy)]
-pub struct ConstantAllow;
-
-impl Reviewer for ConstantAllow {
-    fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
-        // The least a valid answer does: the API server rejects a response whose uid
-        // does not echo the request's, so even the floor reads the review once.
-        let uid = scan::peek_uid(body);
-        let response = serde_json::json!({
-            "apiVersion": "admission.k8s.io/v1",
-            "kind": "AdmissionReview",
-            "response": {"uid": uid, "allowed": true},
-        });
-        let summary = ReviewSummary {
-            uid,
-            outcome: admission::Outcome::Allowed,
-            policy: None,
-            pod: None,
-        };
-        (response.to_string().into_bytes(), summary)
-    }
-}
-
 /// Bounds on the work one replica takes on.
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -171,41 +147,6 @@ impl Default for Limits {
             drain_timeout: Duration::from_secs(20),
         }
     }
-}
-
-/// Fires once; every clone of the paired [`Shutdown`] sees it.
-#[derive(Debug)]
-pub struct ShutdownTrigger(watch::Sender<bool>);
-
-impl ShutdownTrigger {
-    /// Starts shutdown.
-    pub fn trigger(&self) {
-        self.0.send_replace(true);
-    }
-}
-
-/// Resolves when shutdown has started (or the trigger was dropped).
-#[derive(Clone, Debug)]
-pub struct Shutdown(watch::Receiver<bool>);
-
-impl Shutdown {
-    /// Waits for shutdown.
-    pub async fn wait(&self) {
-        let mut rx = self.0.clone();
-        // An Err means the trigger is gone: nothing can start shutdown any more, so stop.
-        let _ = rx.wait_for(|started| *started).await;
-    }
-
-    /// Whether shutdown has started.
-    pub fn is_started(&self) -> bool {
-        *self.0.borrow()
-    }
-}
-
-/// A new shutdown trigger and its receiver.
-pub fn shutdown_channel() -> (ShutdownTrigger, Shutdown) {
-    let (tx, rx) = watch::channel(false);
-    (ShutdownTrigger(tx), Shutdown(rx))
 }
 
 /// The webhook as a value: the HTTPS app, the health app, and what they share.
@@ -542,7 +483,12 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
 
     if let Some(message) = content_type_error {
         // The uid is still worth echoing: the API server then shows this message.
-        return refuse(Refusal::ContentType, &scan::peek_uid(&body), 415, message);
+        return refuse(
+            Refusal::ContentType,
+            &admission::request_uid(&body),
+            415,
+            message,
+        );
     }
 
     let span = tracing::info_span!(
@@ -564,7 +510,7 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
     let Some((response, summary)) = result else {
         return refuse(
             Refusal::Internal,
-            &scan::peek_uid(&body),
+            &admission::request_uid(&body),
             500,
             "gpuwarden webhook failed internally while reviewing this request; see its logs".into(),
         );
@@ -838,10 +784,13 @@ mod tests {
     }
 
     #[test]
-    fn uid_is_peeked_only_from_a_review_shape() {
-        assert_eq!(scan::peek_uid(br#"{"request":{"uid":"abc"}}"#), "abc");
-        assert_eq!(scan::peek_uid(b"not json"), "");
-        assert_eq!(scan::peek_uid(br#"{"request":"x"}"#), "");
+    fn uid_is_read_only_from_a_review_shape() {
+        assert_eq!(
+            admission::request_uid(br#"{"request":{"uid":"abc"}}"#),
+            "abc"
+        );
+        assert_eq!(admission::request_uid(b"not json"), "");
+        assert_eq!(admission::request_uid(br#"{"request":"x"}"#), "");
     }
 
     #[test]

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use crate::server::Shutdown;
+use gpuwarden_crds::error_chain;
+
+use crate::shutdown::Shutdown;
 use rustls::ServerConfig;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -310,16 +312,4 @@ impl CertReloader {
             }
         }
     }
-}
-
-/// `error: cause: cause`, for one-line logs.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut out = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }

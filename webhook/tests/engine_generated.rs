@@ -490,7 +490,7 @@ fn generated_pods_hold_the_invariants() {
         let policies = [Arc::new(policy.clone())];
         let direct = decide(&input, &policies);
         if direct.verdict() != Verdict::Denied {
-            let direct = patch_for(&pod, direct.changes()).unwrap();
+            let direct = patch_for(&pod, direct.changes());
             let direct = (!direct.0.is_empty()).then(|| serde_json::to_value(&direct).unwrap());
             let via_review = first
                 .patch

@@ -4,7 +4,6 @@
 
 use gpuwarden_crds::{CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, gpu};
 
-use super::list::SmallList;
 use super::{ContainerKind, ContainerRef, ENV_VISIBLE_DEVICES, VisibleDevices, image_exempt};
 use crate::pod::{Container, Map, PodView, Scalar};
 
@@ -54,12 +53,12 @@ pub(super) struct PodFacts<'a> {
 /// The pod's device hostPath volumes: name and path, sorted by name, each name once (the
 /// last of a repeated name wins, as it does in the kubelet's map of volumes).
 #[derive(Debug, Default)]
-pub(super) struct DeviceVolumes<'a>(SmallList<(&'a str, &'a str), 4>);
+pub(super) struct DeviceVolumes<'a>(Vec<(&'a str, &'a str)>);
 
 impl<'a> DeviceVolumes<'a> {
     fn insert(&mut self, name: &'a str, path: &'a str) {
         match self.0.binary_search_by(|(n, _)| (*n).cmp(name)) {
-            Ok(i) => self.0.set(i, (name, path)),
+            Ok(i) => self.0[i] = (name, path),
             Err(i) => self.0.insert(i, (name, path)),
         }
     }

@@ -17,7 +17,6 @@
 //! `mutate` command ([`crate::mutate`]), where the "pod" is a workload's pod template.
 
 mod facts;
-mod list;
 mod plan;
 mod render;
 
@@ -139,11 +138,6 @@ impl Report<'_> {
     /// The report as JSON text.
     pub fn to_json(&self) -> String {
         self.0.report()
-    }
-
-    /// Appends the report as the contents of a JSON string: escaped, without the quotes.
-    pub(crate) fn write_escaped(&self, out: &mut Vec<u8>) {
-        self.0.write_report(&mut render::Quoted(out));
     }
 }
 
@@ -795,12 +789,6 @@ mod tests {
         else {
             panic!("not the report and the reference: {pairs:?}");
         };
-        // The patch carries the report escaped inside a string: the same text.
-        let mut escaped = b"\"".to_vec();
-        report.write_escaped(&mut escaped);
-        escaped.push(b'"');
-        let carried: String = serde_json::from_slice(&escaped).unwrap();
-        assert_eq!(carried, report.to_json());
         let report: Value = serde_json::from_str(&report.to_json()).unwrap();
         assert_eq!(
             report,

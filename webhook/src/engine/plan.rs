@@ -8,12 +8,10 @@ use std::fmt;
 use gpuwarden_crds::{ANNOTATION_GPU_COUNT, GpuPolicy, VisibleDevicesAll};
 
 use super::facts::{ContainerFacts, DeviceVolumes, PodFacts};
-use super::list::SmallList;
 use super::{
     ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
     ENV_VISIBLE_DEVICES, VisibleDevices,
 };
-use crate::json_out;
 use crate::pod::{Container, Scalar};
 
 /// The plan for one pod.
@@ -83,12 +81,7 @@ impl Quantity<'_> {
     /// is, any other JSON value as JSON.
     pub fn with_text<R>(&self, f: impl FnOnce(&str) -> R) -> R {
         match self {
-            Self::Count(n) => {
-                let mut digits = [0; 20];
-                let digits = json_out::decimal(u64::from(*n), &mut digits);
-                // Only ASCII digits were written.
-                f(std::str::from_utf8(digits).unwrap_or_default())
-            }
+            Self::Count(n) => f(&n.to_string()),
             Self::Copied(Scalar::Str(s)) => f(s),
             Self::Copied(Scalar::Other(v)) => f(&v.to_string()),
         }
@@ -146,7 +139,7 @@ pub(super) struct EnvEdit<'a> {
     /// Whether the pair that is set is appended (it was missing, different or repeated).
     pub(super) append: bool,
     /// Names removed, each once, in the order first seen.
-    pub(super) removed: SmallList<&'static str, 3>,
+    pub(super) removed: Vec<&'static str>,
     /// The pair the container ends up with, when it was not already so.
     pub(super) set: Option<(&'static str, EnvValue<'a>)>,
 }
@@ -161,10 +154,10 @@ pub(super) enum EnvValue<'a> {
 }
 
 /// Indices of list entries, ascending.
-pub(super) type Indices = SmallList<usize, 4>;
+pub(super) type Indices = Vec<usize>;
 
 /// Names (of volumes), in the order the messages give them.
-pub(super) type Names<'a> = SmallList<&'a str, 4>;
+pub(super) type Names<'a> = Vec<&'a str>;
 
 /// A capability name as the runtime reads it: trimmed, upper case, without `CAP_`. Borrowed
 /// when it already is.
@@ -301,7 +294,7 @@ pub(super) fn plan_pod<'a>(
             for (i, name) in c.mount_names().enumerate() {
                 if strips(name) {
                     p.mounts.push(i);
-                    p.mounts_removed.push_new(name);
+                    push_new(&mut p.mounts_removed, name);
                 }
             }
         }
@@ -423,7 +416,7 @@ fn rewrite_env<'a>(
     let mut edit = EnvEdit {
         remove: Indices::default(),
         append: false,
-        removed: SmallList::default(),
+        removed: Vec::new(),
         set: None,
     };
     let wanted = set.map(|(k, v)| {
@@ -438,7 +431,7 @@ fn rewrite_env<'a>(
     for (i, entry) in env.iter().enumerate() {
         let name = entry.name.as_deref().unwrap_or("");
         if let Some(&known) = remove.iter().find(|r| **r == name) {
-            edit.removed.push_new(known);
+            push_new(&mut edit.removed, known);
             edit.remove.push(i);
             continue;
         }
@@ -464,4 +457,11 @@ fn rewrite_env<'a>(
     }
     edit.set = set.filter(|_| set_changed);
     Some(edit)
+}
+
+/// Appends `item` unless `list` already holds it.
+fn push_new<T: PartialEq>(list: &mut Vec<T>, item: T) {
+    if !list.contains(&item) {
+        list.push(item);
+    }
 }

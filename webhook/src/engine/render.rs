@@ -2,22 +2,12 @@
 //! (kubectl prints them) and one summary line (the `changes` audit annotation), both from
 //! the same phrases, and the `gpuwarden.io/rewritten` report, which says the same as JSON.
 
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
 use super::plan::{ContainerPlan, CountFrom, EnvValue, Plan};
 use super::{ContainerKind, MAX_WARNING_LEN};
-use crate::json_out;
-
-/// A [`Lit`] from a byte string literal, its escaped form worked out at compile time.
-macro_rules! lit {
-    ($text:literal) => {{
-        const PLAIN: &[u8] = $text;
-        const QUOTED: [u8; quoted_len(PLAIN)] = quoted(PLAIN);
-        const LIT: Lit = Lit {
-            plain: PLAIN,
-            quoted: &QUOTED,
-        };
-        &LIT
-    }};
-}
 
 /// Phrases written one after another with a separator.
 struct Phrases<'o> {
@@ -202,96 +192,49 @@ impl Plan<'_> {
         }
     }
 
-    /// Writes the `gpuwarden.io/rewritten` (or `gpuwarden.io/audit`) annotation value: per
+    /// The `gpuwarden.io/rewritten` (or `gpuwarden.io/audit`) annotation value as JSON: per
     /// container name, sorted by name, what changed (the last of a repeated name wins, as in
     /// an object); the pod's volumes and annotations removed; and why Enforce would deny the
     /// pod (Audit only).
-    pub(super) fn write_report(&self, out: &mut impl ReportOut) {
-        out.lit(lit!(b"{\"containers\":{"));
-        let (single, sorted);
-        let order: &[&ContainerPlan<'_>] = match self.containers.as_slice() {
-            [] => &[],
-            [only] => {
-                single = [only];
-                &single
-            }
-            _ => {
-                // Stable: of containers sharing a name (a malformed pod), the last stays last.
-                let mut order: Vec<&ContainerPlan<'_>> = self.containers.iter().collect();
-                order.sort_by(|a, b| a.name.cmp(b.name));
-                sorted = order;
-                &sorted
-            }
-        };
-        let mut first = true;
-        for (i, c) in order.iter().enumerate() {
-            if order.get(i + 1).is_some_and(|next| next.name == c.name) {
-                continue;
-            }
-            if !first {
-                out.lit(lit!(b","));
-            }
-            first = false;
-            out.string(&[c.name]);
-            out.lit(lit!(b":"));
-            self.write_container_report(out, c);
-        }
-        out.lit(lit!(b"}"));
-        list_field(out, lit!(b",\"volumesRemoved\":"), &self.volumes_removed);
-        list_field(
-            out,
-            lit!(b",\"annotationsRemoved\":"),
-            &self.annotations_removed,
-        );
-        list_field(out, lit!(b",\"denials\":"), &self.denials);
-        out.lit(lit!(b"}"));
-    }
-
-    fn write_container_report(&self, out: &mut impl ReportOut, c: &ContainerPlan<'_>) {
-        out.lit(match c.at.kind {
-            ContainerKind::Init => lit!(b"{\"kind\":\"init\",\"privileged\":false"),
-            ContainerKind::Ephemeral => lit!(b"{\"kind\":\"ephemeral\",\"privileged\":false"),
-            // The container lost privilege, or never had it.
-            ContainerKind::Regular => lit!(b"{\"privileged\":false"),
-        });
-        out.lit(if c.gpu {
-            lit!(b",\"gpu\":true")
-        } else {
-            lit!(b",\"gpu\":false")
-        });
-        list_field(out, lit!(b",\"capabilitiesAdded\":"), &c.caps_added);
-        if c.drop_all {
-            out.lit(lit!(b",\"capabilitiesDropped\":[\"ALL\"]"));
-        }
-        list_field(out, lit!(b",\"capabilitiesRefused\":"), &c.caps_refused);
-        if let Some(limit) = &c.limit {
-            out.lit(lit!(b",\"limits\":{"));
-            out.string(&[limit.resource]);
-            out.lit(lit!(b":"));
-            limit.quantity.with_text(|text| out.string(&[text]));
-            out.lit(lit!(b"},\"gpuCountFrom\":"));
-            out.string(&limit.from.parts());
-        }
-        if let Some(env) = &c.env {
-            list_field(out, lit!(b",\"envRemoved\":"), &env.removed);
-            if let Some((name, value)) = &env.set {
-                out.lit(lit!(b",\"envSet\":{"));
-                out.string(&[name]);
-                out.lit(lit!(b":"));
-                out.string(&[self.env_value(value)]);
-                out.lit(lit!(b"}"));
-            }
-        }
-        list_field(out, lit!(b",\"volumeMountsRemoved\":"), &c.mounts_removed);
-        out.lit(lit!(b"}"));
-    }
-
-    /// The report as JSON text.
     pub(super) fn report(&self) -> String {
-        let mut out = Plain(Vec::with_capacity(512));
-        self.write_report(&mut out);
-        // Only whole strings and ASCII punctuation were written.
-        String::from_utf8(out.0).unwrap_or_default()
+        let report = ReportJson {
+            containers: self
+                .containers
+                .iter()
+                .map(|c| (c.name, self.container_report(c)))
+                .collect(),
+            volumes_removed: &self.volumes_removed,
+            annotations_removed: &self.annotations_removed,
+            denials: &self.denials,
+        };
+        // Strings, lists and maps of strings always serialise.
+        serde_json::to_string(&report).unwrap_or_default()
+    }
+
+    fn container_report<'p>(&'p self, c: &'p ContainerPlan<'_>) -> ContainerReport<'p> {
+        let env = c.env.as_ref();
+        ContainerReport {
+            kind: match c.at.kind {
+                ContainerKind::Init => Some("init"),
+                ContainerKind::Ephemeral => Some("ephemeral"),
+                ContainerKind::Regular => None,
+            },
+            // The container lost privilege, or never had it.
+            privileged: false,
+            gpu: c.gpu,
+            capabilities_added: &c.caps_added,
+            capabilities_dropped: if c.drop_all { &["ALL"] } else { &[] },
+            capabilities_refused: &c.caps_refused,
+            limits: c.limit.as_ref().map(|limit| {
+                BTreeMap::from([(limit.resource, limit.quantity.with_text(str::to_owned))])
+            }),
+            gpu_count_from: c.limit.as_ref().map(|limit| limit.from.parts().concat()),
+            env_removed: env.map_or(&[], |env| &env.removed),
+            env_set: env
+                .and_then(|env| env.set.as_ref())
+                .map(|(name, value)| BTreeMap::from([(*name, self.env_value(value))])),
+            volume_mounts_removed: &c.mounts_removed,
+        }
     }
 
     /// Whether `text` is the report, written byte for byte.
@@ -300,107 +243,43 @@ impl Plan<'_> {
     }
 }
 
-/// `<key>[...]` unless `items` is empty; `key` holds the comma and colon around it.
-fn list_field<S: AsRef<str>>(out: &mut impl ReportOut, key: &Lit, items: &[S]) {
-    if items.is_empty() {
-        return;
-    }
-    out.lit(key);
-    out.lit(lit!(b"["));
-    for (i, item) in items.iter().enumerate() {
-        if i > 0 {
-            out.lit(lit!(b","));
-        }
-        out.string(&[item.as_ref()]);
-    }
-    out.lit(lit!(b"]"));
+/// The report, field by field in the order it is written.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ReportJson<'p> {
+    containers: BTreeMap<&'p str, ContainerReport<'p>>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    volumes_removed: &'p [&'p str],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    annotations_removed: &'p [&'p str],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    denials: &'p [String],
 }
 
-/// A piece of the report's JSON punctuation and key names, as it is and as it reads inside
-/// a JSON string (each `"` and `\` escaped), both worked out when the program is compiled.
-pub(super) struct Lit {
-    plain: &'static [u8],
-    quoted: &'static [u8],
-}
-
-/// How long `text` is once each `"` and `\` in it is escaped.
-pub(super) const fn quoted_len(text: &[u8]) -> usize {
-    let mut len = text.len();
-    let mut i = 0;
-    while i < text.len() {
-        if text[i] == b'"' || text[i] == b'\\' {
-            len += 1;
-        }
-        i += 1;
-    }
-    len
-}
-
-/// `text` with each `"` and `\` escaped, in `N` ([`quoted_len`]) bytes.
-pub(super) const fn quoted<const N: usize>(text: &[u8]) -> [u8; N] {
-    let mut out = [0; N];
-    let (mut i, mut j) = (0, 0);
-    while i < text.len() {
-        if text[i] == b'"' || text[i] == b'\\' {
-            out[j] = b'\\';
-            j += 1;
-        }
-        out[j] = text[i];
-        j += 1;
-        i += 1;
-    }
-    out
-}
-
-/// Where the report goes: a JSON document ([`Plain`]), or the contents of the JSON string
-/// that carries it in the patch ([`Quoted`]), so that it is not written once and escaped
-/// again.
-pub(super) trait ReportOut {
-    /// Punctuation and key names.
-    fn lit(&mut self, lit: &Lit);
-    /// A JSON string whose text is the concatenation of `parts`.
-    fn string(&mut self, parts: &[&str]);
-}
-
-/// The report as a JSON document.
-pub(super) struct Plain(pub(super) Vec<u8>);
-
-impl ReportOut for Plain {
-    fn lit(&mut self, lit: &Lit) {
-        self.0.extend_from_slice(lit.plain);
-    }
-
-    fn string(&mut self, parts: &[&str]) {
-        json_out::string_of_parts(&mut self.0, parts);
-    }
-}
-
-/// The report escaped as the contents of a JSON string, appended to a buffer.
-pub(super) struct Quoted<'o>(pub(super) &'o mut Vec<u8>);
-
-impl ReportOut for Quoted<'_> {
-    fn lit(&mut self, lit: &Lit) {
-        self.0.extend_from_slice(lit.quoted);
-    }
-
-    fn string(&mut self, parts: &[&str]) {
-        let plain = parts
-            .iter()
-            .all(|part| json_out::first_needing_escape(part.as_bytes()) == part.len());
-        if plain {
-            // Escaping text that needs none leaves it as it is, twice over.
-            self.0.extend_from_slice(b"\\\"");
-            parts
-                .iter()
-                .for_each(|part| self.0.extend_from_slice(part.as_bytes()));
-            self.0.extend_from_slice(b"\\\"");
-        } else {
-            let mut once = Vec::new();
-            json_out::string_of_parts(&mut once, parts);
-            // Only whole strings were written.
-            json_out::str_contents(self.0, std::str::from_utf8(&once).unwrap_or_default());
-        }
-    }
+/// What changed in one container.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ContainerReport<'p> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    privileged: bool,
+    gpu: bool,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    capabilities_added: &'p [std::borrow::Cow<'p, str>],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    capabilities_dropped: &'static [&'static str],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    capabilities_refused: &'p [std::borrow::Cow<'p, str>],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    limits: Option<BTreeMap<&'p str, String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gpu_count_from: Option<String>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    env_removed: &'p [&'static str],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    env_set: Option<BTreeMap<&'static str, &'p str>>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    volume_mounts_removed: &'p [&'p str],
 }
 
 /// Bytes of text buffer a thread keeps between reviews.
