@@ -2,6 +2,7 @@
 //! multi-document YAML or JSON (an object or a `List`), and finding the pod template inside
 //! each workload.
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -186,37 +187,101 @@ pub fn read_source(path: &str, stdin: &mut dyn std::io::Read) -> Result<String, 
 /// Parses `text` (from `source`) into objects: JSON when it starts with `{` or `[`,
 /// otherwise multi-document YAML. `List` objects are flattened into their items.
 pub fn parse_documents(source: &str, text: &str) -> Result<Vec<Document>, ManifestError> {
+    documents(source, text).collect()
+}
+
+/// The objects of `text` (from `source`), one at a time: a YAML document is parsed when it
+/// is reached, so only one is held at once (JSON is parsed whole, as it is one value). After
+/// an error the iterator ends.
+pub fn documents<'t>(source: &'t str, text: &'t str) -> Documents<'t> {
     let trimmed = text.trim_start_matches('\u{feff}').trim_start();
-    let mut raw: Vec<(usize, usize, Value)> = Vec::new();
-    if trimmed.starts_with('{') || trimmed.starts_with('[') {
-        let value: Value = serde_json::from_str(trimmed).map_err(|e| ManifestError::Json {
-            path: source.to_owned(),
+    let input = if trimmed.starts_with('{') || trimmed.starts_with('[') {
+        Input::Json(Some(trimmed))
+    } else {
+        Input::Yaml(split_yaml(text).into_iter().enumerate())
+    };
+    Documents {
+        source,
+        input,
+        pending: VecDeque::new(),
+        failed: false,
+    }
+}
+
+/// The iterator [`documents`] returns.
+pub struct Documents<'t> {
+    source: &'t str,
+    input: Input<'t>,
+    /// Objects read but not yet returned: the items of a `List`.
+    pending: VecDeque<Document>,
+    failed: bool,
+}
+
+enum Input<'t> {
+    /// The JSON text, until it is parsed.
+    Json(Option<&'t str>),
+    /// The YAML documents not yet parsed: (start line, text), numbered from 0.
+    Yaml(std::iter::Enumerate<std::vec::IntoIter<(usize, &'t str)>>),
+}
+
+impl<'t> Iterator for Documents<'t> {
+    type Item = Result<Document, ManifestError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        while !self.failed {
+            if let Some(doc) = self.pending.pop_front() {
+                return Some(Ok(doc));
+            }
+            let read = match &mut self.input {
+                Input::Json(text) => {
+                    let text = text.take()?;
+                    self.read_json(text)
+                }
+                Input::Yaml(chunks) => {
+                    let (index, (line, chunk)) = chunks.next()?;
+                    self.read_yaml(index + 1, line, chunk)
+                }
+            };
+            if let Err(e) = read {
+                self.failed = true;
+                return Some(Err(e));
+            }
+        }
+        None
+    }
+}
+
+impl Documents<'_> {
+    fn read_json(&mut self, text: &str) -> Result<(), ManifestError> {
+        let value: Value = serde_json::from_str(text).map_err(|e| ManifestError::Json {
+            path: self.source.to_owned(),
             message: e.to_string(),
         })?;
         match value {
             Value::Array(items) => {
-                raw.extend(items.into_iter().enumerate().map(|(i, v)| (i + 1, 1, v)));
+                (items.into_iter().enumerate()).try_for_each(|(i, item)| self.push(i + 1, 1, item))
             }
-            v => raw.push((1, 1, v)),
-        }
-    } else {
-        for (index, (line, chunk)) in split_yaml(text).into_iter().enumerate() {
-            let index = index + 1;
-            let value: Value = serde_saphyr::from_str(chunk).map_err(|e| ManifestError::Yaml {
-                path: source.to_owned(),
-                index,
-                line,
-                message: first_line(&e.to_string()),
-            })?;
-            if !value.is_null() {
-                raw.push((index, line, value));
-            }
+            value => self.push(1, 1, value),
         }
     }
-    let mut docs = Vec::new();
-    for (index, line, value) in raw {
+
+    fn read_yaml(&mut self, index: usize, line: usize, chunk: &str) -> Result<(), ManifestError> {
+        let value: Value = serde_saphyr::from_str(chunk).map_err(|e| ManifestError::Yaml {
+            path: self.source.to_owned(),
+            index,
+            line,
+            message: first_line(&e.to_string()),
+        })?;
+        if value.is_null() {
+            return Ok(());
+        }
+        self.push(index, line, value)
+    }
+
+    /// Queues an object, or the items of a `List`.
+    fn push(&mut self, index: usize, line: usize, value: Value) -> Result<(), ManifestError> {
         let not_object = |problem: String| ManifestError::NotAnObject {
-            path: source.to_owned(),
+            path: self.source.to_owned(),
             index,
             line,
             problem,
@@ -230,11 +295,16 @@ pub fn parse_documents(source: &str, text: &str) -> Result<Vec<Document>, Manife
         if kind.is_empty() {
             return Err(not_object("has no kind".into()));
         }
+        let document = |object| Document {
+            source: self.source.to_owned(),
+            index,
+            line,
+            object,
+        };
         if kind == "List" || (kind.ends_with("List") && map.get("items").is_some()) {
-            let items = map
-                .get("items")
-                .and_then(Value::as_array)
-                .ok_or_else(|| not_object(format!("{kind} has no items list")))?;
+            let Some(Value::Array(items)) = value.get("items") else {
+                return Err(not_object(format!("{kind} has no items list")));
+            };
             for (i, item) in items.iter().enumerate() {
                 if item
                     .get("kind")
@@ -243,23 +313,20 @@ pub fn parse_documents(source: &str, text: &str) -> Result<Vec<Document>, Manife
                 {
                     return Err(not_object(format!("{kind} item {} has no kind", i + 1)));
                 }
-                docs.push(Document {
-                    source: source.to_owned(),
-                    index,
-                    line,
-                    object: item.clone(),
-                });
             }
-            continue;
+            let Value::Object(mut map) = value else {
+                return Ok(());
+            };
+            if let Some(Value::Array(items)) = map.remove("items") {
+                let documents: Vec<Document> = items.into_iter().map(document).collect();
+                self.pending.extend(documents);
+            }
+            return Ok(());
         }
-        docs.push(Document {
-            source: source.to_owned(),
-            index,
-            line,
-            object: value,
-        });
+        let document = document(value);
+        self.pending.push_back(document);
+        Ok(())
     }
-    Ok(docs)
 }
 
 /// Splits YAML text at `---` document markers into (1-based start line, text) chunks,

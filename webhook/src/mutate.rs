@@ -173,10 +173,6 @@ impl Explanation {
             denial: decision.denial(),
         }
     }
-
-    fn verdict(&self) -> Verdict {
-        self.verdict
-    }
 }
 
 /// Runs `mutate` on the process's stdin, stdout and stderr; returns the exit code.
@@ -223,83 +219,120 @@ fn run_inner(
     };
     let policies = load_policies(&args.policies, stdin).map_err(|e| vec![e])?;
 
-    // Read everything first: bad input is reported in full, before any output.
     let inputs = manifest::expand_inputs(&args.filenames).map_err(|e| vec![e.into()])?;
     if inputs.is_empty() {
         return Err(vec![MutateError::NoManifests(args.filenames.join(", "))]);
     }
-    let mut docs = Vec::new();
+    let mut texts = Vec::new();
     let mut errors = Vec::new();
-    for input in &inputs {
-        let text = match manifest::read_source(&input.path, stdin) {
-            Ok(text) => text,
-            Err(e) => {
-                errors.push(e.into());
-                continue;
+    for input in inputs {
+        match manifest::read_source(&input.path, stdin) {
+            Ok(text) if input.from_directory && !manifest::looks_like_kubernetes(&text) => {
+                let _ = writeln!(
+                    stderr,
+                    "{}: skipped: not a Kubernetes manifest (no kind)",
+                    input.path
+                );
             }
-        };
-        if input.from_directory && !manifest::looks_like_kubernetes(&text) {
-            let _ = writeln!(
-                stderr,
-                "{}: skipped: not a Kubernetes manifest (no kind)",
-                input.path
-            );
-            continue;
-        }
-        match manifest::parse_documents(&input.path, &text) {
-            Ok(d) => docs.extend(d),
+            Ok(text) => texts.push((input.path, text)),
             Err(e) => errors.push(e.into()),
+        }
+    }
+
+    // First pass: every document is read and checked, one at a time, so that bad input is
+    // reported in full before any output; the Namespace objects' labels are kept.
+    let mut namespace_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for (path, text) in &texts {
+        for doc in manifest::documents(path, text) {
+            match (doc.map_err(MutateError::from)).and_then(|doc| check(&doc).map(|()| doc)) {
+                Ok(doc) if doc.kind() == "Namespace" => {
+                    namespace_labels.insert(doc.name(), labels_of(&doc.object));
+                }
+                Ok(_) => {}
+                Err(e) => errors.push(e),
+            }
         }
     }
     if !errors.is_empty() {
         return Err(errors);
     }
 
-    // Namespace labels: the flag's, then what Namespace objects in the input say.
-    let mut namespace_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-    for doc in docs.iter().filter(|d| d.kind() == "Namespace") {
-        let labels: BTreeMap<String, String> = doc
-            .object
-            .pointer("/metadata/labels")
-            .and_then(Value::as_object)
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned())))
-                    .collect()
-            })
-            .unwrap_or_default();
-        namespace_labels.insert(doc.name(), labels);
-    }
+    // Second pass: each document is judged, explained and written, then dropped.
     let default_namespace = args.namespace.as_deref().unwrap_or("default");
-
-    let mut outcomes = Vec::with_capacity(docs.len());
-    for doc in docs {
-        let namespace = doc.namespace().unwrap_or(default_namespace).to_owned();
-        let mut labels = extra_labels.clone();
-        labels.extend(
-            namespace_labels
-                .get(&namespace)
-                .cloned()
-                .unwrap_or_default(),
-        );
-        let labels = engine::namespace_labels_or_default(&namespace, Some(labels));
-        outcomes.push(judge(doc, namespace, &labels, &policies).map_err(|e| vec![e])?);
+    let mut explainer = Explainer::default();
+    let mut failure = None;
+    let outcomes = texts
+        .iter()
+        .flat_map(|(path, text)| manifest::documents(path, text))
+        .map_while(|doc| {
+            let doc = doc.ok()?;
+            let namespace = doc.namespace().unwrap_or(default_namespace).to_owned();
+            let mut labels = extra_labels.clone();
+            labels.extend(
+                namespace_labels
+                    .get(&namespace)
+                    .cloned()
+                    .unwrap_or_default(),
+            );
+            let labels = engine::namespace_labels_or_default(&namespace, Some(labels));
+            match judge(doc, namespace, &labels, &policies) {
+                Ok(outcome) => {
+                    explainer.explain(&outcome, stderr);
+                    Some(outcome)
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    None
+                }
+            }
+        });
+    let _ = write_output(args.output, outcomes, stdout);
+    if let Some(e) = failure {
+        return Err(vec![e]);
     }
-
-    explain(&outcomes, stderr);
+    explainer.summarise(stderr);
     if args.output == OutputFormat::Yaml && args.policies.is_empty() {
         let _ = writeln!(
             stderr,
-            "(built-in default policy; the objects follow on stdout. -o diff shows only the changes, --policy FILE applies your own GpuPolicy)"
+            "(built-in default policy; the objects are on stdout. -o diff shows only the changes, --policy FILE applies your own GpuPolicy)"
         );
     }
-    let _ = write_output(args.output, &outcomes, stdout);
-    let denied = outcomes.iter().any(|o| {
-        o.decision
-            .as_ref()
-            .is_some_and(|d| d.verdict() == Verdict::Denied)
-    });
-    Ok(if denied { EXIT_DENIED } else { EXIT_ADMITTED })
+    Ok(if explainer.denied {
+        EXIT_DENIED
+    } else {
+        EXIT_ADMITTED
+    })
+}
+
+/// The string labels in an object's `metadata.labels`.
+fn labels_of(object: &Value) -> BTreeMap<String, String> {
+    object
+        .pointer("/metadata/labels")
+        .and_then(Value::as_object)
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether a workload has the pod template its kind must have.
+fn check(doc: &Document) -> Result<(), MutateError> {
+    let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
+    match manifest::pod_template_pointer(api_version.unwrap_or(""), doc.kind()) {
+        Some(pointer) if !doc.object.pointer(pointer).is_some_and(Value::is_object) => {
+            Err(MutateError::NoTemplate {
+                file: doc.source.clone(),
+                index: doc.index,
+                line: doc.line,
+                kind: doc.kind().to_owned(),
+                name: doc.name(),
+                pointer,
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Parses `k=v,k=v`.
@@ -377,7 +410,8 @@ fn judge(
             namespace,
         });
     };
-    let Some(template) = doc.object.pointer(pointer).filter(|t| t.is_object()) else {
+    check(&doc)?;
+    let Some(template) = doc.object.pointer(pointer) else {
         return Err(MutateError::NoTemplate {
             file: doc.source.clone(),
             index: doc.index,
@@ -426,69 +460,52 @@ fn judge(
 /// The same patch, with every path under `prefix` (a pod template pointer).
 fn prefixed(patch: json_patch::Patch, prefix: &str) -> json_patch::Patch {
     use json_patch::PatchOperation as Op;
-    if prefix.is_empty() {
-        return patch;
-    }
     let Ok(base) = json_patch::jsonptr::PointerBuf::parse(prefix) else {
         return patch;
     };
-    let join = |p: &json_patch::jsonptr::Pointer| base.concat(p);
-    json_patch::Patch(
-        patch
-            .0
-            .into_iter()
-            .map(|op| match op {
-                Op::Add(mut o) => {
-                    o.path = join(&o.path);
-                    Op::Add(o)
-                }
-                Op::Remove(mut o) => {
-                    o.path = join(&o.path);
-                    Op::Remove(o)
-                }
-                Op::Replace(mut o) => {
-                    o.path = join(&o.path);
-                    Op::Replace(o)
-                }
-                Op::Test(mut o) => {
-                    o.path = join(&o.path);
-                    Op::Test(o)
-                }
-                Op::Move(mut o) => {
-                    o.path = join(&o.path);
-                    o.from = join(&o.from);
-                    Op::Move(o)
-                }
-                Op::Copy(mut o) => {
-                    o.path = join(&o.path);
-                    o.from = join(&o.from);
-                    Op::Copy(o)
-                }
-            })
-            .collect(),
-    )
+    let ops = patch.0.into_iter().map(|op| match op {
+        Op::Add(mut o) => {
+            o.path = base.concat(&o.path);
+            Op::Add(o)
+        }
+        Op::Remove(mut o) => {
+            o.path = base.concat(&o.path);
+            Op::Remove(o)
+        }
+        // The engine writes only `add` and `remove`.
+        other => other,
+    });
+    json_patch::Patch(ops.collect())
 }
 
-/// Tells the user, on stderr, what happened to each object and why.
-fn explain(outcomes: &[Outcome], stderr: &mut dyn Write) {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut last_source = "";
-    for o in outcomes {
-        if o.doc.source != last_source {
+/// Tells the user, on stderr, what happened to each object and why, one object at a time,
+/// and counts the outcomes for the closing line.
+#[derive(Default)]
+struct Explainer {
+    counts: BTreeMap<&'static str, usize>,
+    objects: usize,
+    last_source: String,
+    denied: bool,
+}
+
+impl Explainer {
+    fn explain(&mut self, o: &Outcome, stderr: &mut dyn Write) {
+        self.objects += 1;
+        if o.doc.source != self.last_source {
             let _ = writeln!(stderr, "{}:", o.doc.source);
-            last_source = &o.doc.source;
+            self.last_source.clone_from(&o.doc.source);
         }
         let object = format!("{} {}/{}", o.doc.kind(), o.namespace, o.doc.name());
         let Some(d) = &o.decision else {
-            *counts.entry("passed through").or_default() += 1;
+            *self.counts.entry("passed through").or_default() += 1;
             let _ = writeln!(
                 stderr,
                 "  {object}: no pod template, passed through unchanged"
             );
-            continue;
+            return;
         };
         let policy = d.policy.as_str();
-        let (key, line) = match d.verdict() {
+        let (key, line) = match d.verdict {
             Verdict::NotGoverned => (
                 "unchanged",
                 format!("unchanged: no GpuPolicy selects namespace {}", o.namespace),
@@ -516,7 +533,8 @@ fn explain(outcomes: &[Outcome], stderr: &mut dyn Write) {
             ),
             Verdict::Denied => ("denied", format!("DENIED by GpuPolicy {policy}")),
         };
-        *counts.entry(key).or_default() += 1;
+        self.denied |= d.verdict == Verdict::Denied;
+        *self.counts.entry(key).or_default() += 1;
         let _ = writeln!(stderr, "  {object}: {line}");
         for w in &d.warnings {
             let w = w
@@ -530,23 +548,38 @@ fn explain(outcomes: &[Outcome], stderr: &mut dyn Write) {
             let _ = writeln!(stderr, "    {message}");
         }
     }
-    let summary: Vec<String> = counts.iter().map(|(k, n)| format!("{n} {k}")).collect();
-    let _ = writeln!(
-        stderr,
-        "{} object{}: {}",
-        outcomes.len(),
-        if outcomes.len() == 1 { "" } else { "s" },
-        summary.join(", ")
-    );
+
+    fn summarise(&self, stderr: &mut dyn Write) {
+        let summary: Vec<String> = (self.counts.iter())
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        let _ = writeln!(
+            stderr,
+            "{} object{}: {}",
+            self.objects,
+            if self.objects == 1 { "" } else { "s" },
+            summary.join(", ")
+        );
+    }
 }
 
 fn to_yaml(value: &Value) -> String {
     serde_saphyr::to_string(value).unwrap_or_else(|e| format!("# cannot render as YAML: {e}\n"))
 }
 
+/// Serialises the items of an iterator as a JSON list as they come, so that the whole list
+/// is never held.
+struct Streamed<I>(std::cell::RefCell<Option<I>>);
+
+impl<I: Iterator<Item = Value>> serde::Serialize for Streamed<I> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.0.borrow_mut().take().into_iter().flatten())
+    }
+}
+
 fn write_output(
     format: OutputFormat,
-    outcomes: &[Outcome],
+    mut outcomes: impl Iterator<Item = Outcome>,
     out: &mut dyn Write,
 ) -> std::io::Result<()> {
     match format {
@@ -558,37 +591,45 @@ fn write_output(
             }
         }
         OutputFormat::Json => {
-            let value = match outcomes {
-                [one] => one.after.clone(),
-                many => json!({
-                    "apiVersion": "v1",
-                    "kind": "List",
-                    "items": many.iter().map(|o| o.after.clone()).collect::<Vec<_>>(),
-                }),
-            };
-            serde_json::to_writer_pretty(&mut *out, &value)?;
+            let first = outcomes.next();
+            let second = outcomes.next();
+            match (first, second) {
+                (Some(one), None) => serde_json::to_writer_pretty(&mut *out, &one.after)?,
+                (first, second) => {
+                    let items = first.into_iter().chain(second).chain(outcomes);
+                    #[derive(serde::Serialize)]
+                    #[serde(rename_all = "camelCase", bound = "I: Iterator<Item = Value>")]
+                    struct List<I> {
+                        api_version: &'static str,
+                        kind: &'static str,
+                        items: Streamed<I>,
+                    }
+                    let list = List {
+                        api_version: "v1",
+                        kind: "List",
+                        items: Streamed(Some(items.map(|o| o.after)).into()),
+                    };
+                    serde_json::to_writer_pretty(&mut *out, &list)?;
+                }
+            }
             writeln!(out)?;
         }
         OutputFormat::Patch => {
-            let patches: Vec<Value> = outcomes
-                .iter()
-                .filter(|o| !o.patch.0.is_empty())
-                .map(|o| {
-                    json!({
-                        "source": o.doc.source,
-                        "document": o.doc.index,
-                        "kind": o.doc.kind(),
-                        "namespace": o.namespace,
-                        "name": o.doc.name(),
-                        "patch": o.patch,
-                    })
+            let patches = outcomes.filter(|o| !o.patch.0.is_empty()).map(|o| {
+                json!({
+                    "source": o.doc.source,
+                    "document": o.doc.index,
+                    "kind": o.doc.kind(),
+                    "namespace": o.namespace,
+                    "name": o.doc.name(),
+                    "patch": o.patch,
                 })
-                .collect();
-            serde_json::to_writer_pretty(&mut *out, &patches)?;
+            });
+            serde_json::to_writer_pretty(&mut *out, &Streamed(Some(patches).into()))?;
             writeln!(out)?;
         }
         OutputFormat::Diff => {
-            for o in outcomes.iter().filter(|o| o.after != o.doc.object) {
+            for o in outcomes.filter(|o| o.after != o.doc.object) {
                 let before = to_yaml(&o.doc.object);
                 let after = to_yaml(&o.after);
                 let name = format!("{}/{}/{}", o.doc.kind(), o.namespace, o.doc.name());

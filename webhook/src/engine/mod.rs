@@ -22,7 +22,6 @@ mod render;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
 
 use gpuwarden_crds::{
@@ -457,51 +456,34 @@ impl<'a> Decision<'a> {
         }
     }
 
-    /// Calls `f` with each warning for the user, in order: invalid policies skipped, then
-    /// one per changed container and one for the pod (Enforce and Audit), then what Enforce
-    /// would deny (Audit).
-    pub fn for_each_warning(&self, mut f: impl FnMut(&str)) {
-        render::with_scratch(|scratch| self.write_warnings(scratch, &mut f));
-    }
-
-    fn write_warnings(&self, scratch: &mut String, f: &mut dyn FnMut(&str)) {
-        for skipped in &self.skipped_policies {
-            scratch.clear();
-            scratch.push_str("gpuwarden: ");
-            scratch.push_str(skipped);
-            f(render::clip(scratch));
-        }
+    /// The warnings for the user, in order: invalid policies skipped, then one per changed
+    /// container and one for the pod (Enforce and Audit), then what Enforce would deny
+    /// (Audit). Each is clipped to [`MAX_WARNING_LEN`].
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings: Vec<String> = self
+            .skipped_policies
+            .iter()
+            .map(|skipped| format!("gpuwarden: {skipped}"))
+            .collect();
         match (&self.detail, self.verdict) {
             (Detail::Create { plan, .. }, Verdict::Rewritten) => {
-                plan.for_each_warning("gpuwarden: ", ": ", scratch, f);
+                plan.push_warnings("gpuwarden: ", ": ", &mut warnings);
             }
             (Detail::Create { plan, .. }, Verdict::Audited) => {
-                plan.for_each_warning("gpuwarden audit: ", " would change: ", scratch, f);
-                for denial in &plan.denials {
-                    scratch.clear();
-                    scratch.push_str("gpuwarden audit: Enforce would deny: ");
-                    scratch.push_str(denial);
-                    f(render::clip(scratch));
-                }
-            }
-            (Detail::Ephemeral { offending, .. }, Verdict::Audited) => {
-                scratch.clear();
-                let _ = write!(
-                    scratch,
-                    "gpuwarden audit: privileged ephemeral container {} would be denied by GpuPolicy {}; it sees every GPU on the node",
-                    offending.join(", "),
-                    self.reference
+                plan.push_warnings("gpuwarden audit: ", " would change: ", &mut warnings);
+                warnings.extend(
+                    (plan.denials.iter())
+                        .map(|denial| format!("gpuwarden audit: Enforce would deny: {denial}")),
                 );
-                f(render::clip(scratch));
             }
+            (Detail::Ephemeral { offending, .. }, Verdict::Audited) => warnings.push(format!(
+                "gpuwarden audit: privileged ephemeral container {} would be denied by GpuPolicy {}; it sees every GPU on the node",
+                offending.join(", "),
+                self.reference
+            )),
             _ => {}
         }
-    }
-
-    /// The warnings, collected (see [`Decision::for_each_warning`]).
-    pub fn warnings(&self) -> Vec<String> {
-        let mut warnings = Vec::new();
-        self.for_each_warning(|w| warnings.push(w.to_owned()));
+        warnings.iter_mut().for_each(render::clip);
         warnings
     }
 
@@ -542,45 +524,37 @@ impl<'a> Decision<'a> {
         }
     }
 
-    /// Calls `f` with each audit annotation for the API server's audit log, sorted by key:
-    /// `changes` (what the rewrite does), `decision`, `exempt` (why), `policy`, `reason`
-    /// (why Enforce denies).
-    pub fn for_each_audit_annotation(&self, mut f: impl FnMut(&'static str, &str)) {
+    /// The audit annotations for the API server's audit log: `changes` (what the rewrite
+    /// does), `decision`, `exempt` (why), `policy`, `reason` (why Enforce denies).
+    pub fn audit_annotations(&self) -> BTreeMap<&'static str, String> {
         let decision = match self.verdict {
             Verdict::Rewritten => "rewritten",
             Verdict::Audited => "audited",
             _ => "denied",
         };
+        let mut annotations = BTreeMap::new();
         match &self.detail {
             Detail::Plain => {}
-            Detail::Exempt(reason) => f("exempt", reason),
+            Detail::Exempt(reason) => {
+                annotations.insert("exempt", reason.to_string());
+            }
             Detail::Create { plan, mode, .. } => {
                 let denied_in_enforce = *mode == PolicyMode::Enforce && !plan.denials.is_empty();
-                if !denied_in_enforce {
-                    render::with_scratch(|summary| {
-                        plan.write_summary(summary);
-                        f("changes", summary);
-                    });
-                }
-                f("decision", decision);
-                f("policy", &self.reference);
                 if denied_in_enforce {
-                    f("reason", &plan.denials.join("; "));
+                    annotations.insert("reason", plan.denials.join("; "));
+                } else {
+                    let mut summary = String::new();
+                    plan.write_summary(&mut summary);
+                    annotations.insert("changes", summary);
                 }
+                annotations.insert("decision", decision.to_owned());
+                annotations.insert("policy", self.reference.to_string());
             }
             Detail::Ephemeral { .. } => {
-                f("decision", decision);
-                f("policy", &self.reference);
+                annotations.insert("decision", decision.to_owned());
+                annotations.insert("policy", self.reference.to_string());
             }
         }
-    }
-
-    /// The audit annotations, collected (see [`Decision::for_each_audit_annotation`]).
-    pub fn audit_annotations(&self) -> BTreeMap<&'static str, String> {
-        let mut annotations = BTreeMap::new();
-        self.for_each_audit_annotation(|k, v| {
-            annotations.insert(k, v.to_owned());
-        });
         annotations
     }
 }
@@ -724,11 +698,12 @@ mod tests {
     #[test]
     fn warnings_are_clipped_on_char_boundaries() {
         let mut text = "é".repeat(300);
-        let clipped = render::clip(&mut text);
-        assert!(clipped.len() <= MAX_WARNING_LEN);
-        assert!(clipped.ends_with("..."));
+        render::clip(&mut text);
+        assert!(text.len() <= MAX_WARNING_LEN);
+        assert!(text.ends_with("..."));
         let mut short = "short".to_owned();
-        assert_eq!(render::clip(&mut short), "short");
+        render::clip(&mut short);
+        assert_eq!(short, "short");
     }
 
     /// The decision for `pod` (a Pod as JSON) in namespace `ml` under `policy`.

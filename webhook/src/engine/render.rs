@@ -146,30 +146,20 @@ impl Plan<'_> {
         !self.volumes_removed.is_empty() || !self.annotations_removed.is_empty()
     }
 
-    /// One warning per touched container, then one for the pod: `<prefix><label><middle>`
-    /// and the phrases joined by `; `, each clipped. `scratch` holds each in turn.
-    pub(super) fn for_each_warning(
-        &self,
-        prefix: &str,
-        middle: &str,
-        scratch: &mut String,
-        f: &mut dyn FnMut(&str),
-    ) {
+    /// Appends one warning per touched container, then one for the pod:
+    /// `<prefix><label><middle>` and the phrases joined by `; `.
+    pub(super) fn push_warnings(&self, prefix: &str, middle: &str, out: &mut Vec<String>) {
         for c in &self.containers {
-            scratch.clear();
-            scratch.push_str(prefix);
-            push_label(scratch, c.at.kind, c.name);
-            scratch.push_str(middle);
-            self.write_phrases(&mut Phrases::new(scratch, "; "), c);
-            f(clip(scratch));
+            let mut warning = prefix.to_owned();
+            push_label(&mut warning, c.at.kind, c.name);
+            warning.push_str(middle);
+            self.write_phrases(&mut Phrases::new(&mut warning, "; "), c);
+            out.push(warning);
         }
         if self.touches_pod() {
-            scratch.clear();
-            scratch.push_str(prefix);
-            scratch.push_str("pod");
-            scratch.push_str(middle);
-            self.write_pod_phrases(&mut Phrases::new(scratch, "; "));
-            f(clip(scratch));
+            let mut warning = format!("{prefix}pod{middle}");
+            self.write_pod_phrases(&mut Phrases::new(&mut warning, "; "));
+            out.push(warning);
         }
     }
 
@@ -282,29 +272,8 @@ struct ContainerReport<'p> {
     volume_mounts_removed: &'p [&'p str],
 }
 
-/// Bytes of text buffer a thread keeps between reviews.
-const SCRATCH_KEPT_BYTES: usize = 4096;
-
-thread_local! {
-    /// The text buffer warnings and the summary line are written in, kept for the next
-    /// review on the same thread.
-    static SCRATCH: std::cell::Cell<String> = const { std::cell::Cell::new(String::new()) };
-}
-
-/// Runs `f` with the thread's text buffer, empty. A call from inside `f` gets a buffer of
-/// its own; a buffer an unusual pod grew past [`SCRATCH_KEPT_BYTES`] is given back.
-pub(super) fn with_scratch<R>(f: impl FnOnce(&mut String) -> R) -> R {
-    let mut text = SCRATCH.take();
-    text.clear();
-    let result = f(&mut text);
-    if text.capacity() <= SCRATCH_KEPT_BYTES {
-        SCRATCH.set(text);
-    }
-    result
-}
-
 /// The text cut to [`MAX_WARNING_LEN`] bytes on a character boundary, with `...`.
-pub(super) fn clip(text: &mut String) -> &str {
+pub(super) fn clip(text: &mut String) {
     if text.len() > MAX_WARNING_LEN {
         let mut end = MAX_WARNING_LEN - 3;
         while !text.is_char_boundary(end) {
@@ -312,27 +281,5 @@ pub(super) fn clip(text: &mut String) -> &str {
         }
         text.truncate(end);
         text.push_str("...");
-    }
-    text
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_text_buffer_starts_empty_and_is_not_shared_by_nested_calls() {
-        with_scratch(|outer| {
-            outer.push_str("outer");
-            with_scratch(|inner| {
-                assert!(inner.is_empty());
-                inner.push_str("inner");
-            });
-            assert_eq!(outer, "outer");
-        });
-        with_scratch(|text| assert!(text.is_empty(), "{text:?}"));
-        // A buffer grown past what is kept is given back, not kept.
-        with_scratch(|text| text.push_str(&"x".repeat(2 * SCRATCH_KEPT_BYTES)));
-        with_scratch(|text| assert!(text.capacity() <= SCRATCH_KEPT_BYTES));
     }
 }
