@@ -1,10 +1,23 @@
-//! What makes a container a GPU container, at the level of single values: GPU resource
-//! names, `NVIDIA_VISIBLE_DEVICES` values and device paths. The webhook, the node agent and
-//! the operator all read GPU signals through these functions, so they agree.
+//! The one definition of a GPU container (docs/design.md, "The GPU predicate"): which
+//! containers of a pod hold GPUs, and by which signals. The webhook, the node agent and the
+//! operator read pods through [`signals`], so they agree; the backstop
+//! ValidatingAdmissionPolicy is checked against it by a differential test.
+//!
+//! A container is a GPU container when any of these holds:
+//! - a limit or request on a GPU resource (`nvidia.com/gpu`, `nvidia.com/gpu.shared`,
+//!   `nvidia.com/mig-*`, or the governing policy's `gpu.resourceName`);
+//! - its last `NVIDIA_VISIBLE_DEVICES` entry names devices or `all`, or comes from
+//!   `valueFrom` (unknown here, so assumed to);
+//! - it mounts a pod volume whose hostPath is a GPU device path;
+//! - the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device;
+//! - the governing policy says `match.privilegedContainers: All`.
 
 use std::collections::BTreeSet;
 
-use crate::{RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX};
+use crate::{
+    CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, RESOURCE_GPU, RESOURCE_GPU_SHARED,
+    RESOURCE_MIG_PREFIX,
+};
 
 /// The environment variable the NVIDIA container runtime hands GPUs out by.
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
@@ -31,9 +44,10 @@ pub enum VisibleDevices {
 }
 
 impl VisibleDevices {
-    /// Parses an `NVIDIA_VISIBLE_DEVICES` value.
+    /// Parses an `NVIDIA_VISIBLE_DEVICES` value. Blanks around it and around each entry are
+    /// ASCII whitespace, as a CEL `\\s` reads them.
     pub fn parse(value: &str) -> Self {
-        let value = value.trim();
+        let value = value.trim_ascii();
         if value.is_empty()
             || value.eq_ignore_ascii_case("none")
             || value.eq_ignore_ascii_case("void")
@@ -45,7 +59,7 @@ impl VisibleDevices {
         }
         let ids: BTreeSet<&str> = value
             .split(',')
-            .map(str::trim)
+            .map(str::trim_ascii)
             .filter(|s| !s.is_empty())
             .collect();
         if ids.iter().any(|id| id.eq_ignore_ascii_case("all")) {
@@ -109,6 +123,365 @@ fn clean_path(path: &str) -> String {
         out.push('/');
     }
     out
+}
+
+/// Where a container sits in the pod spec.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum ContainerKind {
+    /// `spec.initContainers`.
+    Init,
+    /// `spec.containers`.
+    Regular,
+    /// `spec.ephemeralContainers`.
+    Ephemeral,
+}
+
+impl ContainerKind {
+    /// The pod spec field holding containers of this kind.
+    pub fn field(self) -> &'static str {
+        match self {
+            Self::Init => "initContainers",
+            Self::Regular => "containers",
+            Self::Ephemeral => "ephemeralContainers",
+        }
+    }
+
+    /// How a message names a container of this kind.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Self::Init => "init container",
+            Self::Regular => "container",
+            Self::Ephemeral => "ephemeral container",
+        }
+    }
+}
+
+/// One `env` entry, as the predicate reads it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EnvEntry<'a> {
+    /// `name`.
+    pub name: &'a str,
+    /// `value`, when set.
+    pub value: Option<&'a str>,
+    /// Whether `valueFrom` is set.
+    pub value_from: bool,
+}
+
+/// A container as the predicate reads it: implemented for the webhook's borrowed view and
+/// for the API types.
+pub trait ContainerSpec {
+    /// `name`.
+    fn name(&self) -> &str;
+    /// `image`.
+    fn image(&self) -> &str;
+    /// `securityContext.privileged == true`.
+    fn privileged(&self) -> bool;
+    /// The resource names in `resources.limits`.
+    fn limit_names(&self) -> impl Iterator<Item = &str>;
+    /// The resource names in `resources.requests`.
+    fn request_names(&self) -> impl Iterator<Item = &str>;
+    /// `env`, in order.
+    fn env_entries(&self) -> impl Iterator<Item = EnvEntry<'_>>;
+    /// The volume names of `volumeMounts`, in order.
+    fn mount_names(&self) -> impl Iterator<Item = &str>;
+}
+
+/// What the governing policy adds to the predicate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rules<'p> {
+    /// `gpu.resourceName`: one more GPU resource name.
+    pub resource: &'p str,
+    /// `match.privilegedContainers: All`: every container counts.
+    pub every_container: bool,
+}
+
+impl Default for Rules<'_> {
+    /// No policy: the NVIDIA resource names only.
+    fn default() -> Self {
+        Self {
+            resource: RESOURCE_GPU,
+            every_container: false,
+        }
+    }
+}
+
+impl<'p> Rules<'p> {
+    /// The rules of `policy`.
+    pub fn of(policy: &'p GpuPolicy) -> Self {
+        Self {
+            resource: &policy.spec.gpu.resource_name,
+            every_container: policy.spec.match_.privileged_containers == PrivilegedMatch::All,
+        }
+    }
+
+    /// Whether `name` is a GPU resource under these rules.
+    pub fn is_gpu_resource(&self, name: &str) -> bool {
+        is_gpu_resource(name) || name == self.resource
+    }
+}
+
+/// What the predicate reads of the pod as a whole: its device hostPath volumes and whether
+/// an NVIDIA CDI annotation hands devices to every container.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodSignals<'a> {
+    /// Device volumes, (name, path) sorted by name, each name once: the last of a repeated
+    /// name wins, as in the kubelet's map of volumes.
+    device_volumes: Vec<(&'a str, &'a str)>,
+    /// The `cdi.k8s.io/*` annotation keys, in order.
+    cdi_keys: Vec<&'a str>,
+    /// Whether one of them names an NVIDIA device.
+    cdi_nvidia: bool,
+}
+
+impl<'a> PodSignals<'a> {
+    /// Reads `spec.volumes` as (name, hostPath path) and `metadata.annotations` as
+    /// (key, string value).
+    pub fn read(
+        volumes: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+        annotations: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+    ) -> Self {
+        let mut signals = Self::default();
+        for (name, path) in volumes {
+            let Some(path) = path.filter(|p| is_device_host_path(p)) else {
+                continue;
+            };
+            let volumes = &mut signals.device_volumes;
+            match volumes.binary_search_by(|(n, _)| (*n).cmp(name)) {
+                Ok(i) => volumes[i] = (name, path),
+                Err(i) => volumes.insert(i, (name, path)),
+            }
+        }
+        for (key, value) in annotations {
+            if key.starts_with(CDI_ANNOTATION_PREFIX) {
+                signals.cdi_keys.push(key);
+                signals.cdi_nvidia |= value.is_some_and(|v| v.contains("nvidia.com/"));
+            }
+        }
+        signals
+    }
+
+    /// The path of device volume `name`.
+    pub fn device_volume(&self, name: &str) -> Option<&'a str> {
+        let volumes = &self.device_volumes;
+        (volumes.binary_search_by(|(n, _)| (*n).cmp(name)).ok()).map(|i| volumes[i].1)
+    }
+
+    /// The device volumes' names, sorted.
+    pub fn device_volume_names(&self) -> impl Iterator<Item = &'a str> + '_ {
+        self.device_volumes.iter().map(|(name, _)| *name)
+    }
+
+    /// The `cdi.k8s.io/*` annotation keys.
+    pub fn cdi_keys(&self) -> &[&'a str] {
+        &self.cdi_keys
+    }
+
+    /// Whether an NVIDIA CDI annotation hands devices to the pod's containers.
+    pub fn cdi_nvidia(&self) -> bool {
+        self.cdi_nvidia
+    }
+}
+
+/// Why a container is (or is not) a GPU container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Signals<'c> {
+    /// A limit on a GPU resource.
+    pub limit: bool,
+    /// A GPU resource requested but not limited: its name.
+    pub request: Option<&'c str>,
+    /// Its last `NVIDIA_VISIBLE_DEVICES` entry.
+    pub visible: VisibleDevices,
+    /// That entry's value as written, when it has one.
+    pub visible_raw: Option<&'c str>,
+    /// It mounts a device hostPath volume.
+    pub device_mount: bool,
+    /// The pod's NVIDIA CDI annotation.
+    pub cdi: bool,
+    /// The policy counts every container.
+    pub every_container: bool,
+}
+
+impl Signals<'_> {
+    /// Whether these make a GPU container.
+    pub fn is_gpu(&self) -> bool {
+        self.limit
+            || self.request.is_some()
+            || self.visible.is_gpu_signal()
+            || self.device_mount
+            || self.cdi
+            || self.every_container
+    }
+}
+
+/// The GPU signals of one container of a pod, under the governing policy's rules.
+pub fn signals<'c, C: ContainerSpec>(
+    container: &'c C,
+    pod: &PodSignals<'_>,
+    rules: Rules<'_>,
+) -> Signals<'c> {
+    let limit = container
+        .limit_names()
+        .any(|name| rules.is_gpu_resource(name));
+    let request = if limit {
+        None
+    } else {
+        container
+            .request_names()
+            .find(|name| rules.is_gpu_resource(name))
+    };
+    // The last entry wins, as in the kubelet.
+    let last = (container.env_entries()).fold(None, |last, entry| {
+        (entry.name == ENV_VISIBLE_DEVICES)
+            .then_some(entry)
+            .or(last)
+    });
+    let (visible, visible_raw) = match last {
+        None => (VisibleDevices::Unset, None),
+        Some(EnvEntry {
+            value: Some(value), ..
+        }) => (VisibleDevices::parse(value), Some(value)),
+        Some(EnvEntry {
+            value_from: true, ..
+        }) => (VisibleDevices::Indirect, None),
+        Some(_) => (VisibleDevices::NoGpu, Some("")),
+    };
+    Signals {
+        limit,
+        request,
+        visible,
+        visible_raw,
+        device_mount: (container.mount_names()).any(|m| pod.device_volume(m).is_some()),
+        cdi: pod.cdi_nvidia,
+        every_container: rules.every_container,
+    }
+}
+
+/// The predicate over the API's own types, for the node agent, the operator and tests.
+macro_rules! api_container_spec {
+    ($($ty:ty),*) => {$(
+        impl ContainerSpec for $ty {
+            fn name(&self) -> &str {
+                &self.name
+            }
+            fn image(&self) -> &str {
+                self.image.as_deref().unwrap_or("")
+            }
+            fn privileged(&self) -> bool {
+                self.security_context.as_ref().and_then(|s| s.privileged) == Some(true)
+            }
+            fn limit_names(&self) -> impl Iterator<Item = &str> {
+                let limits = self.resources.as_ref().and_then(|r| r.limits.as_ref());
+                limits.into_iter().flatten().map(|(k, _)| k.as_str())
+            }
+            fn request_names(&self) -> impl Iterator<Item = &str> {
+                let requests = self.resources.as_ref().and_then(|r| r.requests.as_ref());
+                requests.into_iter().flatten().map(|(k, _)| k.as_str())
+            }
+            fn env_entries(&self) -> impl Iterator<Item = EnvEntry<'_>> {
+                self.env.iter().flatten().map(|e| EnvEntry {
+                    name: &e.name,
+                    value: e.value.as_deref(),
+                    value_from: e.value_from.is_some(),
+                })
+            }
+            fn mount_names(&self) -> impl Iterator<Item = &str> {
+                self.volume_mounts.iter().flatten().map(|m| m.name.as_str())
+            }
+        }
+    )*};
+}
+
+api_container_spec!(
+    k8s_openapi::api::core::v1::Container,
+    k8s_openapi::api::core::v1::EphemeralContainer
+);
+
+impl<'a> PodSignals<'a> {
+    /// The pod-level signals of an API `Pod`.
+    pub fn of_pod(pod: &'a k8s_openapi::api::core::v1::Pod) -> Self {
+        let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_ref());
+        Self::read(
+            volumes.into_iter().flatten().map(|v| {
+                let path = v.host_path.as_ref().map(|h| h.path.as_str());
+                (v.name.as_str(), path)
+            }),
+            (pod.metadata.annotations.iter().flatten())
+                .map(|(k, v)| (k.as_str(), Some(v.as_str()))),
+        )
+    }
+}
+
+/// Every container of an API `Pod` (init, regular, ephemeral) with its kind, index, whether
+/// it is privileged, its image and its GPU signals under `rules`.
+pub fn pod_containers<'p>(
+    pod: &'p k8s_openapi::api::core::v1::Pod,
+    rules: Rules<'_>,
+) -> Vec<PodContainer<'p>> {
+    let Some(spec) = &pod.spec else {
+        return Vec::new();
+    };
+    let signals_of = PodSignals::of_pod(pod);
+    let mut out = Vec::new();
+    let mut push = |kind, index, c: &'p dyn ContainerView<'p>| {
+        out.push(c.describe(kind, index, &signals_of, rules))
+    };
+    for (i, c) in spec.init_containers.iter().flatten().enumerate() {
+        push(ContainerKind::Init, i, c);
+    }
+    for (i, c) in spec.containers.iter().enumerate() {
+        push(ContainerKind::Regular, i, c);
+    }
+    for (i, c) in spec.ephemeral_containers.iter().flatten().enumerate() {
+        push(ContainerKind::Ephemeral, i, c);
+    }
+    out
+}
+
+/// One container of an API `Pod`, as [`pod_containers`] describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PodContainer<'p> {
+    /// Which list it is in.
+    pub kind: ContainerKind,
+    /// Its index there.
+    pub index: usize,
+    /// `name`.
+    pub name: &'p str,
+    /// `image`.
+    pub image: &'p str,
+    /// `securityContext.privileged == true`.
+    pub privileged: bool,
+    /// Its GPU signals.
+    pub signals: Signals<'p>,
+}
+
+/// A container of either API type, behind one reference.
+trait ContainerView<'p> {
+    fn describe(
+        &'p self,
+        kind: ContainerKind,
+        index: usize,
+        pod: &PodSignals<'_>,
+        rules: Rules<'_>,
+    ) -> PodContainer<'p>;
+}
+
+impl<'p, C: ContainerSpec> ContainerView<'p> for C {
+    fn describe(
+        &'p self,
+        kind: ContainerKind,
+        index: usize,
+        pod: &PodSignals<'_>,
+        rules: Rules<'_>,
+    ) -> PodContainer<'p> {
+        PodContainer {
+            kind,
+            index,
+            name: self.name(),
+            image: self.image(),
+            privileged: self.privileged(),
+            signals: signals(self, pod, rules),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -190,5 +563,53 @@ mod tests {
         {
             assert_eq!(is_clean(&path), clean_path(&path) == path, "{path:?}");
         }
+    }
+
+    #[test]
+    fn the_predicate_reads_every_signal_once() {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "annotations": {"cdi.k8s.io/x": "vendor.com/dev=1"}},
+            "spec": {
+                "volumes": [
+                    {"name": "fuse", "hostPath": {"path": "/dev/fuse"}},
+                    {"name": "dotted", "hostPath": {"path": "/dev/./nvidia0"}}
+                ],
+                "initContainers": [{"name": "requested",
+                    "resources": {"requests": {"nvidia.com/mig-1g.10gb": "1"}}}],
+                "containers": [
+                    {"name": "fuse", "securityContext": {"privileged": true},
+                     "volumeMounts": [{"name": "fuse", "mountPath": "/dev/fuse"}]},
+                    {"name": "dotted", "volumeMounts": [{"name": "dotted", "mountPath": "/d"}]},
+                    {"name": "none", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"},
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": " NONE "}]},
+                    {"name": "indirect", "env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]},
+                    {"name": "limited", "resources": {"limits": {"nvidia.com/gpu.shared": "1"}}}
+                ],
+                "ephemeralContainers": [{"name": "debug"}]
+            }
+        }))
+        .unwrap();
+        let read: Vec<(ContainerKind, &str, bool)> = pod_containers(&pod, Rules::default())
+            .iter()
+            .map(|c| (c.kind, c.name, c.signals.is_gpu()))
+            .collect();
+        assert_eq!(
+            read,
+            [
+                (ContainerKind::Init, "requested", true),
+                (ContainerKind::Regular, "fuse", false),
+                (ContainerKind::Regular, "dotted", true),
+                (ContainerKind::Regular, "none", false),
+                (ContainerKind::Regular, "indirect", true),
+                (ContainerKind::Regular, "limited", true),
+                (ContainerKind::Ephemeral, "debug", false),
+            ]
+        );
+        let all = Rules {
+            every_container: true,
+            ..Rules::default()
+        };
+        assert!(pod_containers(&pod, all).iter().all(|c| c.signals.is_gpu()));
     }
 }

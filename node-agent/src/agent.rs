@@ -506,12 +506,12 @@ async fn run_inner(
         let pod_infos: Vec<PodInfo> = pods
             .state()
             .iter()
-            .filter_map(|p| PodInfo::from_pod(p))
-            .map(|p| {
+            .filter_map(|p| {
+                let namespace = p.metadata.namespace.as_deref().unwrap_or_default();
                 let labels = namespaces
-                    .get(&reflector::ObjectRef::new(&p.namespace))
+                    .get(&reflector::ObjectRef::new(namespace))
                     .map(|ns| ns.metadata.labels.clone().unwrap_or_default());
-                p.exempt_by(&policy_list, labels)
+                PodInfo::from_pod(p, &policy_list, labels)
             })
             .collect();
         let labels: BTreeMap<String, String> = nodes

@@ -4,10 +4,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{EnvVar, Pod, ResourceRequirements, SecurityContext, VolumeMount};
+use k8s_openapi::api::core::v1::Pod;
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::{self, VisibleDevices};
+use gpuwarden_crds::gpu::{self, Rules};
 use gpuwarden_crds::selection::{namespace_labels_or_default, select_policy};
 use kube::ResourceExt;
 
@@ -54,8 +54,15 @@ pub struct ContainerInfo {
 }
 
 impl PodInfo {
-    /// The pod's facts; `None` for a pod without a UID or one that has finished.
-    pub fn from_pod(pod: &Pod) -> Option<Self> {
+    /// The pod's facts under the policy that governs it (chosen from `policies` as the
+    /// webhook chooses it, with `namespace_labels` as [`PodInfo::exempt_by`] reads them);
+    /// `None` for a pod without a UID or one that has finished. Its containers are judged
+    /// by the one GPU predicate ([`gpu::pod_containers`]) under that policy's rules.
+    pub fn from_pod(
+        pod: &Pod,
+        policies: &[Arc<GpuPolicy>],
+        namespace_labels: Option<BTreeMap<String, String>>,
+    ) -> Option<Self> {
         let uid = pod.metadata.uid.clone()?;
         let status = pod.status.as_ref();
         if matches!(
@@ -65,12 +72,6 @@ impl PodInfo {
             return None;
         }
         let spec = pod.spec.as_ref()?;
-        let annotations = pod.metadata.annotations.as_ref();
-        let cdi = annotations.is_some_and(|a| {
-            a.iter().any(|(k, v)| {
-                k.starts_with(gpuwarden_crds::CDI_ANNOTATION_PREFIX) && v.contains("nvidia.com/")
-            })
-        });
         let mut ids: HashMap<&str, &str> = HashMap::new();
         if let Some(s) = status {
             for cs in s
@@ -85,59 +86,48 @@ impl PodInfo {
                 }
             }
         }
-        let device_volumes: Vec<&str> = spec
-            .volumes
-            .iter()
-            .flatten()
-            .filter(|v| {
-                v.host_path
-                    .as_ref()
-                    .is_some_and(|h| gpu::is_device_host_path(&h.path))
-            })
-            .map(|v| v.name.as_str())
-            .collect();
-        let info = |name: &str,
-                    image: &Option<String>,
-                    security: Option<&SecurityContext>,
-                    gpu: bool| ContainerInfo {
-            name: name.to_owned(),
-            image: image.clone().unwrap_or_default(),
-            container_id: ids.get(name).map(|s| s.to_string()),
-            privileged: security.and_then(|s| s.privileged).unwrap_or(false),
-            gpu: cdi || gpu,
-        };
-        let mut containers: Vec<ContainerInfo> = spec
-            .containers
-            .iter()
-            .chain(spec.init_containers.iter().flatten())
-            .map(|c| {
-                info(
-                    &c.name,
-                    &c.image,
-                    c.security_context.as_ref(),
-                    is_gpu_container(&c.resources, &c.env, &c.volume_mounts, &device_volumes),
-                )
-            })
-            .collect();
-        // `kubectl debug --profile=sysadmin` adds privileged ephemeral containers.
-        containers.extend(spec.ephemeral_containers.iter().flatten().map(|c| {
-            info(
-                &c.name,
-                &c.image,
-                c.security_context.as_ref(),
-                is_gpu_container(&c.resources, &c.env, &c.volume_mounts, &device_volumes),
-            )
-        }));
-        Some(PodInfo {
+        let mut info = PodInfo {
             uid,
             namespace: pod.metadata.namespace.clone().unwrap_or_default(),
             name: pod.metadata.name.clone().unwrap_or_default(),
-            mirror_uid: annotations.and_then(|a| a.get(MIRROR_ANNOTATION).cloned()),
+            mirror_uid: (pod.metadata.annotations.as_ref())
+                .and_then(|a| a.get(MIRROR_ANNOTATION).cloned()),
             service_account: spec.service_account_name.clone().unwrap_or_default(),
             labels: pod.metadata.labels.clone().unwrap_or_default(),
-            containers,
+            containers: Vec::new(),
             exempt: None,
-        })
+        };
+        let policy = info.governing_policy(policies, namespace_labels);
+        let rules = policy.map(Rules::of).unwrap_or_default();
+        info.containers = gpu::pod_containers(pod, rules)
+            .into_iter()
+            .map(|c| ContainerInfo {
+                name: c.name.to_owned(),
+                image: c.image.to_owned(),
+                container_id: ids.get(c.name).map(|s| s.to_string()),
+                privileged: c.privileged,
+                gpu: c.signals.is_gpu(),
+            })
+            .collect();
+        info.exempt = policy.and_then(|policy| info.exemption(policy));
+        Some(info)
+    }
+
+    /// The policy that governs this pod, chosen as the webhook chooses it
+    /// ([`select_policy`]) from `namespace_labels` (the labels of the pod's namespace;
+    /// `None` when the namespace is not known, which leaves only its name label) and the
+    /// pod's labels.
+    fn governing_policy<'p>(
+        &self,
+        policies: &'p [Arc<GpuPolicy>],
+        namespace_labels: Option<BTreeMap<String, String>>,
+    ) -> Option<&'p GpuPolicy> {
+        let namespace_labels = namespace_labels_or_default(&self.namespace, namespace_labels);
+        let selection = select_policy(policies, &namespace_labels, &self.labels);
+        for skipped in &selection.skipped {
+            tracing::debug!(pod = %self.name, namespace = %self.namespace, "{skipped}");
+        }
+        selection.policy
     }
 
     /// Records which exemption, if any, lets this pod keep a privileged GPU container: its
@@ -152,12 +142,8 @@ impl PodInfo {
         policies: &[Arc<GpuPolicy>],
         namespace_labels: Option<BTreeMap<String, String>>,
     ) -> Self {
-        let namespace_labels = namespace_labels_or_default(&self.namespace, namespace_labels);
-        let selection = select_policy(policies, &namespace_labels, &self.labels);
-        for skipped in &selection.skipped {
-            tracing::debug!(pod = %self.name, namespace = %self.namespace, "{skipped}");
-        }
-        self.exempt = selection.policy.and_then(|policy| self.exemption(policy));
+        let policy = self.governing_policy(policies, namespace_labels);
+        self.exempt = policy.and_then(|policy| self.exemption(policy));
         self
     }
 
@@ -193,34 +179,6 @@ impl PodInfo {
     pub fn has_privileged_gpu_container(&self) -> bool {
         self.containers.iter().any(|c| c.privileged && c.gpu)
     }
-}
-
-/// A GPU container as the webhook defines it: a GPU resource limit, a meaningful
-/// `NVIDIA_VISIBLE_DEVICES`, or a device hostPath mount.
-fn is_gpu_container(
-    resources: &Option<ResourceRequirements>,
-    env: &Option<Vec<EnvVar>>,
-    mounts: &Option<Vec<VolumeMount>>,
-    device_volumes: &[&str],
-) -> bool {
-    let gpu_limit = resources
-        .as_ref()
-        .and_then(|r| r.limits.as_ref())
-        .is_some_and(|l: &BTreeMap<_, _>| l.keys().any(|k: &String| gpu::is_gpu_resource(k)));
-    // The last entry wins, as in the kubelet.
-    let env = env
-        .iter()
-        .flatten()
-        .rfind(|e| e.name == gpu::ENV_VISIBLE_DEVICES)
-        .is_some_and(|e| match &e.value {
-            Some(v) => VisibleDevices::parse(v).is_gpu_signal(),
-            None => e.value_from.is_some(),
-        });
-    let mounts = mounts
-        .iter()
-        .flatten()
-        .any(|m| device_volumes.contains(&m.name.as_str()));
-    gpu_limit || env || mounts
 }
 
 /// Lookups over the pods on the node, built once per sweep.
@@ -322,7 +280,7 @@ mod tests {
                  "ready": true, "restartCount": 0}
             ]}
         }));
-        let info = PodInfo::from_pod(&p).unwrap();
+        let info = PodInfo::from_pod(&p, &[], None).unwrap();
         let by: HashMap<_, _> = info
             .containers
             .iter()
@@ -367,7 +325,7 @@ mod tests {
                 ]
             }
         }));
-        let info = PodInfo::from_pod(&p).unwrap();
+        let info = PodInfo::from_pod(&p, &[], None).unwrap();
         let gpu: Vec<(&str, bool)> = info
             .containers
             .iter()
@@ -388,17 +346,18 @@ mod tests {
 
     #[test]
     fn policy_exemptions_mark_privileged_gpu_pods() {
-        let privileged_gpu = |ns: &str, sa: &str, image: &str| {
-            PodInfo::from_pod(&pod(serde_json::json!({
+        let privileged_gpu =
+            |ns: &str, sa: &str, image: &str| {
+                PodInfo::from_pod(&pod(serde_json::json!({
                 "metadata": {"name": "p", "namespace": ns, "uid": "u"},
                 "spec": {"serviceAccountName": sa, "containers": [
                     {"name": "main", "image": image, "securityContext": {"privileged": true},
                      "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
                     {"name": "plain", "image": "busybox"}
                 ]}
-            })))
+            })), &[], None)
             .unwrap()
-        };
+            };
         // `team` governs the namespaces labelled team=ml, the default policy the others.
         let default = GpuPolicy::default_policy();
         let mut team = GpuPolicy::default_policy();
@@ -461,31 +420,43 @@ mod tests {
         );
 
         // An exempt image on one privileged GPU container does not cover another.
-        let mixed = PodInfo::from_pod(&pod(serde_json::json!({
-            "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
-            "spec": {"containers": [
-                {"name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
-                 "securityContext": {"privileged": true},
-                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
-                {"name": "mine", "image": "me/tool:1", "securityContext": {"privileged": true},
-                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
-            ]}
-        })))
+        let mixed = PodInfo::from_pod(
+            &pod(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
+                "spec": {"containers": [
+                    {"name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
+                     "securityContext": {"privileged": true},
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+                    {"name": "mine", "image": "me/tool:1", "securityContext": {"privileged": true},
+                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+                ]}
+            })),
+            &[],
+            None,
+        )
         .unwrap();
         assert_eq!(exempt(mixed), None);
         // Nothing to exempt in a pod without a privileged container.
-        let plain = PodInfo::from_pod(&pod(serde_json::json!({
-            "metadata": {"name": "p", "namespace": "gpu-operator", "uid": "u"},
-            "spec": {"containers": [{"name": "c", "image": "busybox"}]}
-        })))
+        let plain = PodInfo::from_pod(
+            &pod(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "gpu-operator", "uid": "u"},
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]}
+            })),
+            &[],
+            None,
+        )
         .unwrap();
         assert_eq!(exempt(plain), None);
         // A privileged container with no GPU signal (it may still be seen on a GPU).
-        let hidden = PodInfo::from_pod(&pod(serde_json::json!({
-            "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
-            "spec": {"containers": [{"name": "c", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
-                                     "securityContext": {"privileged": true}}]}
-        })))
+        let hidden = PodInfo::from_pod(
+            &pod(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
+                "spec": {"containers": [{"name": "c", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
+                                         "securityContext": {"privileged": true}}]}
+            })),
+            &[],
+            None,
+        )
         .unwrap();
         assert!(exempt(hidden).is_some());
     }
@@ -497,6 +468,28 @@ mod tests {
             "spec": {"containers": [{"name": "c"}]},
             "status": {"phase": "Succeeded"}
         }));
-        assert_eq!(PodInfo::from_pod(&p), None);
+        assert_eq!(PodInfo::from_pod(&p, &[], None), None);
+    }
+
+    #[test]
+    fn requests_and_the_governing_policys_rules_count() {
+        let p = pod(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ml", "uid": "u1"},
+            "spec": {"containers": [
+                {"name": "requested", "resources": {"requests": {"nvidia.com/gpu": "1"}}},
+                {"name": "vendor", "resources": {"limits": {"example.com/accel": "1"}}},
+                {"name": "plain", "securityContext": {"privileged": true}}
+            ]}
+        }));
+        let gpu = |policies: &[Arc<GpuPolicy>]| -> Vec<bool> {
+            let info = PodInfo::from_pod(&p, policies, None).unwrap();
+            info.containers.iter().map(|c| c.gpu).collect()
+        };
+        assert_eq!(gpu(&[]), [true, false, false]);
+        let mut policy = GpuPolicy::default_policy();
+        policy.spec.gpu.resource_name = "example.com/accel".into();
+        assert_eq!(gpu(&[Arc::new(policy.clone())]), [true, true, false]);
+        policy.spec.match_.privileged_containers = gpuwarden_crds::PrivilegedMatch::All;
+        assert_eq!(gpu(&[Arc::new(policy)]), [true, true, true]);
     }
 }

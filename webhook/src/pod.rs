@@ -8,52 +8,22 @@
 //! read `Value`s before (`as_str`, `as_bool`, `as_array`, `as_object`), and a list entry that
 //! is not an object reads as an empty entry, so indices into the list stay right. Objects are
 //! read as sorted maps in which the last of a repeated key wins, as `serde_json::Map` does.
-//! A field named twice in one object is an error from bytes; [`crate::admission`] then reads
-//! the body as a `Value` and takes the view from that, so odd input gets the same answer.
+//! A field named twice in one object is an error from bytes (the API server never writes
+//! one); a `Value` cannot hold one.
 //!
-//! On the admission path the private `scan` module fills these same types in one pass where
-//! it can, and serde reads the rest. A field added here must be read there too: it names
-//! every field, so it does not compile until it does, and its tests compare the two readings.
+//! On the admission path serde reads these types in the same pass as the review around
+//! them ([`crate::admission`]).
 
 use std::borrow::Cow;
 use std::fmt;
 use std::marker::PhantomData;
 
+use serde::Deserialize;
 use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// Where a container sits in the pod spec.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub enum ContainerKind {
-    /// `spec.initContainers`.
-    Init,
-    /// `spec.containers`.
-    Regular,
-    /// `spec.ephemeralContainers`.
-    Ephemeral,
-}
-
-impl ContainerKind {
-    /// The pod spec field holding containers of this kind.
-    pub fn field(self) -> &'static str {
-        match self {
-            Self::Init => "initContainers",
-            Self::Regular => "containers",
-            Self::Ephemeral => "ephemeralContainers",
-        }
-    }
-
-    /// How a message names a container of this kind.
-    pub fn noun(self) -> &'static str {
-        match self {
-            Self::Init => "init container",
-            Self::Regular => "container",
-            Self::Ephemeral => "ephemeral container",
-        }
-    }
-}
+pub use gpuwarden_crds::gpu::ContainerKind;
 
 /// A JSON object's string keys and their values, sorted by key; the last of a repeated key
 /// wins, as in `serde_json::Map`. A sorted list rather than a tree: the maps a pod carries
@@ -299,6 +269,43 @@ impl Container<'_> {
     /// Whether `securityContext.privileged` is `true`.
     pub fn is_privileged(&self) -> bool {
         self.security_context.as_ref().and_then(|s| s.privileged) == Some(true)
+    }
+}
+
+/// The GPU predicate reads the view directly.
+impl gpuwarden_crds::gpu::ContainerSpec for Container<'_> {
+    fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or("")
+    }
+    fn image(&self) -> &str {
+        self.image.as_deref().unwrap_or("")
+    }
+    fn privileged(&self) -> bool {
+        self.is_privileged()
+    }
+    fn limit_names(&self) -> impl Iterator<Item = &str> {
+        let limits = self.resources.as_ref().and_then(|r| r.limits.as_ref());
+        limits.into_iter().flat_map(|l| l.keys()).map(AsRef::as_ref)
+    }
+    fn request_names(&self) -> impl Iterator<Item = &str> {
+        let requests = self.resources.as_ref().and_then(|r| r.requests.as_ref());
+        requests
+            .into_iter()
+            .flat_map(|r| r.keys())
+            .map(AsRef::as_ref)
+    }
+    fn env_entries(&self) -> impl Iterator<Item = gpuwarden_crds::gpu::EnvEntry<'_>> {
+        self.env
+            .iter()
+            .flatten()
+            .map(|e| gpuwarden_crds::gpu::EnvEntry {
+                name: e.name.as_deref().unwrap_or(""),
+                value: e.value.as_deref(),
+                value_from: e.value_from,
+            })
+    }
+    fn mount_names(&self) -> impl Iterator<Item = &str> {
+        (self.volume_mounts.iter().flatten()).map(|m| m.name.as_deref().unwrap_or(""))
     }
 }
 

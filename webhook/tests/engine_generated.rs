@@ -9,10 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use engine_support::*;
 use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, VisibleDevicesAll};
 use gpuwarden_webhook::admission::{Outcome, StaticSource};
-use gpuwarden_webhook::engine::{
-    Input, Operation, Verdict, decide, image_exempt, is_device_host_path,
-    namespace_labels_or_default,
-};
+use gpuwarden_webhook::engine::{Input, Operation, Verdict, decide, namespace_labels_or_default};
 use gpuwarden_webhook::patch::patch_for;
 use gpuwarden_webhook::pod::PodView;
 use rand::rngs::StdRng;
@@ -55,6 +52,9 @@ const VISIBLE: &[&str] = &[
     "GPU-8f2c3b1a-1111-2222-3333-444455556666",
     "MIG-2a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff,MIG-GPU-8f2c3b1a-1111-2222-3333-444455556666/1/0",
     "0,1,2,3,4,5,6,7,8,9",
+    " NONE ",
+    "Void",
+    " , ",
 ];
 const HOST_PATHS: &[&str] = &[
     "/dev",
@@ -65,6 +65,10 @@ const HOST_PATHS: &[&str] = &[
     "/dev/shm",
     "/var/log",
     "/dev//nvidia1/",
+    "/dev/fuse",
+    "/dev/kvm",
+    "/dev/./nvidia0",
+    "/dev/nvidia0/../fuse",
 ];
 const CAPS: &[&str] = &[
     "SYS_ADMIN",
@@ -312,7 +316,53 @@ fn containers_of(pod: &Value) -> impl Iterator<Item = &Value> {
         .flat_map(move |f| pod["spec"][f].as_array().into_iter().flatten())
 }
 
-/// An independent reading of "privileged GPU container" (DESIGN.md), for the Enforce check.
+/// The oracle's device path (docs/design.md, "The GPU predicate"), written apart from the
+/// predicate's: the path resolved part by part, then `/dev`, `/dev/nvidia*`, `/dev/dri` or
+/// under `/dev/dri/`.
+fn oracle_device_path(path: &str) -> bool {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    match parts.as_slice() {
+        ["dev"] | ["dev", "dri", ..] => true,
+        ["dev", device] => device.starts_with("nvidia"),
+        ["dev", first, ..] => first.starts_with("nvidia"),
+        _ => false,
+    }
+}
+
+/// The oracle's image exemption: `*` any run of characters, `?` one, the rest literal; an
+/// image with neither tag nor digest is also tried as `<image>:latest`.
+fn oracle_image_exempt(image: &str, patterns: &[String]) -> bool {
+    fn glob(pattern: &[char], text: &[char]) -> bool {
+        match pattern.split_first() {
+            None => text.is_empty(),
+            Some(('*', rest)) => (0..=text.len()).any(|i| glob(rest, &text[i..])),
+            Some(('?', rest)) => !text.is_empty() && glob(rest, &text[1..]),
+            Some((c, rest)) => text.first() == Some(c) && glob(rest, &text[1..]),
+        }
+    }
+    if image.is_empty() {
+        return false;
+    }
+    let untagged = !image.rsplit('/').next().unwrap_or("").contains(':') && !image.contains('@');
+    let latest = format!("{image}:latest");
+    patterns.iter().any(|p| {
+        let p: Vec<char> = p.chars().collect();
+        let chars = |s: &str| s.chars().collect::<Vec<char>>();
+        glob(&p, &chars(image)) || (untagged && glob(&p, &chars(&latest)))
+    })
+}
+
+/// An independent reading of "privileged GPU container" (docs/design.md), for the Enforce
+/// check.
 fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
     let device_volumes: BTreeSet<&str> = pod["spec"]["volumes"]
         .as_array()
@@ -321,7 +371,7 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
         .filter(|v| {
             v["hostPath"]["path"]
                 .as_str()
-                .is_some_and(is_device_host_path)
+                .is_some_and(oracle_device_path)
         })
         .filter_map(|v| v["name"].as_str())
         .collect();
@@ -333,7 +383,7 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
     containers_of(pod)
         .filter(|c| c["securityContext"]["privileged"] == json!(true))
         .filter(|c| {
-            !image_exempt(
+            !oracle_image_exempt(
                 c["image"].as_str().unwrap_or(""),
                 &policy.spec.exemptions.images,
             )
@@ -355,8 +405,10 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
                 .rev()
                 .find(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
                 .is_some_and(|e| match e["value"].as_str() {
+                    // Devices named: not none/void, and some entry between the commas.
                     Some(v) => {
-                        !["none", "void", ""].contains(&v.trim().to_ascii_lowercase().as_str())
+                        let v = v.trim().to_ascii_lowercase();
+                        v != "none" && v != "void" && v.split(',').any(|d| !d.trim().is_empty())
                     }
                     None => e.get("valueFrom").is_some(),
                 });
@@ -566,7 +618,7 @@ fn generated_pods_hold_the_invariants() {
             .filter(|v| {
                 v["hostPath"]["path"]
                     .as_str()
-                    .is_some_and(is_device_host_path)
+                    .is_some_and(oracle_device_path)
             })
             .filter_map(|v| v["name"].as_str().map(str::to_owned))
             .collect();

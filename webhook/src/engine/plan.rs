@@ -7,7 +7,9 @@ use std::fmt;
 
 use gpuwarden_crds::{ANNOTATION_GPU_COUNT, GpuPolicy, VisibleDevicesAll};
 
-use super::facts::{ContainerFacts, DeviceVolumes, PodFacts};
+use gpuwarden_crds::gpu::PodSignals;
+
+use super::facts::{ContainerFacts, PodFacts};
 use super::{
     ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
     ENV_VISIBLE_DEVICES, VisibleDevices,
@@ -30,7 +32,7 @@ pub(super) struct Plan<'a> {
     /// The policy's driver capabilities as `NVIDIA_DRIVER_CAPABILITIES` reads them.
     pub(super) driver_capabilities: String,
     /// The pod's device hostPath volumes, for the paths the messages name.
-    pub(super) device_volumes: DeviceVolumes<'a>,
+    pub(super) device_volumes: PodSignals<'a>,
 }
 
 /// What the rewrite does to one container.
@@ -180,8 +182,8 @@ pub(super) fn volumes_to_strip<'a>(facts: &PodFacts<'a>, policy: &GpuPolicy) -> 
         return Names::default();
     }
     facts
-        .device_volumes
-        .names()
+        .pod
+        .device_volume_names()
         .filter(|name| {
             !facts
                 .containers
@@ -207,7 +209,7 @@ pub(super) fn plan_pod<'a>(
         annotations_removed: Vec::new(),
         denials: Vec::new(),
         driver_capabilities: spec.driver_capabilities.join(","),
-        device_volumes: DeviceVolumes::default(),
+        device_volumes: PodSignals::default(),
     };
     for c in &facts.containers {
         let target = c.privileged && !c.image_exempt;
@@ -227,7 +229,7 @@ pub(super) fn plan_pod<'a>(
         if target {
             capabilities(&mut p, c.value, policy);
             // Rule 3.
-            if c.gpu && !c.gpu_limit {
+            if c.gpu && !c.signals.limit {
                 match c.gpu_request {
                     Some((resource, quantity)) => {
                         p.limit = Some(Limit {
@@ -288,9 +290,11 @@ pub(super) fn plan_pod<'a>(
         // because an exempt container still mounts them.
         let strips = |name: &str| {
             strip.contains(&name)
-                || (target && spec.strip_device_host_paths && facts.device_volumes.contains(name))
+                || (target
+                    && spec.strip_device_host_paths
+                    && facts.pod.device_volume(name).is_some())
         };
-        if !c.image_exempt && c.device_mount && c.mount_names().any(strips) {
+        if !c.image_exempt && c.signals.device_mount && c.mount_names().any(strips) {
             for (i, name) in c.mount_names().enumerate() {
                 if strips(name) {
                     p.mounts.push(i);
@@ -317,9 +321,9 @@ pub(super) fn plan_pod<'a>(
         }
     }
     if spec.strip_cdi_annotations {
-        plan.annotations_removed = facts.cdi_keys;
+        plan.annotations_removed = facts.pod.cdi_keys().to_vec();
     }
-    plan.device_volumes = facts.device_volumes;
+    plan.device_volumes = facts.pod;
     plan
 }
 
@@ -391,7 +395,7 @@ fn gpu_count<'a>(
         };
     }
     let default = policy.spec.gpu.default_count;
-    match &c.visible {
+    match &c.signals.visible {
         VisibleDevices::All => match policy.spec.gpu.visible_devices_all {
             VisibleDevicesAll::DefaultCount => Ok((default, CountFrom::VisibleAll)),
             VisibleDevicesAll::Deny => Err(format!(
@@ -399,7 +403,9 @@ fn gpu_count<'a>(
                 policy.spec.gpu.resource_name
             )),
         },
-        VisibleDevices::Devices(n) => Ok((*n, CountFrom::Visible(c.visible_raw.unwrap_or("")))),
+        VisibleDevices::Devices(n) => {
+            Ok((*n, CountFrom::Visible(c.signals.visible_raw.unwrap_or(""))))
+        }
         _ => Ok((default, CountFrom::PolicyDefault)),
     }
 }

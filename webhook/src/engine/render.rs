@@ -115,7 +115,7 @@ impl Plan<'_> {
                     out.push(',');
                 }
                 out.push_str(name);
-                if let Some(path) = self.device_volumes.path(name) {
+                if let Some(path) = self.device_volumes.device_volume(name) {
                     out.push_str(" (");
                     out.push_str(path);
                     out.push(')');
