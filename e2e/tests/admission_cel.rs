@@ -12,7 +12,7 @@ use cel_interpreter::{Context, ExecutionError, FunctionContext, Program, Value a
 use gpuwarden_e2e::manifests::{Document, load_file};
 use serde_json::{Value, json};
 
-/// Kubernetes' CEL has the strings extension; these two are the parts the policies use.
+/// Kubernetes' CEL has the strings extension; these are the parts the policies use.
 fn substring(
     ftx: &FunctionContext,
     This(s): This<Arc<String>>,
@@ -47,12 +47,37 @@ fn join(
     Ok(Cel::String(Arc::new(parts.join(separator.as_str()))))
 }
 
+fn split(
+    _: &FunctionContext,
+    This(s): This<Arc<String>>,
+    separator: Arc<String>,
+) -> Result<Cel, ExecutionError> {
+    let parts: Vec<Cel> = (s.split(separator.as_str()))
+        .map(|part| Cel::String(Arc::new(part.to_owned())))
+        .collect();
+    Ok(Cel::List(Arc::new(parts)))
+}
+
 fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
-    let program = Program::compile(expression)
-        .unwrap_or_else(|e| panic!("does not parse: {expression}: {e}"));
+    thread_local! {
+        /// Compiled expressions: the generated-pod test evaluates each thousands of times.
+        static PROGRAMS: std::cell::RefCell<BTreeMap<String, std::rc::Rc<Program>>> =
+            Default::default();
+    }
+    let program = PROGRAMS.with_borrow_mut(|programs| {
+        programs
+            .entry(expression.to_owned())
+            .or_insert_with(|| {
+                let program = Program::compile(expression)
+                    .unwrap_or_else(|e| panic!("does not parse: {expression}: {e}"));
+                std::rc::Rc::new(program)
+            })
+            .clone()
+    });
     let mut ctx = Context::default();
     ctx.add_function("substring", substring);
     ctx.add_function("join", join);
+    ctx.add_function("split", split);
     for (name, value) in vars {
         ctx.add_variable(
             *name,
@@ -92,25 +117,39 @@ fn to_json(value: &Cel) -> Value {
     }
 }
 
-/// What a ValidatingAdmissionPolicy decides for one request: `None` when its
-/// matchConditions do not match, else the messages of the failed validations.
-fn decide(policy: &Document, vars: &BTreeMap<&str, Value>) -> Option<Vec<String>> {
-    let spec = &policy.value["spec"];
+/// The values of a ValidatingAdmissionPolicy's `variables` for one request, each seeing
+/// the ones before it, as `vars` plus `variables`.
+fn with_variables<'v>(
+    policy: &Document,
+    vars: &BTreeMap<&'v str, Value>,
+) -> BTreeMap<&'v str, Value> {
     let mut vars = vars.clone();
-    for condition in spec["matchConditions"].as_array().into_iter().flatten() {
-        let expr = condition["expression"].as_str().expect("expression");
-        if !eval_bool(expr, &vars) {
-            return None;
-        }
-    }
     let mut variables = serde_json::Map::new();
-    for variable in spec["variables"].as_array().into_iter().flatten() {
+    for variable in policy.value["spec"]["variables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
         vars.insert("variables", Value::Object(variables.clone()));
         let name = variable["name"].as_str().expect("name");
         let value = eval(variable["expression"].as_str().expect("expression"), &vars);
         variables.insert(name.to_string(), to_json(&value));
     }
     vars.insert("variables", Value::Object(variables));
+    vars
+}
+
+/// What a ValidatingAdmissionPolicy decides for one request: `None` when its
+/// matchConditions do not match, else the messages of the failed validations.
+fn decide(policy: &Document, vars: &BTreeMap<&str, Value>) -> Option<Vec<String>> {
+    let spec = &policy.value["spec"];
+    for condition in spec["matchConditions"].as_array().into_iter().flatten() {
+        let expr = condition["expression"].as_str().expect("expression");
+        if !eval_bool(expr, vars) {
+            return None;
+        }
+    }
+    let vars = with_variables(policy, vars);
     let mut failures = Vec::new();
     for validation in spec["validations"].as_array().into_iter().flatten() {
         if !eval_bool(
@@ -481,4 +520,258 @@ fn expressions_avoid_cel_reserved_words_as_fields() {
             );
         }
     }
+}
+
+/// Pods generated for the differential test: every GPU signal and its look-alikes.
+mod generated {
+    use rand::rngs::StdRng;
+    use rand::seq::IndexedRandom;
+    use rand::{Rng, SeedableRng};
+    use serde_json::{Value, json};
+
+    pub const VISIBLE: &[&str] = &[
+        "all",
+        "ALL",
+        " all ",
+        "none",
+        "NONE",
+        " None ",
+        "void",
+        "VOID",
+        "Void ",
+        "",
+        " ",
+        " , ",
+        ",",
+        "0",
+        "0,1",
+        " 0 , 1 ",
+        "none,0",
+        "all,none",
+        "GPU-8f2c3b1a",
+        "\tvoid\n",
+        "MIG-2a3b4c5d/1/0",
+    ];
+    pub const HOST_PATHS: &[&str] = &[
+        "/dev",
+        "/dev/",
+        "/dev/nvidia0",
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/dri",
+        "/dev/dri/",
+        "/dev/dri/card0",
+        "/dev/drifoo",
+        "/dev/fuse",
+        "/dev/kvm",
+        "/dev/shm",
+        "/devices",
+        "/var/lib/nvidia",
+        "/dev/./nvidia0",
+        "//dev/nvidia0",
+        "/dev/nvidia0/",
+        "/dev/nvidia0/../fuse",
+        "/dev/dri/..",
+        "/dev/fuse/../nvidia0",
+    ];
+    pub const RESOURCES: &[&str] = &[
+        "nvidia.com/gpu",
+        "nvidia.com/gpu.shared",
+        "nvidia.com/mig-1g.10gb",
+        "nvidia.com/mig-3g.40gb",
+        "example.com/accel",
+        "cpu",
+        "memory",
+        "nvidia.com/gpux",
+    ];
+    pub const IMAGES: &[&str] = &[
+        "nvcr.io/nvidia/pytorch:24.05-py3",
+        "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
+        "nvcr.io/nvidia/k8s-device-plugin:v0.15.0",
+        "registry.example.com/team/tools:1.0",
+        "registry.example.com/team/tools",
+        "busybox",
+    ];
+    /// Exempt image patterns a policy may add; the first has a wildcard in the middle,
+    /// which CEL cannot match as a glob.
+    pub const PATTERNS: &[&str] = &["registry.example.com/*/tools:1.?", "busybox"];
+
+    pub struct Case {
+        pub pod: Value,
+        pub policy: Value,
+        /// Whether the case holds something CEL cannot express: a hostPath the backstop
+        /// cannot resolve, or an image pattern with a wildcard before its end.
+        pub beyond_cel: bool,
+    }
+
+    fn container(rng: &mut StdRng, name: String, volumes: &[String]) -> Value {
+        let mut c = json!({"name": name, "image": *IMAGES.choose(rng).unwrap()});
+        if rng.random_bool(0.75) {
+            c["securityContext"] = json!({"privileged": rng.random_bool(0.8)});
+        }
+        let mut env = Vec::new();
+        for _ in 0..rng.random_range(0..4) {
+            env.push(match rng.random_range(0..6) {
+                0 => json!({"name": "HOME", "value": "/root"}),
+                1 => json!({"name": "NVIDIA_VISIBLE_DEVICES",
+                    "valueFrom": {"configMapKeyRef": {"name": "gpus", "key": "devices"}}}),
+                2 => json!({"name": "NVIDIA_VISIBLE_DEVICES"}),
+                _ => json!({"name": "NVIDIA_VISIBLE_DEVICES",
+                    "value": *VISIBLE.choose(rng).unwrap()}),
+            });
+        }
+        if !env.is_empty() {
+            c["env"] = Value::Array(env);
+        }
+        for field in ["limits", "requests"] {
+            if rng.random_bool(0.3) {
+                let resource = *RESOURCES.choose(rng).unwrap();
+                c["resources"][field] = json!({ resource: "1" });
+            }
+        }
+        let mounts: Vec<Value> = volumes
+            .iter()
+            .filter(|_| rng.random_bool(0.3))
+            .map(|v| json!({"name": v, "mountPath": format!("/mnt/{v}")}))
+            .collect();
+        if !mounts.is_empty() {
+            c["volumeMounts"] = Value::Array(mounts);
+        }
+        c
+    }
+
+    pub fn cases(count: usize) -> Vec<Case> {
+        let mut rng = StdRng::seed_from_u64(0x6770_7577_6172_6463);
+        (0..count)
+            .map(|i| {
+                let mut paths = Vec::new();
+                let volumes: Vec<String> = (0..rng.random_range(0..3))
+                    .map(|v| {
+                        paths.push(*HOST_PATHS.choose(&mut rng).unwrap());
+                        format!("v{v}")
+                    })
+                    .collect();
+                let mut spec = json!({
+                    "containers": (0..rng.random_range(1..4))
+                        .map(|c| container(&mut rng, format!("c{c}"), &volumes))
+                        .collect::<Vec<_>>(),
+                    "volumes": volumes.iter().zip(&paths)
+                        .map(|(v, p)| json!({"name": v, "hostPath": {"path": p}}))
+                        .collect::<Vec<_>>(),
+                });
+                if rng.random_bool(0.3) {
+                    spec["initContainers"] = json!([container(&mut rng, "init".into(), &volumes)]);
+                }
+                let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": format!("p{i}")}, "spec": spec});
+                match rng.random_range(0..8) {
+                    0 => {
+                        pod["metadata"]["annotations"] =
+                            json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"})
+                    }
+                    1 => {
+                        pod["metadata"]["annotations"] = json!({"cdi.k8s.io/x": "vendor.com/dev=1"})
+                    }
+                    _ => {}
+                }
+                let mut policy = gpuwarden_crds::manifests::default_policy_manifest();
+                if rng.random_bool(0.1) {
+                    policy["spec"]["match"]["privilegedContainers"] = json!("All");
+                }
+                if rng.random_bool(0.3) {
+                    policy["spec"]["gpu"]["resourceName"] = json!("example.com/accel");
+                }
+                let mut inner_wildcard = false;
+                if rng.random_bool(0.3) {
+                    let pattern = *PATTERNS.choose(&mut rng).unwrap();
+                    inner_wildcard = pattern.contains('?');
+                    let images = policy["spec"]["exemptions"]["images"]
+                        .as_array_mut()
+                        .unwrap();
+                    images.push(json!(pattern));
+                }
+                let unresolved = paths.iter().any(|p| {
+                    p.contains("//")
+                        || p.contains("/./")
+                        || p.contains("/../")
+                        || p.ends_with("/..")
+                });
+                Case {
+                    pod,
+                    policy,
+                    beyond_cel: inner_wildcard || unresolved,
+                }
+            })
+            .collect()
+    }
+}
+
+/// The backstop's GPU containers are the predicate's (`gpuwarden_crds::gpu`), on thousands
+/// of generated pods: device paths and their look-alikes, NONE/void in any case and with
+/// blanks, repeated env entries, valueFrom, every GPU resource name, the policy's own
+/// resource name, `privilegedContainers: All`, exempt images. Where CEL cannot express a
+/// rule (unresolved paths, glob patterns) the backstop may only be the more permissive.
+#[test]
+fn backstop_agrees_with_the_gpu_predicate() {
+    use gpuwarden_crds::GpuPolicy;
+    use gpuwarden_crds::exemptions::image_exempt;
+    use gpuwarden_crds::gpu::{ContainerKind, Rules, pod_containers};
+    use std::collections::BTreeSet;
+
+    let backstop = backstop();
+    let cases = generated::cases(2400);
+    let (mut agreed, mut permissive, mut rejected) = (0, 0, 0);
+    for (i, case) in cases.iter().enumerate() {
+        let pod: k8s_openapi::api::core::v1::Pod =
+            serde_json::from_value(case.pod.clone()).expect("a pod");
+        let policy: GpuPolicy = serde_json::from_value(case.policy.clone()).expect("a policy");
+        let images = &policy.spec.exemptions.images;
+        let predicate: BTreeSet<String> = pod_containers(&pod, Rules::of(&policy))
+            .into_iter()
+            .filter(|c| c.kind != ContainerKind::Ephemeral && c.privileged)
+            .filter(|c| !image_exempt(c.image, images) && c.signals.is_gpu())
+            .map(|c| c.name.to_owned())
+            .collect();
+        let vars = BTreeMap::from([
+            ("object", case.pod.clone()),
+            ("request", request("team-a")),
+            ("namespaceObject", json!({"metadata": {"name": "team-a"}})),
+            ("params", case.policy.clone()),
+        ]);
+        let cel: BTreeSet<String> = with_variables(&backstop, &vars)["variables"]["offending"]
+            .as_array()
+            .expect("offending is a list")
+            .iter()
+            .map(|n| n.as_str().expect("a name").to_owned())
+            .collect();
+        let explain = || {
+            format!(
+                "case {i}: predicate {predicate:?}, backstop {cel:?}\npod: {:#}\npolicy spec: {:#}",
+                case.pod, case.policy["spec"]
+            )
+        };
+        assert!(
+            cel.is_subset(&predicate),
+            "the backstop is stricter: {}",
+            explain()
+        );
+        if cel == predicate {
+            agreed += 1;
+        } else {
+            assert!(
+                case.beyond_cel,
+                "the backstop misses GPU containers: {}",
+                explain()
+            );
+            permissive += 1;
+        }
+        rejected += usize::from(!cel.is_empty());
+    }
+    eprintln!(
+        "{} pods: {agreed} agree, {permissive} more permissive where CEL cannot resolve a path \
+         or a glob, {rejected} rejected by the backstop",
+        cases.len()
+    );
+    assert!(cases.len() >= 2000 && rejected > cases.len() / 5);
+    assert!(permissive < cases.len() / 10, "{permissive}");
 }
