@@ -1068,6 +1068,42 @@ async fn admission_policies_compile_and_the_backstop_rejects() {
         allowed.status.is_success(),
         "a privileged pod without GPU signals is not the backstop's business: {allowed:?}"
     );
+
+    // With the webhook in front: a privileged GPU pod is rewritten and then passes the
+    // backstop, and a privileged FUSE pod (a /dev/fuse hostPath, no GPU) reaches the webhook,
+    // is left as written, and is admitted.
+    let (webhook, _) = env.webhook().await;
+    env.until_admission(&ns, &privileged_gpu_pod("probe"), "backstop", rewritten)
+        .await;
+    let fuse = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "fuse"},
+        "spec": {
+            "containers": [{
+                "name": "mount",
+                "image": "registry.k8s.io/pause:3.10",
+                "securityContext": {"privileged": true},
+                "volumeMounts": [{"name": "fuse", "mountPath": "/dev/fuse"}]
+            }],
+            "volumes": [{"name": "fuse", "hostPath": {"path": "/dev/fuse", "type": "CharDevice"}}]
+        }
+    });
+    let before = webhook.reviews();
+    let created = env
+        .cluster
+        .create_pod(&ns, &fuse, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "the FUSE pod was refused: {created:?}");
+    assert!(webhook.reviews() > before, "the FUSE pod never reached the webhook");
+    assert!(!annotations(&created.body).contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN));
+    assert_eq!(
+        created.body["spec"]["containers"][0]["securityContext"]["privileged"],
+        json!(true),
+        "the FUSE pod was changed"
+    );
+    webhook.stop().await;
 }
 
 /// The policy pinning node agents to their own node, on a real server: acting as the node
