@@ -1095,8 +1095,14 @@ async fn admission_policies_compile_and_the_backstop_rejects() {
         .create_pod(&ns, &fuse, false)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    assert!(created.status.is_success(), "the FUSE pod was refused: {created:?}");
-    assert!(webhook.reviews() > before, "the FUSE pod never reached the webhook");
+    assert!(
+        created.status.is_success(),
+        "the FUSE pod was refused: {created:?}"
+    );
+    assert!(
+        webhook.reviews() > before,
+        "the FUSE pod never reached the webhook"
+    );
     assert!(!annotations(&created.body).contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN));
     assert_eq!(
         created.body["spec"]["containers"][0]["securityContext"]["privileged"],

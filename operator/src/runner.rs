@@ -4,7 +4,6 @@
 
 use gpuwarden_crds::error_chain;
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::future::Future;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,11 +16,13 @@ use gpuwarden_crds::{
 };
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
-use kube::runtime::controller::Action;
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, applier, watcher};
+use kube::runtime::reflector::{self, ObjectRef, store::Writer};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use std::fmt::Debug;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
@@ -161,46 +162,80 @@ impl Backoffs {
     }
 }
 
-fn queue<K>(
-    rx: mpsc::UnboundedReceiver<ObjectRef<K>>,
+/// One watch per kind: each event goes into the kind's cache, then to `route`, which
+/// passes the objects whose inputs changed to the controllers that listen. Runs until
+/// shutdown; the watcher retries with backoff and the cache keeps serving what it has.
+fn watch_kind<K>(
+    api: Api<K>,
+    trim: fn(&mut K),
+    writer: Writer<K>,
     shutdown: watch::Receiver<bool>,
-) -> impl Stream<Item = Result<ObjectRef<K>, Infallible>> + Send
+    mut route: impl FnMut(&watcher::Event<K>) + Send + 'static,
+) -> tokio::task::JoinHandle<()>
 where
-    K: Resource + Send + 'static,
-    K::DynamicType: Send,
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    stream::unfold(
-        rx,
-        |mut rx| async move { rx.recv().await.map(|r| (Ok(r), rx)) },
-    )
-    .take_until(stopped(shutdown))
-}
-
-/// Drives a watch into its cache and calls `on_event` with every event, until shutdown.
-async fn pump<K, S>(
-    events: S,
-    shutdown: watch::Receiver<bool>,
-    mut on_event: impl FnMut(&watcher::Event<K>),
-) where
-    S: Stream<Item = watcher::Result<watcher::Event<K>>>,
-{
-    let events = events.take_until(stopped(shutdown));
-    futures::pin_mut!(events);
-    while let Some(event) = events.next().await {
-        match event {
-            Ok(ev) => on_event(&ev),
-            // The watcher retries with backoff; the cache keeps serving what it has.
-            Err(e) => warn!(error = %e, "watch failed; retrying"),
+    let events = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .modify(trim)
+        .reflect(writer)
+        .take_until(stopped(shutdown));
+    tokio::spawn(async move {
+        futures::pin_mut!(events);
+        while let Some(event) = events.next().await {
+            match event {
+                Ok(event) => route(&event),
+                Err(e) => warn!(error = %e, "watch failed; retrying"),
+            }
         }
-    }
+    })
 }
 
-fn refs_of<K: Resource<DynamicType = ()> + Clone>(store: &Store<K>) -> Vec<ObjectRef<K>> {
-    store
-        .state()
-        .iter()
-        .map(|o| ObjectRef::from_obj(o.as_ref()))
-        .collect()
+/// A channel of objects for a controller's trigger: the sending half for a route, the
+/// receiving half as the stream `Controller` reads.
+fn trigger<K: Send + 'static>() -> (
+    mpsc::UnboundedSender<K>,
+    impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let stream = stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|o| (Ok(o), rx)) },
+    );
+    (tx, stream)
+}
+
+/// Fires each time this replica becomes the leader: a new leader reconciles everything, as
+/// the old one may have died mid-way.
+fn leader_gained(leadership: Leadership, metrics: Arc<Metrics>) -> impl Stream<Item = ()> + Send {
+    stream::unfold(leadership, move |mut leadership| {
+        let metrics = metrics.clone();
+        async move {
+            loop {
+                let leader = leadership.changed().await?;
+                metrics.set_leader(leader);
+                if leader {
+                    info!("became leader; reconciling everything");
+                    return Some(((), leadership));
+                }
+                info!("not the leader; standing by");
+            }
+        }
+    })
+}
+
+/// Drains a controller's results: reconcile errors are logged where they happen, objects
+/// gone from the cache before their turn are not errors.
+async fn drain<K: Resource, E: std::error::Error + 'static, Q: std::error::Error + 'static>(
+    results: impl Stream<Item = Result<(ObjectRef<K>, Action), controller::Error<E, Q>>>,
+) {
+    results
+        .for_each(|result| async move {
+            if let Err(e) = result {
+                debug!(error = %error_chain(&e), "controller");
+            }
+        })
+        .await;
 }
 
 /// Runs the operator until `shutdown` resolves, then finishes in-flight reconciles, releases
@@ -274,181 +309,135 @@ where
     let (gpunodes, gpunode_w) = reflector::store::<GpuNode>();
     let (leases, lease_w) = reflector::store::<Lease>();
     let (policies, policy_w) = reflector::store::<GpuPolicy>();
-    let (node_tx, node_rx) = mpsc::unbounded_channel::<ObjectRef<Node>>();
-    let (orphan_tx, orphan_rx) = mpsc::unbounded_channel::<ObjectRef<GpuNode>>();
-    let (policy_tx, policy_rx) = mpsc::unbounded_channel::<ObjectRef<GpuPolicy>>();
-    let wc = watcher::Config::default();
+    // The GpuNode controller runs on Nodes, and wakes for their GpuNodes and agent Leases;
+    // the orphan controller runs on GpuNodes, and wakes when their Node goes; the policy
+    // controller re-validates every policy when any changes.
+    let (node_tx, node_changes) = trigger::<Node>();
+    let (gpunode_tx, gpunode_changes) = trigger::<GpuNode>();
+    let (lease_tx, lease_changes) = trigger::<Lease>();
+    let (orphan_tx, orphan_changes) = trigger::<GpuNode>();
+    let (gone_tx, nodes_gone) = trigger::<Node>();
+    let (policy_tx, policy_changes) = trigger::<GpuPolicy>();
+    let (policies_tx, policies_changed) = mpsc::unbounded_channel::<()>();
 
-    let mut tasks = Vec::new();
-    {
-        let events = watcher(Api::<Node>::all(client.clone()), wc.clone())
-            .default_backoff()
-            .modify(trim_node)
-            .reflect(node_w);
-        let (node_tx, orphan_tx) = (node_tx.clone(), orphan_tx.clone());
-        let mut filter = ChangeFilter::default();
-        tasks.push(tokio::spawn(pump(
-            events,
+    let mut filters = (
+        ChangeFilter::default(),
+        ChangeFilter::default(),
+        ChangeFilter::default(),
+        ChangeFilter::default(),
+    );
+    let tasks = vec![
+        watch_kind(
+            Api::<Node>::all(client.clone()),
+            trim_node,
+            node_w,
             sd_rx.clone(),
-            move |ev| match ev {
-                watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
-                    let name = n.name_any();
-                    if filter.changed(&name, node_inputs(n)) {
-                        let _ = node_tx.send(ObjectRef::new(&name));
+            {
+                let mut filter = std::mem::take(&mut filters.0);
+                move |event| match event {
+                    watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
+                        if filter.changed(&n.name_any(), node_inputs(n)) {
+                            let _ = node_tx.send(n.clone());
+                        }
                     }
+                    watcher::Event::Delete(n) => {
+                        filter.forget(&n.name_any());
+                        let _ = gone_tx.send(n.clone());
+                    }
+                    watcher::Event::Init | watcher::Event::InitDone => {}
                 }
-                watcher::Event::Delete(n) => {
-                    let name = n.name_any();
-                    filter.forget(&name);
-                    let _ = orphan_tx.send(ObjectRef::new(&name));
-                }
-                watcher::Event::Init | watcher::Event::InitDone => {}
             },
-        )));
-    }
-    {
-        let events = watcher(Api::<GpuNode>::all(client.clone()), wc.clone())
-            .default_backoff()
-            .modify(trim_gpunode)
-            .reflect(gpunode_w);
-        let (node_tx, orphan_tx) = (node_tx.clone(), orphan_tx.clone());
-        let mut filter = ChangeFilter::default();
-        tasks.push(tokio::spawn(pump(
-            events,
+        ),
+        watch_kind(
+            Api::<GpuNode>::all(client.clone()),
+            trim_gpunode,
+            gpunode_w,
             sd_rx.clone(),
-            move |ev| match ev {
-                watcher::Event::Apply(g) | watcher::Event::InitApply(g) => {
-                    let name = g.name_any();
-                    if filter.changed(&name, gpunode_inputs(g)) {
-                        let _ = node_tx.send(ObjectRef::new(&name));
-                        let _ = orphan_tx.send(ObjectRef::new(&name));
+            {
+                let mut filter = std::mem::take(&mut filters.1);
+                move |event| match event {
+                    watcher::Event::Apply(g) | watcher::Event::InitApply(g) => {
+                        if filter.changed(&g.name_any(), gpunode_inputs(g)) {
+                            let _ = gpunode_tx.send(g.clone());
+                            let _ = orphan_tx.send(g.clone());
+                        }
                     }
+                    watcher::Event::Delete(g) => {
+                        filter.forget(&g.name_any());
+                        let _ = gpunode_tx.send(g.clone());
+                    }
+                    watcher::Event::Init | watcher::Event::InitDone => {}
                 }
-                watcher::Event::Delete(g) => {
-                    let name = g.name_any();
-                    filter.forget(&name);
-                    let _ = node_tx.send(ObjectRef::new(&name));
-                }
-                watcher::Event::Init | watcher::Event::InitDone => {}
             },
-        )));
-    }
-    {
-        let events = watcher(
+        ),
+        watch_kind(
             Api::<Lease>::namespaced(client.clone(), AGENT_LEASE_NAMESPACE),
-            wc.clone(),
-        )
-        .default_backoff()
-        .modify(|l: &mut Lease| l.metadata.managed_fields = None)
-        .reflect(lease_w);
-        let node_tx = node_tx.clone();
-        let clock = clock.clone();
-        let mut filter = ChangeFilter::default();
-        tasks.push(tokio::spawn(pump(
-            events,
+            |l| l.metadata.managed_fields = None,
+            lease_w,
             sd_rx.clone(),
-            move |ev| match ev {
-                watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
-                    let name = l.name_any();
-                    if let Some(node) = name.strip_prefix(AGENT_LEASE_PREFIX)
-                        && filter.changed(&name, lease_inputs(l, &clock))
-                    {
-                        let _ = node_tx.send(ObjectRef::new(node));
+            {
+                let mut filter = std::mem::take(&mut filters.2);
+                let clock = clock.clone();
+                move |event| match event {
+                    watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
+                        if filter.changed(&l.name_any(), lease_inputs(l, &clock)) {
+                            let _ = lease_tx.send(l.clone());
+                        }
                     }
-                }
-                watcher::Event::Delete(l) => {
-                    let name = l.name_any();
-                    filter.forget(&name);
-                    if let Some(node) = name.strip_prefix(AGENT_LEASE_PREFIX) {
-                        let _ = node_tx.send(ObjectRef::new(node));
+                    watcher::Event::Delete(l) => {
+                        filter.forget(&l.name_any());
+                        let _ = lease_tx.send(l.clone());
                     }
+                    watcher::Event::Init | watcher::Event::InitDone => {}
                 }
-                watcher::Event::Init | watcher::Event::InitDone => {}
             },
-        )));
-    }
-    {
-        let events = watcher(Api::<GpuPolicy>::all(client.clone()), wc.clone())
-            .default_backoff()
-            .modify(|p: &mut GpuPolicy| p.metadata.managed_fields = None)
-            .reflect(policy_w);
-        let policy_tx = policy_tx.clone();
-        let store = policies.clone();
-        let mut filter = ChangeFilter::default();
-        tasks.push(tokio::spawn(pump(events, sd_rx.clone(), move |ev| {
-            // Overlaps are between policies, so any spec change re-validates all of them.
-            // Initial objects land in the cache only at InitDone, so that is when they go.
-            let touched = match ev {
-                watcher::Event::Apply(p) => filter.changed(
-                    &p.name_any(),
-                    hash_of(&(
-                        p.metadata.generation,
-                        p.metadata.uid.as_deref(),
-                        p.metadata.deletion_timestamp.is_some(),
-                    )),
-                ),
-                watcher::Event::InitApply(p) => {
-                    filter.changed(
-                        &p.name_any(),
+        ),
+        watch_kind(
+            Api::<GpuPolicy>::all(client.clone()),
+            |p| p.metadata.managed_fields = None,
+            policy_w,
+            sd_rx.clone(),
+            {
+                let mut filter = std::mem::take(&mut filters.3);
+                // Overlaps are between policies, so any spec change re-validates all of them.
+                // Initial objects land in the cache only at InitDone, so that is when they go.
+                move |event| {
+                    let inputs = |p: &GpuPolicy| {
                         hash_of(&(
                             p.metadata.generation,
                             p.metadata.uid.as_deref(),
                             p.metadata.deletion_timestamp.is_some(),
-                        )),
-                    );
-                    false
-                }
-                watcher::Event::Delete(p) => {
-                    filter.forget(&p.name_any());
-                    true
-                }
-                watcher::Event::InitDone => true,
-                watcher::Event::Init => false,
-            };
-            if touched {
-                for r in refs_of(&store) {
-                    let _ = policy_tx.send(r);
-                }
-            }
-        })));
-    }
-    {
-        // A new leader reconciles everything: the old one may have died mid-way.
-        let mut leadership = leadership.clone();
-        let (nodes, gpunodes, policies) = (nodes.clone(), gpunodes.clone(), policies.clone());
-        let (node_tx, orphan_tx, policy_tx) =
-            (node_tx.clone(), orphan_tx.clone(), policy_tx.clone());
-        let metrics = metrics.clone();
-        let shutdown = sd_rx.clone();
-        tasks.push(tokio::spawn(async move {
-            let changes = async {
-                while let Some(leader) = leadership.changed().await {
-                    metrics.set_leader(leader);
-                    if leader {
-                        info!("became leader; reconciling everything");
-                        refs_of(&nodes)
-                            .into_iter()
-                            .for_each(|r| drop(node_tx.send(r)));
-                        refs_of(&gpunodes)
-                            .into_iter()
-                            .for_each(|r| drop(orphan_tx.send(r)));
-                        refs_of(&policies)
-                            .into_iter()
-                            .for_each(|r| drop(policy_tx.send(r)));
-                    } else {
-                        info!("not the leader; standing by");
+                        ))
+                    };
+                    let all = match event {
+                        watcher::Event::Apply(p) => {
+                            let changed = filter.changed(&p.name_any(), inputs(p));
+                            if changed {
+                                let _ = policy_tx.send(p.clone());
+                            }
+                            changed
+                        }
+                        watcher::Event::InitApply(p) => {
+                            filter.changed(&p.name_any(), inputs(p));
+                            false
+                        }
+                        watcher::Event::Delete(p) => {
+                            filter.forget(&p.name_any());
+                            true
+                        }
+                        watcher::Event::InitDone => true,
+                        watcher::Event::Init => false,
+                    };
+                    if all {
+                        let _ = policies_tx.send(());
                     }
                 }
-            };
-            tokio::select! {
-                () = changes => {}
-                () = stopped(shutdown) => {}
-            }
-        }));
-    }
-    drop((node_tx, orphan_tx, policy_tx));
+            },
+        ),
+    ];
 
-    // Nothing is decided before every cache has its first full list.
+    // Nothing is decided before every cache has its first full list; what changed meanwhile
+    // waits in the triggers.
     let caches = {
         let (nodes, gpunodes, leases, policies) = (
             nodes.clone(),
@@ -497,68 +486,72 @@ where
         recorder: Some(recorder),
         taint_unhealthy_nodes: config.taint_unhealthy_nodes,
     });
-    let applier_config = kube::runtime::Config::default().concurrency(config.concurrency.max(1));
-
+    let controller_config = kube::runtime::Config::default().concurrency(config.concurrency.max(1));
     let node_backoff = Arc::new(Backoffs::default());
-    let node_applier = {
-        let (b1, b2) = (node_backoff.clone(), node_backoff.clone());
-        applier(
-            move |node: Arc<Node>, ctx: Arc<NodeContext>| {
-                let b = b1.clone();
-                Box::pin(async move {
-                    let name = node.name_any();
-                    timed(
-                        &ctx.metrics,
-                        node_controller::CONTROLLER,
-                        node_controller::reconcile_node(&name, &ctx),
-                        NodeError::kind,
-                        &b,
-                        &name,
-                    )
-                    .await
-                })
-            },
-            move |node: Arc<Node>, err: &NodeError, _ctx: Arc<NodeContext>| {
-                error_action(&b2, &node.name_any(), err.is_permanent(), err)
-            },
-            node_ctx.clone(),
-            nodes,
-            queue(node_rx, sd_rx.clone()),
-            applier_config.clone(),
-        )
-        .for_each(|_| async {})
+    let reconcile_by_name = {
+        let backoffs = node_backoff.clone();
+        move |name: String, ctx: Arc<NodeContext>| {
+            let backoffs = backoffs.clone();
+            async move {
+                timed(
+                    &ctx.metrics,
+                    node_controller::CONTROLLER,
+                    node_controller::reconcile_node(&name, &ctx),
+                    NodeError::kind,
+                    &backoffs,
+                    &name,
+                )
+                .await
+            }
+        }
     };
-    let orphan_applier = {
-        let (b1, b2) = (node_backoff.clone(), node_backoff.clone());
-        applier(
-            move |gn: Arc<GpuNode>, ctx: Arc<NodeContext>| {
-                let b = b1.clone();
-                Box::pin(async move {
-                    let name = gn.name_any();
-                    if ctx.nodes.get(&ObjectRef::new(&name)).is_some() {
-                        // The node applier owns GpuNodes whose Node exists.
-                        return Ok(Action::await_change());
+    let node_controller = {
+        let (reconcile, backoffs) = (reconcile_by_name.clone(), node_backoff.clone());
+        Controller::for_stream(node_changes, nodes)
+            .watches_stream(gpunode_changes, |g: GpuNode| {
+                Some(ObjectRef::<Node>::new(&g.name_any()))
+            })
+            .watches_stream(lease_changes, |l: Lease| {
+                let name = l.name_any();
+                (name.strip_prefix(AGENT_LEASE_PREFIX)).map(ObjectRef::<Node>::new)
+            })
+            .reconcile_all_on(leader_gained(leadership.clone(), metrics.clone()))
+            .with_config(controller_config.clone())
+            .graceful_shutdown_on(stopped(sd_rx.clone()))
+            .run(
+                move |node: Arc<Node>, ctx| reconcile(node.name_any(), ctx),
+                move |node: Arc<Node>, err: &NodeError, _| {
+                    error_action(&backoffs, &node.name_any(), err.is_permanent(), err)
+                },
+                node_ctx.clone(),
+            )
+    };
+    let orphan_controller = {
+        let (reconcile, backoffs) = (reconcile_by_name, node_backoff);
+        Controller::for_stream(orphan_changes, gpunodes)
+            .watches_stream(nodes_gone, |n: Node| {
+                Some(ObjectRef::<GpuNode>::new(&n.name_any()))
+            })
+            .reconcile_all_on(leader_gained(leadership.clone(), metrics.clone()))
+            .with_config(controller_config.clone())
+            .graceful_shutdown_on(stopped(sd_rx.clone()))
+            .run(
+                move |gn: Arc<GpuNode>, ctx: Arc<NodeContext>| {
+                    let reconcile = reconcile.clone();
+                    async move {
+                        let name = gn.name_any();
+                        if ctx.nodes.get(&ObjectRef::new(&name)).is_some() {
+                            // The node controller owns GpuNodes whose Node exists.
+                            return Ok(Action::await_change());
+                        }
+                        reconcile(name, ctx).await
                     }
-                    timed(
-                        &ctx.metrics,
-                        node_controller::CONTROLLER,
-                        node_controller::reconcile_node(&name, &ctx),
-                        NodeError::kind,
-                        &b,
-                        &name,
-                    )
-                    .await
-                })
-            },
-            move |gn: Arc<GpuNode>, err: &NodeError, _ctx: Arc<NodeContext>| {
-                error_action(&b2, &gn.name_any(), err.is_permanent(), err)
-            },
-            node_ctx,
-            gpunodes,
-            queue(orphan_rx, sd_rx.clone()),
-            applier_config.clone(),
-        )
-        .for_each(|_| async {})
+                },
+                move |gn: Arc<GpuNode>, err: &NodeError, _| {
+                    error_action(&backoffs, &gn.name_any(), err.is_permanent(), err)
+                },
+                node_ctx,
+            )
     };
     let policy_ctx = Arc::new(PolicyContext {
         client: client.clone(),
@@ -568,33 +561,39 @@ where
         metrics: metrics.clone(),
     });
     let policy_backoff = Arc::new(Backoffs::default());
-    let policy_applier = {
+    let policy_controller = {
         let (b1, b2) = (policy_backoff.clone(), policy_backoff);
-        applier(
-            move |p: Arc<GpuPolicy>, ctx: Arc<PolicyContext>| {
-                let b = b1.clone();
-                Box::pin(async move {
-                    let name = p.name_any();
-                    timed(
-                        &ctx.metrics,
-                        policy_controller::CONTROLLER,
-                        policy_controller::reconcile_policy(&name, &ctx),
-                        PolicyError::kind,
-                        &b,
-                        &name,
-                    )
-                    .await
-                })
-            },
-            move |p: Arc<GpuPolicy>, err: &PolicyError, _ctx: Arc<PolicyContext>| {
-                error_action(&b2, &p.name_any(), err.kind() == "invalid", err)
-            },
-            policy_ctx,
-            policies,
-            queue(policy_rx, sd_rx.clone()),
-            applier_config,
-        )
-        .for_each(|_| async {})
+        let all = stream::unfold(policies_changed, |mut rx| async move {
+            rx.recv().await.map(|()| ((), rx))
+        });
+        Controller::for_stream(policy_changes, policies)
+            .reconcile_all_on(stream::select(
+                all,
+                leader_gained(leadership.clone(), metrics.clone()),
+            ))
+            .with_config(controller_config)
+            .graceful_shutdown_on(stopped(sd_rx.clone()))
+            .run(
+                move |p: Arc<GpuPolicy>, ctx: Arc<PolicyContext>| {
+                    let backoffs = b1.clone();
+                    async move {
+                        let name = p.name_any();
+                        timed(
+                            &ctx.metrics,
+                            policy_controller::CONTROLLER,
+                            policy_controller::reconcile_policy(&name, &ctx),
+                            PolicyError::kind,
+                            &backoffs,
+                            &name,
+                        )
+                        .await
+                    }
+                },
+                move |p: Arc<GpuPolicy>, err: &PolicyError, _| {
+                    error_action(&b2, &p.name_any(), err.kind() == "invalid", err)
+                },
+                policy_ctx,
+            )
     };
     let certs = async {
         if !config.manage_webhook_certificates {
@@ -615,7 +614,12 @@ where
         };
         cert_loop(ctx, sd_rx.clone()).await;
     };
-    tokio::join!(node_applier, orphan_applier, policy_applier, certs);
+    tokio::join!(
+        drain(node_controller),
+        drain(orphan_controller),
+        drain(policy_controller),
+        certs
+    );
     finish(tasks, leader_task, health_task).await
 }
 
