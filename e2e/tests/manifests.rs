@@ -844,7 +844,7 @@ fn workloads_run_their_binary_from_the_one_image() {
     );
 }
 
-/// The MutatingWebhookConfiguration is the one DESIGN.md describes, and it reaches the
+/// The MutatingWebhookConfiguration is the one docs/design.md describes, and it reaches the
 /// webhook: Service port 443 to the container's HTTPS port, on the path the server
 /// answers, with the TLS Secret the operator writes mounted where the server reads it.
 #[test]

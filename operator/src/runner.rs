@@ -191,6 +191,28 @@ where
     })
 }
 
+/// What a kind's watch passes on: `changed` gets an object whose inputs (`inputs`, a hash
+/// of what the reconciler reads) differ from the last seen, `deleted` a deleted one.
+fn route<K: Resource<DynamicType = ()>>(
+    inputs: impl Fn(&K) -> u64 + Send + 'static,
+    mut changed: impl FnMut(&K) + Send + 'static,
+    mut deleted: impl FnMut(&K) + Send + 'static,
+) -> impl FnMut(&watcher::Event<K>) + Send + 'static {
+    let mut filter = ChangeFilter::default();
+    move |event| match event {
+        watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
+            if filter.changed(&o.name_any(), inputs(o)) {
+                changed(o);
+            }
+        }
+        watcher::Event::Delete(o) => {
+            filter.forget(&o.name_any());
+            deleted(o);
+        }
+        watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+}
+
 /// A channel of objects for a controller's trigger: the sending half for a route, the
 /// receiving half as the stream `Controller` reads.
 fn trigger<K: Send + 'static>() -> (
@@ -320,119 +342,87 @@ where
     let (policy_tx, policy_changes) = trigger::<GpuPolicy>();
     let (policies_tx, policies_changed) = mpsc::unbounded_channel::<()>();
 
-    let mut filters = (
-        ChangeFilter::default(),
-        ChangeFilter::default(),
-        ChangeFilter::default(),
-        ChangeFilter::default(),
-    );
     let tasks = vec![
         watch_kind(
             Api::<Node>::all(client.clone()),
             trim_node,
             node_w,
             sd_rx.clone(),
-            {
-                let mut filter = std::mem::take(&mut filters.0);
-                move |event| match event {
-                    watcher::Event::Apply(n) | watcher::Event::InitApply(n) => {
-                        if filter.changed(&n.name_any(), node_inputs(n)) {
-                            let _ = node_tx.send(n.clone());
-                        }
-                    }
-                    watcher::Event::Delete(n) => {
-                        filter.forget(&n.name_any());
-                        let _ = gone_tx.send(n.clone());
-                    }
-                    watcher::Event::Init | watcher::Event::InitDone => {}
-                }
-            },
+            route(
+                node_inputs,
+                move |n| {
+                    let _ = node_tx.send(n.clone());
+                },
+                move |n| {
+                    let _ = gone_tx.send(n.clone());
+                },
+            ),
         ),
         watch_kind(
             Api::<GpuNode>::all(client.clone()),
             trim_gpunode,
             gpunode_w,
             sd_rx.clone(),
-            {
-                let mut filter = std::mem::take(&mut filters.1);
-                move |event| match event {
-                    watcher::Event::Apply(g) | watcher::Event::InitApply(g) => {
-                        if filter.changed(&g.name_any(), gpunode_inputs(g)) {
-                            let _ = gpunode_tx.send(g.clone());
-                            let _ = orphan_tx.send(g.clone());
-                        }
-                    }
-                    watcher::Event::Delete(g) => {
-                        filter.forget(&g.name_any());
+            route(
+                gpunode_inputs,
+                {
+                    let gpunode_tx = gpunode_tx.clone();
+                    move |g| {
                         let _ = gpunode_tx.send(g.clone());
+                        let _ = orphan_tx.send(g.clone());
                     }
-                    watcher::Event::Init | watcher::Event::InitDone => {}
-                }
-            },
+                },
+                move |g| {
+                    let _ = gpunode_tx.send(g.clone());
+                },
+            ),
         ),
         watch_kind(
             Api::<Lease>::namespaced(client.clone(), AGENT_LEASE_NAMESPACE),
             |l| l.metadata.managed_fields = None,
             lease_w,
             sd_rx.clone(),
-            {
-                let mut filter = std::mem::take(&mut filters.2);
-                let clock = clock.clone();
-                move |event| match event {
-                    watcher::Event::Apply(l) | watcher::Event::InitApply(l) => {
-                        if filter.changed(&l.name_any(), lease_inputs(l, &clock)) {
-                            let _ = lease_tx.send(l.clone());
-                        }
-                    }
-                    watcher::Event::Delete(l) => {
-                        filter.forget(&l.name_any());
+            route(
+                {
+                    let clock = clock.clone();
+                    move |l| lease_inputs(l, &clock)
+                },
+                {
+                    let lease_tx = lease_tx.clone();
+                    move |l| {
                         let _ = lease_tx.send(l.clone());
                     }
-                    watcher::Event::Init | watcher::Event::InitDone => {}
-                }
-            },
+                },
+                move |l| {
+                    let _ = lease_tx.send(l.clone());
+                },
+            ),
         ),
+        // Overlaps are between policies, so any change re-validates all of them.
         watch_kind(
             Api::<GpuPolicy>::all(client.clone()),
             |p| p.metadata.managed_fields = None,
             policy_w,
             sd_rx.clone(),
-            {
-                let mut filter = std::mem::take(&mut filters.3);
-                // Overlaps are between policies, so any spec change re-validates all of them.
-                // Initial objects land in the cache only at InitDone, so that is when they go.
-                move |event| {
-                    let inputs = |p: &GpuPolicy| {
-                        hash_of(&(
-                            p.metadata.generation,
-                            p.metadata.uid.as_deref(),
-                            p.metadata.deletion_timestamp.is_some(),
-                        ))
-                    };
-                    let all = match event {
-                        watcher::Event::Apply(p) => {
-                            let changed = filter.changed(&p.name_any(), inputs(p));
-                            if changed {
-                                let _ = policy_tx.send(p.clone());
-                            }
-                            changed
-                        }
-                        watcher::Event::InitApply(p) => {
-                            filter.changed(&p.name_any(), inputs(p));
-                            false
-                        }
-                        watcher::Event::Delete(p) => {
-                            filter.forget(&p.name_any());
-                            true
-                        }
-                        watcher::Event::InitDone => true,
-                        watcher::Event::Init => false,
-                    };
-                    if all {
+            route(
+                |p: &GpuPolicy| {
+                    hash_of(&(
+                        p.metadata.generation,
+                        p.metadata.uid.as_deref(),
+                        p.metadata.deletion_timestamp.is_some(),
+                    ))
+                },
+                {
+                    let policies_tx = policies_tx.clone();
+                    move |p: &GpuPolicy| {
+                        let _ = policy_tx.send(p.clone());
                         let _ = policies_tx.send(());
                     }
-                }
-            },
+                },
+                move |_| {
+                    let _ = policies_tx.send(());
+                },
+            ),
         ),
     ];
 

@@ -244,7 +244,11 @@ fn run_inner(
     let mut namespace_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
     for (path, text) in &texts {
         for doc in manifest::documents(path, text) {
-            match (doc.map_err(MutateError::from)).and_then(|doc| check(&doc).map(|()| doc)) {
+            let checked = doc.map_err(MutateError::from).and_then(|doc| {
+                template(&doc)?;
+                Ok(doc)
+            });
+            match checked {
                 Ok(doc) if doc.kind() == "Namespace" => {
                     namespace_labels.insert(doc.name(), labels_of(&doc.object));
                 }
@@ -317,21 +321,24 @@ fn labels_of(object: &Value) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
-/// Whether a workload has the pod template its kind must have.
-fn check(doc: &Document) -> Result<(), MutateError> {
+/// The pod template of a workload and its pointer: `Ok(None)` for kinds that hold no pod,
+/// an error for a workload without the template its kind must have.
+fn template(doc: &Document) -> Result<Option<(&'static str, &Value)>, MutateError> {
     let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
-    match manifest::pod_template_pointer(api_version.unwrap_or(""), doc.kind()) {
-        Some(pointer) if !doc.object.pointer(pointer).is_some_and(Value::is_object) => {
-            Err(MutateError::NoTemplate {
-                file: doc.source.clone(),
-                index: doc.index,
-                line: doc.line,
-                kind: doc.kind().to_owned(),
-                name: doc.name(),
-                pointer,
-            })
-        }
-        _ => Ok(()),
+    let Some(pointer) = manifest::pod_template_pointer(api_version.unwrap_or(""), doc.kind())
+    else {
+        return Ok(None);
+    };
+    match doc.object.pointer(pointer) {
+        Some(template) if template.is_object() => Ok(Some((pointer, template))),
+        _ => Err(MutateError::NoTemplate {
+            file: doc.source.clone(),
+            index: doc.index,
+            line: doc.line,
+            kind: doc.kind().to_owned(),
+            name: doc.name(),
+            pointer,
+        }),
     }
 }
 
@@ -396,29 +403,13 @@ fn judge(
     labels: &BTreeMap<String, String>,
     policies: &[Arc<GpuPolicy>],
 ) -> Result<Outcome, MutateError> {
-    let api_version = doc
-        .object
-        .get("apiVersion")
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    let Some(pointer) = manifest::pod_template_pointer(api_version, doc.kind()) else {
+    let Some((pointer, template)) = template(&doc)? else {
         return Ok(Outcome {
             after: doc.object.clone(),
             doc,
             patch: json_patch::Patch(Vec::new()),
             decision: None,
             namespace,
-        });
-    };
-    check(&doc)?;
-    let Some(template) = doc.object.pointer(pointer) else {
-        return Err(MutateError::NoTemplate {
-            file: doc.source.clone(),
-            index: doc.index,
-            line: doc.line,
-            kind: doc.kind().to_owned(),
-            name: doc.name(),
-            pointer,
         });
     };
     let display = format!("{namespace}/{}", doc.name());

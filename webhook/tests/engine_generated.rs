@@ -1,5 +1,5 @@
 //! Generated tests: thousands of varied pods under varied policies, each checked against the
-//! engine's invariants (DESIGN.md "Invariants the tests hold"). Seeded, so a failure names
+//! engine's invariants (docs/design.md, "Invariants"). Seeded, so a failure names
 //! the seed and case that reproduce it.
 
 mod engine_support;

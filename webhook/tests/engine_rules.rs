@@ -1,4 +1,4 @@
-//! The rewrite rules of DESIGN.md, each mode, exemptions, policy selection, init and
+//! The rewrite rules of docs/design.md, each mode, exemptions, policy selection, init and
 //! ephemeral containers, driven through `handle_review` as the server calls it.
 
 mod engine_support;

@@ -9,7 +9,7 @@
 //! decision borrows from the pod and the policy in turn, so judging a pod copies almost
 //! nothing: on the admission path its text is written straight into the answer. It never
 //! drops fields it does not know, since its output is a patch, and the patch touches only
-//! the fields DESIGN.md lists (container `securityContext.privileged`,
+//! the fields docs/design.md ("Rewrite rules") lists (container `securityContext.privileged`,
 //! `allowPrivilegeEscalation`, `capabilities`, GPU limits, `env`, `volumeMounts`; pod
 //! `volumes` and `metadata.annotations`).
 //!

@@ -1,4 +1,4 @@
-//! Planning the rewrite of a pod (rules 1 to 5 of DESIGN.md): per container what changes,
+//! Planning the rewrite of a pod (docs/design.md, "Rewrite rules"): per container what changes,
 //! as plain data borrowed from the pod and the policy. The patch, the warnings, the audit
 //! summary and the `gpuwarden.io/rewritten` report are all written from the plan.
 
