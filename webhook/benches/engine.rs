@@ -298,7 +298,7 @@ fn main() {
     );
     for (name, stats) in [
         ("engine::decide (parsed pod)", decide),
-        ("patch::write_patch", patch),
+        ("patch::patch_for_view + serialise", patch),
     ] {
         println!(
             "{:<36} {:>8} {:>10.1} {:>10.1} {:>10.1}",
