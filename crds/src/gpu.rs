@@ -11,12 +11,14 @@
 //! - it mounts a pod volume whose hostPath is a GPU device path;
 //! - the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device;
 //! - the governing policy says `match.privilegedContainers: All`.
+//!
+//! [`gpu_count`] says how many GPUs a rewritten GPU container is given.
 
 use std::collections::BTreeSet;
 
 use crate::{
-    CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, RESOURCE_GPU, RESOURCE_GPU_SHARED,
-    RESOURCE_MIG_PREFIX,
+    ANNOTATION_GPU_COUNT, CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, RESOURCE_GPU,
+    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll,
 };
 
 /// The environment variable the NVIDIA container runtime hands GPUs out by.
@@ -353,6 +355,87 @@ pub fn signals<'c, C: ContainerSpec>(
         device_mount: (container.mount_names()).any(|m| pod.device_volume(m).is_some()),
         cdi: pod.cdi_nvidia,
         every_container: rules.every_container,
+    }
+}
+
+/// Where a rewritten container's GPU count came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CountFrom<'a> {
+    /// Its GPU request, copied into the limit.
+    Request,
+    /// The pod annotation `gpuwarden.io/gpu-count.<name>`.
+    ContainerAnnotation(&'a str),
+    /// The pod annotation `gpuwarden.io/gpu-count`.
+    PodAnnotation,
+    /// `NVIDIA_VISIBLE_DEVICES=all`, counted as the policy's default.
+    VisibleAll,
+    /// The IDs in `NVIDIA_VISIBLE_DEVICES`, as written.
+    Visible(&'a str),
+    /// Nothing said how many: the policy's default.
+    PolicyDefault,
+}
+
+impl<'a> CountFrom<'a> {
+    /// The text, in parts that follow each other.
+    pub fn parts(&self) -> [&'a str; 4] {
+        match *self {
+            Self::Request => ["request", "", "", ""],
+            Self::ContainerAnnotation(name) => ["annotation ", ANNOTATION_GPU_COUNT, ".", name],
+            Self::PodAnnotation => ["annotation ", ANNOTATION_GPU_COUNT, "", ""],
+            Self::VisibleAll => [ENV_VISIBLE_DEVICES, "=all, policy default", "", ""],
+            Self::Visible(raw) => [ENV_VISIBLE_DEVICES, "=", raw, ""],
+            Self::PolicyDefault => ["policy default", "", "", ""],
+        }
+    }
+}
+
+impl std::fmt::Display for CountFrom<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.parts().iter().try_for_each(|part| f.write_str(part))
+    }
+}
+
+/// A pod annotation as [`gpu_count`] reads it: its text when it is a string, and how a
+/// message shows it.
+pub type CountAnnotation<'a> = (Option<&'a str>, String);
+
+/// How many GPUs a GPU container without a GPU limit or request is given, and where the
+/// number came from (docs/design.md, "Rewrite rules", rule 3): the annotation
+/// `gpuwarden.io/gpu-count.<container>`, else `gpuwarden.io/gpu-count`, else the distinct
+/// IDs in `NVIDIA_VISIBLE_DEVICES`, else the policy's default (also for `all`, unless the
+/// policy denies it). `annotation` looks a pod annotation up by key. The error says why the
+/// container cannot be given GPUs as it is.
+pub fn gpu_count<'a>(
+    container: &'a str,
+    signals: &Signals<'a>,
+    annotation: impl Fn(&str) -> Option<CountAnnotation<'a>>,
+    policy: &GpuPolicy,
+) -> Result<(u32, CountFrom<'a>), String> {
+    let found = annotation(&format!("{ANNOTATION_GPU_COUNT}.{container}"))
+        .map(|raw| (CountFrom::ContainerAnnotation(container), raw))
+        .or_else(|| annotation(ANNOTATION_GPU_COUNT).map(|raw| (CountFrom::PodAnnotation, raw)));
+    if let Some((from, (text, shown))) = found {
+        return match text.map(str::trim).unwrap_or("").parse::<u32>() {
+            Ok(n) if n >= 1 => Ok((n, from)),
+            // `from` reads "annotation <key>".
+            _ => Err(format!(
+                "{from}={shown} is not a whole number of GPUs of at least 1"
+            )),
+        };
+    }
+    let default = policy.spec.gpu.default_count;
+    match &signals.visible {
+        VisibleDevices::All => match policy.spec.gpu.visible_devices_all {
+            VisibleDevicesAll::DefaultCount => Ok((default, CountFrom::VisibleAll)),
+            VisibleDevicesAll::Deny => Err(format!(
+                "{ENV_VISIBLE_DEVICES}=all is not allowed: request GPUs with limits {} or annotation {ANNOTATION_GPU_COUNT}",
+                policy.spec.gpu.resource_name
+            )),
+        },
+        VisibleDevices::Devices(n) => {
+            Ok((*n, CountFrom::Visible(signals.visible_raw.unwrap_or(""))))
+        }
+        _ => Ok((default, CountFrom::PolicyDefault)),
     }
 }
 

@@ -86,8 +86,9 @@ pub enum ServerError {
     Signal(#[source] std::io::Error),
 }
 
-/// Answers one AdmissionReview body. The server's only link to the engine, so that a
-/// benchmark can measure the same stack around a constant answer.
+/// Answers one AdmissionReview body: the server's only link to the engine, so that tests
+/// can drive the server with answers of their own and the benchmark can measure the same
+/// stack around a constant answer.
 pub trait Reviewer: Send + Sync + 'static {
     /// The response review (JSON) and a summary for metrics and logs. Never panics on bad
     /// input (a panic is still caught and turned into a denial).

@@ -5,14 +5,14 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use gpuwarden_crds::{ANNOTATION_GPU_COUNT, GpuPolicy, VisibleDevicesAll};
+use gpuwarden_crds::GpuPolicy;
 
-use gpuwarden_crds::gpu::PodSignals;
+use gpuwarden_crds::gpu::{self, CountFrom, PodSignals};
 
-use super::facts::{ContainerFacts, PodFacts};
+use super::facts::PodFacts;
 use super::{
     ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
-    ENV_VISIBLE_DEVICES, VisibleDevices,
+    ENV_VISIBLE_DEVICES,
 };
 use crate::pod::{Container, Scalar};
 
@@ -93,43 +93,6 @@ impl Quantity<'_> {
 impl fmt::Display for Quantity<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.with_text(|text| f.write_str(text))
-    }
-}
-
-/// Where a container's GPU count came from.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum CountFrom<'a> {
-    /// Its GPU request, copied into the limit.
-    Request,
-    /// The pod annotation `gpuwarden.io/gpu-count.<name>`.
-    ContainerAnnotation(&'a str),
-    /// The pod annotation `gpuwarden.io/gpu-count`.
-    PodAnnotation,
-    /// `NVIDIA_VISIBLE_DEVICES=all`, counted as the policy's default.
-    VisibleAll,
-    /// The IDs in `NVIDIA_VISIBLE_DEVICES`, as written.
-    Visible(&'a str),
-    /// Nothing said how many: the policy's default.
-    PolicyDefault,
-}
-
-impl<'a> CountFrom<'a> {
-    /// The text, in parts that follow each other.
-    pub(super) fn parts(&self) -> [&'a str; 4] {
-        match *self {
-            Self::Request => ["request", "", "", ""],
-            Self::ContainerAnnotation(name) => ["annotation ", ANNOTATION_GPU_COUNT, ".", name],
-            Self::PodAnnotation => ["annotation ", ANNOTATION_GPU_COUNT, "", ""],
-            Self::VisibleAll => [ENV_VISIBLE_DEVICES, "=all, policy default", "", ""],
-            Self::Visible(raw) => [ENV_VISIBLE_DEVICES, "=", raw, ""],
-            Self::PolicyDefault => ["policy default", "", "", ""],
-        }
-    }
-}
-
-impl fmt::Display for CountFrom<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.parts().iter().try_for_each(|part| f.write_str(part))
     }
 }
 
@@ -238,7 +201,15 @@ pub(super) fn plan_pod<'a>(
                             from: CountFrom::Request,
                         });
                     }
-                    None => match gpu_count(c, &facts, policy) {
+                    None => match gpu::gpu_count(
+                        c.name,
+                        &c.signals,
+                        |key| {
+                            let raw = facts.annotations?.get(key)?;
+                            Some((raw.as_str(), raw.to_string()))
+                        },
+                        policy,
+                    ) {
                         Ok((n, from)) if n > spec.gpu.max_per_container => {
                             plan.denials.push(format!(
                                 "{} {} would need {n} GPUs ({from}), more than maxPerContainer {}",
@@ -359,55 +330,6 @@ fn capabilities<'a>(
     }
     p.caps_refused.sort_unstable();
     p.drop_all = caps.drop_all;
-}
-
-/// How many GPUs a container gets, and where that number came from; or why it cannot have
-/// them.
-fn gpu_count<'a>(
-    c: &ContainerFacts<'a>,
-    facts: &PodFacts<'a>,
-    policy: &GpuPolicy,
-) -> Result<(u32, CountFrom<'a>), String> {
-    let annotations = facts.annotations.into_iter().flatten();
-    let for_container = |key: &str| {
-        key.strip_prefix(ANNOTATION_GPU_COUNT)
-            .and_then(|rest| rest.strip_prefix('.'))
-            == Some(c.name)
-    };
-    let found = annotations
-        .clone()
-        .find(|(key, _)| for_container(key))
-        .map(|(_, raw)| (CountFrom::ContainerAnnotation(c.name), raw))
-        .or_else(|| {
-            annotations
-                .clone()
-                .find(|(key, _)| key.as_ref() == ANNOTATION_GPU_COUNT)
-                .map(|(_, raw)| (CountFrom::PodAnnotation, raw))
-        });
-    if let Some((from, raw)) = found {
-        let text = raw.as_str().map(str::trim).unwrap_or("");
-        return match text.parse::<u32>() {
-            Ok(n) if n >= 1 => Ok((n, from)),
-            // `from` reads "annotation <key>".
-            _ => Err(format!(
-                "{from}={raw} is not a whole number of GPUs of at least 1"
-            )),
-        };
-    }
-    let default = policy.spec.gpu.default_count;
-    match &c.signals.visible {
-        VisibleDevices::All => match policy.spec.gpu.visible_devices_all {
-            VisibleDevicesAll::DefaultCount => Ok((default, CountFrom::VisibleAll)),
-            VisibleDevicesAll::Deny => Err(format!(
-                "{ENV_VISIBLE_DEVICES}=all is not allowed: request GPUs with limits {} or annotation {ANNOTATION_GPU_COUNT}",
-                policy.spec.gpu.resource_name
-            )),
-        },
-        VisibleDevices::Devices(n) => {
-            Ok((*n, CountFrom::Visible(c.signals.visible_raw.unwrap_or(""))))
-        }
-        _ => Ok((default, CountFrom::PolicyDefault)),
-    }
 }
 
 /// The edit that removes the `remove` names from a container's env and sets `set`, or `None`

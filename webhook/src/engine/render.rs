@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use super::plan::{ContainerPlan, CountFrom, EnvValue, Plan};
+use gpuwarden_crds::gpu::CountFrom;
+
+use super::plan::{ContainerPlan, EnvValue, Plan};
 use super::{ContainerKind, MAX_WARNING_LEN};
 
 /// Phrases written one after another with a separator.
