@@ -503,19 +503,16 @@ pub fn pod_containers<'p>(
     let Some(spec) = &pod.spec else {
         return Vec::new();
     };
-    let signals_of = PodSignals::of_pod(pod);
+    let pod = PodSignals::of_pod(pod);
     let mut out = Vec::new();
-    let mut push = |kind, index, c: &'p dyn ContainerView<'p>| {
-        out.push(c.describe(kind, index, &signals_of, rules))
-    };
     for (i, c) in spec.init_containers.iter().flatten().enumerate() {
-        push(ContainerKind::Init, i, c);
+        out.push(describe(c, (ContainerKind::Init, i), &pod, rules));
     }
     for (i, c) in spec.containers.iter().enumerate() {
-        push(ContainerKind::Regular, i, c);
+        out.push(describe(c, (ContainerKind::Regular, i), &pod, rules));
     }
     for (i, c) in spec.ephemeral_containers.iter().flatten().enumerate() {
-        push(ContainerKind::Ephemeral, i, c);
+        out.push(describe(c, (ContainerKind::Ephemeral, i), &pod, rules));
     }
     out
 }
@@ -537,33 +534,20 @@ pub struct PodContainer<'p> {
     pub signals: Signals<'p>,
 }
 
-/// A container of either API type, behind one reference.
-trait ContainerView<'p> {
-    fn describe(
-        &'p self,
-        kind: ContainerKind,
-        index: usize,
-        pod: &PodSignals<'_>,
-        rules: Rules<'_>,
-    ) -> PodContainer<'p>;
-}
-
-impl<'p, C: ContainerSpec> ContainerView<'p> for C {
-    fn describe(
-        &'p self,
-        kind: ContainerKind,
-        index: usize,
-        pod: &PodSignals<'_>,
-        rules: Rules<'_>,
-    ) -> PodContainer<'p> {
-        PodContainer {
-            kind,
-            index,
-            name: self.name(),
-            image: self.image(),
-            privileged: self.privileged(),
-            signals: signals(self, pod, rules),
-        }
+/// One container as [`pod_containers`] describes it.
+fn describe<'p, C: ContainerSpec>(
+    container: &'p C,
+    (kind, index): (ContainerKind, usize),
+    pod: &PodSignals<'_>,
+    rules: Rules<'_>,
+) -> PodContainer<'p> {
+    PodContainer {
+        kind,
+        index,
+        name: container.name(),
+        image: container.image(),
+        privileged: container.privileged(),
+        signals: signals(container, pod, rules),
     }
 }
 
