@@ -229,19 +229,36 @@ fn trigger<K: Send + 'static>() -> (
 
 /// Fires each time this replica becomes the leader: a new leader reconciles everything, as
 /// the old one may have died mid-way.
-fn leader_gained(leadership: Leadership, metrics: Arc<Metrics>) -> impl Stream<Item = ()> + Send {
-    stream::unfold(leadership, move |mut leadership| {
-        let metrics = metrics.clone();
-        async move {
-            loop {
-                let leader = leadership.changed().await?;
+fn leader_gained(leadership: Leadership) -> impl Stream<Item = ()> + Send {
+    stream::unfold(leadership, |mut leadership| async move {
+        loop {
+            if leadership.changed().await? {
+                return Some(((), leadership));
+            }
+        }
+    })
+}
+
+/// Follows leadership for the metric and the log, until shutdown.
+fn report_leadership(
+    mut leadership: Leadership,
+    metrics: Arc<Metrics>,
+    shutdown: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let changes = async {
+            while let Some(leader) = leadership.changed().await {
                 metrics.set_leader(leader);
                 if leader {
                     info!("became leader; reconciling everything");
-                    return Some(((), leadership));
+                } else {
+                    info!("not the leader; standing by");
                 }
-                info!("not the leader; standing by");
             }
+        };
+        tokio::select! {
+            () = changes => {}
+            () = stopped(shutdown) => {}
         }
     })
 }
@@ -343,6 +360,7 @@ where
     let (policies_tx, policies_changed) = mpsc::unbounded_channel::<()>();
 
     let tasks = vec![
+        report_leadership(leadership.clone(), metrics.clone(), sd_rx.clone()),
         watch_kind(
             Api::<Node>::all(client.clone()),
             trim_node,
@@ -505,7 +523,7 @@ where
                 let name = l.name_any();
                 (name.strip_prefix(AGENT_LEASE_PREFIX)).map(ObjectRef::<Node>::new)
             })
-            .reconcile_all_on(leader_gained(leadership.clone(), metrics.clone()))
+            .reconcile_all_on(leader_gained(leadership.clone()))
             .with_config(controller_config.clone())
             .graceful_shutdown_on(stopped(sd_rx.clone()))
             .run(
@@ -522,7 +540,7 @@ where
             .watches_stream(nodes_gone, |n: Node| {
                 Some(ObjectRef::<GpuNode>::new(&n.name_any()))
             })
-            .reconcile_all_on(leader_gained(leadership.clone(), metrics.clone()))
+            .reconcile_all_on(leader_gained(leadership.clone()))
             .with_config(controller_config.clone())
             .graceful_shutdown_on(stopped(sd_rx.clone()))
             .run(
@@ -557,10 +575,7 @@ where
             rx.recv().await.map(|()| ((), rx))
         });
         Controller::for_stream(policy_changes, policies)
-            .reconcile_all_on(stream::select(
-                all,
-                leader_gained(leadership.clone(), metrics.clone()),
-            ))
+            .reconcile_all_on(stream::select(all, leader_gained(leadership.clone())))
             .with_config(controller_config)
             .graceful_shutdown_on(stopped(sd_rx.clone()))
             .run(
