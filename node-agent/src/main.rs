@@ -89,8 +89,10 @@ fn duration(s: &str) -> Result<Duration, String> {
 fn init_tracing(format: LogFormat, default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // Colour only for a person at a terminal, never into a file or a log collector.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),

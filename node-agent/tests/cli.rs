@@ -198,3 +198,40 @@ async fn a_busy_8_gpu_status_is_under_8_kib() {
     assert!(bytes.len() < 8 * 1024, "{} bytes", bytes.len());
     eprintln!("busy 8-GPU status: {} bytes", bytes.len());
 }
+
+/// `--log-format text` into a pipe (a file, a log collector) is plain text: colour codes only
+/// go to a terminal.
+#[test]
+fn text_logs_into_a_pipe_have_no_colour_codes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    // An API server that is not there: the agent still logs its first lines, then retries.
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: x\n  cluster: {server: \"http://127.0.0.1:1\"}\n\
+         users:\n- name: x\n  user: {}\ncontexts:\n- name: x\n  context: {cluster: x, user: x}\n\
+         current-context: x\n",
+    )
+    .unwrap();
+    let mut child = agent()
+        .args(["run", "--node-name", "n1", "--log-format", "text"])
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--pod-resources-socket",
+            "/nonexistent",
+        ])
+        .arg("--fake")
+        .arg(sample())
+        .env("KUBECONFIG", &kubeconfig)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(first.contains("GPU backend ready"), "{first:?}");
+    assert!(!first.contains('\x1b'), "{first:?}");
+}

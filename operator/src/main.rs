@@ -81,7 +81,10 @@ fn parse_validity(s: &str) -> Result<std::time::Duration, String> {
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    // Colour only for a person at a terminal, never into a file or a log collector.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()));
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

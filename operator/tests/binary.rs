@@ -125,6 +125,10 @@ async fn binary_runs_with_a_kubeconfig_and_stops_on_sigterm() {
     }
     assert!(status.success(), "exit {status:?}; logs:\n{stderr}");
     assert!(stderr.contains("caches synced"), "{stderr}");
+    assert!(
+        !stderr.contains('\x1b'),
+        "text logs into a pipe carry terminal colour codes: {stderr:?}"
+    );
     assert!(stderr.contains("stopped"), "{stderr}");
 }
 
