@@ -405,3 +405,36 @@ async fn health_follows_the_script_and_recovers() {
     assert_eq!(gpu1(&c).state, HealthState::Healthy);
     assert_eq!(s.health().xid_count("GPU-bbbb"), 1);
 }
+
+/// A GPU whose NVML reading says pages wait for retirement (before Ampere; a reset is
+/// needed) is unhealthy with that reason for as long as NVML says so, through the fake
+/// backend, the sweep and the status it computes; its neighbour stays healthy.
+#[tokio::test]
+async fn pending_page_retirement_makes_a_gpu_unhealthy_while_reported() {
+    let host = host_root();
+    let node = FakeNode::parse(
+        r#"
+driver: {driverVersion: "470.256.02"}
+gpus:
+  - {index: 0, uuid: GPU-v100-0, model: Tesla V100-SXM2-32GB, memoryMiB: 32768,
+     pagesPendingRetirement: true, eccUncorrected: 0}
+  - {index: 1, uuid: GPU-v100-1, model: Tesla V100-SXM2-32GB, memoryMiB: 32768,
+     pagesPendingRetirement: false}
+"#,
+        "v100.yaml",
+    )
+    .unwrap();
+    let mut s = sweeper(node, AllocationSource::None, host.path());
+    let rules = HealthRules::default();
+    for now in [0, 3600] {
+        let c = s.sweep(at(now), &[], true, &rules).await.unwrap();
+        let gpus = c.status.gpus.as_ref().unwrap();
+        assert_eq!(gpus[0].health.state, HealthState::Unhealthy, "at {now}s");
+        assert_eq!(
+            gpus[0].health.reasons,
+            ["pages pending retirement (GPU reset needed)"],
+            "at {now}s"
+        );
+        assert_eq!(gpus[1].health.state, HealthState::Healthy, "at {now}s");
+    }
+}
