@@ -22,6 +22,9 @@ pub struct GpuReading {
     pub info: GpuInfo,
     /// False when NVML says the GPU is lost (fell off the bus, needs a reset).
     pub answering: bool,
+    /// True for a GPU that has not answered once since the agent started: its identity is
+    /// what its device handle and the driver's files still give, not a full reading.
+    pub never_answered: bool,
     /// Fast-changing readings, exported as metrics only.
     pub telemetry: Telemetry,
     /// Volatile uncorrected ECC error count (since the driver loaded), when supported.

@@ -415,6 +415,7 @@ impl GpuBackend for FakeBackend {
                     mig_devices: g.mig_devices.clone(),
                 },
                 answering,
+                never_answered: false,
                 telemetry: if answering {
                     Telemetry {
                         utilization_percent: g.utilization_percent,

@@ -121,6 +121,9 @@ impl HealthTracker {
         if !reading.answering {
             gpu.fault(now, LOST.to_owned());
         }
+        if reading.never_answered {
+            gpu.fault(now, NEVER_ANSWERED.to_owned());
+        }
         if let Some(count) = reading.ecc_uncorrected {
             // A count above the last one is a new error; a first non-zero count means an error
             // since the driver loaded, which the agent treats as new when it starts.
@@ -185,6 +188,9 @@ impl HealthTracker {
 }
 
 const LOST: &str = "GPU is lost (fell off the bus or needs a reset)";
+/// The reason beside [`LOST`] for a GPU that has not answered once since the agent started:
+/// it was never seen healthy, and its identity is what NVML and the driver still give.
+const NEVER_ANSWERED: &str = "never seen healthy: lost before its first answer to NVML";
 
 /// Faults that hold for as long as NVML reports them, each with its reason.
 fn standing_faults(reading: &GpuReading) -> impl Iterator<Item = &'static str> {
@@ -254,6 +260,7 @@ mod tests {
                 ..Default::default()
             },
             answering,
+            never_answered: false,
             telemetry: Telemetry::default(),
             ecc_uncorrected: Some(0),
             pages_pending_retirement: Some(false),
@@ -406,6 +413,23 @@ mod tests {
         r.row_remapping_failed = None;
         h.observe_reading(&r, t(90_000 + 600), &rules);
         assert_eq!(h.health("GPU-0").state, HealthState::Healthy);
+    }
+
+    #[test]
+    fn a_gpu_lost_before_its_first_answer_says_it_was_never_seen_healthy() {
+        let rules = HealthRules::default();
+        let mut h = HealthTracker::new();
+        let mut never = reading(false);
+        never.never_answered = true;
+        h.observe_reading(&never, t(0), &rules);
+        let health = h.health("GPU-0");
+        assert_eq!(health.state, HealthState::Unhealthy);
+        assert_eq!(health.reasons, [LOST, NEVER_ANSWERED]);
+        // Lost after answering once: only lost.
+        let mut h = HealthTracker::new();
+        h.observe_reading(&reading(true), t(0), &rules);
+        h.observe_reading(&reading(false), t(10), &rules);
+        assert_eq!(h.health("GPU-0").reasons, [LOST]);
     }
 
     #[test]

@@ -171,16 +171,22 @@ fn read_all(nvml: &Nvml, known: &mut HashMap<u32, GpuInfo>) -> Result<Reading, B
                 gpus.push(gpu);
             }
             Err(e) => {
-                // A GPU that stops answering keeps the identity it had when it last did.
                 tracing::warn!(gpu = index, error = %e, "GPU does not answer NVML");
-                let info = known.get(&index).cloned().unwrap_or_else(|| GpuInfo {
-                    index,
-                    uuid: format!("unknown-gpu-{index}"),
-                    ..Default::default()
-                });
+                let handle = nvml.device_by_index(index).ok();
+                let partial = PartialIdentity {
+                    uuid: handle.as_ref().and_then(|d| d.uuid().ok()),
+                    pci_bus_id: handle
+                        .as_ref()
+                        .and_then(|d| d.pci_info().ok())
+                        .map(|p| p.bus_id),
+                    minor_number: handle.as_ref().and_then(|d| d.minor_number().ok()),
+                };
+                let (info, never_answered) =
+                    lost_identity(index, known.get(&index), partial, &driver_gpus());
                 gpus.push(GpuReading {
                     info,
                     answering: false,
+                    never_answered,
                     telemetry: Telemetry::default(),
                     ecc_uncorrected: None,
                     pages_pending_retirement: None,
@@ -192,6 +198,130 @@ fn read_all(nvml: &Nvml, known: &mut HashMap<u32, GpuInfo>) -> Result<Reading, B
         }
     }
     Ok(Reading { driver, gpus })
+}
+
+/// What a GPU's device handle still gives when the GPU does not answer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct PartialIdentity {
+    uuid: Option<String>,
+    pci_bus_id: Option<String>,
+    minor_number: Option<u32>,
+}
+
+/// A GPU as the driver lists it under `/proc/driver/nvidia/gpus/<bus id>/information`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct DriverGpu {
+    model: String,
+    uuid: String,
+    bus_location: String,
+    minor_number: Option<u32>,
+}
+
+/// Reads one `information` file: `Key: value` lines (`Model`, `GPU UUID`, `Bus Location`,
+/// `Device Minor`); other lines are skipped.
+fn parse_driver_information(text: &str) -> DriverGpu {
+    let mut gpu = DriverGpu::default();
+    for line in text.lines() {
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        match key.trim() {
+            "Model" => gpu.model = value.to_owned(),
+            "GPU UUID" => gpu.uuid = value.to_owned(),
+            "Bus Location" => gpu.bus_location = value.to_owned(),
+            "Device Minor" => gpu.minor_number = value.parse().ok(),
+            _ => {}
+        }
+    }
+    gpu
+}
+
+/// The GPUs the driver lists, or none where its files cannot be read.
+fn driver_gpus() -> Vec<DriverGpu> {
+    let Ok(entries) = std::fs::read_dir("/proc/driver/nvidia/gpus") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("information")).ok())
+        .map(|text| parse_driver_information(&text))
+        .collect()
+}
+
+/// A PCI bus id in one spelling: lower case, with a four-digit domain (NVML writes
+/// `00000000:3B:00.0`, the driver's files `0000:3b:00.0`).
+fn bus_id_key(bus_id: &str) -> String {
+    let lower = bus_id.to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => lower,
+    }
+}
+
+/// The identity of GPU `index`, which does not answer NVML: the one it had when it last
+/// answered; or, for a GPU never seen answering, what its device handle still gives, filled
+/// in from the driver's own listing (matched by PCI bus id, else by minor number). The flag
+/// says the GPU never answered.
+fn lost_identity(
+    index: u32,
+    known: Option<&GpuInfo>,
+    handle: PartialIdentity,
+    driver: &[DriverGpu],
+) -> (GpuInfo, bool) {
+    if let Some(info) = known {
+        return (info.clone(), false);
+    }
+    let listed = driver
+        .iter()
+        .find(|g| {
+            handle
+                .pci_bus_id
+                .as_deref()
+                .is_some_and(|id| bus_id_key(id) == bus_id_key(&g.bus_location))
+        })
+        .or_else(|| {
+            driver
+                .iter()
+                .find(|g| handle.minor_number.is_some() && g.minor_number == handle.minor_number)
+        });
+    let uuid = handle
+        .uuid
+        .or_else(|| listed.map(|g| g.uuid.clone()).filter(|u| !u.is_empty()))
+        .unwrap_or_else(|| format!("unknown-gpu-{index}"));
+    let info = GpuInfo {
+        index,
+        uuid,
+        model: listed.map(|g| g.model.clone()).unwrap_or_default(),
+        pci_bus_id: handle
+            .pci_bus_id
+            .or_else(|| listed.map(|g| g.bus_location.clone()))
+            .unwrap_or_default(),
+        minor_number: handle.minor_number.or(listed.and_then(|g| g.minor_number)),
+        ..Default::default()
+    };
+    (info, true)
+}
+
+/// The GPU and compute instance ids of a MIG device, where its UUID carries them: drivers
+/// before R470 name MIG devices `MIG-GPU-<gpu uuid>/<gi>/<ci>`. Later drivers write
+/// `MIG-<uuid>`, and NVML answers the ids only through `nvmlDeviceGetGpuInstanceId` and
+/// `nvmlDeviceGetComputeInstanceId`, which nvml-wrapper 0.13 does not wrap (and this
+/// workspace calls no unsafe code), so they stay unknown there.
+fn mig_instance_ids(uuid: &str) -> (Option<u32>, Option<u32>) {
+    let Some(rest) = uuid.strip_prefix("MIG-GPU-") else {
+        return (None, None);
+    };
+    let mut parts = rest.rsplitn(3, '/');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(ci), Some(gi), Some(_gpu)) => match (gi.parse(), ci.parse()) {
+            (Ok(gi), Ok(ci)) => (Some(gi), Some(ci)),
+            _ => (None, None),
+        },
+        _ => (None, None),
+    }
 }
 
 fn mig_mode_name(mode: u32) -> String {
@@ -223,11 +353,12 @@ fn read_gpu(dev: &Device<'_>, index: u32) -> Result<GpuReading, NvmlError> {
                 continue; // an empty slot
             };
             let Ok(mig_uuid) = mig.uuid() else { continue };
+            let (gpu_instance_id, compute_instance_id) = mig_instance_ids(&mig_uuid);
             mig_devices.push(MigDevice {
                 uuid: mig_uuid.clone(),
                 profile: mig.name().ok().and_then(|n| mig_profile(&n)),
-                gpu_instance_id: None,
-                compute_instance_id: None,
+                gpu_instance_id,
+                compute_instance_id,
                 memory_mi_b: mig.memory_info().ok().map(|m| m.total / MIB),
             });
             processes.extend(compute_processes(&mig, &mig_uuid));
@@ -248,6 +379,7 @@ fn read_gpu(dev: &Device<'_>, index: u32) -> Result<GpuReading, NvmlError> {
             mig_devices,
         },
         answering: true,
+        never_answered: false,
         telemetry: Telemetry {
             utilization_percent: dev.utilization_rates().ok().map(|u| u.gpu),
             memory_used_bytes: Some(memory.used),
@@ -421,6 +553,85 @@ fn event_gpu_uuid(dev: &Device<'_>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `/proc/driver/nvidia/gpus/0000:3b:00.0/information` as the 550 driver writes it.
+    const INFORMATION: &str = "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 335\n\
+        GPU UUID: \t GPU-5f4f1ca4-8c51-1c2c-9b1e-0d3a9b0e7c11\nVideo BIOS: \t 96.00.89.00.01\n\
+        Bus Type: \t PCIe\nDMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\n\
+        Bus Location: \t 0000:3b:00.0\nDevice Minor: \t 2\nGPU Firmware: \t 550.54.15\n\
+        GPU Excluded:\t No\n";
+
+    #[test]
+    fn a_lost_gpu_seen_before_keeps_its_last_identity() {
+        let seen = GpuInfo {
+            index: 1,
+            uuid: "GPU-seen".into(),
+            model: "NVIDIA H100 80GB HBM3".into(),
+            memory_mib: 81559,
+            pci_bus_id: "00000000:3B:00.0".into(),
+            minor_number: Some(2),
+            ..Default::default()
+        };
+        let (info, never) = lost_identity(1, Some(&seen), PartialIdentity::default(), &[]);
+        assert_eq!((info, never), (seen, false));
+    }
+
+    #[test]
+    fn a_gpu_lost_before_its_first_answer_keeps_what_nvml_and_the_driver_still_give() {
+        let listed = [parse_driver_information(INFORMATION)];
+        assert_eq!(
+            listed[0],
+            DriverGpu {
+                model: "NVIDIA H100 80GB HBM3".into(),
+                uuid: "GPU-5f4f1ca4-8c51-1c2c-9b1e-0d3a9b0e7c11".into(),
+                bus_location: "0000:3b:00.0".into(),
+                minor_number: Some(2),
+            }
+        );
+        // The handle gives the bus id (NVML's spelling): the driver's listing gives the rest.
+        let handle = PartialIdentity {
+            pci_bus_id: Some("00000000:3B:00.0".into()),
+            ..Default::default()
+        };
+        let (info, never) = lost_identity(1, None, handle, &listed);
+        assert!(never);
+        assert_eq!(info.index, 1);
+        assert_eq!(info.uuid, "GPU-5f4f1ca4-8c51-1c2c-9b1e-0d3a9b0e7c11");
+        assert_eq!(info.model, "NVIDIA H100 80GB HBM3");
+        assert_eq!(info.pci_bus_id, "00000000:3B:00.0");
+        assert_eq!(info.minor_number, Some(2));
+        // Only the minor number: matched by it.
+        let handle = PartialIdentity {
+            minor_number: Some(2),
+            ..Default::default()
+        };
+        let (info, _) = lost_identity(1, None, handle, &listed);
+        assert_eq!(info.pci_bus_id, "0000:3b:00.0");
+        // A UUID from the handle wins; nothing at all leaves the index and a placeholder.
+        let handle = PartialIdentity {
+            uuid: Some("GPU-handle".into()),
+            ..Default::default()
+        };
+        assert_eq!(lost_identity(1, None, handle, &listed).0.uuid, "GPU-handle");
+        let (info, never) = lost_identity(3, None, PartialIdentity::default(), &listed);
+        assert!(never);
+        assert_eq!((info.index, info.uuid.as_str()), (3, "unknown-gpu-3"));
+        assert_eq!(info.model, "");
+    }
+
+    #[test]
+    fn mig_instance_ids_from_legacy_uuids_only() {
+        assert_eq!(
+            mig_instance_ids("MIG-GPU-8f2c3b1a-1111-2222-3333-444455556666/7/0"),
+            (Some(7), Some(0))
+        );
+        assert_eq!(
+            mig_instance_ids("MIG-2a3b4c5d-aaaa-bbbb-cccc-ddddeeeeffff"),
+            (None, None)
+        );
+        assert_eq!(mig_instance_ids("MIG-GPU-x/a/0"), (None, None));
+        assert_eq!(mig_instance_ids("MIG-GPU-x/1"), (None, None));
+    }
 
     #[test]
     fn mig_profile_from_name() {

@@ -291,6 +291,7 @@ mod tests {
                     ..Default::default()
                 },
                 answering: true,
+                never_answered: false,
                 telemetry: Telemetry::default(),
                 ecc_uncorrected: None,
                 pages_pending_retirement: None,
