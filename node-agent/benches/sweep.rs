@@ -75,6 +75,7 @@ fn fake_node() -> FakeNode {
                 pid: 10_000 + i,
                 gpu: uuid(i % GPUS),
                 used_memory_mi_b: Some(400),
+                sm_util_percent: Some(7),
                 cgroup: None,
             })
             .collect(),

@@ -186,6 +186,8 @@ impl Sweeper {
                     device_uuid: p.device_uuid.clone(),
                     pid: p.pid,
                     container,
+                    used_memory_bytes: p.used_memory_bytes,
+                    sm_util_percent: p.sm_util_percent,
                 });
             }
         }
@@ -368,7 +370,7 @@ async fn run_inner(
     }
     let clock = SystemClock;
     let node = config.node_name.clone();
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::for_node(&node));
     let ready = Arc::new(AtomicBool::new(false));
     let backend = backend(config.fake.as_deref(), clock.now()).await?;
     info!(backend = backend.name(), "GPU backend ready");

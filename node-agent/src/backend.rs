@@ -83,6 +83,9 @@ pub struct GpuProcess {
     pub device_uuid: String,
     /// GPU memory the process holds, bytes.
     pub used_memory_bytes: Option<u64>,
+    /// Its share of the GPU's SM time in NVML's latest process utilisation sample,
+    /// percent; `None` where NVML gives no per-process samples (MIG devices, older GPUs).
+    pub sm_util_percent: Option<u32>,
     /// The content of `/proc/<pid>/cgroup` when the backend already knows it (the fake);
     /// `None` means the agent reads it from the host.
     pub cgroup: Option<String>,

@@ -107,6 +107,10 @@ pub struct FakeProcess {
     /// Memory in use, MiB.
     #[serde(default)]
     pub used_memory_mi_b: Option<u64>,
+    /// Its share of the GPU's SM time, percent, as NVML's process utilisation samples give
+    /// it; absent where NVML gives none.
+    #[serde(default)]
+    pub sm_util_percent: Option<u32>,
     /// Content of `/proc/<pid>/cgroup`; absent to read it from `--host-root`.
     #[serde(default)]
     pub cgroup: Option<String>,
@@ -396,6 +400,7 @@ impl GpuBackend for FakeBackend {
                             pid: p.pid,
                             device_uuid: device,
                             used_memory_bytes: p.used_memory_mi_b.map(|m| m * 1024 * 1024),
+                            sm_util_percent: p.sm_util_percent,
                             cgroup: p.cgroup.clone(),
                         })
                     })

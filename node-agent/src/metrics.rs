@@ -1,5 +1,9 @@
-//! Prometheus metrics: per-GPU readings labelled with the pod container that holds the GPU
-//! (allocated or only observed), and the agent's own work.
+//! Prometheus metrics: one series per GPU for its readings; one `gpuwarden_gpu_holder_info`
+//! series per (GPU, holder) to join them, or dcgm-exporter's, with the pod container that
+//! holds the GPU (allocated, only observed, or both); per-container figures only where NVML
+//! attributes them to processes, so sums never count a shared GPU twice; and the agent's own
+//! work. Label names of GPU series follow dcgm-exporter's (`gpu`, `UUID`, `modelName`,
+//! `Hostname`), so a join on `UUID` needs no relabelling.
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -14,22 +18,59 @@ use prometheus_client::registry::Registry;
 
 use crate::backend::Reading;
 use crate::health::HealthTracker;
-use crate::status::{Computed, Holder};
+use crate::status::Computed;
 
-/// Labels of per-GPU series. `namespace`/`pod`/`container` are empty when the GPU is free.
+/// Labels of per-GPU series, named as dcgm-exporter names them.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[allow(non_snake_case)]
 pub struct GpuLabels {
     /// NVML index.
     pub gpu: String,
-    /// GPU UUID.
-    pub uuid: String,
+    /// GPU UUID: the join key.
+    pub UUID: String,
     /// Product name.
-    pub model: String,
+    pub modelName: String,
+    /// The node.
+    pub Hostname: String,
+}
+
+/// Labels of `gpuwarden_gpu_holder_info`: a GPU's labels and one pod container holding it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[allow(non_snake_case)]
+pub struct HolderLabels {
+    /// NVML index.
+    pub gpu: String,
+    /// GPU UUID: the join key.
+    pub UUID: String,
+    /// Product name.
+    pub modelName: String,
+    /// The node.
+    pub Hostname: String,
     /// Holder's namespace.
     pub namespace: String,
     /// Holder's pod.
     pub pod: String,
     /// Holder's container.
+    pub container: String,
+    /// `allocated` (by the kubelet), `observed` (a process seen, nothing allocated) or `both`.
+    pub source: String,
+}
+
+/// Labels of per-container series: the GPU and the pod container.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+#[allow(non_snake_case)]
+pub struct ContainerLabels {
+    /// NVML index.
+    pub gpu: String,
+    /// GPU UUID.
+    pub UUID: String,
+    /// The node.
+    pub Hostname: String,
+    /// Namespace.
+    pub namespace: String,
+    /// Pod.
+    pub pod: String,
+    /// Container.
     pub container: String,
 }
 
@@ -74,6 +115,9 @@ pub struct Metrics {
     power: Family<GpuLabels, FloatGauge>,
     xid: Family<GpuLabels, Gauge>,
     healthy: Family<GpuLabels, Gauge>,
+    holder_info: Family<HolderLabels, Gauge>,
+    container_memory: Family<ContainerLabels, FloatGauge>,
+    container_utilization: Family<ContainerLabels, FloatGauge>,
     out_of_band: Gauge,
     host_processes: Gauge,
     allocatable_known: Gauge,
@@ -86,7 +130,16 @@ pub struct Metrics {
     pub status_writes: Counter,
     /// Errors by source.
     pub errors: Family<ErrorLabels, Counter>,
-    current: Mutex<HashSet<GpuLabels>>,
+    current: Mutex<Series>,
+    node: String,
+}
+
+/// The labelled series one sweep set, so the next can remove those that are gone.
+#[derive(Default)]
+struct Series {
+    gpus: HashSet<GpuLabels>,
+    holders: HashSet<HolderLabels>,
+    containers: HashSet<ContainerLabels>,
 }
 
 impl Default for Metrics {
@@ -96,9 +149,15 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Registers every metric under `gpuwarden_node_agent_`.
+    /// The metrics of an agent that does not know its node (`Hostname` empty).
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("gpuwarden_node_agent");
+        Self::for_node("")
+    }
+
+    /// Registers every metric: the join and per-container series under `gpuwarden_`, the
+    /// rest under `gpuwarden_node_agent_`; `node` is the `Hostname` label.
+    pub fn for_node(node: &str) -> Self {
+        let mut root = Registry::default();
         let m = Self {
             registry: Registry::default(),
             utilization: Family::default(),
@@ -107,6 +166,9 @@ impl Metrics {
             power: Family::default(),
             xid: Family::default(),
             healthy: Family::default(),
+            holder_info: Family::default(),
+            container_memory: Family::default(),
+            container_utilization: Family::default(),
             out_of_band: Gauge::default(),
             host_processes: Gauge::default(),
             allocatable_known: Gauge::default(),
@@ -117,8 +179,25 @@ impl Metrics {
             sweep_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             status_writes: Counter::default(),
             errors: Family::default(),
-            current: Mutex::new(HashSet::new()),
+            current: Mutex::new(Series::default()),
+            node: node.to_owned(),
         };
+        root.register(
+            "gpuwarden_gpu_holder_info",
+            "1 for each pod container that holds a GPU: allocated by the kubelet, observed using it, or both. Join GPU series on UUID to label them with the holder",
+            m.holder_info.clone(),
+        );
+        root.register(
+            "gpuwarden_container_gpu_memory_used_bytes",
+            "GPU memory held by the container's processes on the GPU, summed from NVML's per-process figures",
+            m.container_memory.clone(),
+        );
+        root.register(
+            "gpuwarden_container_gpu_utilization_ratio",
+            "The container's share (0-1) of the GPU's SM time, summed from NVML's per-process utilisation samples; absent where NVML gives none",
+            m.container_utilization.clone(),
+        );
+        let registry = root.sub_registry_with_prefix("gpuwarden_node_agent");
         registry.register(
             "gpu_utilization_ratio",
             "GPU utilisation (0-1) over NVML's last sample period",
@@ -181,7 +260,10 @@ impl Metrics {
             m.status_writes.clone(),
         );
         registry.register("errors", "Errors by source", m.errors.clone());
-        Self { registry, ..m }
+        Self {
+            registry: root,
+            ..m
+        }
     }
 
     /// Counts one error.
@@ -197,58 +279,76 @@ impl Metrics {
             .set(i64::try_from(unknown).unwrap_or(i64::MAX));
     }
 
-    /// Sets the per-GPU series from one sweep, removing series of holders that are gone.
+    /// Sets the series from one sweep, removing those of GPUs and holders that are gone.
     pub fn update(&self, reading: &Reading, health: &HealthTracker, computed: &Computed) {
-        let free = [Holder {
-            namespace: String::new(),
-            pod: String::new(),
-            container: String::new(),
-        }];
-        let mut now_present = HashSet::new();
+        let mut now = Series::default();
         for g in &reading.gpus {
-            let holders: &[Holder] = computed
-                .holders
-                .get(&g.info.uuid)
-                .map_or(&free[..], |v| v.as_slice());
-            let healthy = health.health(&g.info.uuid).state == gpuwarden_crds::HealthState::Healthy;
-            for h in holders {
-                let labels = GpuLabels {
-                    gpu: g.info.index.to_string(),
-                    uuid: g.info.uuid.clone(),
-                    model: g.info.model.clone(),
+            let uuid = &g.info.uuid;
+            let labels = GpuLabels {
+                gpu: g.info.index.to_string(),
+                UUID: uuid.clone(),
+                modelName: g.info.model.clone(),
+                Hostname: self.node.clone(),
+            };
+            let t = &g.telemetry;
+            set_opt(
+                &self.utilization,
+                &labels,
+                t.utilization_percent.map(|u| f64::from(u) / 100.0),
+            );
+            set_opt(
+                &self.memory_used,
+                &labels,
+                t.memory_used_bytes.map(|b| b as f64),
+            );
+            set_opt(
+                &self.temperature,
+                &labels,
+                t.temperature_celsius.map(f64::from),
+            );
+            set_opt(&self.power, &labels, t.power_watts);
+            self.xid
+                .get_or_create(&labels)
+                .set(i64::try_from(health.xid_count(uuid)).unwrap_or(i64::MAX));
+            let healthy = health.health(uuid).state == gpuwarden_crds::HealthState::Healthy;
+            self.healthy.get_or_create(&labels).set(i64::from(healthy));
+            for held in computed.holders.get(uuid).into_iter().flatten() {
+                let h = &held.holder;
+                let info = HolderLabels {
+                    gpu: labels.gpu.clone(),
+                    UUID: uuid.clone(),
+                    modelName: labels.modelName.clone(),
+                    Hostname: self.node.clone(),
+                    namespace: h.namespace.clone(),
+                    pod: h.pod.clone(),
+                    container: h.container.clone(),
+                    source: held.source.as_str().to_owned(),
+                };
+                self.holder_info.get_or_create(&info).set(1);
+                now.holders.insert(info);
+                let usage = ContainerLabels {
+                    gpu: labels.gpu.clone(),
+                    UUID: uuid.clone(),
+                    Hostname: self.node.clone(),
                     namespace: h.namespace.clone(),
                     pod: h.pod.clone(),
                     container: h.container.clone(),
                 };
-                let t = &g.telemetry;
-                set_opt(
-                    &self.utilization,
-                    &labels,
-                    t.utilization_percent.map(|u| f64::from(u) / 100.0),
-                );
-                set_opt(
-                    &self.memory_used,
-                    &labels,
-                    t.memory_used_bytes.map(|b| b as f64),
-                );
-                set_opt(
-                    &self.temperature,
-                    &labels,
-                    t.temperature_celsius.map(f64::from),
-                );
-                set_opt(&self.power, &labels, t.power_watts);
-                self.xid
-                    .get_or_create(&labels)
-                    .set(i64::try_from(health.xid_count(&g.info.uuid)).unwrap_or(i64::MAX));
-                self.healthy.get_or_create(&labels).set(i64::from(healthy));
-                now_present.insert(labels);
+                let memory = held.usage.memory_bytes.map(|b| b as f64);
+                let utilization = held.usage.sm_util_percent.map(|u| f64::from(u) / 100.0);
+                set_opt(&self.container_memory, &usage, memory);
+                set_opt(&self.container_utilization, &usage, utilization);
+                if memory.is_some() || utilization.is_some() {
+                    now.containers.insert(usage);
+                }
             }
+            now.gpus.insert(labels);
         }
         let mut current = self
             .current
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        for gone in current.difference(&now_present) {
+        for gone in current.gpus.difference(&now.gpus) {
             self.utilization.remove(gone);
             self.memory_used.remove(gone);
             self.temperature.remove(gone);
@@ -256,7 +356,14 @@ impl Metrics {
             self.xid.remove(gone);
             self.healthy.remove(gone);
         }
-        *current = now_present;
+        for gone in current.holders.difference(&now.holders) {
+            self.holder_info.remove(gone);
+        }
+        for gone in current.containers.difference(&now.containers) {
+            self.container_memory.remove(gone);
+            self.container_utilization.remove(gone);
+        }
+        *current = now;
         let oob = computed
             .status
             .bindings
@@ -278,7 +385,11 @@ impl Metrics {
     }
 }
 
-fn set_opt(family: &Family<GpuLabels, FloatGauge>, labels: &GpuLabels, value: Option<f64>) {
+fn set_opt<L: Clone + std::hash::Hash + Eq + EncodeLabelSet>(
+    family: &Family<L, FloatGauge>,
+    labels: &L,
+    value: Option<f64>,
+) {
     match value {
         Some(v) => {
             family.get_or_create(labels).set(v);

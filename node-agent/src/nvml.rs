@@ -365,6 +365,7 @@ fn read_gpu(dev: &Device<'_>, index: u32) -> Result<GpuReading, NvmlError> {
         }
     } else {
         processes = compute_processes(dev, &uuid);
+        attribute_utilization(dev, &mut processes);
     }
     let remapping = row_remapping(dev);
     Ok(GpuReading {
@@ -436,6 +437,7 @@ fn compute_processes(dev: &Device<'_>, device_uuid: &str) -> Vec<GpuProcess> {
                     UsedGpuMemory::Used(b) => Some(b),
                     UsedGpuMemory::Unavailable => None,
                 },
+                sm_util_percent: None,
                 cgroup: None,
             })
             .collect(),
@@ -443,6 +445,30 @@ fn compute_processes(dev: &Device<'_>, device_uuid: &str) -> Vec<GpuProcess> {
             tracing::debug!(device = device_uuid, error = %e, "no process list");
             Vec::new()
         }
+    }
+}
+
+/// Sets each process's share of SM time from NVML's buffered process utilisation samples
+/// (the latest per process). NVML samples only processes that used the GPU in the period, so
+/// one without a sample used none of it. Where NVML has no samples to give (MIG, older GPUs),
+/// the shares stay unknown.
+fn attribute_utilization(dev: &Device<'_>, processes: &mut [GpuProcess]) {
+    let samples = match dev.process_utilization_stats(None) {
+        Ok(samples) => samples,
+        Err(e) => {
+            tracing::debug!(error = %e, "no process utilisation samples");
+            return;
+        }
+    };
+    let mut latest: HashMap<u32, (u64, u32)> = HashMap::new();
+    for s in samples {
+        let entry = latest.entry(s.pid).or_insert((s.timestamp, s.sm_util));
+        if s.timestamp >= entry.0 {
+            *entry = (s.timestamp, s.sm_util);
+        }
+    }
+    for p in processes {
+        p.sm_util_percent = Some(latest.get(&p.pid).map_or(0, |&(_, util)| util.min(100)));
     }
 }
 

@@ -23,6 +23,10 @@ pub struct ObservedProcess {
     pub pid: u32,
     /// Its pod and container; `None` for a process outside any pod (a host service).
     pub container: Option<ContainerRef>,
+    /// GPU memory it holds, bytes, when NVML says.
+    pub used_memory_bytes: Option<u64>,
+    /// Its share of the GPU's SM time, percent, when NVML samples it.
+    pub sm_util_percent: Option<u32>,
 }
 
 /// Who holds a GPU, for metric labels.
@@ -36,13 +40,55 @@ pub struct Holder {
     pub container: String,
 }
 
+/// How a holder came to hold a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HolderSource {
+    /// The kubelet allocated it; no process of the container was seen on it.
+    Allocated,
+    /// A process of the container runs on it, but the kubelet allocated it nothing there.
+    Observed,
+    /// Allocated and seen in use.
+    Both,
+}
+
+impl HolderSource {
+    /// The metric label value: `allocated`, `observed` or `both`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Allocated => "allocated",
+            Self::Observed => "observed",
+            Self::Both => "both",
+        }
+    }
+}
+
+/// What one container's processes use of one GPU, summed over the processes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// GPU memory, bytes; `None` when no process of it reported its memory.
+    pub memory_bytes: Option<u64>,
+    /// Share of the GPU's SM time, percent; `None` unless NVML sampled every process of it.
+    pub sm_util_percent: Option<u32>,
+}
+
+/// One holder of a GPU: who, how, and what it uses there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldBy {
+    /// The pod container.
+    pub holder: Holder,
+    /// Allocated, observed or both, on this GPU.
+    pub source: HolderSource,
+    /// What its processes use of this GPU; both `None` when none was seen.
+    pub usage: Usage,
+}
+
 /// Everything one sweep produces besides the raw readings.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Computed {
     /// The agent's status fields.
     pub status: GpuNodeStatus,
-    /// Holders per physical GPU UUID (allocated or observed).
-    pub holders: BTreeMap<String, Vec<Holder>>,
+    /// Holders per physical GPU UUID (allocated or observed), sorted.
+    pub holders: BTreeMap<String, Vec<HeldBy>>,
     /// Processes outside any pod, per physical GPU UUID.
     pub host_processes: BTreeMap<String, u32>,
 }
@@ -72,6 +118,9 @@ struct Entry {
     resource_name: Option<String>,
     allocated: BTreeSet<String>,
     observed: BTreeSet<String>,
+    /// Per physical GPU: memory and SM share of the processes seen, and whether every one
+    /// had a utilisation sample.
+    usage: BTreeMap<String, (Option<u64>, u32, bool)>,
 }
 
 /// Computes the agent's status fields and the metric holders.
@@ -154,10 +203,20 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             e.pod = name;
         }
         e.observed.insert(p.device_uuid.clone());
+        let usage = (e.usage)
+            .entry(parent(input.devices, &p.device_uuid))
+            .or_insert((None, 0, true));
+        if let Some(bytes) = p.used_memory_bytes {
+            usage.0 = Some(usage.0.unwrap_or(0).saturating_add(bytes));
+        }
+        match p.sm_util_percent {
+            Some(util) => usage.1 = usage.1.saturating_add(util),
+            None => usage.2 = false,
+        }
     }
 
     let mut bindings = Vec::with_capacity(entries.len());
-    let mut holders: BTreeMap<String, Vec<Holder>> = BTreeMap::new();
+    let mut holders: BTreeMap<String, Vec<HeldBy>> = BTreeMap::new();
     for ((pod_uid, container), e) in entries {
         let explained = e.observed.iter().all(|o| {
             e.allocated.iter().any(|a| {
@@ -178,10 +237,37 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             pod: e.pod.clone(),
             container: container.clone(),
         };
-        for u in &gpu_uuids {
-            let list = holders.entry(parent(input.devices, u)).or_default();
-            if !list.contains(&holder) {
-                list.push(holder.clone());
+        // Per physical GPU: allocated there, seen there, or both.
+        let mut per_gpu: BTreeMap<String, (bool, bool)> = BTreeMap::new();
+        for u in &e.allocated {
+            per_gpu.entry(parent(input.devices, u)).or_default().0 = true;
+        }
+        for u in &e.observed {
+            per_gpu.entry(parent(input.devices, u)).or_default().1 = true;
+        }
+        for (gpu, (allocated, observed)) in per_gpu {
+            let source = match (allocated, observed) {
+                (true, true) => HolderSource::Both,
+                (true, false) => HolderSource::Allocated,
+                _ => HolderSource::Observed,
+            };
+            let usage = e
+                .usage
+                .get(&gpu)
+                .map_or(Usage::default(), |&(memory, sm, sampled)| Usage {
+                    memory_bytes: memory,
+                    sm_util_percent: sampled.then_some(sm.min(100)),
+                });
+            let list = holders.entry(gpu).or_default();
+            match list.iter_mut().find(|h| h.holder == holder) {
+                // The same name under two pod UIDs (a pod replaced in between): one holder.
+                Some(held) if held.source != source => held.source = HolderSource::Both,
+                Some(_) => {}
+                None => list.push(HeldBy {
+                    holder: holder.clone(),
+                    source,
+                    usage,
+                }),
             }
         }
         bindings.push(Binding {
@@ -195,7 +281,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
         });
     }
     for list in holders.values_mut() {
-        list.sort();
+        list.sort_by(|a, b| a.holder.cmp(&b.holder));
     }
 
     let mut privileged: BTreeMap<String, PodRef> = BTreeMap::new();
@@ -310,6 +396,8 @@ mod tests {
                 pod_uid: uid.into(),
                 container_id: Some(id.into()),
             }),
+            used_memory_bytes: None,
+            sm_util_percent: None,
         }
     }
 

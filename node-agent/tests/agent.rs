@@ -13,7 +13,7 @@ use gpuwarden_node_agent::fake::{FakeBackend, FakeNode};
 use gpuwarden_node_agent::health::HealthRules;
 use gpuwarden_node_agent::metrics::Metrics;
 use gpuwarden_node_agent::podresources::{ContainerDevices, Timeouts};
-use gpuwarden_node_agent::status::Holder;
+use gpuwarden_node_agent::status::{Holder, HolderSource};
 use gpuwarden_node_agent::testing::{FakeKubelet, FakeKubeletServer};
 use gpuwarden_node_agent::writer::{KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusWriter};
 use http::Method;
@@ -99,13 +99,20 @@ async fn bindings_from_fake_kubelet_and_an_out_of_band_process() {
     assert_eq!(privileged[0].name, "legacy");
 
     // Metrics name the holder, even for the pod that got its GPU without a request.
+    let holders: Vec<(&Holder, HolderSource)> = c.holders["GPU-bbbb"]
+        .iter()
+        .map(|h| (&h.holder, h.source))
+        .collect();
     assert_eq!(
-        c.holders["GPU-bbbb"],
-        vec![Holder {
-            namespace: "research".into(),
-            pod: "legacy".into(),
-            container: "render".into()
-        }]
+        holders,
+        [(
+            &Holder {
+                namespace: "research".into(),
+                pod: "legacy".into(),
+                container: "render".into()
+            },
+            HolderSource::Observed
+        )]
     );
     // List and GetAllocatableResources; the kubelet offers a GPU NVML does not know.
     assert_eq!(server.calls(), 2);
@@ -119,7 +126,7 @@ async fn bindings_from_fake_kubelet_and_an_out_of_band_process() {
         "{text}"
     );
     assert!(
-        text.contains(r#"gpuwarden_node_agent_gpu_utilization_ratio{gpu="1",uuid="GPU-bbbb",model="NVIDIA H100 80GB HBM3",namespace="research",pod="legacy",container="render"} 0.4"#),
+        text.contains(r#"gpuwarden_node_agent_gpu_utilization_ratio{gpu="1",UUID="GPU-bbbb",modelName="NVIDIA H100 80GB HBM3",Hostname=""} 0.4"#),
         "{text}"
     );
     server.stop().await;
