@@ -1145,6 +1145,56 @@ fn host_pid_component_patches_the_agent() {
     assert_eq!(host_root["value"], "/host");
 }
 
+/// The node-agent-privileged component makes the agent privileged (so the NVIDIA runtime
+/// gives it NVML even with `accept-nvidia-visible-devices-envvar-when-unprivileged =
+/// false`), with privilege escalation allowed as Kubernetes requires of a privileged
+/// container, the NVML variables kept, and nothing else changed; its namespace is one the
+/// default policy exempts, so gpuwarden's own webhook and backstop leave it alone.
+#[test]
+fn node_agent_privileged_component_gives_the_agent_nvml_without_the_leak() {
+    let base_docs = base();
+    let docs = with_component("node-agent-privileged");
+    let ds = find(&docs, "DaemonSet", install::NODE_AGENT_NAME);
+    let container = &manifests::pod_spec(&ds.value).expect("pod spec")["containers"][0];
+    let security = &container["securityContext"];
+    assert_eq!(security["privileged"], true);
+    assert_eq!(security["allowPrivilegeEscalation"], true);
+    let env = container["env"].as_array().expect("env");
+    for (name, value) in [
+        ("NVIDIA_VISIBLE_DEVICES", "all"),
+        ("NVIDIA_DRIVER_CAPABILITIES", "utility"),
+    ] {
+        assert!(
+            env.iter().any(|e| e["name"] == name && e["value"] == value),
+            "{name}={value} is gone: {env:?}"
+        );
+    }
+    let mut unpatched = find(&base_docs, "DaemonSet", install::NODE_AGENT_NAME)
+        .value
+        .clone();
+    unpatched["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privileged"] =
+        serde_json::json!(true);
+    unpatched["spec"]["template"]["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] =
+        serde_json::json!(true);
+    assert_eq!(
+        ds.value, unpatched,
+        "the component changes only the two fields"
+    );
+    let namespace = ds.value["metadata"]["namespace"]
+        .as_str()
+        .expect("namespace");
+    let policy = gpuwarden_crds::GpuPolicy::default_policy();
+    assert!(
+        policy
+            .spec
+            .exemptions
+            .namespaces
+            .iter()
+            .any(|n| n == namespace),
+        "{namespace} is not exempt by default"
+    );
+}
+
 /// The taint-unhealthy-nodes component turns the operator's flag on and grants exactly the
 /// one extra call it makes: a patch of Node taints.
 #[test]
@@ -1223,7 +1273,7 @@ fn exported_metric_names() -> BTreeSet<String> {
             .split("with_prefix(\"")
             .nth(1)
             .and_then(|s| s.split('"').next())
-            .unwrap_or_else(|| panic!("{file}: no Registry::with_prefix"));
+            .unwrap_or_else(|| panic!("{file}: no registry with a prefix"));
         for call in source.split(".register(").skip(1) {
             // register("name", "help", metric)
             let mut parts = call.splitn(5, '"');
@@ -1241,7 +1291,12 @@ fn exported_metric_names() -> BTreeSet<String> {
                 .split(')')
                 .next()
                 .unwrap_or_default();
-            let full = format!("{prefix}_{name}");
+            // A name registered at the root already carries its whole name.
+            let full = if name.starts_with("gpuwarden_") {
+                name.to_owned()
+            } else {
+                format!("{prefix}_{name}")
+            };
             match metric_kind(&source, &format!("{expr})")) {
                 "counter" => {
                     names.insert(format!("{full}_total"));
@@ -1471,7 +1526,7 @@ fn binary_env(binary_dir: &str) -> BTreeSet<String> {
 #[test]
 fn manifests_only_set_what_the_binaries_read() {
     let mut docs = base();
-    for component in ["host-pid", "taint-unhealthy-nodes"] {
+    for component in ["host-pid", "taint-unhealthy-nodes", "node-agent-privileged"] {
         docs.extend(
             with_component(component)
                 .into_iter()

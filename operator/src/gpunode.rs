@@ -319,7 +319,9 @@ pub fn desired_conditions(
                     "EnvVarAcceptedWhenUnprivileged",
                     format!(
                         "the NVIDIA runtime honours NVIDIA_VISIBLE_DEVICES in unprivileged containers \
-                         (accept-nvidia-visible-devices-envvar-when-unprivileged is true or unset); {cdi}"
+                         (accept-nvidia-visible-devices-envvar-when-unprivileged is true or unset); {cdi}; \
+                         before setting it to false, give the node agent NVML another way \
+                         (the node-agent-privileged component)"
                     ),
                 )
             } else {
