@@ -446,6 +446,7 @@ fn mock_api() -> (kube::Client, Arc<AtomicU64>) {
                 (&Method::GET, "/apis/gpuwarden.io/v1alpha1/gpupolicies") => {
                     list("GpuPolicyList", vec![])
                 }
+                (&Method::GET, "/api/v1/namespaces") => list("NamespaceList", vec![]),
                 (m, p) if p.contains("/gpunodes/") => {
                     if m == Method::PATCH {
                         counted.fetch_add(1, Ordering::Relaxed);
