@@ -235,3 +235,38 @@ fn text_logs_into_a_pipe_have_no_colour_codes() {
     assert!(first.contains("GPU backend ready"), "{first:?}");
     assert!(!first.contains('\x1b'), "{first:?}");
 }
+
+/// On a terminal (a pseudo-terminal from util-linux `script`), text logs keep their colours.
+/// Skipped, saying so, where `script` is not installed.
+#[test]
+fn text_logs_on_a_terminal_keep_their_colours() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: x\n  cluster: {server: \"http://127.0.0.1:1\"}\n\
+         users:\n- name: x\n  user: {}\ncontexts:\n- name: x\n  context: {cluster: x, user: x}\n\
+         current-context: x\n",
+    )
+    .unwrap();
+    let agent = format!(
+        "timeout 3 {} run --node-name n1 --log-format text --listen 127.0.0.1:0 \
+         --pod-resources-socket /nonexistent --fake {}",
+        env!("CARGO_BIN_EXE_gpuwarden-node-agent"),
+        sample().display()
+    );
+    let out = match Command::new("script")
+        .args(["-qec", &agent, "/dev/null"])
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+    {
+        Ok(out) => out,
+        Err(e) => {
+            eprintln!("util-linux script is not available ({e}); nothing to check");
+            return;
+        }
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("GPU backend ready"), "{text}");
+    assert!(text.contains('\x1b'), "no colour on a terminal: {text:?}");
+}
