@@ -199,14 +199,10 @@ async fn a_busy_8_gpu_status_is_under_8_kib() {
     eprintln!("busy 8-GPU status: {} bytes", bytes.len());
 }
 
-/// `--log-format text` into a pipe (a file, a log collector) is plain text: colour codes only
-/// go to a terminal.
-#[test]
-fn text_logs_into_a_pipe_have_no_colour_codes() {
-    use std::io::{BufRead, BufReader};
-    let dir = tempfile::tempdir().unwrap();
-    // An API server that is not there: the agent still logs its first lines, then retries.
-    let kubeconfig = dir.path().join("kubeconfig");
+/// A kubeconfig in `dir` naming an API server that is not there: the agent still logs its
+/// first lines, then retries.
+fn unreachable_kubeconfig(dir: &std::path::Path) -> PathBuf {
+    let kubeconfig = dir.join("kubeconfig");
     std::fs::write(
         &kubeconfig,
         "apiVersion: v1\nkind: Config\nclusters:\n- name: x\n  cluster: {server: \"http://127.0.0.1:1\"}\n\
@@ -214,6 +210,16 @@ fn text_logs_into_a_pipe_have_no_colour_codes() {
          current-context: x\n",
     )
     .unwrap();
+    kubeconfig
+}
+
+/// `--log-format text` into a pipe (a file, a log collector) is plain text: colour codes only
+/// go to a terminal.
+#[test]
+fn text_logs_into_a_pipe_have_no_colour_codes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = unreachable_kubeconfig(dir.path());
     let mut child = agent()
         .args(["run", "--node-name", "n1", "--log-format", "text"])
         .args([
@@ -241,14 +247,7 @@ fn text_logs_into_a_pipe_have_no_colour_codes() {
 #[test]
 fn text_logs_on_a_terminal_keep_their_colours() {
     let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: x\n  cluster: {server: \"http://127.0.0.1:1\"}\n\
-         users:\n- name: x\n  user: {}\ncontexts:\n- name: x\n  context: {cluster: x, user: x}\n\
-         current-context: x\n",
-    )
-    .unwrap();
+    let kubeconfig = unreachable_kubeconfig(dir.path());
     let agent = format!(
         "timeout 3 {} run --node-name n1 --log-format text --listen 127.0.0.1:0 \
          --pod-resources-socket /nonexistent --fake {}",
