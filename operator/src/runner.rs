@@ -1,6 +1,7 @@
-//! Wiring: one watch (and cache) per kind, change filters that keep the operator's own writes
-//! and lease renewals from waking it, three appliers with bounded concurrency and per-object
-//! backoff, the certificate keeper, leader election and the health server.
+//! Wiring: one watch (and cache) per kind, routes that pass on only objects whose inputs
+//! changed (so the operator's own writes and Lease renewals do not wake it), three
+//! kube-runtime `Controller`s with bounded concurrency and per-object backoff, the
+//! certificate keeper, leader election and the health server.
 
 use gpuwarden_crds::error_chain;
 use std::collections::HashMap;

@@ -7,7 +7,7 @@
 //! The engine reads the pod through a [`PodView`]: the few fields it needs, borrowed from
 //! the review's body (or from a manifest's `Value`), rather than a whole typed `Pod`. A
 //! decision borrows from the pod and the policy in turn, so judging a pod copies almost
-//! nothing: on the admission path its text is written straight into the answer. It never
+//! nothing until the answer is built from it. It never
 //! drops fields it does not know, since its output is a patch, and the patch touches only
 //! the fields docs/design.md ("Rewrite rules") lists (container `securityContext.privileged`,
 //! `allowPrivilegeEscalation`, `capabilities`, GPU limits, `env`, `volumeMounts`; pod
@@ -128,8 +128,7 @@ pub enum AnnotationValue<'c> {
 }
 
 /// The `gpuwarden.io/rewritten` (or `gpuwarden.io/audit`) annotation value of a decision:
-/// JSON written from its plan when it is needed. The patch carries it escaped inside a JSON
-/// string, and writes it that way at once rather than writing it and escaping it again.
+/// JSON written from its plan when it is needed; the patch carries it as a string.
 #[derive(Clone, Copy)]
 pub struct Report<'c>(&'c Plan<'c>);
 
