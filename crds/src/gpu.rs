@@ -10,7 +10,8 @@
 //!   `valueFrom` (unknown here, so assumed to);
 //! - it mounts a pod volume whose hostPath is a GPU device path;
 //! - the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device;
-//! - the governing policy says `match.privilegedContainers: All`.
+//! - the governing policy says `match.privilegedContainers: All`, and its last
+//!   `NVIDIA_VISIBLE_DEVICES` entry does not say `none`, `void` or empty.
 //!
 //! [`gpu_count`] says how many GPUs a rewritten GPU container is given.
 
@@ -299,19 +300,21 @@ pub struct Signals<'c> {
     pub device_mount: bool,
     /// The pod's NVIDIA CDI annotation.
     pub cdi: bool,
-    /// The policy counts every container.
+    /// The policy counts every container that does not set `NVIDIA_VISIBLE_DEVICES` to
+    /// `none`, `void` or empty.
     pub every_container: bool,
 }
 
 impl Signals<'_> {
     /// Whether these make a GPU container.
     pub fn is_gpu(&self) -> bool {
-        self.limit
-            || self.request.is_some()
-            || self.visible.is_gpu_signal()
-            || self.device_mount
-            || self.cdi
-            || self.every_container
+        let env = match self.visible {
+            // `privilegedContainers: All` counts a container that says nothing about GPUs,
+            // never one that says `none`, `void` or empty.
+            VisibleDevices::Unset => self.every_container,
+            ref visible => visible.is_gpu_signal(),
+        };
+        self.limit || self.request.is_some() || env || self.device_mount || self.cdi
     }
 }
 
@@ -677,6 +680,14 @@ mod tests {
             every_container: true,
             ..Rules::default()
         };
-        assert!(pod_containers(&pod, all).iter().all(|c| c.signals.is_gpu()));
+        // `All` counts every container but the one that says NONE.
+        let read: Vec<(&str, bool)> = pod_containers(&pod, all)
+            .iter()
+            .map(|c| (c.name, c.signals.is_gpu()))
+            .collect();
+        assert!(
+            read.iter().all(|&(name, gpu)| gpu == (name != "none")),
+            "{read:?}"
+        );
     }
 }

@@ -396,7 +396,9 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
                     })
                 })
             };
-            // The last entry of a duplicated name wins, as in the kubelet.
+            // The last entry of a duplicated name wins, as in the kubelet. Without one, `All`
+            // counts the container; with one, its value decides.
+            let all = policy.spec.match_.privileged_containers == PrivilegedMatch::All;
             let env = c["env"]
                 .as_array()
                 .map(|a| a.as_slice())
@@ -404,7 +406,7 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
                 .iter()
                 .rev()
                 .find(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
-                .is_some_and(|e| match e["value"].as_str() {
+                .map_or(all, |e| match e["value"].as_str() {
                     // Devices named: not none/void, and some entry between the commas.
                     Some(v) => {
                         let v = v.trim().to_ascii_lowercase();
@@ -417,8 +419,7 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
                     .as_str()
                     .is_some_and(|n| device_volumes.contains(n))
             });
-            policy.spec.match_.privileged_containers == PrivilegedMatch::All
-                || resource(&c["resources"]["limits"])
+            resource(&c["resources"]["limits"])
                 || resource(&c["resources"]["requests"])
                 || env
                 || mounts

@@ -360,6 +360,23 @@ fn privileged_sidecar_loses_privilege_and_gets_void() {
         out["spec"]["containers"][1]["resources"]["limits"]["nvidia.com/gpu"],
         "1"
     );
+
+    // But not one that says it wants no GPU: under All, none, void and empty still mean none.
+    for value in ["none", " VOID ", ""] {
+        let mut pod = pod.clone();
+        pod["spec"]["containers"][1]["env"] =
+            json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": value}]);
+        pod["spec"]["containers"][0]["securityContext"]["privileged"] = json!(true);
+        let (_, out) = rewrite(&pod, "ml", &src);
+        let sidecar = &out["spec"]["containers"][1];
+        assert_eq!(sidecar["securityContext"]["privileged"], false, "{value:?}");
+        assert!(sidecar["resources"].is_null(), "{value:?}: {sidecar}");
+        assert_eq!(
+            env_value(sidecar, "NVIDIA_VISIBLE_DEVICES"),
+            Some("void"),
+            "{value:?}"
+        );
+    }
 }
 
 #[test]
