@@ -15,6 +15,7 @@ pub mod node;
 pub mod policy;
 pub mod selection;
 pub mod selector;
+pub mod validation;
 
 pub use error::error_chain;
 pub use node::{

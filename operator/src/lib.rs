@@ -17,7 +17,6 @@ pub mod health;
 pub mod leader;
 pub mod metrics;
 pub mod node_controller;
-pub mod policy;
 pub mod policy_controller;
 mod runner;
 pub mod webhook_certs;

@@ -15,8 +15,8 @@ use tracing::{debug, info};
 
 use crate::metrics::Metrics;
 use crate::node_controller::synced;
-use crate::policy::ready_condition;
 use crate::{Clock, Leadership};
+use gpuwarden_crds::validation::ready_condition;
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "gpupolicy";

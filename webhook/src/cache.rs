@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use futures::StreamExt;
-use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::{GpuPolicy, validation};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -51,6 +51,19 @@ pub enum CacheError {
         index: usize,
         /// Why.
         reason: String,
+    },
+    /// A policy has a problem the operator would report as `Ready=False`: served, it would
+    /// govern pods by rules nobody meant, so the webhook refuses to start on it.
+    #[error("policy file {} policy {name}: {reason}: {message}", path.display())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The policy's name.
+        name: String,
+        /// The `Ready` reason.
+        reason: &'static str,
+        /// What is wrong and where.
+        message: String,
     },
     /// The file holds no policy.
     #[error("policy file {} holds no GpuPolicy", path.display())]
@@ -144,6 +157,17 @@ pub fn parse_policies(text: &str, path: &Path) -> Result<Vec<GpuPolicy>, CacheEr
         return Err(CacheError::Empty {
             path: path.to_path_buf(),
         });
+    }
+    let all: Vec<&GpuPolicy> = policies.iter().collect();
+    for policy in &policies {
+        if let Some(problem) = validation::problems(policy, &all).into_iter().next() {
+            return Err(CacheError::Invalid {
+                path: path.to_path_buf(),
+                name: policy.metadata.name.clone().unwrap_or_default(),
+                reason: problem.reason,
+                message: problem.message,
+            });
+        }
     }
     Ok(policies)
 }
@@ -332,6 +356,23 @@ mod tests {
         assert!(error.contains("holds no GpuPolicy"), "{error}");
         let error = parse_policies("a: [", path).unwrap_err().to_string();
         assert!(error.contains("not valid YAML"), "{error}");
+    }
+
+    #[test]
+    fn a_policy_file_with_an_invalid_policy_is_refused() {
+        // `serve --policy-file` builds its source here: it refuses to start rather than serve
+        // a policy that governs pods by rules nobody meant.
+        let path = Path::new("p.yaml");
+        let text = "apiVersion: gpuwarden.io/v1alpha1\nkind: GpuPolicy\nmetadata: {name: ok}\nspec: {}\n---\n\
+            apiVersion: gpuwarden.io/v1alpha1\nkind: GpuPolicy\nmetadata: {name: bad}\n\
+            spec: {priority: 5, namespaceSelector: {matchExpressions: [{key: team, operator: In}]}}\n";
+        let error = parse_policies(text, path).unwrap_err().to_string();
+        assert!(
+            error.starts_with(
+                "policy file p.yaml policy bad: InvalidSelector: spec.namespaceSelector"
+            ),
+            "{error}"
+        );
     }
 
     #[test]

@@ -90,7 +90,8 @@ struct ServeArgs {
     shutdown_timeout: u64,
 
     /// Serve the GpuPolicy documents in this YAML file instead of watching a cluster
-    /// (for trying the webhook outside Kubernetes, e.g. deploy/policies/default.yaml).
+    /// (for trying the webhook outside Kubernetes, e.g. deploy/policies/default.yaml). A
+    /// policy with a problem (one the operator would mark not Ready) stops the start.
     #[arg(long, env = "GPUWARDEN_POLICY_FILE")]
     policy_file: Option<PathBuf>,
 

@@ -17,7 +17,7 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::{GpuPolicy, validation};
 use serde_json::{Value, json};
 
 use crate::engine::{self, Decision, Input, Operation, Verdict};
@@ -365,6 +365,8 @@ fn load_policies(
         return Ok(vec![Arc::new(GpuPolicy::default_policy())]);
     }
     let mut policies = Vec::new();
+    // The file each policy came from, for the message that refuses it.
+    let mut sources = Vec::new();
     for path in paths {
         let name = path.display().to_string();
         let problem = |problem: String| MutateError::Policy {
@@ -392,6 +394,22 @@ fn load_policies(
                 ))
             })?;
             policies.push(Arc::new(policy));
+            sources.push(format!("{name} document {index} (line {line})"));
+        }
+    }
+    // Fail closed: a policy the operator would mark not Ready is refused, not skipped.
+    let all: Vec<&GpuPolicy> = policies.iter().map(AsRef::as_ref).collect();
+    for (policy, source) in all.iter().zip(&sources) {
+        if let Some(p) = validation::problems(policy, &all).into_iter().next() {
+            return Err(MutateError::Policy {
+                path: source.clone(),
+                problem: format!(
+                    "GpuPolicy {}: {}: {}",
+                    policy.metadata.name.as_deref().unwrap_or("<unnamed>"),
+                    p.reason,
+                    p.message
+                ),
+            });
         }
     }
     Ok(policies)

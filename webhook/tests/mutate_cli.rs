@@ -464,3 +464,53 @@ spec:
         "the existing limit is kept"
     );
 }
+
+/// An invalid policy fails closed: `mutate --policy` exits 2 naming the file, the policy and
+/// the field, rather than skipping it and admitting everything ("no GpuPolicy selects ...").
+#[test]
+fn an_invalid_policy_is_refused_not_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = |name: &str, spec: &str| {
+        format!(
+            "apiVersion: gpuwarden.io/v1alpha1\nkind: GpuPolicy\nmetadata:\n  name: {name}\nspec:\n{spec}"
+        )
+    };
+    for (case, spec, expected) in [
+        (
+            "selector",
+            "  namespaceSelector:\n    matchExpressions:\n      - {key: team, operator: Sideways, values: [a]}\n",
+            "InvalidSelector: spec.namespaceSelector",
+        ),
+        (
+            "counts",
+            "  gpu:\n    defaultCount: 9\n    maxPerContainer: 8\n",
+            "InvalidCount: spec.gpu.defaultCount 9 is more than spec.gpu.maxPerContainer 8",
+        ),
+        (
+            "capability",
+            "  capabilities:\n    allowed: [IPC_LOCK, NOT_A_CAP]\n",
+            "UnknownCapability: spec.capabilities.allowed: unknown Linux capabilities NOT_A_CAP",
+        ),
+    ] {
+        let file = write(
+            dir.path(),
+            &format!("{case}.yaml"),
+            &policy(&format!("bad-{case}"), spec),
+        );
+        let r = run(&[
+            "-f",
+            &example("01-training-pod-visible-all.yaml"),
+            "--policy",
+            &file,
+        ]);
+        assert_eq!(r.code, 2, "{case}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(&format!("{file} document 1 (line 1)"))
+                && r.stderr
+                    .contains(&format!("GpuPolicy bad-{case}: {expected}")),
+            "{case}: {}",
+            r.stderr
+        );
+        assert!(r.stdout.is_empty(), "{case}: nothing is written");
+    }
+}

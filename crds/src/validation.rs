@@ -1,15 +1,17 @@
-//! GpuPolicy validation beyond what the CRD's CEL rules can check, and the status it yields.
+//! GpuPolicy validation beyond what the CRD's CEL rules can check, and the `Ready` condition
+//! it yields. Pure: the operator reports it in status, and the webhook's offline command and
+//! `serve --policy-file` refuse a policy with a problem (they fail closed).
 //!
 //! CEL sees one object at a time; overlaps between policies of equal priority, capability
-//! names, exemption patterns and selector semantics are checked here.
+//! names, counts, exemption patterns and selector semantics are checked here.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::condition_types::READY;
-use gpuwarden_crds::conditions::DesiredCondition;
-use gpuwarden_crds::duration::parse_duration;
-use gpuwarden_crds::selector;
+use crate::GpuPolicy;
+use crate::condition_types::READY;
+use crate::conditions::DesiredCondition;
+use crate::duration::parse_duration;
+use crate::selector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
 /// Linux capabilities (`capabilities(7)`, as of Linux 6.x), without the `CAP_` prefix.
@@ -211,6 +213,16 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
         ));
     }
 
+    if spec.gpu.default_count > spec.gpu.max_per_container {
+        out.push(problem(
+            "InvalidCount",
+            format!(
+                "spec.gpu.defaultCount {} is more than spec.gpu.maxPerContainer {}: every container given the default would be denied",
+                spec.gpu.default_count, spec.gpu.max_per_container
+            ),
+        ));
+    }
+
     if let Some(health) = &spec.health
         && let Err(e) = parse_duration(&health.recover_after)
     {
@@ -271,7 +283,7 @@ fn names_selected_only(sel: &LabelSelector) -> Option<BTreeSet<String>> {
     if c.len() != 1 {
         return None;
     }
-    let k = c.get(gpuwarden_crds::LABEL_NAMESPACE_NAME)?;
+    let k = c.get(crate::LABEL_NAMESPACE_NAME)?;
     let allowed = k.allowed.as_ref()?;
     Some(allowed.difference(&k.forbidden).cloned().collect())
 }
@@ -303,11 +315,16 @@ pub fn conflicts(policy: &GpuPolicy, all: &[&GpuPolicy]) -> Vec<Problem> {
     )]
 }
 
-/// The `Ready` condition for a policy, given every policy in the cluster.
-pub fn ready_condition(policy: &GpuPolicy, all: &[&GpuPolicy]) -> DesiredCondition {
+/// Every problem of `policy`: on its own, and with the other policies in `all`.
+pub fn problems(policy: &GpuPolicy, all: &[&GpuPolicy]) -> Vec<Problem> {
     let mut problems = validate_policy(policy);
     problems.extend(conflicts(policy, all));
-    match problems.split_first() {
+    problems
+}
+
+/// The `Ready` condition for a policy, given every policy in the cluster.
+pub fn ready_condition(policy: &GpuPolicy, all: &[&GpuPolicy]) -> DesiredCondition {
+    match problems(policy, all).split_first() {
         None => DesiredCondition::new(
             READY,
             true,
@@ -328,7 +345,7 @@ pub fn ready_condition(policy: &GpuPolicy, all: &[&GpuPolicy]) -> DesiredConditi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuwarden_crds::GpuPolicySpec;
+    use crate::GpuPolicySpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
     fn policy(name: &str, priority: i32, ns: LabelSelector) -> GpuPolicy {
