@@ -322,6 +322,17 @@ pub fn problems(policy: &GpuPolicy, all: &[&GpuPolicy]) -> Vec<Problem> {
     problems
 }
 
+/// The first problem of any of `policies` (in their order), with its policy: what a
+/// fail-closed reader of a policy file refuses the file for.
+pub fn first_problem<'p>(policies: &[&'p GpuPolicy]) -> Option<(&'p GpuPolicy, Problem)> {
+    policies.iter().find_map(|&p| {
+        problems(p, policies)
+            .into_iter()
+            .next()
+            .map(|problem| (p, problem))
+    })
+}
+
 /// The `Ready` condition for a policy, given every policy in the cluster.
 pub fn ready_condition(policy: &GpuPolicy, all: &[&GpuPolicy]) -> DesiredCondition {
     match problems(policy, all).split_first() {

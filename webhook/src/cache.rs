@@ -159,15 +159,13 @@ pub fn parse_policies(text: &str, path: &Path) -> Result<Vec<GpuPolicy>, CacheEr
         });
     }
     let all: Vec<&GpuPolicy> = policies.iter().collect();
-    for policy in &policies {
-        if let Some(problem) = validation::problems(policy, &all).into_iter().next() {
-            return Err(CacheError::Invalid {
-                path: path.to_path_buf(),
-                name: policy.metadata.name.clone().unwrap_or_default(),
-                reason: problem.reason,
-                message: problem.message,
-            });
-        }
+    if let Some((policy, problem)) = validation::first_problem(&all) {
+        return Err(CacheError::Invalid {
+            path: path.to_path_buf(),
+            name: policy.metadata.name.clone().unwrap_or_default(),
+            reason: problem.reason,
+            message: problem.message,
+        });
     }
     Ok(policies)
 }

@@ -399,18 +399,20 @@ fn load_policies(
     }
     // Fail closed: a policy the operator would mark not Ready is refused, not skipped.
     let all: Vec<&GpuPolicy> = policies.iter().map(AsRef::as_ref).collect();
-    for (policy, source) in all.iter().zip(&sources) {
-        if let Some(p) = validation::problems(policy, &all).into_iter().next() {
-            return Err(MutateError::Policy {
-                path: source.clone(),
-                problem: format!(
-                    "GpuPolicy {}: {}: {}",
-                    policy.metadata.name.as_deref().unwrap_or("<unnamed>"),
-                    p.reason,
-                    p.message
-                ),
-            });
-        }
+    if let Some((policy, p)) = validation::first_problem(&all) {
+        let at = all
+            .iter()
+            .position(|&q| std::ptr::eq(q, policy))
+            .unwrap_or(0);
+        return Err(MutateError::Policy {
+            path: sources.get(at).cloned().unwrap_or_default(),
+            problem: format!(
+                "GpuPolicy {}: {}: {}",
+                policy.metadata.name.as_deref().unwrap_or("<unnamed>"),
+                p.reason,
+                p.message
+            ),
+        });
     }
     Ok(policies)
 }
