@@ -322,14 +322,14 @@ pub fn problems(policy: &GpuPolicy, all: &[&GpuPolicy]) -> Vec<Problem> {
     problems
 }
 
-/// The first problem of any of `policies` (in their order), with its policy: what a
-/// fail-closed reader of a policy file refuses the file for.
-pub fn first_problem<'p>(policies: &[&'p GpuPolicy]) -> Option<(&'p GpuPolicy, Problem)> {
-    policies.iter().find_map(|&p| {
+/// The first problem of any of `policies` (in their order), with its policy's index: what
+/// a fail-closed reader of a policy file refuses the file for.
+pub fn first_problem(policies: &[&GpuPolicy]) -> Option<(usize, Problem)> {
+    policies.iter().enumerate().find_map(|(i, p)| {
         problems(p, policies)
             .into_iter()
             .next()
-            .map(|problem| (p, problem))
+            .map(|problem| (i, problem))
     })
 }
 

@@ -161,6 +161,8 @@ fn read_all(nvml: &Nvml, known: &mut HashMap<u32, GpuInfo>) -> Result<Reading, B
     };
     let count = nvml.device_count().map_err(call("nvmlDeviceGetCount"))?;
     let mut gpus = Vec::with_capacity(count as usize);
+    // The driver's own GPU listing, read once per read and only for a GPU that is lost.
+    let mut listed: Option<Vec<DriverGpu>> = None;
     for index in 0..count {
         let read = nvml
             .device_by_index(index)
@@ -181,8 +183,12 @@ fn read_all(nvml: &Nvml, known: &mut HashMap<u32, GpuInfo>) -> Result<Reading, B
                         .map(|p| p.bus_id),
                     minor_number: handle.as_ref().and_then(|d| d.minor_number().ok()),
                 };
-                let (info, never_answered) =
-                    lost_identity(index, known.get(&index), partial, &driver_gpus());
+                let (info, never_answered) = lost_identity(
+                    index,
+                    known.get(&index),
+                    partial,
+                    listed.get_or_insert_with(driver_gpus),
+                );
                 gpus.push(GpuReading {
                     info,
                     answering: false,

@@ -159,10 +159,10 @@ pub fn parse_policies(text: &str, path: &Path) -> Result<Vec<GpuPolicy>, CacheEr
         });
     }
     let all: Vec<&GpuPolicy> = policies.iter().collect();
-    if let Some((policy, problem)) = validation::first_problem(&all) {
+    if let Some((at, problem)) = validation::first_problem(&all) {
         return Err(CacheError::Invalid {
             path: path.to_path_buf(),
-            name: policy.metadata.name.clone().unwrap_or_default(),
+            name: all[at].metadata.name.clone().unwrap_or_default(),
             reason: problem.reason,
             message: problem.message,
         });

@@ -399,16 +399,12 @@ fn load_policies(
     }
     // Fail closed: a policy the operator would mark not Ready is refused, not skipped.
     let all: Vec<&GpuPolicy> = policies.iter().map(AsRef::as_ref).collect();
-    if let Some((policy, p)) = validation::first_problem(&all) {
-        let at = all
-            .iter()
-            .position(|&q| std::ptr::eq(q, policy))
-            .unwrap_or(0);
+    if let Some((at, p)) = validation::first_problem(&all) {
         return Err(MutateError::Policy {
             path: sources.get(at).cloned().unwrap_or_default(),
             problem: format!(
                 "GpuPolicy {}: {}: {}",
-                policy.metadata.name.as_deref().unwrap_or("<unnamed>"),
+                all[at].metadata.name.as_deref().unwrap_or("<unnamed>"),
                 p.reason,
                 p.message
             ),
