@@ -204,14 +204,14 @@ pub struct CapabilitiesSpec {
 
     /// Capabilities always added to a rewritten container.
     #[serde(default)]
-    #[x_kube(validation = Rule::new("self.all(c, c.matches('^[A-Z][A-Z0-9_]*$') && !c.startsWith('CAP_'))").message("capability names are upper case without the CAP_ prefix, e.g. IPC_LOCK"))]
+    #[x_kube(validation = Rule::new("self.all(c, c in ['AUDIT_CONTROL', 'AUDIT_READ', 'AUDIT_WRITE', 'BLOCK_SUSPEND', 'BPF', 'CHECKPOINT_RESTORE', 'CHOWN', 'DAC_OVERRIDE', 'DAC_READ_SEARCH', 'FOWNER', 'FSETID', 'IPC_LOCK', 'IPC_OWNER', 'KILL', 'LEASE', 'LINUX_IMMUTABLE', 'MAC_ADMIN', 'MAC_OVERRIDE', 'MKNOD', 'NET_ADMIN', 'NET_BIND_SERVICE', 'NET_BROADCAST', 'NET_RAW', 'PERFMON', 'SETFCAP', 'SETGID', 'SETPCAP', 'SETUID', 'SYS_ADMIN', 'SYS_BOOT', 'SYS_CHROOT', 'SYS_MODULE', 'SYS_NICE', 'SYS_PACCT', 'SYS_PTRACE', 'SYS_RAWIO', 'SYS_RESOURCE', 'SYS_TIME', 'SYS_TTY_CONFIG', 'SYSLOG', 'WAKE_ALARM'])").message("unknown Linux capability: names are upper case without the CAP_ prefix, e.g. IPC_LOCK (capabilities(7))"))]
     #[schemars(length(max = 64), inner(length(max = CAPABILITY_LEN)))]
     pub default: Vec<String>,
 
     /// Capabilities a rewritten container keeps when it asked for them (`capabilities.add`).
     /// Anything else it asked for is dropped and named in a warning.
     #[serde(default = "default_allowed_caps")]
-    #[x_kube(validation = Rule::new("self.all(c, c.matches('^[A-Z][A-Z0-9_]*$') && !c.startsWith('CAP_'))").message("capability names are upper case without the CAP_ prefix, e.g. IPC_LOCK"))]
+    #[x_kube(validation = Rule::new("self.all(c, c in ['AUDIT_CONTROL', 'AUDIT_READ', 'AUDIT_WRITE', 'BLOCK_SUSPEND', 'BPF', 'CHECKPOINT_RESTORE', 'CHOWN', 'DAC_OVERRIDE', 'DAC_READ_SEARCH', 'FOWNER', 'FSETID', 'IPC_LOCK', 'IPC_OWNER', 'KILL', 'LEASE', 'LINUX_IMMUTABLE', 'MAC_ADMIN', 'MAC_OVERRIDE', 'MKNOD', 'NET_ADMIN', 'NET_BIND_SERVICE', 'NET_BROADCAST', 'NET_RAW', 'PERFMON', 'SETFCAP', 'SETGID', 'SETPCAP', 'SETUID', 'SYS_ADMIN', 'SYS_BOOT', 'SYS_CHROOT', 'SYS_MODULE', 'SYS_NICE', 'SYS_PACCT', 'SYS_PTRACE', 'SYS_RAWIO', 'SYS_RESOURCE', 'SYS_TIME', 'SYS_TTY_CONFIG', 'SYSLOG', 'WAKE_ALARM'])").message("unknown Linux capability: names are upper case without the CAP_ prefix, e.g. IPC_LOCK (capabilities(7))"))]
     #[schemars(length(max = 64), inner(length(max = CAPABILITY_LEN)))]
     pub allowed: Vec<String>,
 }

@@ -4,10 +4,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-
 use crate::GpuPolicy;
 use crate::selector::{self, Labels};
+use crate::validation::validate_policy;
 
 /// Label the API server sets on every namespace.
 pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
@@ -52,14 +51,17 @@ impl Labels for NamespaceLabels<'_> {
 pub struct Selection<'p> {
     /// The governing policy, if any.
     pub policy: Option<&'p GpuPolicy>,
-    /// Policies skipped because a selector is invalid, with the reason.
-    pub skipped: Vec<String>,
+    /// Why the governing policy is invalid, when it is (docs/design.md, "Policies"): a
+    /// problem of its own ([`validate_policy`]), or a selector that cannot be evaluated, in
+    /// which case the policy is taken to select the pod. Callers fail closed on it.
+    pub invalid: Option<String>,
 }
 
 /// Picks the policy that governs a pod: the highest priority whose `namespaceSelector`
 /// matches the namespace labels and whose `podSelector` (if any) matches the pod labels;
-/// ties go to the name that sorts first. A policy with an invalid selector is skipped and
-/// named in `skipped`, never a panic.
+/// ties go to the name that sorts first. A policy whose selector cannot be evaluated could
+/// select any pod, so it governs every pod it outranks, and [`Selection::invalid`] says why;
+/// so does a governing policy with any other problem. Never a panic.
 pub fn select_policy<'p, N, P>(
     policies: &'p [Arc<GpuPolicy>],
     namespace_labels: &N,
@@ -69,9 +71,13 @@ where
     N: Labels + ?Sized,
     P: Labels + ?Sized,
 {
-    let mut skipped = Vec::new();
-    let mut governs =
-        |policy: &GpuPolicy| governs(policy, namespace_labels, pod_labels, &mut skipped);
+    let mut unreadable = None;
+    let mut governs = |policy: &GpuPolicy| {
+        governs(policy, namespace_labels, pod_labels).unwrap_or_else(|why| {
+            unreadable = Some(why);
+            true
+        })
+    };
     let policy = if let [only] = policies {
         // A single policy, the usual case, needs no ordering.
         Some(only.as_ref()).filter(|p| governs(p))
@@ -80,47 +86,38 @@ where
         ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
         ordered.into_iter().find(|p| governs(p))
     };
-    Selection { policy, skipped }
+    let invalid = policy.and_then(|policy| {
+        let problem = unreadable.or_else(|| {
+            let problem = validate_policy(policy).into_iter().next()?;
+            Some(format!("{}: {}", problem.reason, problem.message))
+        })?;
+        let name = policy.metadata.name.as_deref().unwrap_or("");
+        Some(format!("GpuPolicy {name} is invalid ({problem})"))
+    });
+    Selection { policy, invalid }
 }
 
-/// Whether `policy` selects the pod. A policy with an invalid selector selects nothing and
-/// is named in `skipped`.
-fn governs<N, P>(
-    policy: &GpuPolicy,
-    namespace_labels: &N,
-    pod_labels: &P,
-    skipped: &mut Vec<String>,
-) -> bool
+/// Whether `policy` selects the pod, or why that cannot be told.
+fn governs<N, P>(policy: &GpuPolicy, namespace_labels: &N, pod_labels: &P) -> Result<bool, String>
 where
     N: Labels + ?Sized,
     P: Labels + ?Sized,
 {
     let spec = &policy.spec;
-    matches(
-        policy,
-        &spec.namespace_selector,
-        namespace_labels,
-        "namespaceSelector",
-        skipped,
-    ) && spec.pod_selector.as_ref().is_none_or(|pod_selector| {
-        matches(policy, pod_selector, pod_labels, "podSelector", skipped)
-    })
-}
-
-/// Whether `policy`'s `field` selects `labels`; an invalid one selects nothing and is named
-/// in `skipped`.
-fn matches<L: Labels + ?Sized>(
-    policy: &GpuPolicy,
-    selector: &LabelSelector,
-    labels: &L,
-    field: &str,
-    skipped: &mut Vec<String>,
-) -> bool {
-    selector::matches(selector, labels).unwrap_or_else(|e| {
-        let name = policy.metadata.name.as_deref().unwrap_or("");
-        skipped.push(format!("GpuPolicy {name} ignored: invalid {field}: {e}"));
-        false
-    })
+    fn invalid(field: &'static str) -> impl Fn(selector::SelectorError) -> String {
+        move |e| format!("InvalidSelector: spec.{field}: {e}")
+    }
+    if !selector::matches(&spec.namespace_selector, namespace_labels)
+        .map_err(invalid("namespaceSelector"))?
+    {
+        return Ok(false);
+    }
+    match &spec.pod_selector {
+        Some(pod_selector) => {
+            selector::matches(pod_selector, pod_labels).map_err(invalid("podSelector"))
+        }
+        None => Ok(true),
+    }
 }
 
 #[cfg(test)]
@@ -174,7 +171,7 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_selector_narrows_and_an_invalid_selector_is_skipped_by_name() {
+    fn a_pod_selector_narrows_and_an_invalid_policy_governs_what_it_outranks() {
         let mut render = (*policy("render", 5, &[])).clone();
         render.spec.pod_selector = Some(LabelSelector {
             match_labels: Some(labels(&[("app", "render")])),
@@ -186,11 +183,7 @@ mod tests {
             operator: "Near".into(),
             values: None,
         }]);
-        let policies = [
-            policy("default", 0, &[]),
-            Arc::new(render),
-            Arc::new(broken),
-        ];
+        let mut policies = vec![policy("default", 0, &[]), Arc::new(render)];
         assert_eq!(
             chosen(&policies, &[], &[("app", "render")]).as_deref(),
             Some("render")
@@ -200,11 +193,45 @@ mod tests {
             selection.policy.and_then(|p| p.metadata.name.as_deref()),
             Some("default")
         );
-        assert_eq!(selection.skipped.len(), 1);
+        assert_eq!(selection.invalid, None);
+
+        // A selector that cannot be read could select anything: the policy governs every
+        // pod it outranks, and says why it is invalid.
+        policies.push(Arc::new(broken));
+        for pod in [&[("app", "render")][..], &[("app", "x")]] {
+            let selection = select_policy(&policies, &labels(&[]), &labels(pod));
+            assert_eq!(
+                selection.policy.and_then(|p| p.metadata.name.as_deref()),
+                Some("broken")
+            );
+            let why = selection.invalid.unwrap_or_default();
+            assert!(
+                why.starts_with(
+                    "GpuPolicy broken is invalid (InvalidSelector: spec.namespaceSelector"
+                ),
+                "{why}"
+            );
+        }
+
+        // A policy with a problem of its own is invalid only where it governs.
+        let mut greedy = (*policy("greedy", 20, &[("team", "a")])).clone();
+        greedy.spec.gpu.default_count = 9;
+        policies.push(Arc::new(greedy));
+        let selection = select_policy(&policies, &labels(&[("team", "a")]), &labels(&[]));
+        assert_eq!(
+            selection.policy.and_then(|p| p.metadata.name.as_deref()),
+            Some("greedy")
+        );
         assert!(
-            selection.skipped[0].starts_with("GpuPolicy broken ignored: invalid namespaceSelector"),
+            (selection.invalid.as_deref().unwrap_or_default())
+                .starts_with("GpuPolicy greedy is invalid (InvalidCount: spec.gpu.defaultCount 9"),
             "{:?}",
-            selection.skipped
+            selection.invalid
+        );
+        let selection = select_policy(&policies, &labels(&[("team", "b")]), &labels(&[]));
+        assert_eq!(
+            selection.policy.and_then(|p| p.metadata.name.as_deref()),
+            Some("broken")
         );
     }
 

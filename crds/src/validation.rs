@@ -359,6 +359,28 @@ mod tests {
     use crate::GpuPolicySpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
 
+    #[test]
+    fn the_crd_knows_the_same_capabilities() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_value(GpuPolicy::crd()).unwrap();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        for field in ["default", "allowed"] {
+            let rule =
+                spec["properties"]["capabilities"]["properties"][field]["x-kubernetes-validations"]
+                    [0]["rule"]
+                    .as_str()
+                    .unwrap_or_default();
+            let listed: Vec<&str> = rule
+                .split(['[', ']'])
+                .nth(1)
+                .unwrap_or_default()
+                .split(", ")
+                .map(|c| c.trim_matches('\''))
+                .collect();
+            assert_eq!(listed, LINUX_CAPABILITIES, "capabilities.{field}: {rule}");
+        }
+    }
+
     fn policy(name: &str, priority: i32, ns: LabelSelector) -> GpuPolicy {
         let mut p = GpuPolicy::default_policy();
         p.metadata.name = Some(name.into());

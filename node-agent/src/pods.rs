@@ -124,8 +124,9 @@ impl PodInfo {
     ) -> Option<&'p GpuPolicy> {
         let namespace_labels = namespace_labels_or_default(&self.namespace, namespace_labels);
         let selection = select_policy(policies, &namespace_labels, &self.labels);
-        for skipped in &selection.skipped {
-            tracing::debug!(pod = %self.name, namespace = %self.namespace, "{skipped}");
+        if let Some(invalid) = &selection.invalid {
+            // The webhook denies what this policy would judge; here it still governs.
+            tracing::debug!(pod = %self.name, namespace = %self.namespace, "{invalid}");
         }
         selection.policy
     }

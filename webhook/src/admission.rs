@@ -349,9 +349,6 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
             display_name: &name,
         };
         let decision = engine::decide(&input, policies);
-        for skipped in decision.skipped_policies() {
-            tracing::warn!(pod = %name, "{skipped}");
-        }
         answer = Some(respond(api_version, &uid, &name, decision, pod));
     });
     // A source that does not call back is a bug; its reviews are denied, not admitted.

@@ -644,7 +644,9 @@ fn policy_selection_by_namespace_labels_pod_labels_and_priority() {
 }
 
 #[test]
-fn an_invalid_policy_is_skipped_with_a_warning() {
+fn an_invalid_policy_fails_closed_where_it_could_govern() {
+    // A selector that cannot be read could select any namespace: every pod it outranks
+    // that it would judge is denied with the reason, not handed to the next policy.
     let broken = policy("broken", |p| {
         p.spec.priority = 100;
         p.spec.mode = PolicyMode::Deny;
@@ -658,16 +660,67 @@ fn an_invalid_policy_is_skipped_with_a_warning() {
         };
     });
     let src = StaticSource::new([broken, default_policy()]);
+    let answer = review_pod(&training_pod(), "ml", &src);
+    assert!(!answer.allowed());
+    assert!(answer.patch.is_none());
+    assert_eq!(answer.summary.policy.as_deref(), Some("broken@1"));
+    let message = answer.message();
+    assert!(
+        message.starts_with(
+            "gpuwarden: pod ml/train is denied: GpuPolicy broken is invalid (InvalidSelector: spec.namespaceSelector"
+        ) && message.contains("fails closed"),
+        "{message}"
+    );
+    let audit = &answer.response()["auditAnnotations"];
+    assert_eq!(audit["decision"], "denied");
+    assert!(
+        audit["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("GpuPolicy broken is invalid")
+    );
+    // What it would not judge passes: an unprivileged pod, and a privileged pod with no
+    // GPU signal.
+    let mut unprivileged = training_pod();
+    unprivileged["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    assert!(review_pod(&unprivileged, "ml", &src).allowed());
+    let fuse = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fuse"},
+        "spec": {"containers": [{"name": "c", "image": "fuse", "securityContext": {"privileged": true}}]}});
+    let answer = review_pod(&fuse, "ml", &src);
+    assert!(
+        answer.allowed() && answer.patch.is_none(),
+        "{:?}",
+        answer.review
+    );
+
+    // A policy with a problem of its own (an unknown capability) fails closed only where
+    // its valid selectors choose, and its namespace exemptions still hold; its image
+    // exemptions do not.
+    let careless = policy("careless", |p| {
+        p.spec.priority = 10;
+        p.spec.namespace_selector = LabelSelector {
+            match_labels: Some(BTreeMap::from([("team".into(), "a".into())])),
+            ..Default::default()
+        };
+        p.spec.capabilities.allowed.push("SYS_WIZARD".into());
+        p.spec.exemptions.namespaces = vec!["team-a-ops".into()];
+    });
+    let src = StaticSource::new([careless, default_policy()])
+        .with_namespace("team-a", &[("team", "a")])
+        .with_namespace("team-a-ops", &[("team", "a")]);
+    let answer = review_pod(&training_pod(), "team-a", &src);
+    assert!(
+        answer.message().contains("GpuPolicy careless is invalid (UnknownCapability: spec.capabilities.allowed: unknown Linux capabilities SYS_WIZARD"),
+        "{}",
+        answer.message()
+    );
+    assert!(review_pod(&training_pod(), "team-a-ops", &src).allowed());
+    let mut dcgm = training_pod();
+    dcgm["spec"]["containers"][0]["image"] = json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5");
+    assert!(!review_pod(&dcgm, "team-a", &src).allowed());
+    // Elsewhere the default policy governs as usual.
     let (answer, _) = rewrite(&training_pod(), "ml", &src);
     assert_eq!(answer.summary.policy.as_deref(), Some("default@1"));
-    assert!(
-        answer
-            .warnings()
-            .iter()
-            .any(|w| w.contains("GpuPolicy broken ignored")),
-        "{:?}",
-        answer.warnings()
-    );
 }
 
 #[test]

@@ -177,8 +177,6 @@ pub struct Decision<'a> {
     policy: Option<&'a GpuPolicy>,
     /// `name@generation` of the governing policy ("" when none governs).
     reference: String,
-    /// Policies skipped because they are invalid, with the reason (also warnings).
-    skipped_policies: Vec<String>,
     /// How the pod is named in messages.
     display_name: &'a str,
     detail: Detail<'a>,
@@ -213,6 +211,8 @@ enum Detail<'a> {
         /// already carries them.
         set: [Option<(&'static str, Set)>; 2],
     },
+    /// The governing policy is invalid, and the pod is one it would judge: why.
+    Invalid(String),
     /// Privileged ephemeral containers added to a governed pod.
     Ephemeral {
         offending: Vec<&'a str>,
@@ -258,18 +258,24 @@ pub fn decide<'a>(input: &Input<'a>, policies: &'a [Arc<GpuPolicy>]) -> Decision
         .and_then(|m| m.labels.as_ref())
         .unwrap_or(&no_labels);
     let selection = select_policy(policies, input.namespace_labels, pod_labels);
-    let mut decision = match selection.policy {
+    let invalid = selection.invalid;
+    match selection.policy {
         None => Decision::new(Verdict::NotGoverned, None, String::new(), input),
         Some(policy) => match input.operation {
-            Operation::Create => decide_create(input, policy),
-            Operation::AddEphemeral { old } => decide_ephemeral(input, old, policy),
+            Operation::Create => decide_create(input, policy, invalid),
+            Operation::AddEphemeral { old } => decide_ephemeral(input, old, policy, invalid),
         },
-    };
-    decision.skipped_policies = selection.skipped;
-    decision
+    }
 }
 
-fn decide_create<'a>(input: &Input<'a>, policy: &'a GpuPolicy) -> Decision<'a> {
+/// Judges a new pod. Under an invalid policy (`invalid` says why) only its namespace and
+/// service-account exemptions hold, and a pod it would judge is denied: it fails closed
+/// (docs/design.md, "Policies").
+fn decide_create<'a>(
+    input: &Input<'a>,
+    policy: &'a GpuPolicy,
+    invalid: Option<String>,
+) -> Decision<'a> {
     let reference = policy.reference();
     if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
         return Decision::new(Verdict::Exempt, Some(policy), reference, input)
@@ -279,7 +285,11 @@ fn decide_create<'a>(input: &Input<'a>, policy: &'a GpuPolicy) -> Decision<'a> {
     let triggered = facts
         .containers
         .iter()
-        .any(|c| c.privileged && c.gpu && !c.image_exempt);
+        .any(|c| c.privileged && c.gpu && (!c.image_exempt || invalid.is_some()));
+    if let Some(why) = invalid.filter(|_| triggered) {
+        return Decision::new(Verdict::Denied, Some(policy), reference, input)
+            .with(Detail::Invalid(why));
+    }
     if !triggered {
         let exempt = facts
             .containers
@@ -333,6 +343,7 @@ fn decide_ephemeral<'a>(
     input: &Input<'a>,
     old: &PodView<'_>,
     policy: &'a GpuPolicy,
+    invalid: Option<String>,
 ) -> Decision<'a> {
     let new = |verdict| Decision::new(verdict, Some(policy), policy.reference(), input);
     if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
@@ -351,12 +362,15 @@ fn decide_ephemeral<'a>(
                 .iter()
                 .any(|o| o.name.as_deref() == Some(name));
             let image = c.image.as_deref().unwrap_or("");
-            !existing && c.is_privileged() && !image_exempt(image, images)
+            !existing && c.is_privileged() && (invalid.is_some() || !image_exempt(image, images))
         })
         .map(|c| c.name.as_deref().unwrap_or(""))
         .collect();
     if offending.is_empty() {
         return new(Verdict::Unchanged);
+    }
+    if let Some(why) = invalid {
+        return new(Verdict::Denied).with(Detail::Invalid(why));
     }
     let mode = policy.spec.mode;
     let verdict = if mode == PolicyMode::Audit {
@@ -388,7 +402,6 @@ impl<'a> Decision<'a> {
             verdict,
             policy,
             reference,
-            skipped_policies: Vec::new(),
             display_name: input.display_name,
             detail: Detail::Plain,
         }
@@ -417,11 +430,6 @@ impl<'a> Decision<'a> {
     /// [`Decision::policy_reference`], taken out of the decision.
     pub fn into_policy_reference(self) -> Option<String> {
         self.policy.map(|_| self.reference)
-    }
-
-    /// Policies skipped because they are invalid, with the reason (each is also a warning).
-    pub fn skipped_policies(&self) -> &[String] {
-        &self.skipped_policies
     }
 
     /// Why the pod is exempt, when it is.
@@ -455,15 +463,11 @@ impl<'a> Decision<'a> {
         }
     }
 
-    /// The warnings for the user, in order: invalid policies skipped, then one per changed
-    /// container and one for the pod (Enforce and Audit), then what Enforce would deny
-    /// (Audit). Each is clipped to [`MAX_WARNING_LEN`].
+    /// The warnings for the user, in order: one per changed container and one for the pod
+    /// (Enforce and Audit), then what Enforce would deny (Audit). Each is clipped to
+    /// [`MAX_WARNING_LEN`].
     pub fn warnings(&self) -> Vec<String> {
-        let mut warnings: Vec<String> = self
-            .skipped_policies
-            .iter()
-            .map(|skipped| format!("gpuwarden: {skipped}"))
-            .collect();
+        let mut warnings = Vec::new();
         match (&self.detail, self.verdict) {
             (Detail::Create { plan, .. }, Verdict::Rewritten) => {
                 plan.push_warnings("gpuwarden: ", ": ", &mut warnings);
@@ -519,6 +523,9 @@ impl<'a> Decision<'a> {
                 "gpuwarden: privileged ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): a privileged container sees every GPU on the node and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general`",
                 offending.join(", "),
             )),
+            Detail::Invalid(why) => Some(format!(
+                "gpuwarden: pod {name} is denied: {why}. gpuwarden fails closed until the policy is fixed; `kubectl get gpupolicies -o wide` shows each policy's Ready reason"
+            )),
             Detail::Plain | Detail::Exempt(_) => None,
         }
     }
@@ -552,6 +559,11 @@ impl<'a> Decision<'a> {
             Detail::Ephemeral { .. } => {
                 annotations.insert("decision", decision.to_owned());
                 annotations.insert("policy", self.reference.to_string());
+            }
+            Detail::Invalid(why) => {
+                annotations.insert("decision", decision.to_owned());
+                annotations.insert("policy", self.reference.to_string());
+                annotations.insert("reason", why.clone());
             }
         }
         annotations
