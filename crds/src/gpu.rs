@@ -24,6 +24,32 @@ use crate::{
 
 /// The environment variable the NVIDIA container runtime hands GPUs out by.
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// MIG configuration access (`/proc/driver/nvidia/capabilities/mig/config`).
+pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
+/// MIG monitoring access (`/proc/driver/nvidia/capabilities/mig/monitor`).
+pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
+/// Where the NVIDIA container toolkit reads a device list from mounts
+/// (`accept-nvidia-visible-devices-as-volume-mounts`): a mount at
+/// `<root>/<device>` hands `<device>` (an index, a UUID or `all`) to the container.
+pub const DEVICE_LIST_ROOT: &str = "/var/run/nvidia-container-devices";
+
+/// Whether a mount path (cleaned lexically) is at or under [`DEVICE_LIST_ROOT`], and the
+/// device it names: `Some(None)` for the root itself, `Some(Some(device))` below it.
+pub fn device_list_entry(path: &str) -> Option<Option<String>> {
+    let clean;
+    let path = if is_clean(path) {
+        path
+    } else {
+        clean = clean_path(path);
+        &clean
+    };
+    let rest = path.strip_prefix(DEVICE_LIST_ROOT)?;
+    if rest.is_empty() {
+        return Some(None);
+    }
+    let device = rest.strip_prefix('/')?;
+    Some(Some(device.split('/').next().unwrap_or(device).to_owned()))
+}
 
 /// Whether `name` is an NVIDIA GPU resource: `nvidia.com/gpu`, `nvidia.com/gpu.shared` or
 /// `nvidia.com/mig-*`.
@@ -185,8 +211,8 @@ pub trait ContainerSpec {
     fn request_names(&self) -> impl Iterator<Item = &str>;
     /// `env`, in order.
     fn env_entries(&self) -> impl Iterator<Item = EnvEntry<'_>>;
-    /// The volume names of `volumeMounts`, in order.
-    fn mount_names(&self) -> impl Iterator<Item = &str>;
+    /// `volumeMounts` as (name, mountPath), in order.
+    fn mounts(&self) -> impl Iterator<Item = (&str, &str)>;
 }
 
 /// What the governing policy adds to the predicate.
@@ -196,14 +222,17 @@ pub struct Rules<'p> {
     pub resource: &'p str,
     /// `match.privilegedContainers: All`: every container counts.
     pub every_container: bool,
+    /// `stripCdiAnnotations`: an NVIDIA CDI annotation is a leak the rewrite removes.
+    pub strip_cdi: bool,
 }
 
 impl Default for Rules<'_> {
-    /// No policy: the NVIDIA resource names only.
+    /// No policy: the NVIDIA resource names only; CDI annotations are leaks.
     fn default() -> Self {
         Self {
             resource: RESOURCE_GPU,
             every_container: false,
+            strip_cdi: true,
         }
     }
 }
@@ -214,6 +243,7 @@ impl<'p> Rules<'p> {
         Self {
             resource: &policy.spec.gpu.resource_name,
             every_container: policy.spec.match_.privileged_containers == PrivilegedMatch::All,
+            strip_cdi: policy.spec.strip_cdi_annotations,
         }
     }
 
@@ -303,6 +333,13 @@ pub struct Signals<'c> {
     /// The policy counts every container that does not set `NVIDIA_VISIBLE_DEVICES` to
     /// `none`, `void` or empty.
     pub every_container: bool,
+    /// Mounts under [`DEVICE_LIST_ROOT`]: the device list the toolkit would read from them
+    /// (`All` for `all` or a mount of the root itself).
+    pub device_list: VisibleDevices,
+    /// `NVIDIA_MIG_CONFIG_DEVICES` or `NVIDIA_MIG_MONITOR_DEVICES` is set.
+    pub mig_access: bool,
+    /// The policy removes NVIDIA CDI annotations (`stripCdiAnnotations`).
+    pub strip_cdi: bool,
 }
 
 impl Signals<'_> {
@@ -314,7 +351,25 @@ impl Signals<'_> {
             VisibleDevices::Unset => self.every_container,
             ref visible => visible.is_gpu_signal(),
         };
-        self.limit || self.request.is_some() || env || self.device_mount || self.cdi
+        self.limit
+            || self.request.is_some()
+            || env
+            || self.device_mount
+            || self.cdi
+            || self.device_list.is_gpu_signal()
+    }
+
+    /// Whether the container reaches GPUs around the kubelet even when unprivileged
+    /// (docs/design.md, "Leaks"): `NVIDIA_VISIBLE_DEVICES` naming devices, `all` or set
+    /// through `valueFrom`; a MIG access variable; a device-list mount; or an NVIDIA CDI
+    /// annotation the policy removes. The container's own `NVIDIA_VISIBLE_DEVICES` comes
+    /// after the device plugin's in the kubelet's list, so the runtime reads the
+    /// container's: even beside a GPU limit it is a leak.
+    pub fn leaks(&self) -> bool {
+        self.visible.is_gpu_signal()
+            || self.mig_access
+            || self.device_list != VisibleDevices::Unset
+            || (self.cdi && self.strip_cdi)
     }
 }
 
@@ -350,14 +405,35 @@ pub fn signals<'c, C: ContainerSpec>(
         }) => (VisibleDevices::Indirect, None),
         Some(_) => (VisibleDevices::NoGpu, Some("")),
     };
+    let mut devices = BTreeSet::new();
+    let mut device_list = VisibleDevices::Unset;
+    let mut device_mount = false;
+    for (name, path) in container.mounts() {
+        device_mount |= pod.device_volume(name).is_some();
+        match device_list_entry(path) {
+            None => {}
+            Some(Some(device)) if !device.eq_ignore_ascii_case("all") => {
+                devices.insert(device);
+            }
+            Some(_) => device_list = VisibleDevices::All,
+        }
+    }
+    if device_list == VisibleDevices::Unset && !devices.is_empty() {
+        device_list = VisibleDevices::Devices(u32::try_from(devices.len()).unwrap_or(u32::MAX));
+    }
+    let mig_access = (container.env_entries())
+        .any(|e| e.name == ENV_MIG_CONFIG_DEVICES || e.name == ENV_MIG_MONITOR_DEVICES);
     Signals {
         limit,
         request,
         visible,
         visible_raw,
-        device_mount: (container.mount_names()).any(|m| pod.device_volume(m).is_some()),
+        device_mount,
         cdi: pod.cdi_nvidia,
         every_container: rules.every_container,
+        device_list,
+        mig_access,
+        strip_cdi: rules.strip_cdi,
     }
 }
 
@@ -374,6 +450,8 @@ pub enum CountFrom<'a> {
     VisibleAll,
     /// The IDs in `NVIDIA_VISIBLE_DEVICES`, as written.
     Visible(&'a str),
+    /// The devices named by mounts under [`DEVICE_LIST_ROOT`] (`all`: the policy's default).
+    DeviceList,
     /// Nothing said how many: the policy's default.
     PolicyDefault,
 }
@@ -387,6 +465,7 @@ impl<'a> CountFrom<'a> {
             Self::PodAnnotation => ["annotation ", ANNOTATION_GPU_COUNT, "", ""],
             Self::VisibleAll => [ENV_VISIBLE_DEVICES, "=all, policy default", "", ""],
             Self::Visible(raw) => [ENV_VISIBLE_DEVICES, "=", raw, ""],
+            Self::DeviceList => ["device-list mounts under ", DEVICE_LIST_ROOT, "", ""],
             Self::PolicyDefault => ["policy default", "", "", ""],
         }
     }
@@ -405,8 +484,8 @@ pub type CountAnnotation<'a> = (Option<&'a str>, String);
 /// How many GPUs a GPU container without a GPU limit or request is given, and where the
 /// number came from (docs/design.md, "Rewrite rules", rule 3): the annotation
 /// `gpuwarden.io/gpu-count.<container>`, else `gpuwarden.io/gpu-count`, else the distinct
-/// IDs in `NVIDIA_VISIBLE_DEVICES`, else the policy's default (also for `all`, unless the
-/// policy denies it). `annotation` looks a pod annotation up by key. The error says why the
+/// devices its device-list mounts name, else the distinct IDs in `NVIDIA_VISIBLE_DEVICES`,
+/// else the policy's default (also for `all`, unless the policy denies it). `annotation` looks a pod annotation up by key. The error says why the
 /// container cannot be given GPUs as it is.
 pub fn gpu_count<'a>(
     container: &'a str,
@@ -427,9 +506,15 @@ pub fn gpu_count<'a>(
         };
     }
     let default = policy.spec.gpu.default_count;
-    match &signals.visible {
+    // The toolkit reads a device list from mounts before the environment.
+    let (visible, all_from) = match signals.device_list {
+        VisibleDevices::Devices(n) => return Ok((n, CountFrom::DeviceList)),
+        VisibleDevices::All => (&VisibleDevices::All, CountFrom::DeviceList),
+        _ => (&signals.visible, CountFrom::VisibleAll),
+    };
+    match visible {
         VisibleDevices::All => match policy.spec.gpu.visible_devices_all {
-            VisibleDevicesAll::DefaultCount => Ok((default, CountFrom::VisibleAll)),
+            VisibleDevicesAll::DefaultCount => Ok((default, all_from)),
             VisibleDevicesAll::Deny => Err(format!(
                 "{ENV_VISIBLE_DEVICES}=all is not allowed: request GPUs with limits {} or annotation {ANNOTATION_GPU_COUNT}",
                 policy.spec.gpu.resource_name
@@ -470,8 +555,9 @@ macro_rules! api_container_spec {
                     value_from: e.value_from.is_some(),
                 })
             }
-            fn mount_names(&self) -> impl Iterator<Item = &str> {
-                self.volume_mounts.iter().flatten().map(|m| m.name.as_str())
+            fn mounts(&self) -> impl Iterator<Item = (&str, &str)> {
+                (self.volume_mounts.iter().flatten())
+                    .map(|m| (m.name.as_str(), m.mount_path.as_str()))
             }
         }
     )*};

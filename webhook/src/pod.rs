@@ -256,13 +256,16 @@ pub struct Capabilities<'a> {
     pub drop: Option<Value>,
 }
 
-/// A volume mount: the engine reads its volume name.
+/// A volume mount: the engine reads its volume name and where it is mounted.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-#[serde(default, bound(deserialize = "'de: 'a"))]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
 pub struct VolumeMount<'a> {
     /// `name`.
     #[serde(deserialize_with = "text")]
     pub name: Option<Cow<'a, str>>,
+    /// `mountPath`.
+    #[serde(deserialize_with = "text")]
+    pub mount_path: Option<Cow<'a, str>>,
 }
 
 impl Container<'_> {
@@ -304,8 +307,11 @@ impl gpuwarden_crds::gpu::ContainerSpec for Container<'_> {
                 value_from: e.value_from,
             })
     }
-    fn mount_names(&self) -> impl Iterator<Item = &str> {
-        (self.volume_mounts.iter().flatten()).map(|m| m.name.as_deref().unwrap_or(""))
+    fn mounts(&self) -> impl Iterator<Item = (&str, &str)> {
+        (self.volume_mounts.iter().flatten()).map(|m| {
+            let name = m.name.as_deref().unwrap_or("");
+            (name, m.mount_path.as_deref().unwrap_or(""))
+        })
     }
 }
 

@@ -86,6 +86,16 @@ const GPU_RESOURCES: &[&str] = &[
     "example.com/accelerator",
 ];
 
+const DEVICE_LIST_PATHS: &[&str] = &[
+    "/var/run/nvidia-container-devices/all",
+    "/var/run/nvidia-container-devices/0",
+    "/var/run/nvidia-container-devices/GPU-8f2c3b1a",
+    "/var/run/nvidia-container-devices",
+    "/var/run/./nvidia-container-devices/1/",
+    "/var/run/nvidia-container-devices-x/0",
+    "/run/nvidia-container-devices/0",
+];
+
 fn pick<'a>(rng: &mut StdRng, items: &'a [&'a str]) -> &'a str {
     items.choose(rng).copied().unwrap_or_default()
 }
@@ -182,6 +192,10 @@ fn gen_container(rng: &mut StdRng, name: &str, volumes: &[String]) -> Value {
     for v in volumes {
         if rng.random_bool(0.35) {
             mounts.push(json!({"name": v, "mountPath": format!("/mnt/{v}")}));
+        }
+        // The toolkit's device-list mounts, from any volume, and look-alikes.
+        if rng.random_bool(0.1) {
+            mounts.push(json!({"name": v, "mountPath": pick(rng, DEVICE_LIST_PATHS)}));
         }
     }
     if !mounts.is_empty() {
@@ -429,6 +443,63 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
         .collect()
 }
 
+/// Whether a mount path is where the toolkit reads a device list: at or under
+/// `/var/run/nvidia-container-devices`, once resolved part by part.
+fn oracle_device_list_path(path: &str) -> bool {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    parts.starts_with(&["var", "run", "nvidia-container-devices"])
+}
+
+/// The containers that reach GPUs around the kubelet whatever their privilege (a leak):
+/// `NVIDIA_VISIBLE_DEVICES` naming devices or set from elsewhere, a MIG access variable, a
+/// device-list mount, or an NVIDIA CDI annotation the policy strips; image exemptions hold.
+fn leaking_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
+    let cdi = policy.spec.strip_cdi_annotations
+        && pod["metadata"]["annotations"].as_object().is_some_and(|a| {
+            a.iter().any(|(k, v)| {
+                k.starts_with("cdi.k8s.io/")
+                    && v.as_str().is_some_and(|v| v.contains("nvidia.com/"))
+            })
+        });
+    containers_of(pod)
+        .filter(|c| {
+            !oracle_image_exempt(
+                c["image"].as_str().unwrap_or(""),
+                &policy.spec.exemptions.images,
+            )
+        })
+        .filter(|c| {
+            let env = c["env"].as_array().map(Vec::as_slice).unwrap_or_default();
+            let visible = (env.iter().rev())
+                .find(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
+                .is_some_and(|e| match e["value"].as_str() {
+                    Some(v) => {
+                        let v = v.trim().to_ascii_lowercase();
+                        v != "none" && v != "void" && v.split(',').any(|d| !d.trim().is_empty())
+                    }
+                    None => e.get("valueFrom").is_some(),
+                });
+            let mig = env.iter().any(|e| {
+                e["name"] == "NVIDIA_MIG_CONFIG_DEVICES"
+                    || e["name"] == "NVIDIA_MIG_MONITOR_DEVICES"
+            });
+            let list = (c["volumeMounts"].as_array().into_iter().flatten())
+                .any(|m| m["mountPath"].as_str().is_some_and(oracle_device_list_path));
+            visible || mig || list || cdi
+        })
+        .map(|c| c["name"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
 /// `pod` with every field the engine may change taken out, and empty objects pruned, so two
 /// pods that differ only in those fields compare equal.
 fn without_allowed_fields(
@@ -488,6 +559,7 @@ fn without_allowed_fields(
                     !m["name"]
                         .as_str()
                         .is_some_and(|n| device_volumes.contains(n))
+                        && !m["mountPath"].as_str().is_some_and(oracle_device_list_path)
                 });
             }
         }
@@ -518,6 +590,7 @@ fn generated_pods_hold_the_invariants() {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut patched_count = 0;
+    let mut leaks_seen = 0;
     for case in 0..CASES {
         let (pod, namespace) = gen_pod(&mut rng, case);
         let policy = gen_policy(&mut rng);
@@ -603,11 +676,20 @@ fn generated_pods_hold_the_invariants() {
                 "privileged GPU containers left: {left:?}\n{}\n{patched:#}",
                 ctx()
             );
+            // ... and no container that reaches GPUs around the kubelet.
+            let leaking = leaking_containers(&patched, &policy);
+            assert!(
+                leaking.is_empty(),
+                "leaking containers left: {leaking:?}\n{}\n{patched:#}",
+                ctx()
+            );
         }
-        if !pod_exempt
-            && mode == PolicyMode::Deny
-            && !privileged_gpu_containers(&pod, &policy).is_empty()
-        {
+        let offending = !privileged_gpu_containers(&pod, &policy).is_empty()
+            || !leaking_containers(&pod, &policy).is_empty();
+        if offending {
+            leaks_seen += usize::from(privileged_gpu_containers(&pod, &policy).is_empty());
+        }
+        if !pod_exempt && mode == PolicyMode::Deny && offending {
             assert_eq!(first.summary.outcome, Outcome::Denied, "{}", ctx());
         }
 
@@ -673,7 +755,13 @@ fn generated_pods_hold_the_invariants() {
         patched_count >= 300,
         "too few patched pods: {patched_count} ({outcomes:?})"
     );
-    println!("{CASES} generated pods: {outcomes:?}, {patched_count} patched");
+    assert!(
+        leaks_seen >= 50,
+        "too few pods with only a leak: {leaks_seen}"
+    );
+    println!(
+        "{CASES} generated pods: {outcomes:?}, {patched_count} patched, {leaks_seen} leaking only"
+    );
 }
 
 #[test]

@@ -341,9 +341,11 @@ fn privileged_sidecar_loses_privilege_and_gets_void() {
     );
     assert_eq!(answer.warnings().len(), 2, "{:?}", answer.warnings());
 
-    // Without a privileged GPU container a privileged sidecar is none of our business.
+    // Without a privileged or leaking GPU container a privileged sidecar is none of our
+    // business.
     let mut pod = training_pod();
     pod["spec"]["containers"][0]["securityContext"]["privileged"] = json!(false);
+    pod["spec"]["containers"][0]["env"] = json!([]);
     pod["spec"]["containers"].as_array_mut().unwrap().push(json!({
         "name": "sidecar", "image": "istio/proxyv2:1.22", "securityContext": {"privileged": true}
     }));
@@ -683,6 +685,7 @@ fn an_invalid_policy_fails_closed_where_it_could_govern() {
     // GPU signal.
     let mut unprivileged = training_pod();
     unprivileged["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    unprivileged["spec"]["containers"][0]["env"] = json!([]);
     assert!(review_pod(&unprivileged, "ml", &src).allowed());
     let fuse = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fuse"},
         "spec": {"containers": [{"name": "c", "image": "fuse", "securityContext": {"privileged": true}}]}});
@@ -727,6 +730,9 @@ fn an_invalid_policy_fails_closed_where_it_could_govern() {
 fn unprivileged_and_non_gpu_pods_pass_unchanged() {
     let mut pod = training_pod();
     pod["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    pod["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]);
+    pod["spec"]["containers"][0]["resources"]["limits"] = json!({"nvidia.com/gpu": "1"});
     let answer = review_pod(&pod, "ml", &source());
     assert!(answer.allowed() && answer.patch.is_none());
     assert!(answer.warnings().is_empty());
@@ -736,6 +742,126 @@ fn unprivileged_and_non_gpu_pods_pass_unchanged() {
                                  "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}});
     let answer = review_pod(&pod, "ml", &source());
     assert!(answer.allowed() && answer.patch.is_none());
+}
+
+/// Door 1 of the leaks: an unprivileged container that names GPUs through the runtime's
+/// own channels (NVIDIA_VISIBLE_DEVICES, MIG access variables, device-list mounts, an
+/// NVIDIA CDI annotation) gets them only through the kubelet after the rewrite.
+#[test]
+fn unprivileged_leaks_become_explicit_requests() {
+    let unprivileged = |env: Value| {
+        let mut pod = training_pod();
+        pod["spec"]["containers"][0]["securityContext"] = json!({"runAsUser": 1000});
+        pod["spec"]["containers"][0]["env"] = env;
+        pod
+    };
+    // NVIDIA_VISIBLE_DEVICES=all: the policy's default, the variable gone, the security
+    // context as it was.
+    let pod = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+        {"name": "NVIDIA_MIG_CONFIG_DEVICES", "value": "all"}]));
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    let c = &out["spec"]["containers"][0];
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
+    assert_eq!(c["securityContext"], json!({"runAsUser": 1000}));
+    assert_eq!(env_names(c), ["NVIDIA_DRIVER_CAPABILITIES"]);
+    let warnings = answer.warnings();
+    assert_eq!(
+        warnings,
+        [
+            "gpuwarden: container trainer: requests nvidia.com/gpu=1 (NVIDIA_VISIBLE_DEVICES=all, policy default); env NVIDIA_VISIBLE_DEVICES,NVIDIA_MIG_CONFIG_DEVICES removed; NVIDIA_DRIVER_CAPABILITIES=compute,utility"
+        ]
+    );
+
+    // Two IDs: two GPUs. Beside a GPU limit the variable still goes, since the kubelet puts
+    // the container's own value after the device plugin's and the runtime reads the last.
+    let pod = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]));
+    let (_, out) = rewrite(&pod, "ml", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "2"
+    );
+    let mut limited = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]));
+    limited["spec"]["containers"][0]["resources"]["limits"] = json!({"nvidia.com/gpu": "1"});
+    let (_, out) = rewrite(&limited, "ml", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"],
+        json!({"nvidia.com/gpu": "1"})
+    );
+    assert_eq!(
+        env_names(&out["spec"]["containers"][0]),
+        ["NVIDIA_DRIVER_CAPABILITIES"]
+    );
+
+    // Device-list mounts (the toolkit's volume-mounts strategy, from any volume): each
+    // named device counts once, and the mounts go; other mounts stay.
+    let mut mounts = unprivileged(json!([]));
+    mounts["spec"]["volumes"] = json!([{"name": "empty", "emptyDir": {}}]);
+    mounts["spec"]["containers"][0]["volumeMounts"] = json!([
+        {"name": "empty", "mountPath": "/data"},
+        {"name": "empty", "mountPath": "/var/run/nvidia-container-devices/0"},
+        {"name": "empty", "mountPath": "/var/run//nvidia-container-devices/GPU-1234/"},
+        {"name": "empty", "mountPath": "/var/run/nvidia-container-devices/0"}
+    ]);
+    let (answer, out) = rewrite(&mounts, "ml", &source());
+    let c = &out["spec"]["containers"][0];
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
+    assert_eq!(
+        c["volumeMounts"],
+        json!([{"name": "empty", "mountPath": "/data"}])
+    );
+    let changes = answer.response()["auditAnnotations"]["changes"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        changes.contains("requests nvidia.com/gpu=2 (device-list mounts under /var/run/nvidia-container-devices)")
+            && changes.contains("device-list mount /var/run/nvidia-container-devices/0,/var/run//nvidia-container-devices/GPU-1234/,/var/run/nvidia-container-devices/0 removed"),
+        "{changes}"
+    );
+    let report: Value = serde_json::from_str(
+        out["metadata"]["annotations"]["gpuwarden.io/rewritten"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        report["containers"]["trainer"]["deviceListMountsRemoved"]
+            .as_array()
+            .map(Vec::len),
+        Some(3)
+    );
+
+    // An NVIDIA CDI annotation hands devices to every container: it goes, and each
+    // container gets the policy's default. A vendor's CDI annotation is not ours.
+    let mut cdi = unprivileged(json!([]));
+    cdi["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"});
+    let (_, out) = rewrite(&cdi, "ml", &source());
+    assert!(
+        out["metadata"]["annotations"]
+            .get("cdi.k8s.io/gpu")
+            .is_none()
+    );
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    let mut vendor = unprivileged(json!([]));
+    vendor["metadata"]["annotations"] = json!({"cdi.k8s.io/fpga": "vendor.com/fpga=0"});
+    let answer = review_pod(&vendor, "ml", &source());
+    assert!(answer.allowed() && answer.patch.is_none());
+    // A policy that keeps CDI annotations does not count them as a leak.
+    let keep = StaticSource::new([policy("keep", |p| p.spec.strip_cdi_annotations = false)]);
+    let answer = review_pod(&cdi, "ml", &keep);
+    assert!(answer.allowed() && answer.patch.is_none());
+
+    // Exempt images keep what they have; Audit warns; Deny rejects.
+    let mut exempt = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]));
+    exempt["spec"]["containers"][0]["image"] = json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5");
+    let answer = review_pod(&exempt, "ml", &source());
+    assert!(answer.allowed() && answer.patch.is_none());
+    let leak = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]));
+    let deny = StaticSource::new([policy("deny", |p| p.spec.mode = PolicyMode::Deny)]);
+    assert!(!review_pod(&leak, "ml", &deny).allowed());
 }
 
 fn pod_with_ephemeral(names: &[(&str, bool, &str)]) -> Value {

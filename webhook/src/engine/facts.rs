@@ -27,12 +27,24 @@ pub(super) struct ContainerFacts<'a> {
 impl<'a> ContainerFacts<'a> {
     /// The names of its volume mounts, in order ("" for a mount without one).
     pub(super) fn mount_names(&self) -> impl Iterator<Item = &'a str> + use<'a> {
+        self.mounts().map(|(name, _)| name)
+    }
+
+    /// Its volume mounts as (name, mountPath), in order ("" for what is missing).
+    pub(super) fn mounts(&self) -> impl Iterator<Item = (&'a str, &'a str)> + use<'a> {
         let value: &'a Container<'a> = self.value;
-        value
-            .volume_mounts
-            .iter()
-            .flatten()
-            .map(|m| m.name.as_deref().unwrap_or(""))
+        (value.volume_mounts.iter().flatten()).map(|m| {
+            let name = m.name.as_deref().unwrap_or("");
+            (name, m.mount_path.as_deref().unwrap_or(""))
+        })
+    }
+
+    /// Whether the rewrite must change it: a privileged GPU container, or one that reaches
+    /// GPUs around the kubelet (a leak), unless its image is exempt (or `images_count` is
+    /// false: an invalid policy's image patterns do not).
+    pub(super) fn offends(&self, images_count: bool) -> bool {
+        (!self.image_exempt || !images_count)
+            && ((self.privileged && self.gpu) || self.signals.leaks())
     }
 }
 

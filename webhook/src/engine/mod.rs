@@ -33,7 +33,10 @@ use plan::{ContainerPlan, Plan};
 
 pub use crate::pod::ContainerKind;
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
-pub use gpuwarden_crds::gpu::{ENV_VISIBLE_DEVICES, VisibleDevices, is_device_host_path};
+pub use gpuwarden_crds::gpu::{
+    ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES, VisibleDevices,
+    is_device_host_path,
+};
 pub use gpuwarden_crds::selection::{
     LABEL_NAMESPACE_NAME, NamespaceLabels, Selection, namespace_labels_or_default, select_policy,
 };
@@ -42,10 +45,6 @@ pub use plan::Quantity;
 
 /// Environment variable naming the driver capabilities (libraries) the runtime mounts.
 pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
-/// MIG configuration access; the runtime refuses it in unprivileged containers.
-pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
-/// MIG monitoring access; the runtime refuses it in unprivileged containers.
-pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
 /// The command a denial message points users to.
 pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
 /// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
@@ -282,22 +281,16 @@ fn decide_create<'a>(
             .with(Detail::Exempt(reason.into()));
     }
     let facts = facts::read_pod(input.pod, policy);
-    let triggered = facts
-        .containers
-        .iter()
-        .any(|c| c.privileged && c.gpu && (!c.image_exempt || invalid.is_some()));
+    let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()));
     if let Some(why) = invalid.filter(|_| triggered) {
         return Decision::new(Verdict::Denied, Some(policy), reference, input)
             .with(Detail::Invalid(why));
     }
     if !triggered {
-        let exempt = facts
-            .containers
-            .iter()
-            .any(|c| c.privileged && c.gpu && c.image_exempt);
+        let exempt = (facts.containers.iter()).any(|c| c.offends(false));
         return if exempt {
             Decision::new(Verdict::Exempt, Some(policy), reference, input).with(Detail::Exempt(
-                "every privileged GPU container has an exempt image".into(),
+                "every privileged or leaking GPU container has an exempt image".into(),
             ))
         } else {
             Decision::new(Verdict::Unchanged, Some(policy), reference, input)

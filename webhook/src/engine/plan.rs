@@ -7,7 +7,7 @@ use std::fmt;
 
 use gpuwarden_crds::GpuPolicy;
 
-use gpuwarden_crds::gpu::{self, CountFrom, PodSignals};
+use gpuwarden_crds::gpu::{self, CountFrom, PodSignals, VisibleDevices};
 
 use super::facts::PodFacts;
 use super::{
@@ -56,8 +56,10 @@ pub(super) struct ContainerPlan<'a> {
     pub(super) env: Option<EnvEdit<'a>>,
     /// Rule 5: indices of the `volumeMounts` entries removed, ascending.
     pub(super) mounts: Indices,
-    /// Names of the volumes whose mounts are removed, each once, in order.
+    /// Names of the device volumes whose mounts are removed, each once, in order.
     pub(super) mounts_removed: Names<'a>,
+    /// Paths of the device-list mounts removed, in order.
+    pub(super) device_list_removed: Names<'a>,
 }
 
 /// A GPU limit the rewrite adds.
@@ -176,6 +178,9 @@ pub(super) fn plan_pod<'a>(
     };
     for c in &facts.containers {
         let target = c.privileged && !c.image_exempt;
+        // An unprivileged container that reaches GPUs around the kubelet: it keeps its
+        // security context, and loses the leak (rules 3 to 5).
+        let leaking = !c.privileged && !c.image_exempt && c.signals.leaks();
         let mut p = ContainerPlan {
             at: c.at,
             name: c.name,
@@ -188,9 +193,12 @@ pub(super) fn plan_pod<'a>(
             env: None,
             mounts: Indices::default(),
             mounts_removed: Names::default(),
+            device_list_removed: Names::default(),
         };
         if target {
             capabilities(&mut p, c.value, policy);
+        }
+        if target || leaking {
             // Rule 3.
             if c.gpu && !c.signals.limit {
                 match c.gpu_request {
@@ -273,7 +281,18 @@ pub(super) fn plan_pod<'a>(
                 }
             }
         }
-        if target || !p.mounts.is_empty() {
+        // Mounts the toolkit would read as a device list go from every container that is
+        // changed.
+        if (target || leaking) && c.signals.device_list != VisibleDevices::Unset {
+            for (i, (_, path)) in c.mounts().enumerate() {
+                if gpu::device_list_entry(path).is_some() && !p.mounts.contains(&i) {
+                    p.mounts.push(i);
+                    p.device_list_removed.push(path);
+                }
+            }
+            p.mounts.sort_unstable();
+        }
+        if target || leaking || !p.mounts.is_empty() {
             plan.containers.push(p);
         }
     }

@@ -125,6 +125,12 @@ impl Plan<'_> {
             }
             out.push_str(" removed");
         }
+        list_phrase(
+            phrases,
+            "device-list mount ",
+            &c.device_list_removed,
+            " removed",
+        );
     }
 
     /// The pod-level phrases: device hostPath volumes and annotations removed.
@@ -226,6 +232,7 @@ impl Plan<'_> {
                 .and_then(|env| env.set.as_ref())
                 .map(|(name, value)| BTreeMap::from([(*name, self.env_value(value))])),
             volume_mounts_removed: &c.mounts_removed,
+            device_list_mounts_removed: &c.device_list_removed,
         }
     }
 
@@ -272,6 +279,8 @@ struct ContainerReport<'p> {
     env_set: Option<BTreeMap<&'static str, &'p str>>,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     volume_mounts_removed: &'p [&'p str],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    device_list_mounts_removed: &'p [&'p str],
 }
 
 /// The text cut to [`MAX_WARNING_LEN`] bytes on a character boundary, with `...`.
