@@ -193,9 +193,10 @@ fn request(namespace: &str) -> Value {
 }
 
 /// The webhook's matchConditions send a pod exactly when some container (regular, init or
-/// ephemeral) is privileged.
+/// ephemeral) is privileged or names GPUs through the runtime's own channels, or the pod
+/// carries a CDI annotation; ordinary pods, GPU requests among them, are never sent.
 #[test]
-fn match_conditions_select_pods_with_a_privileged_container() {
+fn match_conditions_select_pods_that_may_reach_gpus() {
     let docs = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
     let condition = docs[0].value["webhooks"][0]["matchConditions"][0]["expression"]
         .as_str()
@@ -236,6 +237,48 @@ fn match_conditions_select_pods_with_a_privileged_container() {
                 json!({"containers": [container("a", None)], "ephemeralContainers": [container("e", Some(true))]}),
             ),
             true,
+        ),
+        (
+            pod(json!({"containers": [{"name": "a", "env": [{"name": "HOME", "value": "/"}],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "volumeMounts": [{"name": "d", "mountPath": "/data"}]}]})),
+            false,
+        ),
+        (
+            pod(json!({"containers": [{"name": "a",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]})),
+            true,
+        ),
+        (
+            pod(json!({"containers": [container("a", None)], "initContainers": [{"name": "i",
+                "env": [{"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}]}]})),
+            true,
+        ),
+        (
+            pod(json!({"containers": [{"name": "a", "volumeMounts": [{"name": "d",
+                "mountPath": "/var/run/nvidia-container-devices/all"}]}]})),
+            true,
+        ),
+        (
+            pod(json!({"containers": [container("a", None)], "ephemeralContainers": [{"name": "e",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]}]})),
+            true,
+        ),
+        (
+            {
+                let mut p = pod(json!({"containers": [container("a", None)]}));
+                p["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"});
+                p
+            },
+            true,
+        ),
+        (
+            {
+                let mut p = pod(json!({"containers": [container("a", None)]}));
+                p["metadata"]["annotations"] = json!({"team": "a"});
+                p
+            },
+            false,
         ),
     ];
     for (object, expected) in cases {
@@ -282,6 +325,13 @@ fn backstop_rejects_privileged_gpu_containers_only() {
     rewritten["securityContext"] = json!({"privileged": false, "allowPrivilegeEscalation": false});
     let mut unprivileged_gpu = limit.clone();
     unprivileged_gpu["securityContext"] = json!({});
+    let mut unprivileged_env = gpu_env.clone();
+    unprivileged_env["securityContext"] = json!({});
+    let mut device_list = container("train", None);
+    device_list["volumeMounts"] =
+        json!([{"name": "e", "mountPath": "/var/run/nvidia-container-devices/0"}]);
+    let mut mig_monitor = container("train", Some(false));
+    mig_monitor["env"] = json!([{"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}]);
 
     let denied = [
         pod(json!({"containers": [gpu_env.clone()]})),
@@ -295,13 +345,22 @@ fn backstop_rejects_privileged_gpu_containers_only() {
             p["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"});
             p
         },
+        // Leaks, whatever the privilege.
+        pod(json!({"containers": [unprivileged_env]})),
+        pod(json!({"containers": [device_list]})),
+        pod(json!({"containers": [mig_monitor]})),
+        {
+            let mut p = pod(json!({"containers": [container("train", None)]}));
+            p["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"});
+            p
+        },
     ];
     for object in denied {
         let failures = backstop_decides(object.clone(), ns, default_params())
             .unwrap_or_else(|| panic!("the backstop did not match {object}"));
         assert_eq!(failures.len(), 1, "{object}: {failures:?}");
         assert!(
-            failures[0].contains("privileged GPU containers are not admitted")
+            failures[0].contains("name GPUs around the kubelet are not admitted")
                 && failures[0].contains("train"),
             "{failures:?}"
         );
@@ -592,6 +651,17 @@ mod generated {
         "registry.example.com/team/tools",
         "busybox",
     ];
+    /// Mount paths at, under and beside the toolkit's device-list root.
+    pub const DEVICE_LIST_PATHS: &[&str] = &[
+        "/var/run/nvidia-container-devices/all",
+        "/var/run/nvidia-container-devices/0",
+        "/var/run/nvidia-container-devices",
+        "/var/run/nvidia-container-devices/",
+        "/var/run/nvidia-container-devices-x/0",
+        "/var/run/nvidia-container-devices/../x",
+        "/var/run//nvidia-container-devices/0",
+        "/run/nvidia-container-devices/0",
+    ];
     /// Exempt image patterns a policy may add; the first has a wildcard in the middle,
     /// which CEL cannot match as a glob.
     pub const PATTERNS: &[&str] = &["registry.example.com/*/tools:1.?", "busybox"];
@@ -611,8 +681,10 @@ mod generated {
         }
         let mut env = Vec::new();
         for _ in 0..rng.random_range(0..4) {
-            env.push(match rng.random_range(0..6) {
+            env.push(match rng.random_range(0..7) {
                 0 => json!({"name": "HOME", "value": "/root"}),
+                6 => json!({"name": *["NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES",
+                    "NVIDIA_DRIVER_CAPABILITIES"].choose(rng).unwrap(), "value": "all"}),
                 1 => json!({"name": "NVIDIA_VISIBLE_DEVICES",
                     "valueFrom": {"configMapKeyRef": {"name": "gpus", "key": "devices"}}}),
                 2 => json!({"name": "NVIDIA_VISIBLE_DEVICES"}),
@@ -629,11 +701,15 @@ mod generated {
                 c["resources"][field] = json!({ resource: "1" });
             }
         }
-        let mounts: Vec<Value> = volumes
+        let mut mounts: Vec<Value> = volumes
             .iter()
             .filter(|_| rng.random_bool(0.3))
             .map(|v| json!({"name": v, "mountPath": format!("/mnt/{v}")}))
             .collect();
+        if rng.random_bool(0.1) {
+            let path = *DEVICE_LIST_PATHS.choose(rng).unwrap();
+            mounts.push(json!({"name": "scratch", "mountPath": path}));
+        }
         if !mounts.is_empty() {
             c["volumeMounts"] = Value::Array(mounts);
         }
@@ -675,6 +751,9 @@ mod generated {
                     _ => {}
                 }
                 let mut policy = gpuwarden_crds::manifests::default_policy_manifest();
+                if rng.random_bool(0.15) {
+                    policy["spec"]["stripCdiAnnotations"] = json!(false);
+                }
                 if rng.random_bool(0.1) {
                     policy["spec"]["match"]["privilegedContainers"] = json!("All");
                 }
@@ -690,7 +769,13 @@ mod generated {
                         .unwrap();
                     images.push(json!(pattern));
                 }
-                let unresolved = paths.iter().any(|p| {
+                let mount_paths = ["containers", "initContainers"].into_iter().flat_map(|f| {
+                    (pod["spec"][f].as_array().into_iter().flatten()).flat_map(|c| {
+                        (c["volumeMounts"].as_array().into_iter().flatten())
+                            .filter_map(|m| m["mountPath"].as_str())
+                    })
+                });
+                let unresolved = (paths.iter().copied().chain(mount_paths)).any(|p| {
                     p.contains("//")
                         || p.contains("/./")
                         || p.contains("/../")
@@ -728,8 +813,8 @@ fn backstop_agrees_with_the_gpu_predicate() {
         let images = &policy.spec.exemptions.images;
         let predicate: BTreeSet<String> = pod_containers(&pod, Rules::of(&policy))
             .into_iter()
-            .filter(|c| c.kind != ContainerKind::Ephemeral && c.privileged)
-            .filter(|c| !image_exempt(c.image, images) && c.signals.is_gpu())
+            .filter(|c| c.kind != ContainerKind::Ephemeral && !image_exempt(c.image, images))
+            .filter(|c| (c.privileged && c.signals.is_gpu()) || c.signals.leaks())
             .map(|c| c.name.to_owned())
             .collect();
         let vars = BTreeMap::from([

@@ -575,7 +575,7 @@ async fn privileged_ephemeral_container_is_denied() {
     assert!(
         denied
             .message()
-            .contains("privileged ephemeral container debugger"),
+            .contains("ephemeral container debugger"),
         "{:?}",
         denied.message()
     );

@@ -912,4 +912,16 @@ fn privileged_ephemeral_containers_are_denied_in_enforce_and_deny() {
     ]);
     assert!(self::answer(&ephemeral_review(&old, &exempt, "ml"), &source()).allowed());
     assert!(self::answer(&ephemeral_review(&old, &new, "kube-system"), &source()).allowed());
+
+    // An unprivileged one that names GPUs itself cannot request them either.
+    let mut leaking = plain.clone();
+    leaking["spec"]["ephemeralContainers"][1]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    let answer = self::answer(&ephemeral_review(&old, &leaking, "ml"), &source());
+    assert!(!answer.allowed());
+    assert!(
+        answer.message().starts_with("gpuwarden: ephemeral container dbg on pod ml/train is denied"),
+        "{}",
+        answer.message()
+    );
 }

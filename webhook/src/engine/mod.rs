@@ -342,22 +342,19 @@ fn decide_ephemeral<'a>(
     if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
         return new(Verdict::Exempt).with(Detail::Exempt(reason.into()));
     }
+    // New ephemeral containers that are privileged or name GPUs themselves: they cannot
+    // request GPUs, so they cannot be rewritten.
     let kind = ContainerKind::Ephemeral;
-    let images = &policy.spec.exemptions.images;
-    let offending: Vec<&'a str> = input
-        .pod
-        .containers(kind)
-        .iter()
+    let facts = facts::read_pod(input.pod, policy);
+    let offending: Vec<&'a str> = (facts.containers.iter())
+        .filter(|c| c.at.kind == kind)
         .filter(|c| {
-            let name = c.name.as_deref().unwrap_or("");
-            let existing = old
-                .containers(kind)
-                .iter()
-                .any(|o| o.name.as_deref() == Some(name));
-            let image = c.image.as_deref().unwrap_or("");
-            !existing && c.is_privileged() && (invalid.is_some() || !image_exempt(image, images))
+            let existing = (old.containers(kind).iter()).any(|o| o.name.as_deref() == Some(c.name));
+            !existing
+                && (c.privileged || c.signals.leaks())
+                && (invalid.is_some() || !c.image_exempt)
         })
-        .map(|c| c.name.as_deref().unwrap_or(""))
+        .map(|c| c.name)
         .collect();
     if offending.is_empty() {
         return new(Verdict::Unchanged);
@@ -473,7 +470,7 @@ impl<'a> Decision<'a> {
                 );
             }
             (Detail::Ephemeral { offending, .. }, Verdict::Audited) => warnings.push(format!(
-                "gpuwarden audit: privileged ephemeral container {} would be denied by GpuPolicy {}; it sees every GPU on the node",
+                "gpuwarden audit: ephemeral container {} would be denied by GpuPolicy {}: privileged or naming GPUs itself, it reaches GPUs the kubelet never allocated",
                 offending.join(", "),
                 self.reference
             )),
@@ -513,7 +510,7 @@ impl<'a> Decision<'a> {
                 plan.denials.join("; ")
             )),
             Detail::Ephemeral { offending, mode } => Some(format!(
-                "gpuwarden: privileged ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): a privileged container sees every GPU on the node and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general`",
+                "gpuwarden: ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): privileged or naming GPUs itself (NVIDIA_VISIBLE_DEVICES, a device-list mount), it reaches GPUs the kubelet never allocated, and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general` without NVIDIA_VISIBLE_DEVICES",
                 offending.join(", "),
             )),
             Detail::Invalid(why) => Some(format!(
