@@ -13,7 +13,8 @@
 //! - the governing policy says `match.privilegedContainers: All`, and its last
 //!   `NVIDIA_VISIBLE_DEVICES` entry does not say `none`, `void` or empty.
 //!
-//! [`gpu_count`] says how many GPUs a rewritten GPU container is given.
+//! [`signal_count`] and [`annotation_count`] say how many GPUs a rewritten GPU container
+//! is given.
 
 use std::collections::BTreeSet;
 
@@ -444,8 +445,14 @@ pub enum CountFrom<'a> {
     Request,
     /// The pod annotation `gpuwarden.io/gpu-count.<name>`.
     ContainerAnnotation(&'a str),
-    /// The pod annotation `gpuwarden.io/gpu-count`.
-    PodAnnotation,
+    /// The pod annotation `gpuwarden.io/gpu-count`: the pod's total, split over `ways`
+    /// containers (1: all of it).
+    PodAnnotation {
+        /// The annotation's number.
+        total: u32,
+        /// How many containers share it.
+        ways: u32,
+    },
     /// `NVIDIA_VISIBLE_DEVICES=all`, counted as the policy's default.
     VisibleAll,
     /// The IDs in `NVIDIA_VISIBLE_DEVICES`, as written.
@@ -456,55 +463,53 @@ pub enum CountFrom<'a> {
     PolicyDefault,
 }
 
-impl<'a> CountFrom<'a> {
-    /// The text, in parts that follow each other.
-    pub fn parts(&self) -> [&'a str; 4] {
+impl std::fmt::Display for CountFrom<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match *self {
-            Self::Request => ["request", "", "", ""],
-            Self::ContainerAnnotation(name) => ["annotation ", ANNOTATION_GPU_COUNT, ".", name],
-            Self::PodAnnotation => ["annotation ", ANNOTATION_GPU_COUNT, "", ""],
-            Self::VisibleAll => [ENV_VISIBLE_DEVICES, "=all, policy default", "", ""],
-            Self::Visible(raw) => [ENV_VISIBLE_DEVICES, "=", raw, ""],
-            Self::DeviceList => ["device-list mounts under ", DEVICE_LIST_ROOT, "", ""],
-            Self::PolicyDefault => ["policy default", "", "", ""],
+            Self::Request => f.write_str("request"),
+            Self::ContainerAnnotation(name) => {
+                write!(f, "annotation {ANNOTATION_GPU_COUNT}.{name}")
+            }
+            Self::PodAnnotation { total, ways: 1 } => {
+                write!(f, "annotation {ANNOTATION_GPU_COUNT}={total}")
+            }
+            Self::PodAnnotation { total, ways } => write!(
+                f,
+                "annotation {ANNOTATION_GPU_COUNT}={total}, the pod's total split over {ways} containers"
+            ),
+            Self::VisibleAll => write!(f, "{ENV_VISIBLE_DEVICES}=all, policy default"),
+            Self::Visible(raw) => write!(f, "{ENV_VISIBLE_DEVICES}={raw}"),
+            Self::DeviceList => write!(f, "device-list mounts under {DEVICE_LIST_ROOT}"),
+            Self::PolicyDefault => f.write_str("policy default"),
         }
     }
 }
 
-impl std::fmt::Display for CountFrom<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.parts().iter().try_for_each(|part| f.write_str(part))
+/// The number a count annotation gives (`key` names it in the error): a whole number,
+/// at least `min`.
+pub fn annotation_count(
+    key: &str,
+    text: Option<&str>,
+    shown: &str,
+    min: u32,
+) -> Result<u32, String> {
+    match text.map(str::trim).unwrap_or("").parse::<u32>() {
+        Ok(n) if n >= min => Ok(n),
+        _ => Err(format!(
+            "annotation {key}={shown} is not a whole number of GPUs of at least {min}"
+        )),
     }
 }
 
-/// A pod annotation as [`gpu_count`] reads it: its text when it is a string, and how a
-/// message shows it.
-pub type CountAnnotation<'a> = (Option<&'a str>, String);
-
-/// How many GPUs a GPU container without a GPU limit or request is given, and where the
-/// number came from (docs/design.md, "Rewrite rules", rule 3): the annotation
-/// `gpuwarden.io/gpu-count.<container>`, else `gpuwarden.io/gpu-count`, else the distinct
-/// devices its device-list mounts name, else the distinct IDs in `NVIDIA_VISIBLE_DEVICES`,
-/// else the policy's default (also for `all`, unless the policy denies it). `annotation` looks a pod annotation up by key. The error says why the
+/// How many GPUs a GPU container's own signals ask for, and where the number came from
+/// (docs/design.md, "Rewrite rules", rule 3), when no annotation says: the distinct devices
+/// its device-list mounts name, else the distinct IDs in `NVIDIA_VISIBLE_DEVICES`, else the
+/// policy's default (also for `all`, unless the policy denies it). The error says why the
 /// container cannot be given GPUs as it is.
-pub fn gpu_count<'a>(
-    container: &'a str,
+pub fn signal_count<'a>(
     signals: &Signals<'a>,
-    annotation: impl Fn(&str) -> Option<CountAnnotation<'a>>,
     policy: &GpuPolicy,
 ) -> Result<(u32, CountFrom<'a>), String> {
-    let found = annotation(&format!("{ANNOTATION_GPU_COUNT}.{container}"))
-        .map(|raw| (CountFrom::ContainerAnnotation(container), raw))
-        .or_else(|| annotation(ANNOTATION_GPU_COUNT).map(|raw| (CountFrom::PodAnnotation, raw)));
-    if let Some((from, (text, shown))) = found {
-        return match text.map(str::trim).unwrap_or("").parse::<u32>() {
-            Ok(n) if n >= 1 => Ok((n, from)),
-            // `from` reads "annotation <key>".
-            _ => Err(format!(
-                "{from}={shown} is not a whole number of GPUs of at least 1"
-            )),
-        };
-    }
     let default = policy.spec.gpu.default_count;
     // The toolkit reads a device list from mounts before the environment.
     let (visible, all_from) = match signals.device_list {
@@ -524,6 +529,25 @@ pub fn gpu_count<'a>(
             Ok((*n, CountFrom::Visible(signals.visible_raw.unwrap_or(""))))
         }
         _ => Ok((default, CountFrom::PolicyDefault)),
+    }
+}
+
+impl Signals<'_> {
+    /// The GPUs its `NVIDIA_VISIBLE_DEVICES` names, as a key two containers naming the same
+    /// GPUs share: the distinct IDs sorted, or `all`. `None` when it names none or is not
+    /// known.
+    pub fn visible_key(&self) -> Option<String> {
+        match self.visible {
+            VisibleDevices::All => Some("all".to_owned()),
+            VisibleDevices::Devices(_) => {
+                let ids: BTreeSet<&str> = (self.visible_raw?.split(','))
+                    .map(str::trim_ascii)
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                Some(ids.into_iter().collect::<Vec<_>>().join(","))
+            }
+            _ => None,
+        }
     }
 }
 

@@ -168,6 +168,13 @@ pub struct GpuSpec {
     #[schemars(range(min = 1, max = 64))]
     pub max_per_container: u32,
 
+    /// Most GPUs a rewritten pod may hold at once (its containers together, or its largest
+    /// init container): more than one node holds is a denial rather than a pod that never
+    /// schedules.
+    #[serde(default = "default_max")]
+    #[schemars(range(min = 1, max = 256))]
+    pub max_per_pod: u32,
+
     /// What `NVIDIA_VISIBLE_DEVICES=all` turns into: `DefaultCount` GPUs, or a denial.
     #[serde(default)]
     pub visible_devices_all: VisibleDevicesAll,
@@ -179,6 +186,7 @@ impl Default for GpuSpec {
             resource_name: default_resource_name(),
             default_count: default_count(),
             max_per_container: default_max(),
+            max_per_pod: default_max(),
             visible_devices_all: VisibleDevicesAll::default(),
         }
     }

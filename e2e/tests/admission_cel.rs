@@ -239,9 +239,11 @@ fn match_conditions_select_pods_that_may_reach_gpus() {
             true,
         ),
         (
-            pod(json!({"containers": [{"name": "a", "env": [{"name": "HOME", "value": "/"}],
+            pod(
+                json!({"containers": [{"name": "a", "env": [{"name": "HOME", "value": "/"}],
                 "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                "volumeMounts": [{"name": "d", "mountPath": "/data"}]}]})),
+                "volumeMounts": [{"name": "d", "mountPath": "/data"}]}]}),
+            ),
             false,
         ),
         (
@@ -250,18 +252,24 @@ fn match_conditions_select_pods_that_may_reach_gpus() {
             true,
         ),
         (
-            pod(json!({"containers": [container("a", None)], "initContainers": [{"name": "i",
-                "env": [{"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}]}]})),
+            pod(
+                json!({"containers": [container("a", None)], "initContainers": [{"name": "i",
+                "env": [{"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}]}]}),
+            ),
             true,
         ),
         (
-            pod(json!({"containers": [{"name": "a", "volumeMounts": [{"name": "d",
-                "mountPath": "/var/run/nvidia-container-devices/all"}]}]})),
+            pod(
+                json!({"containers": [{"name": "a", "volumeMounts": [{"name": "d",
+                "mountPath": "/var/run/nvidia-container-devices/all"}]}]}),
+            ),
             true,
         ),
         (
-            pod(json!({"containers": [container("a", None)], "ephemeralContainers": [{"name": "e",
-                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]}]})),
+            pod(
+                json!({"containers": [container("a", None)], "ephemeralContainers": [{"name": "e",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]}]}),
+            ),
             true,
         ),
         (

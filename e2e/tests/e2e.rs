@@ -573,9 +573,7 @@ async fn privileged_ephemeral_container_is_denied() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(denied.status.is_client_error(), "{denied:?}");
     assert!(
-        denied
-            .message()
-            .contains("ephemeral container debugger"),
+        denied.message().contains("ephemeral container debugger"),
         "{:?}",
         denied.message()
     );

@@ -519,7 +519,7 @@ impl Explainer {
             ),
             Verdict::Unchanged => (
                 "unchanged",
-                format!("unchanged: no privileged GPU container (GpuPolicy {policy})"),
+                format!("unchanged: no privileged or leaking GPU container (GpuPolicy {policy})"),
             ),
             Verdict::Exempt => (
                 "exempt",

@@ -203,6 +203,9 @@ pub struct Container<'a> {
     /// `volumeMounts`, when a list.
     #[serde(deserialize_with = "list")]
     pub volume_mounts: Option<Vec<VolumeMount<'a>>>,
+    /// `restartPolicy` (`Always` makes an init container a sidecar).
+    #[serde(deserialize_with = "text")]
+    pub restart_policy: Option<Cow<'a, str>>,
 }
 
 /// An `env` entry.

@@ -224,7 +224,14 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
     spec.insert("containers".into(), Value::Array(containers));
     if rng.random_bool(0.3) {
         let init: Vec<Value> = (0..rng.random_range(1..3))
-            .map(|i| gen_container(rng, &format!("init-{i}"), &volume_names))
+            .map(|i| {
+                let mut c = gen_container(rng, &format!("init-{i}"), &volume_names);
+                // Some are sidecars, which run beside the regular containers.
+                if rng.random_bool(0.3) {
+                    c["restartPolicy"] = json!("Always");
+                }
+                c
+            })
             .collect();
         spec.insert("initContainers".into(), Value::Array(init));
     }
@@ -266,7 +273,7 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
     if rng.random_bool(0.15) {
         annotations.insert(
             "gpuwarden.io/gpu-count".into(),
-            json!(pick(rng, &["1", "2", "16", "0", "x"])),
+            json!(pick(rng, &["1", "2", "3", "8", "16", "0", "x"])),
         );
     }
     if rng.random_bool(0.1) {
@@ -303,6 +310,7 @@ fn gen_policy(rng: &mut StdRng) -> GpuPolicy {
     }
     p.spec.gpu.default_count = rng.random_range(1..3);
     p.spec.gpu.max_per_container = rng.random_range(2..9);
+    p.spec.gpu.max_per_pod = rng.random_range(2..12);
     p.spec.capabilities.drop_all = rng.random_bool(0.8);
     if rng.random_bool(0.3) {
         p.spec.capabilities.default = vec!["SYS_PTRACE".into()];
@@ -441,6 +449,32 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
         })
         .map(|c| c["name"].as_str().unwrap_or("").to_owned())
         .collect()
+}
+
+/// The GPUs a pod holds at once, by its GPU limits: its regular and sidecar containers
+/// together, or its largest init container, whichever is more.
+fn pod_gpus(pod: &Value, policy: &GpuPolicy) -> u32 {
+    let gpus = |c: &Value| -> u32 {
+        (c["resources"]["limits"].as_object().into_iter().flatten())
+            .filter(|(k, _)| k.starts_with("nvidia.com/") || **k == policy.spec.gpu.resource_name)
+            .filter_map(|(_, v)| match v {
+                Value::String(s) => s.trim().parse::<u32>().ok(),
+                v => v.as_u64().map(|n| n as u32),
+            })
+            .sum()
+    };
+    let list = |field: &str| pod["spec"][field].as_array().cloned().unwrap_or_default();
+    let running: u32 = list("containers").iter().map(gpus).sum::<u32>()
+        + (list("initContainers").iter())
+            .filter(|c| c["restartPolicy"] == "Always")
+            .map(gpus)
+            .sum::<u32>();
+    let init = (list("initContainers").iter())
+        .filter(|c| c["restartPolicy"] != "Always")
+        .map(gpus)
+        .max()
+        .unwrap_or(0);
+    running.max(init)
 }
 
 /// Whether a mount path is where the toolkit reads a device list: at or under
@@ -674,6 +708,15 @@ fn generated_pods_hold_the_invariants() {
             assert!(
                 left.is_empty(),
                 "privileged GPU containers left: {left:?}\n{}\n{patched:#}",
+                ctx()
+            );
+            // The pod never holds more GPUs at once than maxPerPod: its regular and sidecar
+            // containers together, or its largest init container.
+            let held = pod_gpus(&patched, &policy);
+            assert!(
+                first.summary.outcome != Outcome::Rewritten || held <= policy.spec.gpu.max_per_pod,
+                "the pod holds {held} GPUs, more than maxPerPod {}\n{}\n{patched:#}",
+                policy.spec.gpu.max_per_pod,
                 ctx()
             );
             // ... and no container that reaches GPUs around the kubelet.

@@ -110,8 +110,8 @@ fn the_report_names_containers_in_order_and_the_last_of_a_repeated_name_wins() {
     // not): as in a JSON object, the last container of a name is the one reported.
     pod["spec"]["containers"] = json!([
         with_gpus("zeta", "0"),
-        with_gpus("alpha", "0"),
-        with_gpus("zeta", "0,1,2"),
+        with_gpus("alpha", "1"),
+        with_gpus("zeta", "2,3,4"),
     ]);
     let (answer, out) = rewrite(&pod, "ml", &source());
     assert_eq!(answer.summary.outcome, Outcome::Rewritten);
@@ -920,7 +920,172 @@ fn privileged_ephemeral_containers_are_denied_in_enforce_and_deny() {
     let answer = self::answer(&ephemeral_review(&old, &leaking, "ml"), &source());
     assert!(!answer.allowed());
     assert!(
-        answer.message().starts_with("gpuwarden: ephemeral container dbg on pod ml/train is denied"),
+        answer
+            .message()
+            .starts_with("gpuwarden: ephemeral container dbg on pod ml/train is denied"),
+        "{}",
+        answer.message()
+    );
+}
+
+/// Door 5: counts are the pod's. The pod annotation is the total of the containers that do
+/// not say their own; containers naming the same GPUs share them; an explicit 0 means no
+/// GPU; a pod over maxPerPod is denied.
+#[test]
+fn gpu_counts_are_the_pods() {
+    let gpu_container = |name: &str, visible: &str| {
+        json!({"name": name, "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+            "securityContext": {"privileged": true},
+            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": visible}]})
+    };
+    let pod_of = |containers: Value, annotations: Value| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "annotations": annotations},
+            "spec": {"containers": containers}})
+    };
+    let limits = |out: &Value| -> Vec<Value> {
+        (out["spec"]["containers"].as_array().unwrap().iter())
+            .map(|c| c["resources"]["limits"]["nvidia.com/gpu"].clone())
+            .collect()
+    };
+
+    // gpu-count 8 on two containers: 4 each, not 16.
+    let two = json!([gpu_container("a", "all"), gpu_container("b", "all")]);
+    let (answer, out) = rewrite(
+        &pod_of(two.clone(), json!({"gpuwarden.io/gpu-count": "8"})),
+        "ml",
+        &source(),
+    );
+    assert_eq!(limits(&out), [json!("4"), json!("4")]);
+    assert!(
+        answer.warnings()[0].contains(
+            "(annotation gpuwarden.io/gpu-count=8, the pod's total split over 2 containers)"
+        ),
+        "{:?}",
+        answer.warnings()
+    );
+    // 3 over two: the first takes the remainder; the container's own annotation wins and
+    // takes no share.
+    let (_, out) = rewrite(
+        &pod_of(two.clone(), json!({"gpuwarden.io/gpu-count": "3"})),
+        "ml",
+        &source(),
+    );
+    assert_eq!(limits(&out), [json!("2"), json!("1")]);
+    let (_, out) = rewrite(
+        &pod_of(
+            two.clone(),
+            json!({"gpuwarden.io/gpu-count": "3", "gpuwarden.io/gpu-count.a": "1"}),
+        ),
+        "ml",
+        &source(),
+    );
+    assert_eq!(limits(&out), [json!("1"), json!("3")]);
+    // 1 over two: the second gets none, and `void` keeps the image's ENV out.
+    let (_, out) = rewrite(
+        &pod_of(two.clone(), json!({"gpuwarden.io/gpu-count": "1"})),
+        "ml",
+        &source(),
+    );
+    assert_eq!(limits(&out), [json!("1"), Value::Null]);
+    assert_eq!(
+        env_value(&out["spec"]["containers"][1], "NVIDIA_VISIBLE_DEVICES"),
+        Some("void")
+    );
+    // An init container runs before the others: it may use the whole total; a sidecar
+    // (restartPolicy Always) runs beside them and takes a share.
+    let mut with_init = pod_of(two.clone(), json!({"gpuwarden.io/gpu-count": "4"}));
+    let mut sidecar = gpu_container("side", "all");
+    sidecar["restartPolicy"] = json!("Always");
+    with_init["spec"]["initContainers"] = json!([gpu_container("warm", "all"), sidecar]);
+    let (_, out) = rewrite(&with_init, "ml", &source());
+    let init = &out["spec"]["initContainers"];
+    assert_eq!(init[0]["resources"]["limits"]["nvidia.com/gpu"], "4");
+    assert_eq!(init[1]["resources"]["limits"]["nvidia.com/gpu"], "2");
+    assert_eq!(limits(&out), [json!("1"), json!("1")]);
+
+    // Two containers naming the same GPUs share them: 2, not 4. The warning says so, and
+    // what DRA would do.
+    let shared = json!([gpu_container("a", "0,1"), gpu_container("b", " 1,0")]);
+    let (answer, out) = rewrite(&pod_of(shared, json!({})), "ml", &source());
+    assert_eq!(limits(&out), [json!("2"), Value::Null]);
+    assert_eq!(
+        env_value(&out["spec"]["containers"][1], "NVIDIA_VISIBLE_DEVICES"),
+        Some("void")
+    );
+    let changes = answer.response()["auditAnnotations"]["changes"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        changes.contains(
+            "container b: privileged removed, no GPU: names the same GPUs as container a"
+        ) && changes.contains(
+            "a DRA ResourceClaim that both containers reference would give both the same GPUs"
+        ),
+        "{changes}"
+    );
+    // Different GPUs are not shared.
+    let apart = json!([gpu_container("a", "0,1"), gpu_container("b", "2")]);
+    let (_, out) = rewrite(&pod_of(apart, json!({})), "ml", &source());
+    assert_eq!(limits(&out), [json!("2"), json!("1")]);
+
+    // An explicit 0 beside a GPU signal: no GPU, and `void` rather than nothing, so a CUDA
+    // image's own NVIDIA_VISIBLE_DEVICES=all cannot hand them over again.
+    let mut zero = gpu_container("a", "all");
+    zero["resources"] = json!({"limits": {"nvidia.com/gpu": "0"}});
+    let (_, out) = rewrite(&pod_of(json!([zero.clone()]), json!({})), "ml", &source());
+    let c = &out["spec"]["containers"][0];
+    assert_eq!(c["resources"]["limits"], json!({"nvidia.com/gpu": "0"}));
+    assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), Some("void"));
+    zero["resources"] = json!({"requests": {"nvidia.com/gpu": 0}});
+    let (_, out) = rewrite(&pod_of(json!([zero]), json!({})), "ml", &source());
+    let c = &out["spec"]["containers"][0];
+    assert!(c["resources"]["limits"].is_null(), "{c}");
+    assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), Some("void"));
+
+    // More than one node holds: denied with the reason, per container and per pod.
+    let answer = review_pod(
+        &pod_of(
+            two.clone(),
+            json!({"gpuwarden.io/gpu-count.a": "6", "gpuwarden.io/gpu-count.b": "6"}),
+        ),
+        "ml",
+        &source(),
+    );
+    assert!(!answer.allowed());
+    assert!(
+        answer
+            .message()
+            .contains("the pod would hold 12 GPUs at once, more than maxPerPod 8"),
+        "{}",
+        answer.message()
+    );
+    let roomy = StaticSource::new([policy("roomy", |p| {
+        p.spec.gpu.max_per_container = 16;
+        p.spec.gpu.max_per_pod = 16;
+    })]);
+    assert!(
+        review_pod(
+            &pod_of(
+                two,
+                json!({"gpuwarden.io/gpu-count.a": "6", "gpuwarden.io/gpu-count.b": "6"})
+            ),
+            "ml",
+            &roomy
+        )
+        .allowed()
+    );
+    let answer = review_pod(
+        &pod_of(
+            json!([gpu_container("a", "all")]),
+            json!({"gpuwarden.io/gpu-count": "16"}),
+        ),
+        "ml",
+        &source(),
+    );
+    assert!(
+        answer.message().contains("container a would need 16 GPUs (annotation gpuwarden.io/gpu-count=16), more than maxPerContainer 8"),
         "{}",
         answer.message()
     );

@@ -97,9 +97,9 @@ fn the_examples_directory_is_rewritten_and_explained() {
         "device hostPath volume nvidia0,nvidiactl removed",
         "container node-metrics: privileged removed",
         "NVIDIA_VISIBLE_DEVICES=void",
-        "requests nvidia.com/gpu=4 (annotation gpuwarden.io/gpu-count)",
+        "requests nvidia.com/gpu=4 (annotation gpuwarden.io/gpu-count=4)",
         "DaemonSet gpu-operator/nvidia-dcgm-exporter: exempt, unchanged: namespace gpu-operator is exempt",
-        "Pod ml-research/jupyter-gpu: unchanged: no privileged GPU container",
+        "Pod ml-research/jupyter-gpu: unchanged: no privileged or leaking GPU container",
         "6 objects: 1 exempt, 4 rewritten, 1 unchanged",
     ] {
         assert!(

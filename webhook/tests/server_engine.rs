@@ -33,8 +33,15 @@ async fn engine_server(dir: &std::path::Path) -> (TestServer, Conn) {
     (server, conn)
 }
 
+/// A CUDA pod: privileged with `NVIDIA_VISIBLE_DEVICES=all`, or as it should be, unprivileged
+/// with a GPU limit.
 fn pod_review(uid: &str, namespace: &str, privileged: bool) -> Value {
-    json!({
+    let container = if privileged {
+        json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]})
+    } else {
+        json!({"resources": {"limits": {"nvidia.com/gpu": "1"}}})
+    };
+    let mut review = json!({
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
         "request": {
@@ -51,12 +58,16 @@ fn pod_review(uid: &str, namespace: &str, privileged: bool) -> Value {
                 "spec": {"containers": [{
                     "name": "cuda",
                     "image": "nvcr.io/nvidia/pytorch:24.05-py3",
-                    "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
                     "securityContext": {"privileged": privileged},
                 }]},
             },
         },
-    })
+    });
+    let c = &mut review["request"]["object"]["spec"]["containers"][0];
+    for (k, v) in container.as_object().into_iter().flatten() {
+        c[k] = v.clone();
+    }
+    review
 }
 
 async fn ask(conn: &mut Conn, body: impl Into<bytes::Bytes>) -> Value {

@@ -16,6 +16,8 @@ pub(super) struct ContainerFacts<'a> {
     pub(super) name: &'a str,
     pub(super) value: &'a Container<'a>,
     pub(super) privileged: bool,
+    /// An init container with `restartPolicy: Always`: it runs beside the others.
+    pub(super) sidecar: bool,
     pub(super) image_exempt: bool,
     /// Why it is (or is not) a GPU container.
     pub(super) signals: Signals<'a>,
@@ -89,6 +91,8 @@ pub(super) fn read_pod<'a>(pod: &'a PodView<'a>, policy: &'a GpuPolicy) -> PodFa
                 name: value.name.as_deref().unwrap_or(""),
                 value,
                 privileged: value.is_privileged(),
+                sidecar: kind == ContainerKind::Init
+                    && value.restart_policy.as_deref() == Some("Always"),
                 image_exempt: image_exempt(value.image.as_deref().unwrap_or(""), images),
                 gpu: container_signals.is_gpu(),
                 signals: container_signals,

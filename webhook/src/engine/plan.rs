@@ -5,14 +5,14 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::{ANNOTATION_GPU_COUNT, GpuPolicy};
 
 use gpuwarden_crds::gpu::{self, CountFrom, PodSignals, VisibleDevices};
 
-use super::facts::PodFacts;
+use super::facts::{ContainerFacts, PodFacts};
 use super::{
-    ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
-    ENV_VISIBLE_DEVICES,
+    ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES,
+    ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
 };
 use crate::pod::{Container, Scalar};
 
@@ -60,6 +60,8 @@ pub(super) struct ContainerPlan<'a> {
     pub(super) mounts_removed: Names<'a>,
     /// Paths of the device-list mounts removed, in order.
     pub(super) device_list_removed: Names<'a>,
+    /// Why a container with a GPU signal ends with no GPU (and `NVIDIA_VISIBLE_DEVICES=void`).
+    pub(super) no_gpu: Option<String>,
 }
 
 /// A GPU limit the rewrite adds.
@@ -69,6 +71,17 @@ pub(super) struct Limit<'a> {
     pub(super) resource: &'a str,
     pub(super) quantity: Quantity<'a>,
     pub(super) from: CountFrom<'a>,
+}
+
+impl<'a> Limit<'a> {
+    /// `n` GPUs of `resource`, counted from `from`.
+    fn count(resource: &'a str, n: u32, from: CountFrom<'a>) -> Self {
+        Self {
+            resource,
+            quantity: Quantity::Count(n),
+            from,
+        }
+    }
 }
 
 /// A limit's quantity: a count the engine worked out, or a request's quantity copied.
@@ -176,7 +189,9 @@ pub(super) fn plan_pod<'a>(
         driver_capabilities: spec.driver_capabilities.join(","),
         device_volumes: PodSignals::default(),
     };
+    let mut counts = gpu_counts(&facts, policy, &mut plan.denials).into_iter();
     for c in &facts.containers {
+        let count = counts.next();
         let target = c.privileged && !c.image_exempt;
         // An unprivileged container that reaches GPUs around the kubelet: it keeps its
         // security context, and loses the leak (rules 3 to 5).
@@ -194,54 +209,27 @@ pub(super) fn plan_pod<'a>(
             mounts: Indices::default(),
             mounts_removed: Names::default(),
             device_list_removed: Names::default(),
+            no_gpu: None,
         };
         if target {
             capabilities(&mut p, c.value, policy);
         }
         if target || leaking {
             // Rule 3.
-            if c.gpu && !c.signals.limit {
-                match c.gpu_request {
-                    Some((resource, quantity)) => {
-                        p.limit = Some(Limit {
-                            resource,
-                            quantity: Quantity::Copied(quantity),
-                            from: CountFrom::Request,
-                        });
-                    }
-                    None => match gpu::gpu_count(
-                        c.name,
-                        &c.signals,
-                        |key| {
-                            let raw = facts.annotations?.get(key)?;
-                            Some((raw.as_str(), raw.to_string()))
-                        },
-                        policy,
-                    ) {
-                        Ok((n, from)) if n > spec.gpu.max_per_container => {
-                            plan.denials.push(format!(
-                                "{} {} would need {n} GPUs ({from}), more than maxPerContainer {}",
-                                c.at.kind.noun(),
-                                c.name,
-                                spec.gpu.max_per_container
-                            ));
-                        }
-                        Ok((n, from)) => {
-                            p.limit = Some(Limit {
-                                resource: &spec.gpu.resource_name,
-                                quantity: Quantity::Count(n),
-                                from,
-                            });
-                        }
-                        Err(denial) => {
-                            plan.denials
-                                .push(format!("{} {}: {denial}", c.at.kind.noun(), c.name))
-                        }
-                    },
+            let gpu = match count {
+                Some(Count::Limit(limit)) => {
+                    p.limit = Some(limit);
+                    true
                 }
-            }
+                Some(Count::Zero(why)) => {
+                    p.gpu = false;
+                    p.no_gpu = Some(why);
+                    false
+                }
+                _ => c.gpu,
+            };
             // Rule 4.
-            let (remove, set): (&[&'static str], _) = if c.gpu {
+            let (remove, set): (&[&'static str], _) = if gpu {
                 (
                     &[
                         ENV_VISIBLE_DEVICES,
@@ -256,7 +244,7 @@ pub(super) fn plan_pod<'a>(
                     (ENV_VISIBLE_DEVICES, EnvValue::Fixed("void")),
                 )
             };
-            let set = if c.gpu && spec.driver_capabilities.is_empty() {
+            let set = if gpu && spec.driver_capabilities.is_empty() {
                 None
             } else {
                 Some(set)
@@ -315,6 +303,223 @@ pub(super) fn plan_pod<'a>(
     }
     plan.device_volumes = facts.pod;
     plan
+}
+
+/// Rule 3 for one container of the pod, in the pod's order.
+#[derive(Debug)]
+enum Count<'a> {
+    /// Nothing to add: not changed, not a GPU container, or it has a GPU limit.
+    Keep,
+    /// This limit.
+    Limit(Limit<'a>),
+    /// It ends with no GPU, for this reason.
+    Zero(String),
+}
+
+/// Whether a container changes (rules 1 to 5): privileged, or leaking, and not exempt.
+fn changes(c: &ContainerFacts<'_>) -> bool {
+    !c.image_exempt && (c.privileged || c.signals.leaks())
+}
+
+/// A GPU quantity as a number of GPUs, when it is a whole number.
+fn whole(quantity: &Scalar<'_>) -> Option<u32> {
+    match quantity {
+        Scalar::Str(s) => s.trim().parse().ok(),
+        Scalar::Other(v) => v.as_u64().and_then(|n| u32::try_from(n).ok()),
+    }
+}
+
+/// The GPUs a container's own GPU limits say, when they are whole numbers.
+fn limited_gpus(c: &ContainerFacts<'_>, policy: &GpuPolicy) -> Option<u32> {
+    let rules = gpu::Rules::of(policy);
+    let limits = c.value.resources.as_ref()?.limits.as_ref()?;
+    (limits.iter())
+        .filter(|(name, _)| rules.is_gpu_resource(name))
+        .map(|(_, q)| whole(q))
+        .try_fold(0u32, |sum, n| Some(sum.saturating_add(n?)))
+}
+
+/// Rule 3 over the whole pod (docs/design.md, "GPU counts"): per container, the limit it
+/// gets or why it gets none. A container's own GPU limit or request says first (an
+/// explicit 0 means no GPU), then its annotation `gpuwarden.io/gpu-count.<name>`, then the
+/// pod's `gpuwarden.io/gpu-count` as the total of the containers left (regular containers
+/// split it, each init container may use all of it), then its own signals, where regular
+/// containers naming the same GPUs share them rather than each asking for them. Why the pod
+/// cannot be rewritten as it is goes to `denials`: a bad annotation, a container over
+/// `maxPerContainer`, a pod over `maxPerPod`.
+fn gpu_counts<'a>(
+    facts: &PodFacts<'a>,
+    policy: &'a GpuPolicy,
+    denials: &mut Vec<String>,
+) -> Vec<Count<'a>> {
+    let spec = &policy.spec.gpu;
+    let annotation = |key: &str| {
+        let raw = facts.annotations?.get(key)?;
+        Some((raw.as_str(), raw.to_string()))
+    };
+    let pod_total = annotation(ANNOTATION_GPU_COUNT)
+        .map(|(text, shown)| gpu::annotation_count(ANNOTATION_GPU_COUNT, text, &shown, 1));
+    if let Some(Err(denial)) = &pod_total {
+        denials.push(denial.clone());
+    }
+    let label = |c: &ContainerFacts<'_>| format!("{} {}", c.at.kind.noun(), c.name);
+    let mut counts = Vec::with_capacity(facts.containers.len());
+    // Containers that take their count from the pod's total: regular (and sidecar) ones
+    // split it, init ones may each use all of it.
+    let (mut split, mut whole_total) = (Vec::new(), Vec::new());
+    // The GPUs named in NVIDIA_VISIBLE_DEVICES by a regular container, and which.
+    let mut named: Vec<(String, &str)> = Vec::new();
+    for (i, c) in facts.containers.iter().enumerate() {
+        if !changes(c) || !c.gpu {
+            counts.push(Count::Keep);
+            continue;
+        }
+        let requested = c.gpu_request.map(|(_, quantity)| whole(quantity));
+        let zero = match (c.signals.limit, requested) {
+            (true, _) => limited_gpus(c, policy) == Some(0),
+            (false, Some(n)) => n == Some(0),
+            (false, None) => false,
+        };
+        if zero {
+            counts.push(Count::Zero(format!(
+                "asks for 0 GPUs explicitly, so it gets none and {ENV_VISIBLE_DEVICES}=void keeps the image's own value out"
+            )));
+            continue;
+        }
+        if c.signals.limit {
+            counts.push(Count::Keep);
+            continue;
+        }
+        if let Some((resource, quantity)) = c.gpu_request {
+            counts.push(Count::Limit(Limit {
+                resource,
+                quantity: Quantity::Copied(quantity),
+                from: CountFrom::Request,
+            }));
+            continue;
+        }
+        let own = format!("{ANNOTATION_GPU_COUNT}.{}", c.name);
+        let counted = if let Some((text, shown)) = annotation(&own) {
+            gpu::annotation_count(&own, text, &shown, 1)
+                .map(|n| (n, CountFrom::ContainerAnnotation(c.name)))
+        } else if let Some(total) = &pod_total {
+            match total {
+                Ok(_) if c.at.kind == ContainerKind::Init && !c.sidecar => whole_total.push(i),
+                Ok(_) => split.push(i),
+                // Already denied.
+                Err(_) => {}
+            }
+            counts.push(Count::Keep);
+            continue;
+        } else {
+            gpu::signal_count(&c.signals, policy)
+        };
+        match counted {
+            Ok((n, from)) if n > spec.max_per_container => {
+                denials.push(format!(
+                    "{} would need {n} GPUs ({from}), more than maxPerContainer {}",
+                    label(c),
+                    spec.max_per_container
+                ));
+                counts.push(Count::Keep);
+            }
+            Ok((n, from)) => {
+                let shared = (c.at.kind == ContainerKind::Regular || c.sidecar)
+                    .then(|| c.signals.visible_key())
+                    .flatten()
+                    .filter(|_| matches!(from, CountFrom::Visible(_) | CountFrom::VisibleAll));
+                let first = shared
+                    .as_ref()
+                    .and_then(|key| named.iter().find(|(k, _)| k == key).map(|(_, name)| *name));
+                match (shared, first) {
+                    (_, Some(first)) => counts.push(Count::Zero(format!(
+                        "names the same GPUs as container {first} ({ENV_VISIBLE_DEVICES}={}); an extended resource cannot be shared, so container {first} holds them and this one gets none (a DRA ResourceClaim that both containers reference would give both the same GPUs)",
+                        c.signals.visible_raw.unwrap_or("")
+                    ))),
+                    (Some(key), None) => {
+                        named.push((key, c.name));
+                        counts.push(Count::Limit(Limit::count(&spec.resource_name, n, from)));
+                    }
+                    (None, None) => {
+                        counts.push(Count::Limit(Limit::count(&spec.resource_name, n, from)))
+                    }
+                }
+            }
+            Err(denial) => {
+                denials.push(format!("{}: {denial}", label(c)));
+                counts.push(Count::Keep);
+            }
+        }
+    }
+
+    // The pod's total: split evenly over the regular containers that take it, the first
+    // ones in the pod's order taking the remainder; each init container may use all of it.
+    if let Some(Ok(total)) = pod_total {
+        let ways = u32::try_from(split.len()).unwrap_or(u32::MAX);
+        for (k, &i) in split.iter().enumerate() {
+            let k = u32::try_from(k).unwrap_or(u32::MAX);
+            let n = total / ways + u32::from(k < total % ways);
+            counts[i] = if n == 0 {
+                Count::Zero(format!(
+                    "annotation {ANNOTATION_GPU_COUNT}={total} split over {ways} containers leaves it none"
+                ))
+            } else {
+                Count::Limit(Limit::count(
+                    &spec.resource_name,
+                    n,
+                    CountFrom::PodAnnotation { total, ways },
+                ))
+            };
+        }
+        for &i in &whole_total {
+            counts[i] = Count::Limit(Limit::count(
+                &spec.resource_name,
+                total,
+                CountFrom::PodAnnotation { total, ways: 1 },
+            ));
+        }
+        for &i in split.iter().chain(&whole_total) {
+            if let Count::Limit(Limit {
+                quantity: Quantity::Count(n),
+                ..
+            }) = counts[i]
+                && n > spec.max_per_container
+            {
+                denials.push(format!(
+                    "{} would need {n} GPUs (annotation {ANNOTATION_GPU_COUNT}={total}), more than maxPerContainer {}",
+                    label(&facts.containers[i]),
+                    spec.max_per_container
+                ));
+            }
+        }
+    }
+
+    // What the pod holds at once: its regular and sidecar containers together, or its
+    // largest init container, whichever is more.
+    let (mut running, mut init) = (0u32, 0u32);
+    for (c, count) in facts.containers.iter().zip(&counts) {
+        let n = match count {
+            Count::Limit(limit) => match limit.quantity {
+                Quantity::Count(n) => n,
+                Quantity::Copied(q) => whole(q).unwrap_or(0),
+            },
+            Count::Zero(_) => 0,
+            Count::Keep => limited_gpus(c, policy).unwrap_or(0),
+        };
+        match c.at.kind {
+            ContainerKind::Init if !c.sidecar => init = init.max(n),
+            ContainerKind::Ephemeral => {}
+            _ => running = running.saturating_add(n),
+        }
+    }
+    let held = running.max(init);
+    if held > spec.max_per_pod {
+        denials.push(format!(
+            "the pod would hold {held} GPUs at once, more than maxPerPod {}: no node is expected to fit it",
+            spec.max_per_pod
+        ));
+    }
+    counts
 }
 
 /// Rules 1 and 2 for a container that loses privilege: the capabilities it keeps (the

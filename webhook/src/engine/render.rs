@@ -3,6 +3,7 @@
 //! the same phrases, and the `gpuwarden.io/rewritten` report, which says the same as JSON.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 
 use serde::Serialize;
 
@@ -91,14 +92,14 @@ impl Plan<'_> {
             if from_request {
                 out.push_str(" (from its request)");
             } else {
-                out.push_str(" (");
-                limit
-                    .from
-                    .parts()
-                    .iter()
-                    .for_each(|part| out.push_str(part));
-                out.push(')');
+                // Writing into a String cannot fail.
+                let _ = write!(out, " ({})", limit.from);
             }
+        }
+        if let Some(why) = &c.no_gpu {
+            let out = phrases.next();
+            out.push_str("no GPU: ");
+            out.push_str(why);
         }
         if let Some(env) = &c.env {
             list_phrase(phrases, "env ", &env.removed, " removed");
@@ -226,7 +227,8 @@ impl Plan<'_> {
             limits: c.limit.as_ref().map(|limit| {
                 BTreeMap::from([(limit.resource, limit.quantity.with_text(str::to_owned))])
             }),
-            gpu_count_from: c.limit.as_ref().map(|limit| limit.from.parts().concat()),
+            gpu_count_from: c.limit.as_ref().map(|limit| limit.from.to_string()),
+            no_gpu: c.no_gpu.as_deref(),
             env_removed: env.map_or(&[], |env| &env.removed),
             env_set: env
                 .and_then(|env| env.set.as_ref())
@@ -273,6 +275,8 @@ struct ContainerReport<'p> {
     limits: Option<BTreeMap<&'p str, String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu_count_from: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    no_gpu: Option<&'p str>,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     env_removed: &'p [&'static str],
     #[serde(skip_serializing_if = "Option::is_none")]
