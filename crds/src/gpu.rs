@@ -214,6 +214,8 @@ pub trait ContainerSpec {
     fn env_entries(&self) -> impl Iterator<Item = EnvEntry<'_>>;
     /// `volumeMounts` as (name, mountPath), in order.
     fn mounts(&self) -> impl Iterator<Item = (&str, &str)>;
+    /// Whether `envFrom` lists anything: variables admission cannot see.
+    fn env_from(&self) -> bool;
 }
 
 /// What the governing policy adds to the predicate.
@@ -341,6 +343,9 @@ pub struct Signals<'c> {
     pub mig_access: bool,
     /// The policy removes NVIDIA CDI annotations (`stripCdiAnnotations`).
     pub strip_cdi: bool,
+    /// `envFrom` lists something: it may set `NVIDIA_VISIBLE_DEVICES` where admission
+    /// cannot see it (an `env` entry of the same name overrides it).
+    pub env_from: bool,
 }
 
 impl Signals<'_> {
@@ -358,6 +363,13 @@ impl Signals<'_> {
             || self.device_mount
             || self.cdi
             || self.device_list.is_gpu_signal()
+    }
+
+    /// Whether a privileged container may hold GPUs: a GPU container, or one whose
+    /// `envFrom` may set `NVIDIA_VISIBLE_DEVICES` with no `env` entry to override it. Such a
+    /// container never passes as "no GPU" unseen.
+    pub fn maybe_gpu(&self) -> bool {
+        self.is_gpu() || (self.env_from && self.visible == VisibleDevices::Unset)
     }
 
     /// Whether the container reaches GPUs around the kubelet even when unprivileged
@@ -435,6 +447,7 @@ pub fn signals<'c, C: ContainerSpec>(
         device_list,
         mig_access,
         strip_cdi: rules.strip_cdi,
+        env_from: container.env_from(),
     }
 }
 
@@ -582,6 +595,9 @@ macro_rules! api_container_spec {
             fn mounts(&self) -> impl Iterator<Item = (&str, &str)> {
                 (self.volume_mounts.iter().flatten())
                     .map(|m| (m.name.as_str(), m.mount_path.as_str()))
+            }
+            fn env_from(&self) -> bool {
+                self.env_from.as_ref().is_some_and(|e| !e.is_empty())
             }
         }
     )*};

@@ -23,8 +23,8 @@ pub use node::{
     GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice, PodRef, RuntimeStatus, Truncated,
 };
 pub use policy::{
-    CapabilitiesSpec, Exemptions, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec,
-    PolicyMode, PrivilegedMatch, VisibleDevicesAll,
+    CapabilitiesSpec, EnvFromGpu, Exemptions, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec,
+    MatchSpec, PolicyMode, PrivilegedMatch, VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 

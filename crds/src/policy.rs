@@ -178,6 +178,23 @@ pub struct GpuSpec {
     /// What `NVIDIA_VISIBLE_DEVICES=all` turns into: `DefaultCount` GPUs, or a denial.
     #[serde(default)]
     pub visible_devices_all: VisibleDevicesAll,
+
+    /// What happens to a rewritten GPU container with `envFrom`, which may set
+    /// `NVIDIA_VISIBLE_DEVICES` where admission cannot see it and so override the GPUs the
+    /// kubelet allocates: `Deny` it, or `Warn` and rewrite it (for nodes whose runtime
+    /// ignores the variable in unprivileged containers).
+    #[serde(default)]
+    pub env_from: EnvFromGpu,
+}
+
+/// See [`GpuSpec::env_from`].
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum EnvFromGpu {
+    /// Reject the pod, naming the container.
+    #[default]
+    Deny,
+    /// Rewrite it, with a warning that `envFrom` may still hand GPUs over.
+    Warn,
 }
 
 impl Default for GpuSpec {
@@ -188,6 +205,7 @@ impl Default for GpuSpec {
             max_per_container: default_max(),
             max_per_pod: default_max(),
             visible_devices_all: VisibleDevicesAll::default(),
+            env_from: EnvFromGpu::default(),
         }
     }
 }

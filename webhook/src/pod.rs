@@ -203,6 +203,9 @@ pub struct Container<'a> {
     /// `volumeMounts`, when a list.
     #[serde(deserialize_with = "list")]
     pub volume_mounts: Option<Vec<VolumeMount<'a>>>,
+    /// Whether `envFrom` is a non-empty list (its entries are never read).
+    #[serde(deserialize_with = "nonempty_list")]
+    pub env_from: bool,
     /// `restartPolicy` (`Always` makes an init container a sidecar).
     #[serde(deserialize_with = "text")]
     pub restart_policy: Option<Cow<'a, str>>,
@@ -309,6 +312,9 @@ impl gpuwarden_crds::gpu::ContainerSpec for Container<'_> {
                 value: e.value.as_deref(),
                 value_from: e.value_from,
             })
+    }
+    fn env_from(&self) -> bool {
+        self.env_from
     }
     fn mounts(&self) -> impl Iterator<Item = (&str, &str)> {
         (self.volume_mounts.iter().flatten()).map(|m| {
@@ -638,6 +644,24 @@ fn texts<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Cow<'de, str>>, D::Error
 /// Whether the field is set: present and not `null`.
 fn set<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
     Ok(Option::<IgnoredAny>::deserialize(d)?.is_some())
+}
+
+/// Whether the field is a list with at least one entry; anything else is no list, and the
+/// entries are skipped unread.
+fn nonempty_list<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(read(d, NonEmptyReader)?.unwrap_or(false))
+}
+
+struct NonEmptyReader;
+impl<'de> Reader<'de> for NonEmptyReader {
+    type Out = bool;
+    fn seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<bool>, A::Error> {
+        let mut any = false;
+        while seq.next_element::<IgnoredAny>()?.is_some() {
+            any = true;
+        }
+        Ok(Some(any))
+    }
 }
 
 /// The field as written, `null` included.

@@ -131,6 +131,12 @@ fn gen_container(rng: &mut StdRng, name: &str, volumes: &[String]) -> Value {
         }
         c.insert("env".into(), Value::Array(env));
     }
+    if rng.random_bool(0.1) {
+        c.insert(
+            "envFrom".into(),
+            json!([{"configMapRef": {"name": "app-env"}}]),
+        );
+    }
     // Resources.
     match rng.random_range(0..6) {
         0 => {}
@@ -311,6 +317,9 @@ fn gen_policy(rng: &mut StdRng) -> GpuPolicy {
     p.spec.gpu.default_count = rng.random_range(1..3);
     p.spec.gpu.max_per_container = rng.random_range(2..9);
     p.spec.gpu.max_per_pod = rng.random_range(2..12);
+    if rng.random_bool(0.5) {
+        p.spec.gpu.env_from = gpuwarden_crds::EnvFromGpu::Warn;
+    }
     p.spec.capabilities.drop_all = rng.random_bool(0.8);
     if rng.random_bool(0.3) {
         p.spec.capabilities.default = vec!["SYS_PTRACE".into()];
@@ -436,6 +445,10 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
                     }
                     None => e.get("valueFrom").is_some(),
                 });
+            // envFrom may set NVIDIA_VISIBLE_DEVICES unless an env entry overrides it.
+            let env_from = c["envFrom"].as_array().is_some_and(|e| !e.is_empty())
+                && !(c["env"].as_array().into_iter().flatten())
+                    .any(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES");
             let mounts = c["volumeMounts"].as_array().into_iter().flatten().any(|m| {
                 m["name"]
                     .as_str()
@@ -444,6 +457,7 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
             resource(&c["resources"]["limits"])
                 || resource(&c["resources"]["requests"])
                 || env
+                || env_from
                 || mounts
                 || cdi
         })

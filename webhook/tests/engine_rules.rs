@@ -1090,3 +1090,82 @@ fn gpu_counts_are_the_pods() {
         answer.message()
     );
 }
+
+/// Door 2: a container whose environment gpuwarden cannot fully see never passes as "no
+/// GPU" unseen.
+#[test]
+fn env_from_never_passes_unseen() {
+    let triton = |env: Value| {
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "triton"},
+            "spec": {"containers": [{"name": "triton", "image": "nvcr.io/nvidia/tritonserver:24.05-py3",
+                "securityContext": {"privileged": true},
+                "envFrom": [{"configMapRef": {"name": "triton-env"}}],
+                "env": env}]}})
+    };
+    // Privileged with envFrom and nothing else: it may be handed GPUs by the ConfigMap, so
+    // it is judged; without a GPU of its own it gets `void`, which overrides envFrom.
+    let (answer, out) = rewrite(&triton(json!([])), "ml", &source());
+    let c = &out["spec"]["containers"][0];
+    assert_eq!(c["securityContext"]["privileged"], false);
+    assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), Some("void"));
+    assert!(c["resources"].is_null(), "{c}");
+    assert!(
+        answer.warnings()[0]
+            .ends_with("NVIDIA_VISIBLE_DEVICES=void; the void overrides whatever envFrom sets"),
+        "{:?}",
+        answer.warnings()
+    );
+    // An explicit `none` overrides envFrom, so it decides: no GPU, and a privileged
+    // container without one is none of our business.
+    let answer = review_pod(
+        &triton(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}])),
+        "ml",
+        &source(),
+    );
+    assert!(answer.allowed() && answer.patch.is_none());
+
+    // A GPU container with envFrom: removing its NVIDIA_VISIBLE_DEVICES would let the
+    // ConfigMap's value through, and no value can be set without overriding the
+    // allocation. Denied by default, naming the container and the knob.
+    let gpu = triton(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]));
+    let answer = review_pod(&gpu, "ml", &source());
+    assert!(!answer.allowed());
+    assert!(
+        answer.message().contains("container triton: envFrom may set NVIDIA_VISIBLE_DEVICES, which would override the GPUs the kubelet allocates")
+            && answer.message().contains("gpu.envFrom: Warn"),
+        "{}",
+        answer.message()
+    );
+    // gpu.envFrom: Warn rewrites it and says what is left.
+    let warn = StaticSource::new([policy("warn", |p| {
+        p.spec.gpu.env_from = gpuwarden_crds::EnvFromGpu::Warn
+    })]);
+    let (answer, out) = rewrite(&gpu, "ml", &warn);
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    let changes = answer.response()["auditAnnotations"]["changes"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        changes.ends_with("envFrom may still set NVIDIA_VISIBLE_DEVICES over the allocated GPUs (gpu.envFrom: Warn)"),
+        "{changes}"
+    );
+    // An unprivileged container with envFrom and no signal is left to the node side.
+    let mut plain = triton(json!([]));
+    plain["spec"]["containers"][0]["securityContext"] = json!({});
+    let answer = review_pod(&plain, "ml", &source());
+    assert!(answer.allowed() && answer.patch.is_none());
+    // So is an empty envFrom.
+    let mut empty = triton(json!([]));
+    empty["spec"]["containers"][0]["envFrom"] = json!([]);
+    empty["spec"]["containers"][0]["image"] = json!("busybox");
+    let answer = review_pod(&empty, "ml", &source());
+    assert!(
+        answer.allowed() && answer.patch.is_none(),
+        "{:?}",
+        answer.review
+    );
+}

@@ -46,7 +46,7 @@ impl<'a> ContainerFacts<'a> {
     /// false: an invalid policy's image patterns do not).
     pub(super) fn offends(&self, images_count: bool) -> bool {
         (!self.image_exempt || !images_count)
-            && ((self.privileged && self.gpu) || self.signals.leaks())
+            && ((self.privileged && self.signals.maybe_gpu()) || self.signals.leaks())
     }
 }
 

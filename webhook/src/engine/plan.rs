@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use gpuwarden_crds::{ANNOTATION_GPU_COUNT, GpuPolicy};
+use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy};
 
 use gpuwarden_crds::gpu::{self, CountFrom, PodSignals, VisibleDevices};
 
@@ -62,6 +62,8 @@ pub(super) struct ContainerPlan<'a> {
     pub(super) device_list_removed: Names<'a>,
     /// Why a container with a GPU signal ends with no GPU (and `NVIDIA_VISIBLE_DEVICES=void`).
     pub(super) no_gpu: Option<String>,
+    /// What its `envFrom` means after the rewrite.
+    pub(super) env_from: Option<&'static str>,
 }
 
 /// A GPU limit the rewrite adds.
@@ -210,6 +212,7 @@ pub(super) fn plan_pod<'a>(
             mounts_removed: Names::default(),
             device_list_removed: Names::default(),
             no_gpu: None,
+            env_from: None,
         };
         if target {
             capabilities(&mut p, c.value, policy);
@@ -228,6 +231,24 @@ pub(super) fn plan_pod<'a>(
                 }
                 _ => c.gpu,
             };
+            // `envFrom` may set NVIDIA_VISIBLE_DEVICES unseen. An `env` entry overrides it,
+            // so a container without GPUs is safe with `void`; a GPU container cannot be
+            // given one (it would override the allocation too).
+            if c.signals.env_from {
+                if !gpu {
+                    p.env_from = Some("the void overrides whatever envFrom sets");
+                } else if spec.gpu.env_from == EnvFromGpu::Warn {
+                    p.env_from = Some(
+                        "envFrom may still set NVIDIA_VISIBLE_DEVICES over the allocated GPUs (gpu.envFrom: Warn)",
+                    );
+                } else {
+                    plan.denials.push(format!(
+                        "{} {}: envFrom may set NVIDIA_VISIBLE_DEVICES, which would override the GPUs the kubelet allocates; list the variables it needs under env instead, or set gpu.envFrom: Warn where nodes ignore the variable in unprivileged containers",
+                        c.at.kind.noun(),
+                        c.name
+                    ));
+                }
+            }
             // Rule 4.
             let (remove, set): (&[&'static str], _) = if gpu {
                 (

@@ -110,6 +110,9 @@ impl Plan<'_> {
                 out.push_str(self.env_value(value));
             }
         }
+        if let Some(note) = c.env_from {
+            phrases.next().push_str(note);
+        }
         if !c.mounts_removed.is_empty() {
             let out = phrases.next();
             out.push_str("device mount ");
@@ -229,6 +232,7 @@ impl Plan<'_> {
             }),
             gpu_count_from: c.limit.as_ref().map(|limit| limit.from.to_string()),
             no_gpu: c.no_gpu.as_deref(),
+            env_from: c.env_from,
             env_removed: env.map_or(&[], |env| &env.removed),
             env_set: env
                 .and_then(|env| env.set.as_ref())
@@ -277,6 +281,8 @@ struct ContainerReport<'p> {
     gpu_count_from: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     no_gpu: Option<&'p str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    env_from: Option<&'static str>,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     env_removed: &'p [&'static str],
     #[serde(skip_serializing_if = "Option::is_none")]
