@@ -227,15 +227,27 @@ pub struct Rules<'p> {
     pub every_container: bool,
     /// `stripCdiAnnotations`: an NVIDIA CDI annotation is a leak the rewrite removes.
     pub strip_cdi: bool,
+    /// `match.runtimeClassNames`.
+    pub runtime_classes: &'p [String],
+    /// `match.gpuNodeLabels`: prefixes.
+    pub node_labels: &'p [String],
+    /// `match.gpuTaints`.
+    pub taints: &'p [String],
+    /// `match.gpuImages`: globs.
+    pub images: &'p [String],
 }
 
 impl Default for Rules<'_> {
-    /// No policy: the NVIDIA resource names only; CDI annotations are leaks.
+    /// No policy: the NVIDIA resource names only, no hints; CDI annotations are leaks.
     fn default() -> Self {
         Self {
             resource: RESOURCE_GPU,
             every_container: false,
             strip_cdi: true,
+            runtime_classes: &[],
+            node_labels: &[],
+            taints: &[],
+            images: &[],
         }
     }
 }
@@ -247,12 +259,62 @@ impl<'p> Rules<'p> {
             resource: &policy.spec.gpu.resource_name,
             every_container: policy.spec.match_.privileged_containers == PrivilegedMatch::All,
             strip_cdi: policy.spec.strip_cdi_annotations,
+            runtime_classes: &policy.spec.match_.runtime_class_names,
+            node_labels: &policy.spec.match_.gpu_node_labels,
+            taints: &policy.spec.match_.gpu_taints,
+            images: &policy.spec.match_.gpu_images,
         }
+    }
+
+    /// The first hint the pod's placement gives that it runs on GPU nodes.
+    fn placement_hint<'a>(&self, pod: &PodSignals<'a>) -> Option<Hint<'a>> {
+        if let Some(class) = pod
+            .runtime_class
+            .filter(|c| self.runtime_classes.iter().any(|r| r == c))
+        {
+            return Some(Hint::RuntimeClass(class));
+        }
+        let gpu_label = |key: &str| self.node_labels.iter().any(|p| key.starts_with(p.as_str()));
+        if let Some(key) = pod.node_keys.iter().copied().find(|k| gpu_label(k)) {
+            return Some(Hint::NodeLabel(key));
+        }
+        let key = pod
+            .toleration_keys
+            .iter()
+            .copied()
+            .find(|k| self.taints.iter().any(|t| t == k))?;
+        Some(Hint::Toleration(key))
     }
 
     /// Whether `name` is a GPU resource under these rules.
     pub fn is_gpu_resource(&self, name: &str) -> bool {
         is_gpu_resource(name) || name == self.resource
+    }
+}
+
+/// What says, short of a GPU signal, that a privileged container sees GPUs: the pod runs
+/// on GPU nodes with the NVIDIA runtime, or the container runs GPU software whose image
+/// sets `NVIDIA_VISIBLE_DEVICES` itself (docs/design.md, "The GPU predicate").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hint<'a> {
+    /// `runtimeClassName` in `match.runtimeClassNames`.
+    RuntimeClass(&'a str),
+    /// A `nodeSelector` or required node affinity key with a `match.gpuNodeLabels` prefix.
+    NodeLabel(&'a str),
+    /// A toleration of a `match.gpuTaints` key.
+    Toleration(&'a str),
+    /// The image matches this `match.gpuImages` pattern.
+    Image(&'a str),
+}
+
+impl std::fmt::Display for Hint<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::RuntimeClass(class) => write!(f, "runtimeClassName {class}"),
+            Self::NodeLabel(key) => write!(f, "node label {key}"),
+            Self::Toleration(key) => write!(f, "toleration of {key}"),
+            Self::Image(pattern) => write!(f, "image pattern {pattern}"),
+        }
     }
 }
 
@@ -267,6 +329,13 @@ pub struct PodSignals<'a> {
     cdi_keys: Vec<&'a str>,
     /// Whether one of them names an NVIDIA device.
     cdi_nvidia: bool,
+    /// `runtimeClassName`.
+    runtime_class: Option<&'a str>,
+    /// Node label keys the pod's placement requires: `nodeSelector` keys (not set to
+    /// `false`) and required node affinity keys (not `NotIn` or `DoesNotExist`).
+    node_keys: Vec<&'a str>,
+    /// Toleration keys.
+    toleration_keys: Vec<&'a str>,
 }
 
 impl<'a> PodSignals<'a> {
@@ -294,6 +363,29 @@ impl<'a> PodSignals<'a> {
             }
         }
         signals
+    }
+
+    /// Adds where the pod asks to run: `runtimeClassName`, `nodeSelector` as (key, string
+    /// value), required node affinity as (key, operator), toleration keys.
+    pub fn placed(
+        mut self,
+        runtime_class: Option<&'a str>,
+        node_selector: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+        required: impl IntoIterator<Item = (&'a str, &'a str)>,
+        tolerations: impl IntoIterator<Item = &'a str>,
+    ) -> Self {
+        self.runtime_class = runtime_class;
+        self.node_keys = (node_selector.into_iter())
+            .filter(|(_, value)| *value != Some("false"))
+            .map(|(key, _)| key)
+            .chain(
+                (required.into_iter())
+                    .filter(|(_, op)| !matches!(*op, "NotIn" | "DoesNotExist"))
+                    .map(|(key, _)| key),
+            )
+            .collect();
+        self.toleration_keys = tolerations.into_iter().filter(|k| !k.is_empty()).collect();
+        self
     }
 
     /// The path of device volume `name`.
@@ -346,6 +438,8 @@ pub struct Signals<'c> {
     /// `envFrom` lists something: it may set `NVIDIA_VISIBLE_DEVICES` where admission
     /// cannot see it (an `env` entry of the same name overrides it).
     pub env_from: bool,
+    /// For a privileged container: the first hint that it sees GPUs.
+    pub hint: Option<Hint<'c>>,
 }
 
 impl Signals<'_> {
@@ -354,7 +448,7 @@ impl Signals<'_> {
         let env = match self.visible {
             // `privilegedContainers: All` counts a container that says nothing about GPUs,
             // never one that says `none`, `void` or empty.
-            VisibleDevices::Unset => self.every_container,
+            VisibleDevices::Unset => self.every_container || self.hint.is_some(),
             ref visible => visible.is_gpu_signal(),
         };
         self.limit
@@ -389,8 +483,8 @@ impl Signals<'_> {
 /// The GPU signals of one container of a pod, under the governing policy's rules.
 pub fn signals<'c, C: ContainerSpec>(
     container: &'c C,
-    pod: &PodSignals<'_>,
-    rules: Rules<'_>,
+    pod: &PodSignals<'c>,
+    rules: Rules<'c>,
 ) -> Signals<'c> {
     let limit = container
         .limit_names()
@@ -448,6 +542,15 @@ pub fn signals<'c, C: ContainerSpec>(
         mig_access,
         strip_cdi: rules.strip_cdi,
         env_from: container.env_from(),
+        hint: if container.privileged() {
+            let image = container.image();
+            (rules.images.iter())
+                .find(|p| crate::exemptions::image_exempt(image, std::slice::from_ref(p)))
+                .map(|p| Hint::Image(p))
+                .or_else(|| rules.placement_hint(pod))
+        } else {
+            None
+        },
     }
 }
 
@@ -472,8 +575,24 @@ pub enum CountFrom<'a> {
     Visible(&'a str),
     /// The devices named by mounts under [`DEVICE_LIST_ROOT`] (`all`: the policy's default).
     DeviceList,
-    /// Nothing said how many: the policy's default.
-    PolicyDefault,
+    /// Nothing said how many: the policy's default, and the signal that made it a GPU
+    /// container.
+    PolicyDefault(Because<'a>),
+}
+
+/// Why a container counted with the policy's default is a GPU container.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Because<'a> {
+    /// A device hostPath mount.
+    DeviceMount,
+    /// The pod's NVIDIA CDI annotation.
+    Cdi,
+    /// `match.privilegedContainers: All`.
+    EveryContainer,
+    /// A hint.
+    Hint(Hint<'a>),
+    /// Anything else (a count was asked for).
+    Other,
 }
 
 impl std::fmt::Display for CountFrom<'_> {
@@ -493,7 +612,18 @@ impl std::fmt::Display for CountFrom<'_> {
             Self::VisibleAll => write!(f, "{ENV_VISIBLE_DEVICES}=all, policy default"),
             Self::Visible(raw) => write!(f, "{ENV_VISIBLE_DEVICES}={raw}"),
             Self::DeviceList => write!(f, "device-list mounts under {DEVICE_LIST_ROOT}"),
-            Self::PolicyDefault => f.write_str("policy default"),
+            Self::PolicyDefault(because) => {
+                f.write_str("policy default")?;
+                match because {
+                    Because::DeviceMount => f.write_str(", GPU by a device mount"),
+                    Because::Cdi => f.write_str(", GPU by an NVIDIA CDI annotation"),
+                    Because::EveryContainer => {
+                        f.write_str(", GPU by match.privilegedContainers: All")
+                    }
+                    Because::Hint(hint) => write!(f, ", GPU by {hint}"),
+                    Because::Other => Ok(()),
+                }
+            }
         }
     }
 }
@@ -541,11 +671,26 @@ pub fn signal_count<'a>(
         VisibleDevices::Devices(n) => {
             Ok((*n, CountFrom::Visible(signals.visible_raw.unwrap_or(""))))
         }
-        _ => Ok((default, CountFrom::PolicyDefault)),
+        _ => Ok((default, CountFrom::PolicyDefault(signals.because()))),
     }
 }
 
-impl Signals<'_> {
+impl<'c> Signals<'c> {
+    /// Why a container with no count of its own is a GPU container, for messages.
+    pub fn because(&self) -> Because<'c> {
+        if self.device_mount {
+            Because::DeviceMount
+        } else if self.cdi {
+            Because::Cdi
+        } else if let Some(hint) = self.hint.filter(|_| self.visible == VisibleDevices::Unset) {
+            Because::Hint(hint)
+        } else if self.every_container {
+            Because::EveryContainer
+        } else {
+            Because::Other
+        }
+    }
+
     /// The GPUs its `NVIDIA_VISIBLE_DEVICES` names, as a key two containers naming the same
     /// GPUs share: the distinct IDs sorted, or `all`. `None` when it names none or is not
     /// known.
@@ -620,6 +765,26 @@ impl<'a> PodSignals<'a> {
             (pod.metadata.annotations.iter().flatten())
                 .map(|(k, v)| (k.as_str(), Some(v.as_str()))),
         )
+        .placed(
+            pod.spec
+                .as_ref()
+                .and_then(|s| s.runtime_class_name.as_deref()),
+            (pod.spec.iter())
+                .flat_map(|s| s.node_selector.iter().flatten())
+                .map(|(k, v)| (k.as_str(), Some(v.as_str()))),
+            (pod.spec.iter())
+                .filter_map(|s| s.affinity.as_ref()?.node_affinity.as_ref())
+                .filter_map(|a| {
+                    a.required_during_scheduling_ignored_during_execution
+                        .as_ref()
+                })
+                .flat_map(|r| r.node_selector_terms.iter())
+                .flat_map(|t| t.match_expressions.iter().flatten())
+                .map(|e| (e.key.as_str(), e.operator.as_str())),
+            (pod.spec.iter())
+                .flat_map(|s| s.tolerations.iter().flatten())
+                .filter_map(|t| t.key.as_deref()),
+        )
     }
 }
 
@@ -627,7 +792,7 @@ impl<'a> PodSignals<'a> {
 /// it is privileged, its image and its GPU signals under `rules`.
 pub fn pod_containers<'p>(
     pod: &'p k8s_openapi::api::core::v1::Pod,
-    rules: Rules<'_>,
+    rules: Rules<'p>,
 ) -> Vec<PodContainer<'p>> {
     let Some(spec) = &pod.spec else {
         return Vec::new();
@@ -667,8 +832,8 @@ pub struct PodContainer<'p> {
 fn describe<'p, C: ContainerSpec>(
     container: &'p C,
     (kind, index): (ContainerKind, usize),
-    pod: &PodSignals<'_>,
-    rules: Rules<'_>,
+    pod: &PodSignals<'p>,
+    rules: Rules<'p>,
 ) -> PodContainer<'p> {
     PodContainer {
         kind,

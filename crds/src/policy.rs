@@ -127,14 +127,55 @@ impl std::fmt::Display for PolicyMode {
 }
 
 /// Which privileged containers are GPU containers.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct MatchSpec {
     /// `GpuSignals`: a privileged container counts when it shows a GPU signal (GPU limit,
-    /// `NVIDIA_VISIBLE_DEVICES`, device hostPath, CDI annotation). `All`: every privileged
-    /// container counts, for nodes whose default runtime is nvidia.
+    /// `NVIDIA_VISIBLE_DEVICES`, device hostPath, CDI annotation, or one of the hints
+    /// below). `All`: every privileged container counts, for nodes whose default runtime is
+    /// nvidia.
     #[serde(default)]
     pub privileged_containers: PrivilegedMatch,
+
+    /// Runtime classes that run the NVIDIA runtime: a privileged container of a pod with
+    /// one of these `runtimeClassName`s counts. `[]` turns the hint off.
+    #[serde(default = "default_runtime_classes")]
+    #[schemars(length(max = 16), inner(length(max = DNS_SUBDOMAIN_LEN)))]
+    pub runtime_class_names: Vec<String>,
+
+    /// Node label prefixes of GPU nodes: a privileged container of a pod whose
+    /// `nodeSelector` or required node affinity names a label starting with one of these
+    /// (other than with the value `false`, or `NotIn`/`DoesNotExist`) counts. `[]` turns
+    /// the hint off.
+    #[serde(default = "default_gpu_node_labels")]
+    #[schemars(length(max = 16), inner(length(max = QUALIFIED_NAME_LEN)))]
+    pub gpu_node_labels: Vec<String>,
+
+    /// Taints of GPU nodes: a privileged container of a pod that tolerates one of these
+    /// keys counts. A toleration without a key (tolerate everything) is no hint. `[]` turns
+    /// the hint off.
+    #[serde(default = "default_gpu_taints")]
+    #[schemars(length(max = 16), inner(length(max = QUALIFIED_NAME_LEN)))]
+    pub gpu_taints: Vec<String>,
+
+    /// Image globs (`*`, `?`) of GPU software whose image sets `NVIDIA_VISIBLE_DEVICES`
+    /// itself (CUDA bases, frameworks): a privileged container running one counts.
+    /// `[]` turns the hint off.
+    #[serde(default = "default_gpu_images")]
+    #[schemars(length(max = 64), inner(length(max = IMAGE_LEN)))]
+    pub gpu_images: Vec<String>,
+}
+
+impl Default for MatchSpec {
+    fn default() -> Self {
+        Self {
+            privileged_containers: PrivilegedMatch::default(),
+            runtime_class_names: default_runtime_classes(),
+            gpu_node_labels: default_gpu_node_labels(),
+            gpu_taints: default_gpu_taints(),
+            gpu_images: default_gpu_images(),
+        }
+    }
 }
 
 /// See [`MatchSpec::privileged_containers`].
@@ -340,6 +381,26 @@ fn default_max() -> u32 {
 }
 fn default_resource_name() -> String {
     crate::RESOURCE_GPU.to_owned()
+}
+fn default_runtime_classes() -> Vec<String> {
+    vec!["nvidia".into()]
+}
+fn default_gpu_node_labels() -> Vec<String> {
+    vec![crate::RESOURCE_GPU.to_owned()]
+}
+fn default_gpu_taints() -> Vec<String> {
+    vec![crate::RESOURCE_GPU.to_owned()]
+}
+fn default_gpu_images() -> Vec<String> {
+    [
+        "nvcr.io/nvidia/*",
+        "*/cuda:*",
+        "*pytorch/pytorch:*",
+        "*vllm/vllm-openai:*",
+        "*tensorflow/tensorflow:*-gpu*",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 fn default_driver_capabilities() -> Vec<String> {
     vec!["compute".into(), "utility".into()]

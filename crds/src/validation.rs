@@ -241,6 +241,17 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ));
         }
     }
+    for pattern in &spec.match_.gpu_images {
+        // `*` alone is allowed here: it makes every privileged container a GPU container.
+        if let Some(why) =
+            image_pattern_problem(pattern).filter(|_| !pattern.chars().all(|c| c == '*'))
+        {
+            out.push(problem(
+                "InvalidPattern",
+                format!("spec.match.gpuImages: pattern {pattern:?} {why}"),
+            ));
+        }
+    }
     let exempt_ns: BTreeSet<&str> = ex.namespaces.iter().map(String::as_str).collect();
     for sa in &ex.service_accounts {
         match sa.split_once('/') {

@@ -333,6 +333,8 @@ fn backstop_rejects_privileged_gpu_containers_only() {
     rewritten["securityContext"] = json!({"privileged": false, "allowPrivilegeEscalation": false});
     let mut unprivileged_gpu = limit.clone();
     unprivileged_gpu["securityContext"] = json!({});
+    let mut tools = container("tools", Some(true));
+    tools["image"] = json!("busybox:1.36");
     let mut unprivileged_env = gpu_env.clone();
     unprivileged_env["securityContext"] = json!({});
     let mut device_list = container("train", None);
@@ -352,6 +354,34 @@ fn backstop_rejects_privileged_gpu_containers_only() {
             let mut p = pod(json!({"containers": [container("train", Some(true))]}));
             p["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"});
             p
+        },
+        // Hints: a GPU image, the NVIDIA runtime class, a GPU node label, a GPU taint.
+        pod(json!({"containers": [container("train", Some(true))]})),
+        {
+            let mut train = tools.clone();
+            train["name"] = json!("train");
+            pod(json!({"containers": [train], "runtimeClassName": "nvidia"}))
+        },
+        {
+            let mut train = tools.clone();
+            train["name"] = json!("train");
+            pod(json!({"containers": [train], "nodeSelector": {"nvidia.com/gpu.present": "true"}}))
+        },
+        {
+            let mut train = tools.clone();
+            train["name"] = json!("train");
+            pod(json!({"containers": [train], "affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                        "values": ["NVIDIA-H100-80GB-HBM3"]}]}]}}}}))
+        },
+        {
+            let mut train = tools.clone();
+            train["name"] = json!("train");
+            pod(
+                json!({"containers": [train], "tolerations": [{"key": "nvidia.com/gpu",
+                "operator": "Exists", "effect": "NoSchedule"}]}),
+            )
         },
         // Leaks, whatever the privilege.
         pod(json!({"containers": [unprivileged_env]})),
@@ -374,7 +404,13 @@ fn backstop_rejects_privileged_gpu_containers_only() {
         );
     }
     let admitted = [
-        pod(json!({"containers": [container("tools", Some(true))]})),
+        pod(json!({"containers": [tools.clone()]})),
+        // Hints about the pod's placement count for privileged containers only.
+        pod(json!({"containers": [container("a", None)], "runtimeClassName": "nvidia"})),
+        // A node selector that says "not a GPU node" is no hint.
+        pod(
+            json!({"containers": [tools.clone()], "nodeSelector": {"nvidia.com/gpu.present": "false"}}),
+        ),
         pod(json!({"containers": [void_env]})),
         pod(json!({"containers": [rewritten]})),
         pod(json!({"containers": [unprivileged_gpu]})),
@@ -658,7 +694,16 @@ mod generated {
         "registry.example.com/team/tools:1.0",
         "registry.example.com/team/tools",
         "busybox",
+        "nvidia/cuda:12.4.1-base-ubuntu22.04",
+        "nvidia/cuda",
+        "docker.io/tensorflow/tensorflow:2.16.1-gpu",
+        "tensorflow/tensorflow:2.16.1",
+        "vllm/vllm-openai:v0.5.0",
     ];
+    /// GPU image patterns a policy may use instead of the defaults; the first two are
+    /// beyond CEL (a `?`, an inner `*`).
+    pub const GPU_PATTERNS: &[&str] =
+        &["busybox:1.?", "registry.*/tools:*", "*/cuda:*", "busybox*"];
     /// Mount paths at, under and beside the toolkit's device-list root.
     pub const DEVICE_LIST_PATHS: &[&str] = &[
         "/var/run/nvidia-container-devices/all",
@@ -729,6 +774,23 @@ mod generated {
         c
     }
 
+    /// The backstop's GPU image match, as its CEL writes it: no `?`, `*` only at the ends.
+    fn cel_image_match(p: &str, image: &str) -> bool {
+        let inner = p.len() >= 3 && p[1..p.len() - 1].contains('*');
+        if p.contains('?') || inner {
+            return false;
+        }
+        if p == "*" || p == "**" {
+            return true;
+        }
+        match (p.strip_prefix('*'), p.strip_suffix('*')) {
+            (Some(_), Some(_)) => image.contains(&p[1..p.len() - 1]),
+            (None, Some(prefix)) => image.starts_with(prefix),
+            (Some(suffix), None) => image.ends_with(suffix),
+            (None, None) => image == p,
+        }
+    }
+
     pub fn cases(count: usize) -> Vec<Case> {
         let mut rng = StdRng::seed_from_u64(0x6770_7577_6172_6463);
         (0..count)
@@ -751,6 +813,23 @@ mod generated {
                 if rng.random_bool(0.3) {
                     spec["initContainers"] = json!([container(&mut rng, "init".into(), &volumes)]);
                 }
+                // Where the pod asks to run: hints that it runs on GPU nodes, and look-alikes.
+                match rng.random_range(0..10) {
+                    0 => spec["runtimeClassName"] = json!("nvidia"),
+                    1 => spec["runtimeClassName"] = json!("kata"),
+                    2 => spec["nodeSelector"] = json!({"nvidia.com/gpu.present": "true"}),
+                    3 => spec["nodeSelector"] = json!({"nvidia.com/gpu.present": "false"}),
+                    4 => {
+                        let op = *["In", "Exists", "NotIn", "DoesNotExist"].choose(&mut rng).unwrap();
+                        spec["affinity"] = json!({"nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]},
+                                {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": op}]}]}}})
+                    }
+                    5 => spec["tolerations"] = json!([{"key": "nvidia.com/gpu", "operator": "Exists"}]),
+                    6 => spec["tolerations"] = json!([{"operator": "Exists"}]),
+                    _ => {}
+                }
                 let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
                     "metadata": {"name": format!("p{i}")}, "spec": spec});
                 match rng.random_range(0..8) {
@@ -766,6 +845,18 @@ mod generated {
                 let mut policy = gpuwarden_crds::manifests::default_policy_manifest();
                 if rng.random_bool(0.15) {
                     policy["spec"]["stripCdiAnnotations"] = json!(false);
+                }
+                match rng.random_range(0..6) {
+                    0 => {
+                        policy["spec"]["match"]["gpuImages"] =
+                            json!([*GPU_PATTERNS.choose(&mut rng).unwrap()])
+                    }
+                    1 => {
+                        for hint in ["runtimeClassNames", "gpuNodeLabels", "gpuTaints", "gpuImages"] {
+                            policy["spec"]["match"][hint] = json!([]);
+                        }
+                    }
+                    _ => {}
                 }
                 if rng.random_bool(0.1) {
                     policy["spec"]["match"]["privilegedContainers"] = json!("All");
@@ -794,10 +885,25 @@ mod generated {
                         || p.contains("/../")
                         || p.ends_with("/..")
                 });
+                let gpu_images: Vec<String> = serde_json::from_value(
+                    policy["spec"]["match"]["gpuImages"].clone(),
+                )
+                .unwrap_or_else(|_| {
+                    gpuwarden_crds::GpuPolicy::default_policy().spec.match_.gpu_images
+                });
+                let glob_only = ["containers", "initContainers"].into_iter().any(|f| {
+                    (pod["spec"][f].as_array().into_iter().flatten()).any(|c| {
+                        let image = c["image"].as_str().unwrap_or("");
+                        gpu_images.iter().any(|p| {
+                            gpuwarden_crds::exemptions::image_exempt(image, std::slice::from_ref(p))
+                                && !cel_image_match(p, image)
+                        })
+                    })
+                });
                 Case {
                     pod,
                     policy,
-                    beyond_cel: inner_wildcard || unresolved,
+                    beyond_cel: inner_wildcard || unresolved || glob_only,
                 }
             })
             .collect()

@@ -158,6 +158,78 @@ pub struct Spec<'a> {
     /// `ephemeralContainers`, when a list.
     #[serde(deserialize_with = "list")]
     pub ephemeral_containers: Option<Vec<Container<'a>>>,
+    /// `runtimeClassName`.
+    #[serde(deserialize_with = "text")]
+    pub runtime_class_name: Option<Cow<'a, str>>,
+    /// `nodeSelector`, when an object.
+    #[serde(deserialize_with = "map")]
+    pub node_selector: Option<Map<'a>>,
+    /// `affinity`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub affinity: Option<Affinity<'a>>,
+    /// `tolerations`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub tolerations: Option<Vec<Toleration<'a>>>,
+}
+
+/// `affinity`: the engine reads its required node affinity.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct Affinity<'a> {
+    /// `nodeAffinity`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub node_affinity: Option<NodeAffinity<'a>>,
+}
+
+/// `affinity.nodeAffinity`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct NodeAffinity<'a> {
+    /// `requiredDuringSchedulingIgnoredDuringExecution`, when an object.
+    #[serde(
+        rename = "requiredDuringSchedulingIgnoredDuringExecution",
+        deserialize_with = "object"
+    )]
+    pub required: Option<NodeSelector<'a>>,
+}
+
+/// A node selector: terms, any of which may hold.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct NodeSelector<'a> {
+    /// `nodeSelectorTerms`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub node_selector_terms: Option<Vec<NodeSelectorTerm<'a>>>,
+}
+
+/// One node selector term.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct NodeSelectorTerm<'a> {
+    /// `matchExpressions`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub match_expressions: Option<Vec<Requirement<'a>>>,
+}
+
+/// A node selector requirement: its key and operator.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct Requirement<'a> {
+    /// `key`.
+    #[serde(deserialize_with = "text")]
+    pub key: Option<Cow<'a, str>>,
+    /// `operator`.
+    #[serde(deserialize_with = "text")]
+    pub operator: Option<Cow<'a, str>>,
+}
+
+/// A toleration: its key.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct Toleration<'a> {
+    /// `key`.
+    #[serde(deserialize_with = "text")]
+    pub key: Option<Cow<'a, str>>,
 }
 
 /// A pod volume: its name and host path.
@@ -598,7 +670,15 @@ macro_rules! lenient_entry {
 
 /// A list entry, read leniently.
 struct Wrapped<T>(T);
-lenient_entry!(Volume, Container, EnvVar, VolumeMount);
+lenient_entry!(
+    Volume,
+    Container,
+    EnvVar,
+    VolumeMount,
+    NodeSelectorTerm,
+    Requirement,
+    Toleration
+);
 
 /// A field holding a pod: its view when it is a JSON object, `None` otherwise.
 pub fn pod_object<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PodView<'de>>, D::Error> {

@@ -1097,7 +1097,7 @@ fn gpu_counts_are_the_pods() {
 fn env_from_never_passes_unseen() {
     let triton = |env: Value| {
         json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "triton"},
-            "spec": {"containers": [{"name": "triton", "image": "nvcr.io/nvidia/tritonserver:24.05-py3",
+            "spec": {"containers": [{"name": "triton", "image": "registry.example.com/inference/proxy:1.4",
                 "securityContext": {"privileged": true},
                 "envFrom": [{"configMapRef": {"name": "triton-env"}}],
                 "env": env}]}})
@@ -1168,4 +1168,97 @@ fn env_from_never_passes_unseen() {
         "{:?}",
         answer.review
     );
+}
+
+/// Door 4: a privileged pod that says "GPU" only through where it runs or what it runs is
+/// a GPU pod, and the rewrite says which hint made it one.
+#[test]
+fn placement_and_image_hints_make_gpu_containers() {
+    let base = || {
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "c", "image": "registry.example.com/render:2",
+                "securityContext": {"privileged": true}}]}})
+    };
+    let hinted = |field: &str, value: Value| {
+        let mut pod = base();
+        pod["spec"][field] = value;
+        pod
+    };
+    let mut image = base();
+    image["spec"]["containers"][0]["image"] = json!("nvidia/cuda:12.4.1-runtime-ubuntu22.04");
+    let cases = [
+        (
+            hinted("runtimeClassName", json!("nvidia")),
+            "GPU by runtimeClassName nvidia",
+        ),
+        (
+            hinted("nodeSelector", json!({"nvidia.com/gpu.present": "true"})),
+            "GPU by node label nvidia.com/gpu.present",
+        ),
+        (
+            hinted(
+                "affinity",
+                json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A100-SXM4-80GB"]}]}]}}}),
+            ),
+            "GPU by node label nvidia.com/gpu.product",
+        ),
+        (
+            hinted(
+                "tolerations",
+                json!([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+            ),
+            "GPU by toleration of nvidia.com/gpu",
+        ),
+        (image, "GPU by image pattern */cuda:*"),
+    ];
+    for (pod, why) in &cases {
+        let (answer, out) = rewrite(pod, "ml", &source());
+        let c = &out["spec"]["containers"][0];
+        assert_eq!(c["securityContext"]["privileged"], false, "{why}");
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1", "{why}");
+        assert!(
+            answer.warnings()[0].contains(&format!(
+                "requests nvidia.com/gpu=1 (policy default, {why})"
+            )),
+            "{why}: {:?}",
+            answer.warnings()
+        );
+    }
+
+    // No hint: a privileged container on a node that says it is no GPU node, or that
+    // tolerates every taint, is none of our business; nor is an unprivileged one.
+    for pod in [
+        base(),
+        hinted("nodeSelector", json!({"nvidia.com/gpu.present": "false"})),
+        hinted("tolerations", json!([{"operator": "Exists"}])),
+        hinted(
+            "affinity",
+            json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+            {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "nvidia.com/gpu.present", "operator": "DoesNotExist"}]}]}}}),
+        ),
+    ] {
+        let answer = review_pod(&pod, "ml", &source());
+        assert!(answer.allowed() && answer.patch.is_none(), "{pod}");
+    }
+    let mut unprivileged = hinted("runtimeClassName", json!("nvidia"));
+    unprivileged["spec"]["containers"][0]["securityContext"] = json!({});
+    assert!(review_pod(&unprivileged, "ml", &source()).patch.is_none());
+    // `none` in the container outweighs a hint about the pod.
+    let mut none = hinted("runtimeClassName", json!("nvidia"));
+    none["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]);
+    assert!(review_pod(&none, "ml", &source()).patch.is_none());
+    // Empty lists turn the hints off.
+    let off = StaticSource::new([policy("off", |p| {
+        p.spec.match_.runtime_class_names.clear();
+        p.spec.match_.gpu_node_labels.clear();
+        p.spec.match_.gpu_taints.clear();
+        p.spec.match_.gpu_images.clear();
+    })]);
+    for (pod, why) in &cases {
+        assert!(review_pod(pod, "ml", &off).patch.is_none(), "{why}");
+    }
 }

@@ -63,12 +63,43 @@ pub(super) struct PodFacts<'a> {
 /// Reads every container of the pod (init, regular, ephemeral) under `policy`.
 pub(super) fn read_pod<'a>(pod: &'a PodView<'a>, policy: &'a GpuPolicy) -> PodFacts<'a> {
     let annotations = pod.annotations();
+    let spec = pod.spec.as_ref();
     let signals = PodSignals::read(
         pod.volumes().iter().filter_map(|v| {
             let path = v.host_path.as_ref().and_then(|h| h.path.as_deref());
             Some((v.name.as_deref()?, path))
         }),
         (annotations.into_iter().flatten()).map(|(k, v)| (k.as_ref(), v.as_str())),
+    )
+    .placed(
+        spec.and_then(|s| s.runtime_class_name.as_deref()),
+        (spec
+            .and_then(|s| s.node_selector.as_ref())
+            .into_iter()
+            .flatten())
+        .map(|(k, v)| (k.as_ref(), v.as_str())),
+        (spec.and_then(|s| {
+            s.affinity
+                .as_ref()?
+                .node_affinity
+                .as_ref()?
+                .required
+                .as_ref()
+        }))
+        .into_iter()
+        .flat_map(|r| r.node_selector_terms.iter().flatten())
+        .flat_map(|t| t.match_expressions.iter().flatten())
+        .map(|e| {
+            (
+                e.key.as_deref().unwrap_or(""),
+                e.operator.as_deref().unwrap_or(""),
+            )
+        }),
+        (spec
+            .and_then(|s| s.tolerations.as_ref())
+            .into_iter()
+            .flatten())
+        .filter_map(|t| t.key.as_deref()),
     );
     let rules = Rules::of(policy);
     let images = &policy.spec.exemptions.images;

@@ -785,7 +785,7 @@ mod tests {
                         "capabilitiesAdded": ["SYS_NICE"],
                         "capabilitiesDropped": ["ALL"],
                         "limits": {"nvidia.com/gpu": "1"},
-                        "gpuCountFrom": "policy default",
+                        "gpuCountFrom": "policy default, GPU by an NVIDIA CDI annotation",
                         "envRemoved": ["NVIDIA_VISIBLE_DEVICES"],
                         "envSet": {"NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
                     },
@@ -810,7 +810,7 @@ mod tests {
         let annotations = decision.audit_annotations();
         assert_eq!(
             annotations["changes"],
-            "init container setup: privileged removed, capabilities SYS_ADMIN dropped (not allowed), requests nvidia.com/gpu=2 (NVIDIA_VISIBLE_DEVICES=0,1), env NVIDIA_VISIBLE_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility; container trainer \"a\": privileged removed, limits nvidia.com/gpu=2 (from its request), env NVIDIA_MIG_CONFIG_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility, device mount dev (/dev/nvidia0) removed; container side: privileged removed, requests nvidia.com/gpu=1 (policy default), NVIDIA_DRIVER_CAPABILITIES=compute,utility; container side: privileged removed, requests nvidia.com/gpu=1 (policy default), env NVIDIA_VISIBLE_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility; pod: device hostPath volume dev removed, annotation cdi.k8s.io/gpu removed"
+            "init container setup: privileged removed, capabilities SYS_ADMIN dropped (not allowed), requests nvidia.com/gpu=2 (NVIDIA_VISIBLE_DEVICES=0,1), env NVIDIA_VISIBLE_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility; container trainer \"a\": privileged removed, limits nvidia.com/gpu=2 (from its request), env NVIDIA_MIG_CONFIG_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility, device mount dev (/dev/nvidia0) removed; container side: privileged removed, requests nvidia.com/gpu=1 (policy default, GPU by an NVIDIA CDI annotation), NVIDIA_DRIVER_CAPABILITIES=compute,utility; container side: privileged removed, requests nvidia.com/gpu=1 (policy default, GPU by an NVIDIA CDI annotation), env NVIDIA_VISIBLE_DEVICES removed, NVIDIA_DRIVER_CAPABILITIES=compute,utility; pod: device hostPath volume dev removed, annotation cdi.k8s.io/gpu removed"
         );
         assert_eq!(annotations["decision"], "rewritten");
         assert_eq!(decision.warnings().len(), 5, "{:?}", decision.warnings());
