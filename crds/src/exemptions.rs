@@ -1,8 +1,8 @@
 //! What a `GpuPolicy`'s exemptions cover. The webhook and the node agent both ask, so the
-//! answer is written once: namespace and service account exempt a whole pod, an image glob
-//! exempts a container.
+//! answer is written once: namespace and service account exempt a whole pod; an image glob
+//! exempts a container only together with the namespaces or service accounts it names.
 
-use crate::policy::Exemptions;
+use crate::policy::{ContainerExemption, Exemptions};
 
 impl Exemptions {
     /// Why the whole pod is exempt (its namespace or its service account), or `None`. An
@@ -23,9 +23,38 @@ impl Exemptions {
         listed.then(|| format!("service account {namespace}/{sa} is exempt"))
     }
 
-    /// Whether a container with this image keeps its privilege.
-    pub fn covers_image(&self, image: &str) -> bool {
-        image_exempt(image, &self.images)
+    /// The container exemption that lets a container with `image`, in a pod of
+    /// `namespace` running as `service_account` (empty: `default`), keep what it has.
+    pub fn container_exemption(
+        &self,
+        image: &str,
+        namespace: &str,
+        service_account: &str,
+    ) -> Option<&ContainerExemption> {
+        let sa = if service_account.is_empty() {
+            "default"
+        } else {
+            service_account
+        };
+        (self.containers.iter()).find(|entry| entry.covers(image, namespace, sa))
+    }
+}
+
+impl ContainerExemption {
+    /// Whether this entry covers `image` in `namespace` for service account `sa`: every
+    /// listed condition holds, and a namespace or service account is listed.
+    pub fn covers(&self, image: &str, namespace: &str, sa: &str) -> bool {
+        let scoped = !self.namespaces.is_empty() || !self.service_accounts.is_empty();
+        let in_namespace =
+            self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace);
+        let as_account = self.service_accounts.is_empty()
+            || (self.service_accounts.iter())
+                .any(|s| s.strip_prefix(namespace).and_then(|r| r.strip_prefix('/')) == Some(sa));
+        let pinned = self.digests.is_empty()
+            || image
+                .rsplit_once('@')
+                .is_some_and(|(_, digest)| self.digests.iter().any(|d| d == digest));
+        scoped && in_namespace && as_account && pinned && image_exempt(image, &self.images)
     }
 }
 
@@ -231,11 +260,68 @@ mod tests {
     }
 
     #[test]
+    fn container_exemptions_are_a_conjunction() {
+        let digest = format!("sha256:{}", "a".repeat(64));
+        let ex = Exemptions {
+            containers: vec![
+                ContainerExemption {
+                    images: vec!["nvcr.io/nvidia/k8s/dcgm-exporter:*".into()],
+                    namespaces: vec!["gpu-operator".into()],
+                    ..ContainerExemption::default()
+                },
+                ContainerExemption {
+                    images: vec!["registry.example.com/tools/*".into()],
+                    namespaces: vec!["tools".into()],
+                    service_accounts: vec!["tools/debugger".into()],
+                    digests: vec![digest.clone()],
+                },
+                // No scope: exempts nothing.
+                ContainerExemption {
+                    images: vec!["busybox:*".into()],
+                    ..ContainerExemption::default()
+                },
+            ],
+            ..Exemptions::default()
+        };
+        let dcgm = "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5";
+        assert!(ex.container_exemption(dcgm, "gpu-operator", "").is_some());
+        assert!(
+            ex.container_exemption(dcgm, "team-a", "").is_none(),
+            "another namespace"
+        );
+        let tool = format!("registry.example.com/tools/nsenter@{digest}");
+        assert!(ex.container_exemption(&tool, "tools", "debugger").is_some());
+        assert!(
+            ex.container_exemption(&tool, "tools", "").is_none(),
+            "another account"
+        );
+        assert!(
+            ex.container_exemption("registry.example.com/tools/nsenter:1", "tools", "debugger")
+                .is_none(),
+            "not pinned"
+        );
+        let other = format!(
+            "registry.example.com/tools/nsenter@sha256:{}",
+            "b".repeat(64)
+        );
+        assert!(
+            ex.container_exemption(&other, "tools", "debugger")
+                .is_none(),
+            "another digest"
+        );
+        assert!(
+            ex.container_exemption("busybox:1", "tools", "").is_none(),
+            "unscoped"
+        );
+    }
+
+    #[test]
     fn pod_exemptions() {
         let ex = Exemptions {
             namespaces: vec!["gpu-operator".into()],
             service_accounts: vec!["monitoring/dcgm".into(), "tools/default".into()],
             images: vec![],
+            containers: vec![],
         };
         assert_eq!(
             ex.pod_exemption("gpu-operator", "anything").as_deref(),

@@ -23,8 +23,9 @@ pub use node::{
     GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice, PodRef, RuntimeStatus, Truncated,
 };
 pub use policy::{
-    CapabilitiesSpec, EnvFromGpu, Exemptions, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec,
-    MatchSpec, PolicyMode, PrivilegedMatch, VisibleDevicesAll,
+    CapabilitiesSpec, ContainerExemption, EnvFromGpu, Exemptions, GPU_OPERATOR_NAMESPACE,
+    GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec, PolicyMode, PrivilegedMatch,
+    VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 

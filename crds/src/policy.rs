@@ -308,12 +308,52 @@ pub struct Exemptions {
     #[schemars(length(max = 256), inner(length(max = SERVICE_ACCOUNT_LEN)))]
     pub service_accounts: Vec<String>,
 
-    /// Image glob patterns (`*` and `?`), e.g. `nvcr.io/nvidia/k8s/dcgm-exporter:*`. A
-    /// container whose image matches keeps its privilege. At most 256 patterns of 512
-    /// characters.
-    #[serde(default)]
-    #[schemars(length(max = 256), inner(length(max = IMAGE_LEN)))]
+    /// Removed: an image pattern on its own exempted a container in every namespace, so any
+    /// tenant could run an exempt image privileged with its own command. Kept in the schema
+    /// only so that policies written before still read; one that sets it is invalid
+    /// (`RemovedField`) and fails closed. Move each pattern to `containers`, with the
+    /// namespaces or service accounts where it applies.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = Rule::new("size(self) == 0").message("exemptions.images was removed: an image pattern alone no longer exempts anything; list it under exemptions.containers with the namespaces or serviceAccounts where it applies"))]
+    #[schemars(length(max = 64), inner(length(max = IMAGE_LEN)))]
     pub images: Vec<String>,
+
+    /// Containers exempt by their image, each entry only in the namespaces and for the
+    /// service accounts it names (at most 64 entries).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64))]
+    pub containers: Vec<ContainerExemption>,
+}
+
+/// A scoped image exemption: a container keeps what it has when its image matches one of
+/// `images` **and** the pod is in one of `namespaces` (when listed) **and** runs as one of
+/// `serviceAccounts` (when listed) **and** the image is pinned to one of `digests` (when
+/// listed). At least one of `namespaces` and `serviceAccounts` must be listed.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("(has(self.namespaces) && size(self.namespaces) > 0) || (has(self.serviceAccounts) && size(self.serviceAccounts) > 0)").message("a container exemption names the namespaces or serviceAccounts where it applies"))]
+pub struct ContainerExemption {
+    /// Image glob patterns (`*` and `?`), e.g. `nvcr.io/nvidia/k8s/dcgm-exporter:*`.
+    #[schemars(length(min = 1, max = 64), inner(length(max = IMAGE_LEN)))]
+    pub images: Vec<String>,
+
+    /// Namespaces where the images are exempt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = DNS_LABEL_LEN)))]
+    pub namespaces: Vec<String>,
+
+    /// Service accounts, as `namespace/name`, whose pods may run the images exempt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = Rule::new("self.all(s, s.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$'))").message("service accounts are written namespace/name"))]
+    #[schemars(length(max = 64), inner(length(max = SERVICE_ACCOUNT_LEN)))]
+    pub service_accounts: Vec<String>,
+
+    /// Image digests (`sha256:<64 hex>`): when listed, the image must be pinned to one of
+    /// them (`<image>@sha256:...`), so a retagged image is not exempt.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = Rule::new("self.all(d, d.matches('^sha256:[0-9a-f]{64}$'))").message("digests are written sha256:<64 lower-case hex digits>"))]
+    #[schemars(length(max = 64), inner(length(max = 71)))]
+    pub digests: Vec<String>,
 }
 
 /// Health rules node agents apply.
@@ -363,6 +403,9 @@ pub struct GpuPolicyStatus {
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
+
+/// Where the GPU Operator runs by default.
+pub const GPU_OPERATOR_NAMESPACE: &str = "gpu-operator";
 
 /// Longest Linux capability name without `CAP_` (the longest today, `CHECKPOINT_RESTORE`,
 /// has 18).
@@ -445,22 +488,28 @@ impl GpuPolicy {
                 strip_device_host_paths: true,
                 strip_cdi_annotations: true,
                 exemptions: Exemptions {
-                    namespaces: ["kube-system", crate::SYSTEM_NAMESPACE, "gpu-operator"]
+                    namespaces: ["kube-system", crate::SYSTEM_NAMESPACE]
                         .map(String::from)
                         .to_vec(),
                     service_accounts: Vec::new(),
-                    images: [
-                        "nvcr.io/nvidia/k8s/dcgm-exporter:*",
-                        "nvcr.io/nvidia/k8s-device-plugin:*",
-                        "nvcr.io/nvidia/gpu-operator:*",
-                        "nvcr.io/nvidia/driver:*",
-                        "nvcr.io/nvidia/k8s/container-toolkit:*",
-                        "nvcr.io/nvidia/cloud-native/k8s-mig-manager:*",
-                        "nvcr.io/nvidia/cloud-native/dcgm:*",
-                        "nvcr.io/nvidia/gpu-feature-discovery:*",
-                    ]
-                    .map(String::from)
-                    .to_vec(),
+                    images: Vec::new(),
+                    // The GPU Operator's components need privilege, in its namespace only.
+                    containers: vec![ContainerExemption {
+                        images: [
+                            "nvcr.io/nvidia/gpu-operator:*",
+                            "nvcr.io/nvidia/driver:*",
+                            "nvcr.io/nvidia/k8s-device-plugin:*",
+                            "nvcr.io/nvidia/gpu-feature-discovery:*",
+                            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
+                            "nvcr.io/nvidia/k8s/container-toolkit:*",
+                            "nvcr.io/nvidia/cloud-native/*",
+                        ]
+                        .map(String::from)
+                        .to_vec(),
+                        namespaces: vec![GPU_OPERATOR_NAMESPACE.to_owned()],
+                        service_accounts: Vec::new(),
+                        digests: Vec::new(),
+                    }],
                 },
                 health: Some(HealthSpec::default()),
             },

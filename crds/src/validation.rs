@@ -233,12 +233,54 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
     }
 
     let ex = &spec.exemptions;
-    for pattern in &ex.images {
-        if let Some(why) = image_pattern_problem(pattern) {
+    if !ex.images.is_empty() {
+        out.push(problem(
+            "RemovedField",
+            format!(
+                "spec.exemptions.images was removed: an image pattern alone no longer exempts anything. Move {} under spec.exemptions.containers with the namespaces or serviceAccounts where it applies",
+                ex.images.join(", ")
+            ),
+        ));
+    }
+    for (i, entry) in ex.containers.iter().enumerate() {
+        let at = format!("spec.exemptions.containers[{i}]");
+        if entry.namespaces.is_empty() && entry.service_accounts.is_empty() {
             out.push(problem(
                 "ConflictingExemptions",
-                format!("spec.exemptions.images: pattern {pattern:?} {why}"),
+                format!("{at}: names no namespaces or serviceAccounts, so it would exempt its images everywhere"),
             ));
+        }
+        if entry.images.is_empty() {
+            out.push(problem(
+                "ConflictingExemptions",
+                format!("{at}.images is empty"),
+            ));
+        }
+        for pattern in &entry.images {
+            if let Some(why) = image_pattern_problem(pattern) {
+                out.push(problem(
+                    "ConflictingExemptions",
+                    format!("{at}.images: pattern {pattern:?} {why}"),
+                ));
+            }
+        }
+        for sa in &entry.service_accounts {
+            if !matches!(sa.split_once('/'), Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/'))
+            {
+                out.push(problem(
+                    "ConflictingExemptions",
+                    format!("{at}.serviceAccounts: {sa:?} is not namespace/name"),
+                ));
+            }
+        }
+        for digest in &entry.digests {
+            let hex = digest.strip_prefix("sha256:").unwrap_or("");
+            if hex.len() != 64 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+                out.push(problem(
+                    "ConflictingExemptions",
+                    format!("{at}.digests: {digest:?} is not sha256:<64 lower-case hex digits>"),
+                ));
+            }
         }
     }
     for pattern in &spec.match_.gpu_images {
@@ -517,8 +559,31 @@ mod tests {
         assert!(c.message.contains("soon"));
 
         let mut p = policy("p", 1, LabelSelector::default());
-        p.spec.exemptions.images.push("*".into());
+        p.spec.exemptions.containers[0].images.push("*".into());
         assert_eq!(ready_condition(&p, &[&p]).reason, "ConflictingExemptions");
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec.exemptions.containers[0].namespaces.clear();
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!(c.reason, "ConflictingExemptions");
+        assert!(
+            c.message
+                .contains("spec.exemptions.containers[0]: names no namespaces"),
+            "{}",
+            c.message
+        );
+        // The removed field: a policy that still relies on it is invalid, and says how to move.
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec
+            .exemptions
+            .images
+            .push("nvcr.io/nvidia/k8s/dcgm-exporter:*".into());
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!(c.reason, "RemovedField");
+        assert!(
+            c.message.contains("under spec.exemptions.containers"),
+            "{}",
+            c.message
+        );
         let mut p = policy("p", 1, LabelSelector::default());
         p.spec
             .exemptions
@@ -531,7 +596,7 @@ mod tests {
             expr(
                 "kubernetes.io/metadata.name",
                 "In",
-                &["kube-system", "gpu-operator"],
+                &["kube-system", "gpuwarden-system"],
             ),
         );
         let c = ready_condition(&p, &[&p]);

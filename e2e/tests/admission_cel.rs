@@ -432,20 +432,61 @@ fn backstop_follows_the_default_policy() {
 
     // Exempt namespace.
     assert_eq!(
-        backstop_decides(gpu_pod.clone(), "gpu-operator", default_params()),
+        backstop_decides(gpu_pod.clone(), "kube-system", default_params()),
         Some(vec![])
     );
-    // Exempt image (the default policy's dcgm-exporter pattern).
+    // Exempt image (the default policy's dcgm-exporter pattern), in the GPU Operator's
+    // namespace only: a tenant running it elsewhere is rejected.
     let mut dcgm = gpu.clone();
     dcgm["image"] = json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04");
+    let dcgm_pod = pod(json!({"containers": [dcgm]}));
+    assert_eq!(
+        backstop_decides(dcgm_pod.clone(), "gpu-operator", default_params()),
+        Some(vec![])
+    );
+    assert_eq!(
+        backstop_decides(dcgm_pod.clone(), "monitoring", default_params()).map(|f| f.len()),
+        Some(1)
+    );
+    // Scoped to a service account and pinned to a digest: both must hold.
+    let digest = format!("sha256:{}", "c".repeat(64));
+    let mut pinned = default_params();
+    pinned["spec"]["exemptions"]["containers"] = json!([{
+        "images": ["registry.example.com/tools/*"],
+        "serviceAccounts": ["team-a/debugger"],
+        "digests": [digest],
+    }]);
+    let tool = |image: String, sa: &str| {
+        let mut c = gpu.clone();
+        c["image"] = json!(image);
+        let mut p = pod(json!({"containers": [c]}));
+        p["spec"]["serviceAccountName"] = json!(sa);
+        p
+    };
+    let at_digest = format!(
+        "registry.example.com/tools/nsenter@sha256:{}",
+        "c".repeat(64)
+    );
     assert_eq!(
         backstop_decides(
-            pod(json!({"containers": [dcgm]})),
-            "monitoring",
-            default_params()
+            tool(at_digest.clone(), "debugger"),
+            "team-a",
+            pinned.clone()
         ),
         Some(vec![])
     );
+    for (image, sa) in [
+        (at_digest, "default"),
+        (
+            "registry.example.com/tools/nsenter:1".to_owned(),
+            "debugger",
+        ),
+    ] {
+        assert_eq!(
+            backstop_decides(tool(image, sa), "team-a", pinned.clone()).map(|f| f.len()),
+            Some(1)
+        );
+    }
     // Exempt service account.
     let mut params = default_params();
     params["spec"]["exemptions"]["serviceAccounts"] = json!(["team-a/gpu-admin"]);
@@ -493,12 +534,14 @@ fn backstop_refuses_privileged_ephemeral_containers() {
     assert!(failures[0].contains("debugger"), "{failures:?}");
     let mut exempt = container("dcgm", Some(true));
     exempt["image"] = json!("nvcr.io/nvidia/cloud-native/dcgm:3.3.5-1-ubuntu22.04");
+    let mut app = container("app", None);
+    app["image"] = json!("busybox");
     let object = pod(json!({
-        "containers": [container("app", None)],
+        "containers": [app],
         "ephemeralContainers": [container("looker", Some(false)), exempt],
     }));
     assert_eq!(
-        backstop_decides(object, "team-a", default_params()),
+        backstop_decides(object, "gpu-operator", default_params()),
         Some(vec![])
     );
 }
@@ -699,6 +742,7 @@ mod generated {
         "docker.io/tensorflow/tensorflow:2.16.1-gpu",
         "tensorflow/tensorflow:2.16.1",
         "vllm/vllm-openai:v0.5.0",
+        "registry.example.com/team/tools@sha256:dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd",
     ];
     /// GPU image patterns a policy may use instead of the defaults; the first two are
     /// beyond CEL (a `?`, an inner `*`).
@@ -717,7 +761,11 @@ mod generated {
     ];
     /// Exempt image patterns a policy may add; the first has a wildcard in the middle,
     /// which CEL cannot match as a glob.
-    pub const PATTERNS: &[&str] = &["registry.example.com/*/tools:1.?", "busybox"];
+    pub const PATTERNS: &[&str] = &[
+        "registry.example.com/*/tools:1.?",
+        "busybox",
+        "registry.example.com/team/*",
+    ];
 
     pub struct Case {
         pub pod: Value,
@@ -866,12 +914,26 @@ mod generated {
                 }
                 let mut inner_wildcard = false;
                 if rng.random_bool(0.3) {
+                    // A scoped exemption: here, elsewhere, for one service account, pinned.
                     let pattern = *PATTERNS.choose(&mut rng).unwrap();
                     inner_wildcard = pattern.contains('?');
-                    let images = policy["spec"]["exemptions"]["images"]
+                    let mut entry = json!({"images": [pattern]});
+                    match rng.random_range(0..4) {
+                        0 => entry["namespaces"] = json!(["team-a"]),
+                        1 => entry["namespaces"] = json!(["elsewhere"]),
+                        2 => entry["serviceAccounts"] = json!(["team-a/builder"]),
+                        _ => {
+                            entry["namespaces"] = json!(["team-a"]);
+                            entry["digests"] = json!([format!("sha256:{}", "d".repeat(64))]);
+                        }
+                    }
+                    policy["spec"]["exemptions"]["containers"]
                         .as_array_mut()
-                        .unwrap();
-                    images.push(json!(pattern));
+                        .unwrap()
+                        .push(entry);
+                }
+                if rng.random_bool(0.3) {
+                    pod["spec"]["serviceAccountName"] = json!("builder");
                 }
                 let mount_paths = ["containers", "initContainers"].into_iter().flat_map(|f| {
                     (pod["spec"][f].as_array().into_iter().flatten()).flat_map(|c| {
@@ -918,7 +980,6 @@ mod generated {
 #[test]
 fn backstop_agrees_with_the_gpu_predicate() {
     use gpuwarden_crds::GpuPolicy;
-    use gpuwarden_crds::exemptions::image_exempt;
     use gpuwarden_crds::gpu::{ContainerKind, Rules, pod_containers};
     use std::collections::BTreeSet;
 
@@ -929,10 +990,14 @@ fn backstop_agrees_with_the_gpu_predicate() {
         let pod: k8s_openapi::api::core::v1::Pod =
             serde_json::from_value(case.pod.clone()).expect("a pod");
         let policy: GpuPolicy = serde_json::from_value(case.policy.clone()).expect("a policy");
-        let images = &policy.spec.exemptions.images;
+        let ex = &policy.spec.exemptions;
+        let sa = case.pod["spec"]["serviceAccountName"]
+            .as_str()
+            .unwrap_or("");
         let predicate: BTreeSet<String> = pod_containers(&pod, Rules::of(&policy))
             .into_iter()
-            .filter(|c| c.kind != ContainerKind::Ephemeral && !image_exempt(c.image, images))
+            .filter(|c| c.kind != ContainerKind::Ephemeral)
+            .filter(|c| ex.container_exemption(c.image, "team-a", sa).is_none())
             .filter(|c| (c.privileged && c.signals.maybe_gpu()) || c.signals.leaks())
             .map(|c| c.name.to_owned())
             .collect();

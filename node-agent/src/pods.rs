@@ -168,10 +168,16 @@ impl PodInfo {
         let why = ex
             .pod_exemption(&self.namespace, &self.service_account)
             .or_else(|| {
-                privileged
-                    .iter()
-                    .all(|c| ex.covers_image(&c.image))
-                    .then(|| format!("image {} is exempt", privileged[0].image))
+                let covered = |c: &&ContainerInfo| {
+                    (ex.container_exemption(&c.image, &self.namespace, &self.service_account))
+                        .is_some()
+                };
+                (privileged.iter().all(covered)).then(|| {
+                    format!(
+                        "image {} is exempt in namespace {}",
+                        privileged[0].image, self.namespace
+                    )
+                })
             })?;
         Some(format!("GpuPolicy {}: {why}", policy.name_any()))
     }
@@ -367,7 +373,7 @@ mod tests {
         team.spec.namespace_selector.match_labels =
             Some(BTreeMap::from([("team".into(), "ml".into())]));
         team.spec.exemptions.namespaces = vec![];
-        team.spec.exemptions.images = vec![];
+        team.spec.exemptions.containers = vec![];
         team.spec.exemptions.service_accounts = vec!["ml/render".into()];
         let policies = [Arc::new(default), Arc::new(team)];
         let team_ml = || Some(BTreeMap::from([("team".to_owned(), "ml".to_owned())]));
@@ -375,8 +381,8 @@ mod tests {
         let exempt_in = |p: PodInfo, labels| p.exempt_by(&policies, labels).exempt;
         let exempt = |p: PodInfo| exempt_in(p, None);
         assert_eq!(
-            exempt(privileged_gpu("gpu-operator", "", "x")).as_deref(),
-            Some("GpuPolicy default: namespace gpu-operator is exempt")
+            exempt(privileged_gpu("kube-system", "", "x")).as_deref(),
+            Some("GpuPolicy default: namespace kube-system is exempt")
         );
         assert_eq!(
             exempt_in(privileged_gpu("ml", "render", "x"), team_ml()).as_deref(),
@@ -389,11 +395,13 @@ mod tests {
         assert_eq!(exempt_in(privileged_gpu("ml", "", dcgm), team_ml()), None);
         assert_eq!(exempt(privileged_gpu("ml", "render", "x")), None);
         assert_eq!(
-            exempt(privileged_gpu("monitoring", "", dcgm)).as_deref(),
+            exempt(privileged_gpu("gpu-operator", "", dcgm)).as_deref(),
             Some(
-                "GpuPolicy default: image nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04 is exempt"
+                "GpuPolicy default: image nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04 is exempt in namespace gpu-operator"
             )
         );
+        // The image is exempt only in the namespace the exemption names.
+        assert_eq!(exempt(privileged_gpu("monitoring", "", dcgm)), None);
         assert_eq!(exempt(privileged_gpu("ml", "trainer", "pytorch:2")), None);
         // A pod no policy governs has no exemption, whatever another policy exempts.
         assert_eq!(
@@ -410,20 +418,24 @@ mod tests {
             match_labels: Some(BTreeMap::from([("app".into(), "render".into())])),
             ..LabelSelector::default()
         });
-        render.spec.exemptions.images = vec!["me/render:*".into()];
+        render.spec.exemptions.containers = vec![gpuwarden_crds::ContainerExemption {
+            images: vec!["me/render:*".into()],
+            namespaces: vec!["ml".into()],
+            ..Default::default()
+        }];
         let with_render = [policies[0].clone(), Arc::new(render)];
         let mut labelled = privileged_gpu("ml", "", "me/render:1");
         assert_eq!(labelled.clone().exempt_by(&with_render, None).exempt, None);
         labelled.labels.insert("app".into(), "render".into());
         assert_eq!(
             labelled.exempt_by(&with_render, None).exempt.as_deref(),
-            Some("GpuPolicy render: image me/render:1 is exempt")
+            Some("GpuPolicy render: image me/render:1 is exempt in namespace ml")
         );
 
         // An exempt image on one privileged GPU container does not cover another.
         let mixed = PodInfo::from_pod(
             &pod(serde_json::json!({
-                "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
+                "metadata": {"name": "p", "namespace": "gpu-operator", "uid": "u"},
                 "spec": {"containers": [
                     {"name": "dcgm", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
                      "securityContext": {"privileged": true},
@@ -451,7 +463,7 @@ mod tests {
         // A privileged container with no GPU signal (it may still be seen on a GPU).
         let hidden = PodInfo::from_pod(
             &pod(serde_json::json!({
-                "metadata": {"name": "p", "namespace": "monitoring", "uid": "u"},
+                "metadata": {"name": "p", "namespace": "gpu-operator", "uid": "u"},
                 "spec": {"containers": [{"name": "c", "image": "nvcr.io/nvidia/k8s/dcgm-exporter:3",
                                          "securityContext": {"privileged": true}}]}
             })),

@@ -64,7 +64,9 @@ fn inspect_the_sample_node_prints_a_complete_status() {
         [
             (
                 "nvidia-dcgm-exporter-x7k2p",
-                Some("GpuPolicy default: namespace gpu-operator is exempt")
+                Some(
+                    "GpuPolicy default: image nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04 is exempt in namespace gpu-operator"
+                )
             ),
             ("legacy-render", None)
         ],

@@ -38,6 +38,7 @@ const IMAGES: &[&str] = &[
     "busybox",
     "fluent/fluent-bit:3.0@sha256:0123456789abcdef",
     "ghcr.io/example/sidecar:1.2",
+    "registry.example.com/team/tools@sha256:eeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeeee",
 ];
 const VISIBLE: &[&str] = &[
     "all",
@@ -332,11 +333,21 @@ fn gen_policy(rng: &mut StdRng) -> GpuPolicy {
     if rng.random_bool(0.3) {
         p.spec.exemptions.service_accounts = vec!["ml/dcgm".into(), "batch/trainer".into()];
     }
-    if rng.random_bool(0.2) {
-        p.spec
-            .exemptions
-            .images
-            .push("registry.example.com/team/*".into());
+    if rng.random_bool(0.3) {
+        // A scoped image exemption: in one namespace, for one service account, or pinned.
+        let mut entry = gpuwarden_crds::ContainerExemption {
+            images: vec!["registry.example.com/team/*".into()],
+            ..Default::default()
+        };
+        match rng.random_range(0..3) {
+            0 => entry.namespaces = vec!["ml".into()],
+            1 => entry.service_accounts = vec!["batch/trainer".into(), "ml/dcgm".into()],
+            _ => {
+                entry.namespaces = vec!["ml".into(), "research".into()];
+                entry.digests = vec![format!("sha256:{}", "e".repeat(64))];
+            }
+        }
+        p.spec.exemptions.containers.push(entry);
     }
     p
 }
@@ -369,6 +380,26 @@ fn oracle_device_path(path: &str) -> bool {
     }
 }
 
+/// The oracle's container exemption: an entry of `exemptions.containers` whose namespaces
+/// (when listed) hold the pod's, whose service accounts (when listed) hold the pod's,
+/// whose digests (when listed) pin the image, and one of whose patterns matches it; an
+/// entry that names neither namespaces nor service accounts exempts nothing.
+fn oracle_container_exempt(c: &Value, pod: &Value, namespace: &str, policy: &GpuPolicy) -> bool {
+    let image = c["image"].as_str().unwrap_or("");
+    let sa = pod["spec"]["serviceAccountName"]
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .unwrap_or("default");
+    policy.spec.exemptions.containers.iter().any(|x| {
+        (!x.namespaces.is_empty() || !x.service_accounts.is_empty())
+            && (x.namespaces.is_empty() || x.namespaces.iter().any(|n| n == namespace))
+            && (x.service_accounts.is_empty()
+                || x.service_accounts.contains(&format!("{namespace}/{sa}")))
+            && (x.digests.is_empty() || x.digests.iter().any(|d| image.ends_with(&format!("@{d}"))))
+            && oracle_image_exempt(image, &x.images)
+    })
+}
+
 /// The oracle's image exemption: `*` any run of characters, `?` one, the rest literal; an
 /// image with neither tag nor digest is also tried as `<image>:latest`.
 fn oracle_image_exempt(image: &str, patterns: &[String]) -> bool {
@@ -394,7 +425,7 @@ fn oracle_image_exempt(image: &str, patterns: &[String]) -> bool {
 
 /// An independent reading of "privileged GPU container" (docs/design.md), for the Enforce
 /// check.
-fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
+fn privileged_gpu_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Vec<String> {
     let device_volumes: BTreeSet<&str> = pod["spec"]["volumes"]
         .as_array()
         .into_iter()
@@ -413,12 +444,7 @@ fn privileged_gpu_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
     });
     containers_of(pod)
         .filter(|c| c["securityContext"]["privileged"] == json!(true))
-        .filter(|c| {
-            !oracle_image_exempt(
-                c["image"].as_str().unwrap_or(""),
-                &policy.spec.exemptions.images,
-            )
-        })
+        .filter(|c| !oracle_container_exempt(c, pod, namespace, policy))
         .filter(|c| {
             let resource = |r: &Value| {
                 r.as_object().is_some_and(|m| {
@@ -510,7 +536,7 @@ fn oracle_device_list_path(path: &str) -> bool {
 /// The containers that reach GPUs around the kubelet whatever their privilege (a leak):
 /// `NVIDIA_VISIBLE_DEVICES` naming devices or set from elsewhere, a MIG access variable, a
 /// device-list mount, or an NVIDIA CDI annotation the policy strips; image exemptions hold.
-fn leaking_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
+fn leaking_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Vec<String> {
     let cdi = policy.spec.strip_cdi_annotations
         && pod["metadata"]["annotations"].as_object().is_some_and(|a| {
             a.iter().any(|(k, v)| {
@@ -519,12 +545,7 @@ fn leaking_containers(pod: &Value, policy: &GpuPolicy) -> Vec<String> {
             })
         });
     containers_of(pod)
-        .filter(|c| {
-            !oracle_image_exempt(
-                c["image"].as_str().unwrap_or(""),
-                &policy.spec.exemptions.images,
-            )
-        })
+        .filter(|c| !oracle_container_exempt(c, pod, namespace, policy))
         .filter(|c| {
             let env = c["env"].as_array().map(Vec::as_slice).unwrap_or_default();
             let visible = (env.iter().rev())
@@ -710,7 +731,7 @@ fn generated_pods_hold_the_invariants() {
         }
 
         // Enforce leaves no privileged GPU container outside the exemptions.
-        let pod_exempt = ["kube-system", "gpu-operator"].contains(&namespace.as_str())
+        let pod_exempt = ["kube-system", "gpuwarden-system"].contains(&namespace.as_str())
             || policy.spec.exemptions.service_accounts.contains(&format!(
                 "{namespace}/{}",
                 pod["spec"]["serviceAccountName"]
@@ -718,7 +739,7 @@ fn generated_pods_hold_the_invariants() {
                     .unwrap_or("default")
             ));
         if mode == PolicyMode::Enforce && first.allowed() && !pod_exempt {
-            let left = privileged_gpu_containers(&patched, &policy);
+            let left = privileged_gpu_containers(&patched, &namespace, &policy);
             assert!(
                 left.is_empty(),
                 "privileged GPU containers left: {left:?}\n{}\n{patched:#}",
@@ -734,17 +755,18 @@ fn generated_pods_hold_the_invariants() {
                 ctx()
             );
             // ... and no container that reaches GPUs around the kubelet.
-            let leaking = leaking_containers(&patched, &policy);
+            let leaking = leaking_containers(&patched, &namespace, &policy);
             assert!(
                 leaking.is_empty(),
                 "leaking containers left: {leaking:?}\n{}\n{patched:#}",
                 ctx()
             );
         }
-        let offending = !privileged_gpu_containers(&pod, &policy).is_empty()
-            || !leaking_containers(&pod, &policy).is_empty();
+        let offending = !privileged_gpu_containers(&pod, &namespace, &policy).is_empty()
+            || !leaking_containers(&pod, &namespace, &policy).is_empty();
         if offending {
-            leaks_seen += usize::from(privileged_gpu_containers(&pod, &policy).is_empty());
+            leaks_seen +=
+                usize::from(privileged_gpu_containers(&pod, &namespace, &policy).is_empty());
         }
         if !pod_exempt && mode == PolicyMode::Deny && offending {
             assert_eq!(first.summary.outcome, Outcome::Denied, "{}", ctx());

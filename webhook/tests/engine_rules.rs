@@ -385,7 +385,7 @@ fn privileged_sidecar_loses_privilege_and_gets_void() {
 fn device_host_paths_go_unless_an_exempt_container_mounts_them() {
     let pod = json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "hostdev", "namespace": "ml"},
+        "metadata": {"name": "hostdev", "namespace": "gpu-operator"},
         "spec": {
             "containers": [
                 {"name": "app", "image": "cuda:12",
@@ -403,7 +403,8 @@ fn device_host_paths_go_unless_an_exempt_container_mounts_them() {
             ]
         }
     });
-    let (_, out) = rewrite(&pod, "ml", &source());
+    // The exporter is exempt in the GPU Operator's namespace, where the rest is governed.
+    let (_, out) = rewrite(&pod, "gpu-operator", &source());
     let names: Vec<&str> = out["spec"]["volumes"]
         .as_array()
         .unwrap()
@@ -536,7 +537,7 @@ fn deny_mode_names_each_change_and_the_offline_command() {
 #[test]
 fn exemptions_by_namespace_service_account_and_image() {
     let pod = training_pod();
-    for ns in ["kube-system", "gpu-operator", "gpuwarden-system"] {
+    for ns in ["kube-system", "gpuwarden-system"] {
         let answer = review_pod(&pod, ns, &source());
         assert_eq!(answer.summary.outcome, Outcome::Exempt, "{ns}");
         assert!(answer.allowed() && answer.patch.is_none());
@@ -551,11 +552,18 @@ fn exemptions_by_namespace_service_account_and_image() {
     assert_eq!(answer.summary.outcome, Outcome::Rewritten);
 
     let src = StaticSource::new([policy("img", |p| {
-        p.spec.exemptions.images = vec!["nvcr.io/nvidia/pytorch:*".into()]
+        p.spec.exemptions.containers = vec![gpuwarden_crds::ContainerExemption {
+            images: vec!["nvcr.io/nvidia/pytorch:*".into()],
+            namespaces: vec!["ml".into()],
+            ..Default::default()
+        }]
     })]);
     let answer = review_pod(&pod, "ml", &src);
     assert_eq!(answer.summary.outcome, Outcome::Exempt);
     assert!(answer.patch.is_none());
+    // Only where the exemption says.
+    let answer = review_pod(&pod, "research", &src);
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
 
     // A pod cannot exempt itself with labels or annotations.
     let mut pod = training_pod();
@@ -857,7 +865,7 @@ fn unprivileged_leaks_become_explicit_requests() {
     // Exempt images keep what they have; Audit warns; Deny rejects.
     let mut exempt = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]));
     exempt["spec"]["containers"][0]["image"] = json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5");
-    let answer = review_pod(&exempt, "ml", &source());
+    let answer = review_pod(&exempt, "gpu-operator", &source());
     assert!(answer.allowed() && answer.patch.is_none());
     let leak = unprivileged(json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]));
     let deny = StaticSource::new([policy("deny", |p| p.spec.mode = PolicyMode::Deny)]);
@@ -910,7 +918,8 @@ fn privileged_ephemeral_containers_are_denied_in_enforce_and_deny() {
         ("debugger-old", true, "busybox"),
         ("dcgm", true, "nvcr.io/nvidia/cloud-native/dcgm:3.3.5"),
     ]);
-    assert!(self::answer(&ephemeral_review(&old, &exempt, "ml"), &source()).allowed());
+    assert!(self::answer(&ephemeral_review(&old, &exempt, "gpu-operator"), &source()).allowed());
+    assert!(!self::answer(&ephemeral_review(&old, &exempt, "ml"), &source()).allowed());
     assert!(self::answer(&ephemeral_review(&old, &new, "kube-system"), &source()).allowed());
 
     // An unprivileged one that names GPUs itself cannot request them either.
@@ -1261,4 +1270,64 @@ fn placement_and_image_hints_make_gpu_containers() {
     for (pod, why) in &cases {
         assert!(review_pod(pod, "ml", &off).patch.is_none(), "{why}");
     }
+}
+
+/// Door 3: an image exempts a container only together with the namespaces or service
+/// accounts its entry names, and with its digests when pinned; the GPU Operator's images
+/// are exempt only in the GPU Operator's namespace.
+#[test]
+fn image_exemptions_are_scoped() {
+    // A tenant runs the dcgm-exporter image privileged with its own command.
+    let mut tenant = training_pod();
+    tenant["spec"]["containers"][0]["image"] =
+        json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04");
+    tenant["spec"]["containers"][0]["command"] = json!(["nsenter", "-t", "1", "-a", "sh"]);
+    let (answer, out) = rewrite(&tenant, "team-a", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    assert_eq!(
+        out["spec"]["containers"][0]["securityContext"]["privileged"],
+        false
+    );
+    // The same pod in the GPU Operator's namespace is exempt.
+    let answer = review_pod(&tenant, "gpu-operator", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Exempt);
+
+    // Scoped to a service account and pinned to a digest: every condition must hold.
+    let digest = format!("sha256:{}", "f".repeat(64));
+    let src = StaticSource::new([policy("tools", |p| {
+        p.spec.exemptions.containers = vec![gpuwarden_crds::ContainerExemption {
+            images: vec!["registry.example.com/tools/*".into()],
+            service_accounts: vec!["team-a/debugger".into()],
+            digests: vec![digest.clone()],
+            ..Default::default()
+        }]
+    })]);
+    let tool = |image: &str, sa: &str| {
+        let mut pod = training_pod();
+        pod["spec"]["containers"][0]["image"] = json!(image);
+        pod["spec"]["serviceAccountName"] = json!(sa);
+        pod
+    };
+    let pinned = format!("registry.example.com/tools/nsenter@{digest}");
+    let outcome = |pod: &Value| review_pod(pod, "team-a", &src).summary.outcome;
+    assert_eq!(outcome(&tool(&pinned, "debugger")), Outcome::Exempt);
+    assert_eq!(outcome(&tool(&pinned, "trainer")), Outcome::Rewritten);
+    assert_eq!(
+        outcome(&tool("registry.example.com/tools/nsenter:1", "debugger")),
+        Outcome::Rewritten
+    );
+
+    // A policy that still uses the removed field fails closed, saying how to move.
+    let old = StaticSource::new([policy("old", |p| {
+        p.spec.exemptions.images = vec!["nvcr.io/nvidia/k8s/dcgm-exporter:*".into()]
+    })]);
+    let answer = review_pod(&tenant, "team-a", &old);
+    assert!(!answer.allowed());
+    assert!(
+        answer
+            .message()
+            .contains("RemovedField: spec.exemptions.images was removed"),
+        "{}",
+        answer.message()
+    );
 }

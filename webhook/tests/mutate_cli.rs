@@ -98,7 +98,7 @@ fn the_examples_directory_is_rewritten_and_explained() {
         "container node-metrics: privileged removed",
         "NVIDIA_VISIBLE_DEVICES=void",
         "requests nvidia.com/gpu=4 (annotation gpuwarden.io/gpu-count=4)",
-        "DaemonSet gpu-operator/nvidia-dcgm-exporter: exempt, unchanged: namespace gpu-operator is exempt",
+        "DaemonSet gpu-operator/nvidia-dcgm-exporter: exempt, unchanged: every privileged or leaking GPU container has an image exempt in namespace gpu-operator",
         "Pod ml-research/jupyter-gpu: unchanged: no privileged or leaking GPU container",
         "6 objects: 1 exempt, 4 rewritten, 1 unchanged",
     ] {

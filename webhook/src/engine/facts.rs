@@ -5,7 +5,7 @@
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals};
 
-use super::{ContainerKind, ContainerRef, image_exempt};
+use super::{ContainerKind, ContainerRef};
 use crate::pod::{Container, Map, PodView, Scalar};
 
 /// One container, as the engine sees it.
@@ -60,8 +60,12 @@ pub(super) struct PodFacts<'a> {
     pub(super) annotations: Option<&'a Map<'a>>,
 }
 
-/// Reads every container of the pod (init, regular, ephemeral) under `policy`.
-pub(super) fn read_pod<'a>(pod: &'a PodView<'a>, policy: &'a GpuPolicy) -> PodFacts<'a> {
+/// Reads every container of the pod (init, regular, ephemeral) in `namespace` under `policy`.
+pub(super) fn read_pod<'a>(
+    pod: &'a PodView<'a>,
+    namespace: &str,
+    policy: &'a GpuPolicy,
+) -> PodFacts<'a> {
     let annotations = pod.annotations();
     let spec = pod.spec.as_ref();
     let signals = PodSignals::read(
@@ -102,7 +106,10 @@ pub(super) fn read_pod<'a>(pod: &'a PodView<'a>, policy: &'a GpuPolicy) -> PodFa
         .filter_map(|t| t.key.as_deref()),
     );
     let rules = Rules::of(policy);
-    let images = &policy.spec.exemptions.images;
+    let exemptions = &policy.spec.exemptions;
+    let service_account = spec
+        .and_then(|s| s.service_account_name.as_deref())
+        .unwrap_or("");
     let kinds = [
         ContainerKind::Init,
         ContainerKind::Regular,
@@ -124,7 +131,13 @@ pub(super) fn read_pod<'a>(pod: &'a PodView<'a>, policy: &'a GpuPolicy) -> PodFa
                 privileged: value.is_privileged(),
                 sidecar: kind == ContainerKind::Init
                     && value.restart_policy.as_deref() == Some("Always"),
-                image_exempt: image_exempt(value.image.as_deref().unwrap_or(""), images),
+                image_exempt: exemptions
+                    .container_exemption(
+                        value.image.as_deref().unwrap_or(""),
+                        namespace,
+                        service_account,
+                    )
+                    .is_some(),
                 gpu: container_signals.is_gpu(),
                 signals: container_signals,
                 gpu_request,

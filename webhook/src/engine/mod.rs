@@ -280,7 +280,7 @@ fn decide_create<'a>(
         return Decision::new(Verdict::Exempt, Some(policy), reference, input)
             .with(Detail::Exempt(reason.into()));
     }
-    let facts = facts::read_pod(input.pod, policy);
+    let facts = facts::read_pod(input.pod, input.namespace, policy);
     let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()));
     if let Some(why) = invalid.filter(|_| triggered) {
         return Decision::new(Verdict::Denied, Some(policy), reference, input)
@@ -290,7 +290,11 @@ fn decide_create<'a>(
         let exempt = (facts.containers.iter()).any(|c| c.offends(false));
         return if exempt {
             Decision::new(Verdict::Exempt, Some(policy), reference, input).with(Detail::Exempt(
-                "every privileged or leaking GPU container has an exempt image".into(),
+                format!(
+                    "every privileged or leaking GPU container has an image exempt in namespace {}",
+                    input.namespace
+                )
+                .into(),
             ))
         } else {
             Decision::new(Verdict::Unchanged, Some(policy), reference, input)
@@ -345,7 +349,7 @@ fn decide_ephemeral<'a>(
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
     // request GPUs, so they cannot be rewritten.
     let kind = ContainerKind::Ephemeral;
-    let facts = facts::read_pod(input.pod, policy);
+    let facts = facts::read_pod(input.pod, input.namespace, policy);
     let offending: Vec<&'a str> = (facts.containers.iter())
         .filter(|c| c.at.kind == kind)
         .filter(|c| {
