@@ -118,11 +118,13 @@ pub fn patch_for_view<'c>(
                 container,
                 add,
                 drop_all,
+                seccomp_default,
             } => {
                 let base = container_base(&container);
                 let current =
                     container_value(pod, &container).and_then(|c| c.security_context.as_ref());
                 let capabilities = capabilities(add, drop_all, current);
+                let seccomp = json!({"type": "RuntimeDefault"});
                 if current.is_some() {
                     let context = at(&base, ["securityContext"]);
                     ops.add(at(&context, ["privileged"]), Value::Bool(false));
@@ -131,15 +133,19 @@ pub fn patch_for_view<'c>(
                         Value::Bool(false),
                     );
                     ops.add(at(&context, ["capabilities"]), capabilities);
+                    if seccomp_default {
+                        ops.add(at(&context, ["seccompProfile"]), seccomp);
+                    }
                 } else {
-                    ops.add(
-                        at(&base, ["securityContext"]),
-                        json!({
-                            "allowPrivilegeEscalation": false,
-                            "capabilities": capabilities,
-                            "privileged": false,
-                        }),
-                    );
+                    let mut context = json!({
+                        "allowPrivilegeEscalation": false,
+                        "capabilities": capabilities,
+                        "privileged": false,
+                    });
+                    if seccomp_default {
+                        context["seccompProfile"] = seccomp;
+                    }
+                    ops.add(at(&base, ["securityContext"]), context);
                 }
             }
             Change::GpuLimit {

@@ -170,6 +170,18 @@ pub struct Spec<'a> {
     /// `tolerations`, when a list.
     #[serde(deserialize_with = "list")]
     pub tolerations: Option<Vec<Toleration<'a>>>,
+    /// `hostNetwork`, when a boolean.
+    #[serde(deserialize_with = "boolean")]
+    pub host_network: Option<bool>,
+    /// `hostPID`, when a boolean.
+    #[serde(rename = "hostPID", deserialize_with = "boolean")]
+    pub host_pid: Option<bool>,
+    /// `hostIPC`, when a boolean.
+    #[serde(rename = "hostIPC", deserialize_with = "boolean")]
+    pub host_ipc: Option<bool>,
+    /// `securityContext`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub security_context: Option<PodSecurityContext>,
 }
 
 /// `affinity`: the engine reads its required node affinity.
@@ -320,6 +332,27 @@ pub struct SecurityContext<'a> {
     /// `capabilities`, when an object.
     #[serde(deserialize_with = "object")]
     pub capabilities: Option<Capabilities<'a>>,
+    /// `runAsNonRoot`, when a boolean.
+    #[serde(rename = "runAsNonRoot", deserialize_with = "boolean")]
+    pub run_as_non_root: Option<bool>,
+    /// `allowPrivilegeEscalation`, when a boolean.
+    #[serde(rename = "allowPrivilegeEscalation", deserialize_with = "boolean")]
+    pub allow_privilege_escalation: Option<bool>,
+    /// Whether `seccompProfile` is set.
+    #[serde(rename = "seccompProfile", deserialize_with = "set")]
+    pub seccomp_profile: bool,
+}
+
+/// The pod's `securityContext`: what Pod Security Admission reads of it.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct PodSecurityContext {
+    /// `runAsNonRoot`, when a boolean.
+    #[serde(deserialize_with = "boolean")]
+    pub run_as_non_root: Option<bool>,
+    /// Whether `seccompProfile` is set.
+    #[serde(deserialize_with = "set")]
+    pub seccomp_profile: bool,
 }
 
 /// `securityContext.capabilities`.

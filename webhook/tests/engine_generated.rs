@@ -609,6 +609,7 @@ fn without_allowed_fields(
                 sc.remove("privileged");
                 sc.remove("allowPrivilegeEscalation");
                 sc.remove("capabilities");
+                sc.remove("seccompProfile");
             }
             if let Some(l) = c
                 .get_mut("resources")
@@ -664,8 +665,17 @@ fn generated_pods_hold_the_invariants() {
         let (pod, namespace) = gen_pod(&mut rng, case);
         let policy = gen_policy(&mut rng);
         let mode = policy.spec.mode;
-        let source = StaticSource::new([policy.clone()]);
-        let ctx = || format!("seed {seed:#x} case {case} mode {mode}\npod: {pod:#}");
+        // Some namespaces enforce a Pod Security level, which bounds the rewrite.
+        let level = *["", "", "baseline", "restricted"]
+            .choose(&mut rng)
+            .unwrap_or(&"");
+        let mut source = StaticSource::new([policy.clone()]);
+        if !level.is_empty() {
+            source =
+                source.with_namespace(&namespace, &[("pod-security.kubernetes.io/enforce", level)]);
+        }
+        let ctx =
+            || format!("seed {seed:#x} case {case} mode {mode} level {level:?}\npod: {pod:#}");
 
         let first = review_pod(&pod, &namespace, &source);
         *outcomes.entry(first.summary.outcome.as_str()).or_default() += 1;
@@ -673,7 +683,13 @@ fn generated_pods_hold_the_invariants() {
         let patched = first.apply(&pod);
         // The adapter reads the pod's view straight from the review's bytes; the engine on
         // the view of the whole pod held as a Value must produce the very same patch.
-        let labels = namespace_labels_or_default(&namespace, None);
+        let known = (!level.is_empty()).then(|| {
+            BTreeMap::from([(
+                "pod-security.kubernetes.io/enforce".to_owned(),
+                level.to_owned(),
+            )])
+        });
+        let labels = namespace_labels_or_default(&namespace, known);
         let view = PodView::from_value(&pod);
         let input = Input {
             pod: &view,
@@ -754,6 +770,51 @@ fn generated_pods_hold_the_invariants() {
                 policy.spec.gpu.max_per_pod,
                 ctx()
             );
+            // Nothing the rewrite adds is beyond the namespace's Pod Security level.
+            if level == "baseline" || level == "restricted" {
+                let allowed: &[&str] = if level == "restricted" {
+                    &["NET_BIND_SERVICE"]
+                } else {
+                    &[
+                        "AUDIT_WRITE",
+                        "CHOWN",
+                        "DAC_OVERRIDE",
+                        "FOWNER",
+                        "FSETID",
+                        "KILL",
+                        "MKNOD",
+                        "NET_BIND_SERVICE",
+                        "SETFCAP",
+                        "SETGID",
+                        "SETPCAP",
+                        "SETUID",
+                        "SYS_CHROOT",
+                    ]
+                };
+                for (before, after) in containers_of(&pod).zip(containers_of(&patched)) {
+                    let rewritten = before["securityContext"]["privileged"] == json!(true)
+                        && after["securityContext"]["privileged"] == json!(false);
+                    let added = after["securityContext"]["capabilities"]["add"].as_array();
+                    if rewritten {
+                        assert!(
+                            added
+                                .into_iter()
+                                .flatten()
+                                .all(|c| c.as_str().is_some_and(|c| allowed.contains(&c))),
+                            "capabilities beyond {level}: {added:?}\n{}",
+                            ctx()
+                        );
+                        if level == "restricted" {
+                            assert_eq!(
+                                after["securityContext"]["capabilities"]["drop"],
+                                json!(["ALL"]),
+                                "{}",
+                                ctx()
+                            );
+                        }
+                    }
+                }
+            }
             // ... and no container that reaches GPUs around the kubelet.
             let leaking = leaking_containers(&patched, &namespace, &policy);
             assert!(

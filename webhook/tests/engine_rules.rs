@@ -1331,3 +1331,116 @@ fn image_exemptions_are_scoped() {
         answer.message()
     );
 }
+
+/// Door 7: the namespace's Pod Security level bounds what the rewrite adds, and what the
+/// rewritten pod would still fail is named.
+#[test]
+fn the_rewrite_stays_inside_the_namespaces_pod_security_level() {
+    let mut pod = training_pod();
+    pod["spec"]["containers"][0]["securityContext"]["capabilities"] =
+        json!({"add": ["IPC_LOCK", "SYS_PTRACE", "CHOWN"]});
+    pod["spec"]["containers"][0]["securityContext"]["runAsUser"] = json!(1000);
+    let mut src = StaticSource::new([policy("p", |p| {
+        p.spec.capabilities.allowed.push("CHOWN".into());
+    })]);
+    src = src
+        .with_namespace(
+            "base",
+            &[("pod-security.kubernetes.io/enforce", "baseline")],
+        )
+        .with_namespace(
+            "strict",
+            &[("pod-security.kubernetes.io/enforce", "restricted")],
+        )
+        .with_namespace(
+            "odd",
+            &[("pod-security.kubernetes.io/enforce", "Restricted")],
+        )
+        .with_namespace(
+            "open",
+            &[("pod-security.kubernetes.io/enforce", "privileged")],
+        );
+    let context = |out: &Value| out["spec"]["containers"][0]["securityContext"].clone();
+
+    // No level (or privileged): what the policy allows.
+    for ns in ["ml", "open"] {
+        let (_, out) = rewrite(&pod, ns, &src);
+        assert_eq!(
+            context(&out)["capabilities"]["add"],
+            json!(["IPC_LOCK", "SYS_PTRACE", "CHOWN"]),
+            "{ns}"
+        );
+        assert!(context(&out).get("seccompProfile").is_none());
+    }
+    // baseline: only baseline capabilities; the others are named.
+    let (answer, out) = rewrite(&pod, "base", &src);
+    assert_eq!(context(&out)["capabilities"]["add"], json!(["CHOWN"]));
+    assert_eq!(context(&out)["capabilities"]["drop"], json!(["ALL"]));
+    assert!(context(&out).get("seccompProfile").is_none());
+    assert!(
+        answer.warnings()[0]
+            .contains("capabilities IPC_LOCK,SYS_PTRACE not added (Pod Security baseline)"),
+        "{:?}",
+        answer.warnings()
+    );
+    // restricted (and a value PSA does not know, which it reads as restricted): nothing
+    // beyond NET_BIND_SERVICE, every capability dropped, RuntimeDefault seccomp, and what
+    // gpuwarden cannot set is named.
+    for ns in ["strict", "odd"] {
+        let (answer, out) = rewrite(&pod, ns, &src);
+        let c = context(&out);
+        assert!(c["capabilities"].get("add").is_none(), "{ns}: {c}");
+        assert_eq!(c["capabilities"]["drop"], json!(["ALL"]));
+        assert_eq!(c["seccompProfile"], json!({"type": "RuntimeDefault"}));
+        assert_eq!(c["allowPrivilegeEscalation"], false);
+        let pod_warning = answer.warnings().last().cloned().unwrap_or_default();
+        assert_eq!(
+            pod_warning,
+            "gpuwarden: pod: will still fail Pod Security restricted: runAsNonRoot (container trainer)"
+        );
+    }
+    // With runAsNonRoot set there is nothing left to say; a pod-level seccomp profile is
+    // not overridden.
+    let mut ready = pod.clone();
+    ready["spec"]["securityContext"] = json!({"runAsNonRoot": true, "seccompProfile": {"type": "Localhost", "localhostProfile": "gpu.json"}});
+    let (answer, out) = rewrite(&ready, "strict", &src);
+    assert!(context(&out).get("seccompProfile").is_none());
+    assert!(
+        answer
+            .warnings()
+            .iter()
+            .all(|w| !w.contains("will still fail")),
+        "{:?}",
+        answer.warnings()
+    );
+
+    // What cannot be fixed safely is named: host namespaces, a hostPath that stays, and
+    // a container the rewrite does not touch.
+    let mut host = pod.clone();
+    host["spec"]["hostNetwork"] = json!(true);
+    host["spec"]["volumes"] = json!([{"name": "logs", "hostPath": {"path": "/var/log"}}]);
+    host["spec"]["containers"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "side", "image": "busybox"}));
+    let answer = review_pod(&host, "base", &src);
+    let changes = answer.response()["auditAnnotations"]["changes"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        changes.ends_with(
+            "pod: will still fail Pod Security baseline: hostNetwork; hostPath volume logs"
+        ),
+        "{changes}"
+    );
+    let answer = review_pod(&host, "strict", &src);
+    let changes = answer.response()["auditAnnotations"]["changes"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        changes.contains("runAsNonRoot, allowPrivilegeEscalation: false, capabilities drop ALL, seccompProfile (container side)"),
+        "{changes}"
+    );
+}

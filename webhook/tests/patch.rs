@@ -34,11 +34,13 @@ fn missing_parents_are_created_and_tokens_escaped() {
             container: regular(0),
             add: &[],
             drop_all: false,
+            seccomp_default: false,
         },
         Change::SecurityContext {
             container: regular(1),
             add: &["IPC_LOCK".into()],
             drop_all: true,
+            seccomp_default: true,
         },
         Change::GpuLimit {
             container: regular(0),
@@ -65,7 +67,8 @@ fn missing_parents_are_created_and_tokens_escaped() {
              "value": {"allowPrivilegeEscalation": false, "capabilities": {}, "privileged": false}},
             {"op": "add", "path": "/spec/containers/1/securityContext",
              "value": {"allowPrivilegeEscalation": false,
-                       "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}, "privileged": false}},
+                       "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}, "privileged": false,
+                       "seccompProfile": {"type": "RuntimeDefault"}}},
             {"op": "add", "path": "/spec/containers/0/resources", "value": {"limits": {"a/b~c": "1"}}},
             {"op": "add", "path": "/spec/containers/1/resources/limits", "value": {"nvidia.com/gpu": "2"}},
             {"op": "add", "path": "/spec/containers/1/env", "value": [{"name": "K", "value": "v\"1"}]},
@@ -101,6 +104,7 @@ fn existing_parents_get_leaf_operations() {
             container: regular(0),
             add: &[],
             drop_all: false,
+            seccomp_default: false,
         },
         Change::GpuLimit {
             container: regular(0),

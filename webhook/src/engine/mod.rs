@@ -18,6 +18,7 @@
 
 mod facts;
 mod plan;
+mod psa;
 mod render;
 
 use std::borrow::Cow;
@@ -42,6 +43,7 @@ pub use gpuwarden_crds::selection::{
 };
 pub use gpuwarden_crds::selector::Labels;
 pub use plan::Quantity;
+pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
 
 /// Environment variable naming the driver capabilities (libraries) the runtime mounts.
 pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
@@ -73,6 +75,8 @@ pub enum Change<'c> {
         add: &'c [Cow<'c, str>],
         /// Whether `capabilities.drop` becomes `[ALL]`.
         drop_all: bool,
+        /// Whether `seccompProfile` becomes `{type: RuntimeDefault}`.
+        seccomp_default: bool,
     },
     /// Rule 3: `resources.limits[resource] = quantity`.
     GpuLimit {
@@ -301,7 +305,8 @@ fn decide_create<'a>(
         };
     }
     let strip = plan::volumes_to_strip(&facts, policy);
-    let plan = plan::plan_pod(input.pod, facts, policy, strip);
+    let level = PsaLevel::enforced_by(input.namespace_labels);
+    let plan = plan::plan_pod(input.pod, facts, policy, strip, level);
     // The pod's own value of an annotation; a pass over a pod already rewritten finds the
     // report and the reference it set, and sets nothing again.
     let carried = |key| {
@@ -645,6 +650,7 @@ fn container_change<'c>(
             container,
             add: &c.caps_added,
             drop_all: c.drop_all,
+            seccomp_default: c.seccomp_default,
         }),
         1 => c.limit.as_ref().map(|limit| Change::GpuLimit {
             container,

@@ -10,6 +10,7 @@ use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy};
 use gpuwarden_crds::gpu::{self, CountFrom, PodSignals, VisibleDevices};
 
 use super::facts::{ContainerFacts, PodFacts};
+use super::psa::{self, PsaLevel};
 use super::{
     ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES,
     ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
@@ -33,6 +34,10 @@ pub(super) struct Plan<'a> {
     pub(super) driver_capabilities: String,
     /// The pod's device hostPath volumes, for the paths the messages name.
     pub(super) device_volumes: PodSignals<'a>,
+    /// The Pod Security level the namespace enforces.
+    pub(super) psa: PsaLevel,
+    /// What the rewritten pod would still fail at that level.
+    pub(super) psa_left: Vec<String>,
 }
 
 /// What the rewrite does to one container.
@@ -64,6 +69,10 @@ pub(super) struct ContainerPlan<'a> {
     pub(super) no_gpu: Option<String>,
     /// What its `envFrom` means after the rewrite.
     pub(super) env_from: Option<&'static str>,
+    /// Capabilities the policy would add that the namespace's Pod Security level forbids.
+    pub(super) caps_withheld: Vec<Cow<'a, str>>,
+    /// Whether `seccompProfile: RuntimeDefault` is set (Pod Security `restricted`).
+    pub(super) seccomp_default: bool,
 }
 
 /// A GPU limit the rewrite adds.
@@ -180,6 +189,7 @@ pub(super) fn plan_pod<'a>(
     facts: PodFacts<'a>,
     policy: &'a GpuPolicy,
     strip: Names<'a>,
+    psa: PsaLevel,
 ) -> Plan<'a> {
     let spec = &policy.spec;
     let mut plan = Plan {
@@ -190,7 +200,17 @@ pub(super) fn plan_pod<'a>(
         denials: Vec::new(),
         driver_capabilities: spec.driver_capabilities.join(","),
         device_volumes: PodSignals::default(),
+        psa,
+        psa_left: Vec::new(),
     };
+    // What Pod Security Admission would still refuse once the rewrite is done.
+    plan.psa_left = psa::still_fails(
+        psa,
+        pod,
+        &facts,
+        |i| (facts.containers.get(i)).is_some_and(|c| c.privileged && !c.image_exempt),
+        |name| !strip.contains(&name),
+    );
     let mut counts = gpu_counts(&facts, policy, &mut plan.denials).into_iter();
     for c in &facts.containers {
         let count = counts.next();
@@ -213,9 +233,17 @@ pub(super) fn plan_pod<'a>(
             device_list_removed: Names::default(),
             no_gpu: None,
             env_from: None,
+            caps_withheld: Vec::new(),
+            seccomp_default: false,
         };
         if target {
-            capabilities(&mut p, c.value, policy);
+            capabilities(&mut p, c.value, policy, psa);
+            let pod_seccomp = (pod.spec.as_ref())
+                .and_then(|s| s.security_context.as_ref())
+                .is_some_and(|s| s.seccomp_profile);
+            let own_seccomp =
+                (c.value.security_context.as_ref()).is_some_and(|s| s.seccomp_profile);
+            p.seccomp_default = psa == PsaLevel::Restricted && !pod_seccomp && !own_seccomp;
         }
         if target || leaking {
             // Rule 3.
@@ -549,6 +577,7 @@ fn capabilities<'a>(
     p: &mut ContainerPlan<'a>,
     container: &'a Container<'a>,
     policy: &'a GpuPolicy,
+    psa: PsaLevel,
 ) {
     let caps = &policy.spec.capabilities;
     let asked = container
@@ -574,7 +603,16 @@ fn capabilities<'a>(
         }
     }
     p.caps_refused.sort_unstable();
-    p.drop_all = caps.drop_all;
+    // Pod Security Admission bounds what may be added: what it forbids is withheld
+    // (docs/design.md, "Pod Security"), and `restricted` also needs every other dropped.
+    if psa != PsaLevel::Privileged {
+        let (kept, withheld) = std::mem::take(&mut p.caps_added)
+            .into_iter()
+            .partition(|cap| psa.allows_capability(cap));
+        p.caps_added = kept;
+        p.caps_withheld = withheld;
+    }
+    p.drop_all = caps.drop_all || psa == PsaLevel::Restricted;
 }
 
 /// The edit that removes the `remove` names from a container's env and sets `set`, or `None`

@@ -82,6 +82,17 @@ impl Plan<'_> {
             &c.caps_refused,
             " dropped (not allowed)",
         );
+        if !c.caps_withheld.is_empty() {
+            let out = phrases.next();
+            out.push_str("capabilities ");
+            out.push_str(&c.caps_withheld.join(","));
+            let _ = write!(out, " not added (Pod Security {})", self.psa.name());
+        }
+        if c.seccomp_default {
+            phrases
+                .next()
+                .push_str("seccompProfile RuntimeDefault (Pod Security restricted)");
+        }
         if let Some(limit) = &c.limit {
             let out = phrases.next();
             let from_request = matches!(limit.from, CountFrom::Request);
@@ -151,11 +162,22 @@ impl Plan<'_> {
             &self.annotations_removed,
             " removed",
         );
+        if !self.psa_left.is_empty() {
+            let out = phrases.next();
+            let _ = write!(
+                out,
+                "will still fail Pod Security {}: {}",
+                self.psa.name(),
+                self.psa_left.join("; ")
+            );
+        }
     }
 
     /// Whether the rewrite touches the pod itself (volumes or annotations).
     fn touches_pod(&self) -> bool {
-        !self.volumes_removed.is_empty() || !self.annotations_removed.is_empty()
+        !self.volumes_removed.is_empty()
+            || !self.annotations_removed.is_empty()
+            || !self.psa_left.is_empty()
     }
 
     /// Appends one warning per touched container, then one for the pod:
@@ -208,6 +230,10 @@ impl Plan<'_> {
             volumes_removed: &self.volumes_removed,
             annotations_removed: &self.annotations_removed,
             denials: &self.denials,
+            pod_security: (!self.psa_left.is_empty()).then(|| PodSecurityReport {
+                level: self.psa.name(),
+                still_fails: &self.psa_left,
+            }),
         };
         // Strings, lists and maps of strings always serialise.
         serde_json::to_string(&report).unwrap_or_default()
@@ -227,6 +253,8 @@ impl Plan<'_> {
             capabilities_added: &c.caps_added,
             capabilities_dropped: if c.drop_all { &["ALL"] } else { &[] },
             capabilities_refused: &c.caps_refused,
+            capabilities_withheld: &c.caps_withheld,
+            seccomp_profile: c.seccomp_default.then_some("RuntimeDefault"),
             limits: c.limit.as_ref().map(|limit| {
                 BTreeMap::from([(limit.resource, limit.quantity.with_text(str::to_owned))])
             }),
@@ -259,6 +287,16 @@ struct ReportJson<'p> {
     annotations_removed: &'p [&'p str],
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     denials: &'p [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pod_security: Option<PodSecurityReport<'p>>,
+}
+
+/// What the rewritten pod would still fail under the namespace's Pod Security level.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PodSecurityReport<'p> {
+    level: &'static str,
+    still_fails: &'p [String],
 }
 
 /// What changed in one container.
@@ -275,6 +313,10 @@ struct ContainerReport<'p> {
     capabilities_dropped: &'static [&'static str],
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     capabilities_refused: &'p [std::borrow::Cow<'p, str>],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    capabilities_withheld: &'p [std::borrow::Cow<'p, str>],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seccomp_profile: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     limits: Option<BTreeMap<&'p str, String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
