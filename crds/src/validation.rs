@@ -243,7 +243,7 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
         ));
     }
     for (i, entry) in ex.containers.iter().enumerate() {
-        let at = format!("spec.exemptions.containers[{i}]");
+        let at = ContainersAt(i);
         if entry.namespaces.is_empty() && entry.service_accounts.is_empty() {
             out.push(problem(
                 "ConflictingExemptions",
@@ -294,11 +294,12 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ));
         }
     }
-    let exempt_ns: BTreeSet<&str> = ex.namespaces.iter().map(String::as_str).collect();
+    // Checked on every admission review (fail closed), so the valid path allocates nothing.
+    let exempt_ns = |ns: &str| ex.namespaces.iter().any(|n| n == ns);
     for sa in &ex.service_accounts {
         match sa.split_once('/') {
             Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
-                if exempt_ns.contains(ns) {
+                if exempt_ns(ns) {
                     out.push(problem(
                         "ConflictingExemptions",
                         format!(
@@ -316,7 +317,7 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
     // A policy that selects namespaces only by name, all of which are exempt, governs nothing.
     if let Some(selected) = names_selected_only(&spec.namespace_selector)
         && !selected.is_empty()
-        && selected.iter().all(|n| exempt_ns.contains(n.as_str()))
+        && selected.iter().all(|n| exempt_ns(n))
     {
         out.push(problem(
             "ConflictingExemptions",
@@ -327,6 +328,15 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
         ));
     }
     out
+}
+
+/// `spec.exemptions.containers[i]`, written only when a problem names it.
+struct ContainersAt(usize);
+
+impl std::fmt::Display for ContainersAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "spec.exemptions.containers[{}]", self.0)
+    }
 }
 
 /// The namespaces a selector picks when it selects by `kubernetes.io/metadata.name` only.

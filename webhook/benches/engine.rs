@@ -101,6 +101,36 @@ fn pod(namespace: &str, image: &str, privileged: bool) -> Value {
     })
 }
 
+/// The same pod as it should be written: unprivileged, its two GPUs requested through the
+/// device plugin, no NVIDIA_VISIBLE_DEVICES and no device hostPath.
+fn proper_pod(namespace: &str, image: &str) -> Value {
+    let mut pod = pod(namespace, image, false);
+    let trainer = &mut pod["spec"]["containers"][0];
+    if let Some(env) = trainer["env"].as_array_mut() {
+        env.retain(|e| e["name"] != "NVIDIA_VISIBLE_DEVICES");
+    }
+    if let Some(mounts) = trainer["volumeMounts"].as_array_mut() {
+        mounts.retain(|m| m["name"] != "nvidia0");
+    }
+    trainer["resources"]["limits"]["nvidia.com/gpu"] = json!("2");
+    if let Some(volumes) = pod["spec"]["volumes"].as_array_mut() {
+        volumes.retain(|v| v["name"] != "nvidia0");
+    }
+    pod
+}
+
+/// The GPU Operator's exporter in its own namespace, where its image is exempt; its log
+/// shipper is not privileged.
+fn exporter_pod() -> Value {
+    let mut pod = pod(
+        "gpu-operator",
+        "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
+        true,
+    );
+    pod["spec"]["containers"][1]["securityContext"]["privileged"] = json!(false);
+    pod
+}
+
 fn review(pod: &Value) -> Vec<u8> {
     serde_json::to_vec(&json!({
         "apiVersion": "admission.k8s.io/v1",
@@ -195,7 +225,7 @@ fn main() {
         ),
         (
             "unchanged (governed, unprivileged)",
-            review(&pod("ml", "nvcr.io/nvidia/pytorch:24.05-py3", false)),
+            review(&proper_pod("ml", "nvcr.io/nvidia/pytorch:24.05-py3")),
             &source,
             Outcome::Allowed,
         ),
@@ -217,11 +247,7 @@ fn main() {
         ),
         (
             "exempt (image)",
-            review(&pod(
-                "ml",
-                "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
-                true,
-            )),
+            review(&exporter_pod()),
             &source,
             Outcome::Exempt,
         ),
