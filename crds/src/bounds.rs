@@ -265,6 +265,7 @@ mod tests {
             namespace: "ns".into(),
             pod: format!("pod-{i}"),
             resource_name: None,
+            claims: vec![],
             gpu_uuids: vec![format!("GPU-{}", i % 8)],
             source,
         }

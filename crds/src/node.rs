@@ -285,6 +285,11 @@ pub struct Binding {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = QUALIFIED_NAME_LEN))]
     pub resource_name: Option<String>,
+    /// The ResourceClaims (`namespace/name`) the GPUs were allocated through, when Dynamic
+    /// Resource Allocation allocated them; `resourceName` is then the DRA driver.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(max = CLAIM_REF_LEN)))]
+    pub claims: Vec<String>,
     /// GPU (or MIG device) UUIDs. At most 64; the rest are counted in
     /// `truncated.bindingDevices`.
     #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = UUID_LEN)))]
@@ -292,6 +297,9 @@ pub struct Binding {
     /// `Allocated`, `Observed` (out of band) or `AllocatedAndObserved`.
     pub source: BindingSource,
 }
+
+/// Longest `namespace/name` of a ResourceClaim.
+const CLAIM_REF_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
 impl Binding {
     /// A binding nobody allocated: the container uses GPUs it never requested.

@@ -116,6 +116,7 @@ fn allocations() -> Vec<PodResources> {
                     // Time-slicing replica IDs.
                     device_ids: vec![format!("{}::{}", uuid(i % GPUS), i / GPUS)],
                 }],
+                dynamic_resources: vec![],
             }],
         })
         .collect()

@@ -19,7 +19,9 @@ use crate::backend::{
     BackendError, GpuBackend, GpuEvent, GpuEventKind, GpuInfo, GpuProcess, GpuReading, Reading,
     Telemetry,
 };
-use crate::podresources::{ContainerDevices, ContainerResources, PodResources};
+use crate::podresources::{
+    CdiDevice, ClaimResource, ContainerDevices, ContainerResources, DynamicResource, PodResources,
+};
 use crate::pods::{ContainerInfo, PodInfo};
 
 /// The fake file.
@@ -186,16 +188,39 @@ pub struct FakePodResources {
     pub containers: Vec<FakeContainerDevices>,
 }
 
-/// Devices allocated to one container.
+/// Devices allocated to one container: by a device plugin under a resource name, or by a
+/// DRA driver for a ResourceClaim.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FakeContainerDevices {
     /// Container name.
     pub name: String,
     /// Resource name, e.g. `nvidia.com/gpu`.
+    #[serde(default)]
     pub resource_name: String,
     /// Device IDs as the device plugin names them (UUIDs or indexes).
+    #[serde(default)]
     pub device_ids: Vec<String>,
+    /// A ResourceClaim the container uses, with the devices allocated for it.
+    #[serde(default)]
+    pub claim: Option<FakeClaim>,
+}
+
+/// A ResourceClaim as the kubelet reports it.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FakeClaim {
+    /// The claim's namespace.
+    pub namespace: String,
+    /// The claim's name.
+    pub name: String,
+    /// The DRA driver, e.g. `gpu.nvidia.com`.
+    pub driver: String,
+    /// The pool.
+    #[serde(default)]
+    pub pool: String,
+    /// Device names as the driver publishes them, e.g. `gpu-0`.
+    pub devices: Vec<String>,
 }
 
 impl FakeNode {
@@ -295,16 +320,38 @@ impl FakeNode {
             .map(|p| {
                 let mut containers: Vec<ContainerResources> = Vec::new();
                 for c in &p.containers {
-                    let devices = ContainerDevices {
-                        resource_name: c.resource_name.clone(),
-                        device_ids: c.device_ids.clone(),
+                    let at = match containers.iter().position(|x| x.name == c.name) {
+                        Some(at) => at,
+                        None => {
+                            containers.push(ContainerResources {
+                                name: c.name.clone(),
+                                ..ContainerResources::default()
+                            });
+                            containers.len() - 1
+                        }
                     };
-                    match containers.iter_mut().find(|x| x.name == c.name) {
-                        Some(existing) => existing.devices.push(devices),
-                        None => containers.push(ContainerResources {
-                            name: c.name.clone(),
-                            devices: vec![devices],
-                        }),
+                    let container = &mut containers[at];
+                    if !c.device_ids.is_empty() || c.claim.is_none() {
+                        container.devices.push(ContainerDevices {
+                            resource_name: c.resource_name.clone(),
+                            device_ids: c.device_ids.clone(),
+                        });
+                    }
+                    if let Some(claim) = &c.claim {
+                        container.dynamic_resources.push(DynamicResource {
+                            claim_name: claim.name.clone(),
+                            claim_namespace: claim.namespace.clone(),
+                            claim_resources: (claim.devices.iter())
+                                .map(|device| ClaimResource {
+                                    cdi_devices: vec![CdiDevice {
+                                        name: format!("k8s.{}/device={device}", claim.driver),
+                                    }],
+                                    driver_name: claim.driver.clone(),
+                                    pool_name: claim.pool.clone(),
+                                    device_name: device.clone(),
+                                })
+                                .collect(),
+                        });
                     }
                 }
                 PodResources {

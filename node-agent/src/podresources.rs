@@ -1,5 +1,6 @@
 //! The kubelet pod-resources API (`v1.PodResourcesLister`) over its unix socket: which
-//! devices the kubelet allocated to which container.
+//! devices the kubelet allocated to which container, through device plugins and through
+//! Dynamic Resource Allocation (ResourceClaims).
 //!
 //! The messages are written out here (no maintained crate carries them); only the fields the
 //! agent reads are declared, and protobuf skips the rest. Field numbers follow the public
@@ -62,7 +63,54 @@ pub struct ContainerResources {
     /// Devices, per resource name.
     #[prost(message, repeated, tag = "2")]
     pub devices: Vec<ContainerDevices>,
+    /// Devices allocated through ResourceClaims (DRA).
+    #[prost(message, repeated, tag = "5")]
+    pub dynamic_resources: Vec<DynamicResource>,
 }
+
+/// `DynamicResource`: one ResourceClaim a container uses. (Tag 1, the claim's class, was
+/// removed from the API in Kubernetes 1.31.)
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct DynamicResource {
+    /// The claim's name.
+    #[prost(string, tag = "2")]
+    pub claim_name: String,
+    /// The claim's namespace.
+    #[prost(string, tag = "3")]
+    pub claim_namespace: String,
+    /// The devices allocated for it.
+    #[prost(message, repeated, tag = "4")]
+    pub claim_resources: Vec<ClaimResource>,
+}
+
+/// `ClaimResource`: one device a DRA driver allocated for a claim.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ClaimResource {
+    /// The CDI devices the driver injects for it.
+    #[prost(message, repeated, tag = "1")]
+    pub cdi_devices: Vec<CdiDevice>,
+    /// The driver, e.g. `gpu.nvidia.com`.
+    #[prost(string, tag = "2")]
+    pub driver_name: String,
+    /// The pool it came from (for the NVIDIA driver, the node).
+    #[prost(string, tag = "3")]
+    pub pool_name: String,
+    /// The device's name in its ResourceSlice, e.g. `gpu-0`.
+    #[prost(string, tag = "4")]
+    pub device_name: String,
+}
+
+/// `CDIDevice`: a fully qualified CDI device name.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct CdiDevice {
+    /// e.g. `k8s.gpu.nvidia.com/device=gpu-0`.
+    #[prost(string, tag = "1")]
+    pub name: String,
+}
+
+/// The DRA drivers whose devices are GPUs: NVIDIA's `gpu.nvidia.com` (full GPUs and MIG
+/// devices). Its `compute-domain.nvidia.com` hands out IMEX channels, not GPUs.
+pub const GPU_DRA_DRIVERS: &[&str] = &["gpu.nvidia.com"];
 
 /// `ContainerDevices`: devices of one resource.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -266,10 +314,13 @@ pub struct Allocation {
     pub pod: String,
     /// Container name.
     pub container: String,
-    /// Resource name.
+    /// Resource name, or for a ResourceClaim the DRA driver's name.
     pub resource_name: String,
     /// GPU or MIG device UUIDs.
     pub device_uuids: Vec<String>,
+    /// The ResourceClaim (`namespace/name`) the devices were allocated for, when DRA
+    /// allocated them.
+    pub claim: Option<String>,
 }
 
 /// Maps device plugin IDs to GPU and MIG device UUIDs.
@@ -322,6 +373,28 @@ impl DeviceMap {
         None
     }
 
+    /// The GPU or MIG UUID a DRA device names: its device name (`gpu-3`, a UUID, an index)
+    /// or one of its CDI device names (`k8s.gpu.nvidia.com/device=gpu-3`). The NVIDIA
+    /// driver names a full GPU `gpu-<index>` and a MIG device `gpu-<index>-mig-...`; as the
+    /// name does not say which MIG UUID that is, a MIG device resolves to its GPU.
+    pub fn resolve_dra(&self, device_name: &str, cdi_names: &[&str]) -> Option<String> {
+        let named = |name: &str| {
+            self.resolve(name).or_else(|| {
+                let index = name.strip_prefix("gpu-")?;
+                let index = index.split_once("-mig-").map_or(index, |(gpu, _)| gpu);
+                index
+                    .parse::<u32>()
+                    .ok()
+                    .and_then(|i| self.resolve(&i.to_string()))
+            })
+        };
+        named(device_name).or_else(|| {
+            (cdi_names.iter())
+                .filter_map(|cdi| cdi.rsplit_once('=').map(|(_, name)| name))
+                .find_map(named)
+        })
+    }
+
     /// The physical GPU a GPU or MIG UUID belongs to.
     pub fn parent(&self, uuid: &str) -> Option<&str> {
         self.gpus
@@ -354,7 +427,33 @@ pub fn gpu_allocations(list: &[PodResources], devices: &DeviceMap) -> Vec<Alloca
                     container: container.name.clone(),
                     resource_name: dev.resource_name.clone(),
                     device_uuids: uuids,
+                    claim: None,
                 });
+            }
+            for claim in &container.dynamic_resources {
+                for driver in GPU_DRA_DRIVERS {
+                    let mut uuids: Vec<String> = (claim.claim_resources.iter())
+                        .filter(|r| r.driver_name == *driver)
+                        .filter_map(|r| {
+                            let cdi: Vec<&str> =
+                                r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+                            devices.resolve_dra(&r.device_name, &cdi)
+                        })
+                        .collect();
+                    if uuids.is_empty() {
+                        continue;
+                    }
+                    uuids.sort();
+                    uuids.dedup();
+                    out.push(Allocation {
+                        namespace: pod.namespace.clone(),
+                        pod: pod.name.clone(),
+                        container: container.name.clone(),
+                        resource_name: (*driver).to_owned(),
+                        device_uuids: uuids,
+                        claim: Some(format!("{}/{}", claim.claim_namespace, claim.claim_name)),
+                    });
+                }
             }
         }
     }
@@ -440,12 +539,110 @@ mod tests {
                         device_ids: vec!["GPU-a".into()],
                     },
                 ],
+                ..ContainerResources::default()
             }],
         }];
         let allocs = gpu_allocations(&list, &map);
         assert_eq!(allocs.len(), 1);
         assert_eq!(allocs[0].resource_name, "nvidia.com/gpu");
         assert_eq!(allocs[0].device_uuids, vec!["GPU-a"]);
+    }
+
+    fn claim_device(driver: &str, device: &str, cdi: &str) -> ClaimResource {
+        ClaimResource {
+            cdi_devices: vec![CdiDevice { name: cdi.into() }],
+            driver_name: driver.into(),
+            pool_name: "node-1".into(),
+            device_name: device.into(),
+        }
+    }
+
+    #[test]
+    fn claims_of_the_nvidia_dra_driver_are_gpu_allocations() {
+        let map = DeviceMap::new(&[gpu(0, "GPU-a", &[]), gpu(1, "GPU-b", &["MIG-x"])]);
+        let list = vec![PodResources {
+            name: "train".into(),
+            namespace: "ml".into(),
+            containers: vec![ContainerResources {
+                name: "main".into(),
+                dynamic_resources: vec![
+                    DynamicResource {
+                        claim_name: "train-gpus-x7k2p".into(),
+                        claim_namespace: "ml".into(),
+                        claim_resources: vec![
+                            claim_device(
+                                "gpu.nvidia.com",
+                                "gpu-1",
+                                "k8s.gpu.nvidia.com/device=gpu-1",
+                            ),
+                            // A MIG device: its GPU, as the name does not say which MIG.
+                            claim_device("gpu.nvidia.com", "gpu-0-mig-1g.10gb-0", ""),
+                            // Named only by its CDI device.
+                            claim_device(
+                                "gpu.nvidia.com",
+                                "odd",
+                                "k8s.gpu.nvidia.com/device=gpu-1",
+                            ),
+                            // Not a GPU: an IMEX channel, another vendor, an unknown device.
+                            claim_device("compute-domain.nvidia.com", "channel-0", ""),
+                            claim_device("fpga.example.com", "gpu-0", ""),
+                            claim_device("gpu.nvidia.com", "gpu-9", ""),
+                        ],
+                    },
+                    DynamicResource {
+                        claim_name: "nics".into(),
+                        claim_namespace: "ml".into(),
+                        claim_resources: vec![claim_device("rdma.example.com", "mlx5_0", "")],
+                    },
+                ],
+                ..ContainerResources::default()
+            }],
+        }];
+        let allocs = gpu_allocations(&list, &map);
+        assert_eq!(allocs.len(), 1, "{allocs:?}");
+        let a = &allocs[0];
+        assert_eq!(a.resource_name, "gpu.nvidia.com");
+        assert_eq!(a.claim.as_deref(), Some("ml/train-gpus-x7k2p"));
+        assert_eq!(a.device_uuids, ["GPU-a", "GPU-b"]);
+        assert_eq!(map.resolve_dra("MIG-x", &[]).as_deref(), Some("MIG-x"));
+        assert_eq!(map.resolve_dra("gpu-x", &[]), None);
+    }
+
+    /// The DRA messages carry the field numbers of the kubelet's `api.proto`
+    /// (`ContainerResources.dynamic_resources = 5`, `DynamicResource` 2 to 4 with 1
+    /// reserved, `ClaimResource` 1 to 4, `CDIDevice.name = 1`): the bytes prost writes are
+    /// the bytes a Go kubelet writes.
+    #[test]
+    fn dra_field_numbers_follow_the_kubelet_api() {
+        use prost::Message;
+        let container = ContainerResources {
+            name: "c".into(),
+            devices: vec![],
+            dynamic_resources: vec![DynamicResource {
+                claim_name: "n".into(),
+                claim_namespace: "s".into(),
+                claim_resources: vec![claim_device("d", "v", "x")],
+            }],
+        };
+        let bytes = container.encode_to_vec();
+        // name (1, length-delimited) "c", then dynamic_resources (5, length-delimited).
+        assert_eq!(&bytes[..3], &[0x0a, 1, b'c']);
+        assert_eq!(bytes[3], (5 << 3) | 2);
+        let resource = &bytes[5..];
+        // claim_name (2) "n", claim_namespace (3) "s", claim_resources (4).
+        assert_eq!(&resource[..6], &[0x12, 1, b'n', 0x1a, 1, b's']);
+        assert_eq!(resource[6], (4 << 3) | 2);
+        let claim = &resource[8..];
+        // cdi_devices (1) {name (1) "x"}, driver_name (2) "d", pool_name (3) "node-1",
+        // device_name (4) "v".
+        assert_eq!(&claim[..5], &[0x0a, 3, 0x0a, 1, b'x']);
+        assert_eq!(&claim[5..8], &[0x12, 1, b'd']);
+        assert_eq!(&claim[8..10], &[0x1a, 6]);
+        assert_eq!(&claim[16..], &[0x22, 1, b'v']);
+        assert_eq!(
+            ContainerResources::decode(bytes.as_slice()).unwrap(),
+            container
+        );
     }
 
     #[tokio::test]

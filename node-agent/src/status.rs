@@ -116,6 +116,8 @@ struct Entry {
     namespace: String,
     pod: String,
     resource_name: Option<String>,
+    /// ResourceClaims the allocation came through.
+    claims: BTreeSet<String>,
     allocated: BTreeSet<String>,
     observed: BTreeSet<String>,
     /// Per physical GPU: memory and SM share of the processes seen, and whether every one
@@ -157,6 +159,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
         if e.resource_name.is_none() {
             e.resource_name = Some(a.resource_name.clone());
         }
+        e.claims.extend(a.claim.iter().cloned());
         e.allocated.extend(a.device_uuids.iter().cloned());
     }
 
@@ -276,6 +279,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             namespace: e.namespace,
             pod: e.pod,
             resource_name: e.resource_name,
+            claims: e.claims.into_iter().collect(),
             gpu_uuids,
             source,
         });
@@ -416,6 +420,53 @@ mod tests {
     }
 
     #[test]
+    fn gpus_allocated_through_a_resource_claim_are_not_out_of_band() {
+        let pods = vec![PodInfo {
+            uid: "u1".into(),
+            namespace: "ml".into(),
+            name: "train".into(),
+            mirror_uid: None,
+            service_account: String::new(),
+            labels: Default::default(),
+            exempt: None,
+            containers: vec![ContainerInfo {
+                name: "main".into(),
+                image: String::new(),
+                container_id: Some("containerd://abc".into()),
+                privileged: false,
+                gpu: false,
+            }],
+        }];
+        let allocations = [Allocation {
+            namespace: "ml".into(),
+            pod: "train".into(),
+            container: "main".into(),
+            resource_name: "gpu.nvidia.com".into(),
+            device_uuids: vec!["GPU-a".into()],
+            claim: Some("ml/train-gpus".into()),
+        }];
+        let r = reading();
+        let index = PodIndex::new(&pods, true);
+        let observed = [observed("u1", "containerd://abc")];
+        let c = compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations: &allocations,
+            observed: &observed,
+            pods: &index,
+            devices: &DeviceMap::new(&r.gpus),
+            runtime: &RuntimeStatus::default(),
+        });
+        let bindings = c.status.bindings.unwrap_or_default();
+        assert_eq!(bindings.len(), 1, "{bindings:?}");
+        let b = &bindings[0];
+        assert_eq!(b.source, BindingSource::AllocatedAndObserved);
+        assert!(!b.is_out_of_band());
+        assert_eq!(b.claims, ["ml/train-gpus"]);
+        assert_eq!(b.resource_name.as_deref(), Some("gpu.nvidia.com"));
+    }
+
+    #[test]
     fn unknown_container_ids_are_named_sensibly() {
         let pods = vec![PodInfo {
             uid: "u1".into(),
@@ -457,6 +508,7 @@ mod tests {
                 container: "main".into(),
                 resource_name: "nvidia.com/gpu".into(),
                 device_uuids: vec!["GPU-a".into()],
+                claim: None,
             })
             .collect();
         let pods: Vec<PodInfo> = (0..600)

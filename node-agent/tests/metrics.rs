@@ -103,6 +103,7 @@ fn allocated(pod: &str, device: &str) -> PodResources {
                 resource_name: "nvidia.com/gpu".into(),
                 device_ids: vec![device.into()],
             }],
+            dynamic_resources: vec![],
         }],
     }
 }

@@ -740,6 +740,7 @@ mod tests {
                 namespace: "ml".into(),
                 pod: "train-0".into(),
                 resource_name: Some("nvidia.com/gpu".into()),
+                claims: vec![],
                 gpu_uuids: vec!["GPU-1".into()],
                 source: BindingSource::Allocated,
             }]),
@@ -774,6 +775,7 @@ mod tests {
             namespace: "ml".into(),
             pod: "priv-0".into(),
             resource_name: None,
+            claims: vec![],
             gpu_uuids: vec!["GPU-0".into()],
             source: BindingSource::Observed,
         });

@@ -116,6 +116,7 @@ pub fn allocations() -> Vec<PodResources> {
                 resource_name: "nvidia.com/gpu".into(),
                 device_ids: vec!["GPU-aaaa".into()],
             }],
+            dynamic_resources: vec![],
         }],
     }]
 }
