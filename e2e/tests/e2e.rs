@@ -120,12 +120,17 @@ impl Env {
     /// A fresh namespace labelled with this run's id (the e2e webhook configuration only
     /// selects such namespaces).
     async fn namespace(&self, suffix: &str) -> String {
-        let name = self.name(suffix);
         // Privileged pods are what the tests create: Pod Security must not refuse them first.
+        self.namespace_at(suffix, "privileged").await
+    }
+
+    /// A namespace of this run whose Pod Security Admission enforces `level`.
+    async fn namespace_at(&self, suffix: &str, level: &str) -> String {
+        let name = self.name(suffix);
         let ns: Namespace = serde_json::from_value(json!({
             "metadata": {"name": name, "labels": {
                 LABEL_RUN: self.cluster.run_id,
-                "pod-security.kubernetes.io/enforce": "privileged",
+                "pod-security.kubernetes.io/enforce": level,
             }}
         }))
         .expect("namespace");
@@ -383,10 +388,13 @@ async fn enforce_rewrites_privileged_gpu_pods_with_warnings() {
         "{ann:?}"
     );
 
-    // An ordinary pod: admitted as written, and (with matchConditions) never sent.
+    // An ordinary GPU pod (unprivileged, a GPU limit, no NVIDIA variable): admitted as
+    // written, and (with matchConditions) never sent.
     let before = webhook.reviews();
     let mut plain = privileged_gpu_pod("plain");
     plain["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    plain["spec"]["containers"][0]["env"] = json!([{"name": "EPOCHS", "value": "3"}]);
+    plain["spec"]["containers"][0]["resources"] = json!({"limits": {"nvidia.com/gpu": "1"}});
     let created = env
         .cluster
         .create_pod(&ns, &plain, false)
@@ -402,6 +410,113 @@ async fn enforce_rewrites_privileged_gpu_pods_with_warnings() {
             "an unprivileged pod reached the webhook"
         );
     }
+    webhook.stop().await;
+}
+
+/// The doors of admission on a real server: an unprivileged pod that names GPUs through
+/// NVIDIA_VISIBLE_DEVICES is stored with an explicit GPU request instead; a tenant running
+/// the GPU Operator's dcgm-exporter image in its own namespace is rewritten like anyone
+/// else; and a rewritten pod in a namespace enforcing Pod Security `baseline` is admitted
+/// by PSA, which runs after the webhook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn leaks_tenants_and_pod_security_on_a_real_server() {
+    let env = Env::new().await;
+    let ns = env.namespace("doors").await;
+    let (webhook, match_conditions) = env.webhook().await;
+    env.until_admission(&ns, &privileged_gpu_pod("probe"), "doors", rewritten)
+        .await;
+
+    // Door 1: an unprivileged NVIDIA_VISIBLE_DEVICES=all becomes a request.
+    let before = webhook.reviews();
+    let mut leak = privileged_gpu_pod("leak");
+    leak["spec"]["containers"][0]["securityContext"] = json!({"runAsUser": 1000});
+    leak["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    let created = env
+        .cluster
+        .create_pod(&ns, &leak, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(rewritten(&created), "{created:?}");
+    if match_conditions {
+        assert!(webhook.reviews() > before, "the leaking pod was never sent");
+    }
+    let stored = Api::<Pod>::namespaced(env.client(), &ns)
+        .get("leak")
+        .await
+        .expect("stored");
+    let c = &stored.spec.as_ref().expect("spec").containers[0];
+    let limits = (c.resources.as_ref().and_then(|r| r.limits.clone())).unwrap_or_default();
+    assert_eq!(
+        limits.get("nvidia.com/gpu").map(|q| q.0.as_str()),
+        Some("1")
+    );
+    assert!(
+        c.env
+            .iter()
+            .flatten()
+            .all(|e| e.name != "NVIDIA_VISIBLE_DEVICES"),
+        "{:?}",
+        c.env
+    );
+    let sc = c.security_context.as_ref().expect("securityContext");
+    assert_eq!(sc.run_as_user, Some(1000));
+    assert_eq!(
+        sc.privileged, None,
+        "an unprivileged container keeps its context"
+    );
+
+    // Door 3: the dcgm-exporter image in a tenant's namespace is no exemption.
+    let mut dcgm = privileged_gpu_pod("dcgm");
+    dcgm["spec"]["containers"][0]["image"] =
+        json!("nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04");
+    dcgm["spec"]["containers"][0]["command"] = json!(["nsenter", "-t", "1", "-a", "sh"]);
+    let created = env
+        .cluster
+        .create_pod(&ns, &dcgm, true)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(rewritten(&created), "{created:?}");
+    assert_eq!(
+        created.body["spec"]["containers"][0]["securityContext"]["privileged"],
+        json!(false)
+    );
+
+    // Door 7: in a `baseline` namespace the rewrite withholds the capabilities baseline
+    // forbids, and PSA admits the result.
+    let baseline = env.namespace_at("baseline", "baseline").await;
+    let mut tuned = privileged_gpu_pod("tuned");
+    tuned["spec"]["containers"][0]["securityContext"]["capabilities"] =
+        json!({"add": ["IPC_LOCK", "SYS_NICE"]});
+    let created = env
+        .until_admission(&baseline, &tuned, "baseline", |r| r.status.is_success())
+        .await;
+    assert!(rewritten(&created), "{created:?}");
+    let created = env
+        .cluster
+        .create_pod(&baseline, &tuned, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        created.status.is_success(),
+        "PSA refused the rewritten pod: {created:?}"
+    );
+    assert!(
+        created
+            .warnings
+            .iter()
+            .any(|w| w.contains("IPC_LOCK,SYS_NICE not added (Pod Security baseline)")),
+        "{:?}",
+        created.warnings
+    );
+    assert!(
+        created.body["spec"]["containers"][0]["securityContext"]["capabilities"]
+            .get("add")
+            .is_none(),
+        "{}",
+        created.body
+    );
     webhook.stop().await;
 }
 
@@ -825,6 +940,7 @@ async fn agent_reports_status_and_bindings_then_goes_silent() {
                         resource_name: gpuwarden_crds::RESOURCE_GPU.into(),
                         device_ids: vec![uuids[0].into()],
                     }],
+                    dynamic_resources: vec![],
                 }],
             }],
             ..FakeKubelet::default()
@@ -1050,10 +1166,25 @@ async fn admission_policies_compile_and_the_backstop_rejects() {
     assert!(
         denied
             .message()
-            .contains("privileged GPU containers are not admitted")
+            .contains("are not admitted in this namespace")
             && denied.message().contains("train"),
         "{:?}",
         denied.message()
+    );
+    // An unprivileged container that names GPUs to the NVIDIA runtime itself is refused
+    // too: without the webhook nothing turns it into a request.
+    let mut leak = privileged_gpu_pod("leak");
+    leak["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    leak["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    let refused = env
+        .cluster
+        .create_pod(&ns, &leak, true)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        refused.status.is_client_error() && refused.message().contains("train"),
+        "the backstop admitted a leaking pod: {refused:?}"
     );
     let mut no_gpu = privileged_gpu_pod("tools");
     no_gpu["spec"]["containers"][0]["env"] = json!([]);
