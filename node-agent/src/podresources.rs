@@ -410,14 +410,11 @@ pub fn gpu_allocations(list: &[PodResources], devices: &DeviceMap) -> Vec<Alloca
     let mut out = Vec::new();
     for pod in list {
         for container in &pod.containers {
-            for dev in &container.devices {
-                let mut uuids: Vec<String> = dev
-                    .device_ids
-                    .iter()
-                    .filter_map(|id| devices.resolve(id))
-                    .collect();
+            // GPUs found under one resource name or claim: one allocation.
+            let mut push = |resource_name: &str, uuids: Vec<String>, claim: Option<String>| {
+                let mut uuids = uuids;
                 if uuids.is_empty() {
-                    continue;
+                    return;
                 }
                 uuids.sort();
                 uuids.dedup();
@@ -425,34 +422,26 @@ pub fn gpu_allocations(list: &[PodResources], devices: &DeviceMap) -> Vec<Alloca
                     namespace: pod.namespace.clone(),
                     pod: pod.name.clone(),
                     container: container.name.clone(),
-                    resource_name: dev.resource_name.clone(),
+                    resource_name: resource_name.to_owned(),
                     device_uuids: uuids,
-                    claim: None,
+                    claim,
                 });
+            };
+            for dev in &container.devices {
+                let uuids = (dev.device_ids.iter()).filter_map(|id| devices.resolve(id));
+                push(&dev.resource_name, uuids.collect(), None);
             }
             for claim in &container.dynamic_resources {
                 for driver in GPU_DRA_DRIVERS {
-                    let mut uuids: Vec<String> = (claim.claim_resources.iter())
+                    let uuids = (claim.claim_resources.iter())
                         .filter(|r| r.driver_name == *driver)
                         .filter_map(|r| {
                             let cdi: Vec<&str> =
                                 r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
                             devices.resolve_dra(&r.device_name, &cdi)
-                        })
-                        .collect();
-                    if uuids.is_empty() {
-                        continue;
-                    }
-                    uuids.sort();
-                    uuids.dedup();
-                    out.push(Allocation {
-                        namespace: pod.namespace.clone(),
-                        pod: pod.name.clone(),
-                        container: container.name.clone(),
-                        resource_name: (*driver).to_owned(),
-                        device_uuids: uuids,
-                        claim: Some(format!("{}/{}", claim.claim_namespace, claim.claim_name)),
-                    });
+                        });
+                    let name = format!("{}/{}", claim.claim_namespace, claim.claim_name);
+                    push(driver, uuids.collect(), Some(name));
                 }
             }
         }
