@@ -362,17 +362,7 @@ fn containers_of(pod: &Value) -> impl Iterator<Item = &Value> {
 /// predicate's: the path resolved part by part, then `/dev`, `/dev/nvidia*`, `/dev/dri` or
 /// under `/dev/dri/`.
 fn oracle_device_path(path: &str) -> bool {
-    let mut parts: Vec<&str> = Vec::new();
-    for part in path.split('/') {
-        match part {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
-            }
-            part => parts.push(part),
-        }
-    }
-    match parts.as_slice() {
+    match oracle_parts(path).as_slice() {
         ["dev"] | ["dev", "dri", ..] => true,
         ["dev", device] => device.starts_with("nvidia"),
         ["dev", first, ..] => first.starts_with("nvidia"),
@@ -437,11 +427,7 @@ fn privileged_gpu_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -
         })
         .filter_map(|v| v["name"].as_str())
         .collect();
-    let cdi = pod["metadata"]["annotations"].as_object().is_some_and(|a| {
-        a.iter().any(|(k, v)| {
-            k.starts_with("cdi.k8s.io/") && v.as_str().is_some_and(|v| v.contains("nvidia.com/"))
-        })
-    });
+    let cdi = oracle_cdi(pod);
     containers_of(pod)
         .filter(|c| c["securityContext"]["privileged"] == json!(true))
         .filter(|c| !oracle_container_exempt(c, pod, namespace, policy))
@@ -517,9 +503,18 @@ fn pod_gpus(pod: &Value, policy: &GpuPolicy) -> u32 {
     running.max(init)
 }
 
-/// Whether a mount path is where the toolkit reads a device list: at or under
-/// `/var/run/nvidia-container-devices`, once resolved part by part.
-fn oracle_device_list_path(path: &str) -> bool {
+/// Whether the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device.
+fn oracle_cdi(pod: &Value) -> bool {
+    pod["metadata"]["annotations"].as_object().is_some_and(|a| {
+        a.iter().any(|(k, v)| {
+            k.starts_with("cdi.k8s.io/") && v.as_str().is_some_and(|v| v.contains("nvidia.com/"))
+        })
+    })
+}
+
+/// The oracle's path resolution: the parts of an absolute path after `.`, `..` and empty
+/// parts are resolved, as the kubelet would.
+fn oracle_parts(path: &str) -> Vec<&str> {
     let mut parts: Vec<&str> = Vec::new();
     for part in path.split('/') {
         match part {
@@ -530,20 +525,20 @@ fn oracle_device_list_path(path: &str) -> bool {
             part => parts.push(part),
         }
     }
-    parts.starts_with(&["var", "run", "nvidia-container-devices"])
+    parts
+}
+
+/// Whether a mount path is where the toolkit reads a device list: at or under
+/// `/var/run/nvidia-container-devices`, once resolved part by part.
+fn oracle_device_list_path(path: &str) -> bool {
+    oracle_parts(path).starts_with(&["var", "run", "nvidia-container-devices"])
 }
 
 /// The containers that reach GPUs around the kubelet whatever their privilege (a leak):
 /// `NVIDIA_VISIBLE_DEVICES` naming devices or set from elsewhere, a MIG access variable, a
 /// device-list mount, or an NVIDIA CDI annotation the policy strips; image exemptions hold.
 fn leaking_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Vec<String> {
-    let cdi = policy.spec.strip_cdi_annotations
-        && pod["metadata"]["annotations"].as_object().is_some_and(|a| {
-            a.iter().any(|(k, v)| {
-                k.starts_with("cdi.k8s.io/")
-                    && v.as_str().is_some_and(|v| v.contains("nvidia.com/"))
-            })
-        });
+    let cdi = policy.spec.strip_cdi_annotations && oracle_cdi(pod);
     containers_of(pod)
         .filter(|c| !oracle_container_exempt(c, pod, namespace, policy))
         .filter(|c| {
