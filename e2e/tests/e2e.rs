@@ -601,6 +601,51 @@ async fn deny_mode_rejects_naming_each_change() {
     webhook.stop().await;
 }
 
+/// An invalid policy fails closed in the cluster: a GpuPolicy whose namespaceSelector the
+/// API server accepts but no selector can evaluate (operator `Equals`) governs the pods it
+/// outranks, and the webhook denies a privileged GPU pod there naming the problem, rather
+/// than falling back to the next policy; an unprivileged pod with nothing to judge passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn an_invalid_policy_fails_closed() {
+    let env = Env::new().await;
+    let ns = env.namespace("invalid").await;
+    let name = env.policy_for(&ns, PolicyMode::Enforce, false).await;
+    let broken = json!({"spec": {"namespaceSelector": {
+        "matchLabels": {"kubernetes.io/metadata.name": ns},
+        "matchExpressions": [{"key": "team", "operator": "Equals", "values": ["a"]}]
+    }}});
+    Api::<GpuPolicy>::all(env.client())
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&broken))
+        .await
+        .unwrap_or_else(|e| panic!("the API server refused the selector: {e}"));
+    let (webhook, _) = env.webhook().await;
+    let pod = privileged_gpu_pod("train");
+    let denied = env
+        .until_admission(&ns, &pod, "invalid", |r| {
+            r.status.is_client_error() && r.message().contains("is invalid")
+        })
+        .await;
+    assert!(
+        denied
+            .message()
+            .contains(&format!("GpuPolicy {name} is invalid (InvalidSelector"))
+            && denied.message().contains("fails closed"),
+        "{:?}",
+        denied.message()
+    );
+    let mut plain = privileged_gpu_pod("plain");
+    plain["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
+    plain["spec"]["containers"][0]["env"] = json!([]);
+    let admitted = env
+        .cluster
+        .create_pod(&ns, &plain, true)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(admitted.status.is_success(), "{admitted:?}");
+    webhook.stop().await;
+}
+
 /// Exemption: in a namespace the governing policy exempts, the privileged GPU pod is
 /// admitted exactly as written, without warnings or annotations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
