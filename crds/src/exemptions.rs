@@ -11,16 +11,9 @@ impl Exemptions {
         if self.namespaces.iter().any(|n| n == namespace) {
             return Some(format!("namespace {namespace} is exempt"));
         }
-        let sa = if service_account.is_empty() {
-            "default"
-        } else {
-            service_account
-        };
-        let listed = self
-            .service_accounts
-            .iter()
-            .any(|s| s.strip_prefix(namespace).and_then(|r| r.strip_prefix('/')) == Some(sa));
-        listed.then(|| format!("service account {namespace}/{sa} is exempt"))
+        let sa = account_or_default(service_account);
+        lists_account(&self.service_accounts, namespace, sa)
+            .then(|| format!("service account {namespace}/{sa} is exempt"))
     }
 
     /// The container exemption that lets a container with `image`, in a pod of
@@ -31,11 +24,7 @@ impl Exemptions {
         namespace: &str,
         service_account: &str,
     ) -> Option<&ContainerExemption> {
-        let sa = if service_account.is_empty() {
-            "default"
-        } else {
-            service_account
-        };
+        let sa = account_or_default(service_account);
         (self.containers.iter()).find(|entry| entry.covers(image, namespace, sa))
     }
 }
@@ -48,14 +37,28 @@ impl ContainerExemption {
         let in_namespace =
             self.namespaces.is_empty() || self.namespaces.iter().any(|n| n == namespace);
         let as_account = self.service_accounts.is_empty()
-            || (self.service_accounts.iter())
-                .any(|s| s.strip_prefix(namespace).and_then(|r| r.strip_prefix('/')) == Some(sa));
+            || lists_account(&self.service_accounts, namespace, sa);
         let pinned = self.digests.is_empty()
             || image
                 .rsplit_once('@')
                 .is_some_and(|(_, digest)| self.digests.iter().any(|d| d == digest));
         scoped && in_namespace && as_account && pinned && image_exempt(image, &self.images)
     }
+}
+
+/// A pod's service account as the API server fills it in: `default` when unset.
+fn account_or_default(service_account: &str) -> &str {
+    if service_account.is_empty() {
+        "default"
+    } else {
+        service_account
+    }
+}
+
+/// Whether `namespace/sa` is in a list of `namespace/name` service accounts.
+fn lists_account(accounts: &[String], namespace: &str, sa: &str) -> bool {
+    (accounts.iter())
+        .any(|s| s.strip_prefix(namespace).and_then(|r| r.strip_prefix('/')) == Some(sa))
 }
 
 /// Matches `text` against a glob with `*` (any run of characters) and `?` (one character).

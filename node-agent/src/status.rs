@@ -405,13 +405,41 @@ mod tests {
         }
     }
 
+    /// A pod `namespace/name` (UID `u1`) with one unprivileged container `main`.
+    fn one_pod(namespace: &str, name: &str, container_id: &str) -> Vec<PodInfo> {
+        vec![PodInfo {
+            uid: "u1".into(),
+            namespace: namespace.into(),
+            name: name.into(),
+            mirror_uid: None,
+            service_account: String::new(),
+            labels: Default::default(),
+            exempt: None,
+            containers: vec![ContainerInfo {
+                name: "main".into(),
+                image: String::new(),
+                container_id: Some(container_id.into()),
+                privileged: false,
+                gpu: false,
+            }],
+        }]
+    }
+
     fn run(pods: &[PodInfo], observed: &[ObservedProcess]) -> Computed {
+        run_allocated(pods, &[], observed)
+    }
+
+    fn run_allocated(
+        pods: &[PodInfo],
+        allocations: &[Allocation],
+        observed: &[ObservedProcess],
+    ) -> Computed {
         let r = reading();
         let index = PodIndex::new(pods, true);
         compute(&StatusInput {
             reading: &r,
             health: &HealthTracker::new(),
-            allocations: &[],
+            allocations,
             observed,
             pods: &index,
             devices: &DeviceMap::new(&r.gpus),
@@ -421,22 +449,7 @@ mod tests {
 
     #[test]
     fn gpus_allocated_through_a_resource_claim_are_not_out_of_band() {
-        let pods = vec![PodInfo {
-            uid: "u1".into(),
-            namespace: "ml".into(),
-            name: "train".into(),
-            mirror_uid: None,
-            service_account: String::new(),
-            labels: Default::default(),
-            exempt: None,
-            containers: vec![ContainerInfo {
-                name: "main".into(),
-                image: String::new(),
-                container_id: Some("containerd://abc".into()),
-                privileged: false,
-                gpu: false,
-            }],
-        }];
+        let pods = one_pod("ml", "train", "containerd://abc");
         let allocations = [Allocation {
             namespace: "ml".into(),
             pod: "train".into(),
@@ -445,18 +458,7 @@ mod tests {
             device_uuids: vec!["GPU-a".into()],
             claim: Some("ml/train-gpus".into()),
         }];
-        let r = reading();
-        let index = PodIndex::new(&pods, true);
-        let observed = [observed("u1", "containerd://abc")];
-        let c = compute(&StatusInput {
-            reading: &r,
-            health: &HealthTracker::new(),
-            allocations: &allocations,
-            observed: &observed,
-            pods: &index,
-            devices: &DeviceMap::new(&r.gpus),
-            runtime: &RuntimeStatus::default(),
-        });
+        let c = run_allocated(&pods, &allocations, &[observed("u1", "containerd://abc")]);
         let bindings = c.status.bindings.unwrap_or_default();
         assert_eq!(bindings.len(), 1, "{bindings:?}");
         let b = &bindings[0];
@@ -468,22 +470,7 @@ mod tests {
 
     #[test]
     fn unknown_container_ids_are_named_sensibly() {
-        let pods = vec![PodInfo {
-            uid: "u1".into(),
-            namespace: "ns".into(),
-            name: "p".into(),
-            mirror_uid: None,
-            service_account: String::new(),
-            labels: Default::default(),
-            exempt: None,
-            containers: vec![ContainerInfo {
-                name: "main".into(),
-                image: String::new(),
-                container_id: Some("containerd://old".into()),
-                privileged: false,
-                gpu: false,
-            }],
-        }];
+        let pods = one_pod("ns", "p", "containerd://old");
         // A restarted single container: its pod's only container.
         let c = run(&pods, &[observed("u1", "0123456789abcdef0123")]);
         let b = &c.status.bindings.unwrap()[0];
@@ -523,17 +510,7 @@ mod tests {
                 containers: vec![],
             })
             .collect();
-        let r = reading();
-        let index = PodIndex::new(&pods, true);
-        let c = compute(&StatusInput {
-            reading: &r,
-            health: &HealthTracker::new(),
-            allocations: &allocations,
-            observed: &[],
-            pods: &index,
-            devices: &DeviceMap::new(&r.gpus),
-            runtime: &RuntimeStatus::default(),
-        });
+        let c = run_allocated(&pods, &allocations, &[]);
         let bindings = c.status.bindings.as_ref().unwrap();
         assert_eq!(bindings.len(), gpuwarden_crds::bounds::MAX_BINDINGS);
         assert_eq!(c.status.truncated.as_ref().unwrap().bindings, 88);

@@ -41,6 +41,17 @@ impl<'a> ContainerFacts<'a> {
         })
     }
 
+    /// Whether it loses privilege (rules 1 and 2): privileged, and its image not exempt.
+    pub(super) fn loses_privilege(&self) -> bool {
+        self.privileged && !self.image_exempt
+    }
+
+    /// Whether the rewrite changes it (rules 3 to 5): it loses privilege, or it leaks and
+    /// its image is not exempt.
+    pub(super) fn changes(&self) -> bool {
+        !self.image_exempt && (self.privileged || self.signals.leaks())
+    }
+
     /// Whether the rewrite must change it: a privileged GPU container, or one that reaches
     /// GPUs around the kubelet (a leak), unless its image is exempt (or `images_count` is
     /// false: an invalid policy's image patterns do not).

@@ -208,16 +208,16 @@ pub(super) fn plan_pod<'a>(
         psa,
         pod,
         &facts,
-        |i| (facts.containers.get(i)).is_some_and(|c| c.privileged && !c.image_exempt),
+        |i| (facts.containers.get(i)).is_some_and(ContainerFacts::loses_privilege),
         |name| !strip.contains(&name),
     );
     let mut counts = gpu_counts(&facts, policy, &mut plan.denials).into_iter();
     for c in &facts.containers {
         let count = counts.next();
-        let target = c.privileged && !c.image_exempt;
-        // An unprivileged container that reaches GPUs around the kubelet: it keeps its
-        // security context, and loses the leak (rules 3 to 5).
-        let leaking = !c.privileged && !c.image_exempt && c.signals.leaks();
+        let target = c.loses_privilege();
+        // A container that leaks without privilege keeps its security context and loses
+        // the leak (rules 3 to 5).
+        let changed = c.changes();
         let mut p = ContainerPlan {
             at: c.at,
             name: c.name,
@@ -245,7 +245,7 @@ pub(super) fn plan_pod<'a>(
                 (c.value.security_context.as_ref()).is_some_and(|s| s.seccomp_profile);
             p.seccomp_default = psa == PsaLevel::Restricted && !pod_seccomp && !own_seccomp;
         }
-        if target || leaking {
+        if changed {
             // Rule 3.
             let gpu = match count {
                 Some(Count::Limit(limit)) => {
@@ -320,7 +320,7 @@ pub(super) fn plan_pod<'a>(
         }
         // Mounts the toolkit would read as a device list go from every container that is
         // changed.
-        if (target || leaking) && c.signals.device_list != VisibleDevices::Unset {
+        if changed && c.signals.device_list != VisibleDevices::Unset {
             for (i, (_, path)) in c.mounts().enumerate() {
                 if gpu::device_list_entry(path).is_some() && !p.mounts.contains(&i) {
                     p.mounts.push(i);
@@ -329,7 +329,7 @@ pub(super) fn plan_pod<'a>(
             }
             p.mounts.sort_unstable();
         }
-        if target || leaking || !p.mounts.is_empty() {
+        if changed || !p.mounts.is_empty() {
             plan.containers.push(p);
         }
     }
@@ -363,11 +363,6 @@ enum Count<'a> {
     Limit(Limit<'a>),
     /// It ends with no GPU, for this reason.
     Zero(String),
-}
-
-/// Whether a container changes (rules 1 to 5): privileged, or leaking, and not exempt.
-fn changes(c: &ContainerFacts<'_>) -> bool {
-    !c.image_exempt && (c.privileged || c.signals.leaks())
 }
 
 /// A GPU quantity as a number of GPUs, when it is a whole number.
@@ -419,7 +414,7 @@ fn gpu_counts<'a>(
     // The GPUs named in NVIDIA_VISIBLE_DEVICES by a regular container, and which.
     let mut named: Vec<(String, &str)> = Vec::new();
     for (i, c) in facts.containers.iter().enumerate() {
-        if !changes(c) || !c.gpu {
+        if !c.changes() || !c.gpu {
             counts.push(Count::Keep);
             continue;
         }
