@@ -10,6 +10,7 @@
 //!   `valueFrom` (unknown here, so assumed to);
 //! - it mounts a pod volume whose hostPath is a GPU device path;
 //! - the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device;
+//! - it uses a DRA ResourceClaim of a GPU DeviceClass ([`crate::claims`]);
 //! - the governing policy says `match.privilegedContainers: All`, and its last
 //!   `NVIDIA_VISIBLE_DEVICES` entry does not say `none`, `void` or empty.
 //!
@@ -216,6 +217,8 @@ pub trait ContainerSpec {
     fn mounts(&self) -> impl Iterator<Item = (&str, &str)>;
     /// Whether `envFrom` lists anything: variables admission cannot see.
     fn env_from(&self) -> bool;
+    /// The pod `resourceClaims` entries it uses (`resources.claims[].name`), in order.
+    fn claim_names(&self) -> impl Iterator<Item = &str>;
 }
 
 /// What the governing policy adds to the predicate.
@@ -235,6 +238,8 @@ pub struct Rules<'p> {
     pub taints: &'p [String],
     /// `match.gpuImages`: globs.
     pub images: &'p [String],
+    /// `gpu.deviceClassName`: one more GPU DeviceClass.
+    pub device_class: &'p str,
 }
 
 impl Default for Rules<'_> {
@@ -248,6 +253,7 @@ impl Default for Rules<'_> {
             node_labels: &[],
             taints: &[],
             images: &[],
+            device_class: crate::claims::DEVICE_CLASS_GPU,
         }
     }
 }
@@ -263,6 +269,7 @@ impl<'p> Rules<'p> {
             node_labels: &policy.spec.match_.gpu_node_labels,
             taints: &policy.spec.match_.gpu_taints,
             images: &policy.spec.match_.gpu_images,
+            device_class: &policy.spec.gpu.device_class_name,
         }
     }
 
@@ -336,6 +343,8 @@ pub struct PodSignals<'a> {
     node_keys: Vec<&'a str>,
     /// Toleration keys.
     toleration_keys: Vec<&'a str>,
+    /// The pod's `resourceClaims` entries whose claim asks for GPUs, sorted.
+    gpu_claims: Vec<&'a str>,
 }
 
 impl<'a> PodSignals<'a> {
@@ -386,6 +395,21 @@ impl<'a> PodSignals<'a> {
             .collect();
         self.toleration_keys = tolerations.into_iter().filter(|k| !k.is_empty()).collect();
         self
+    }
+
+    /// Adds the names of the pod's `resourceClaims` entries whose ResourceClaim (or
+    /// template) requests devices of a GPU DeviceClass ([`crate::claims`]): reading them
+    /// needs the API, which the caller has.
+    pub fn claimed(mut self, gpu_claims: impl IntoIterator<Item = &'a str>) -> Self {
+        self.gpu_claims = gpu_claims.into_iter().collect();
+        self.gpu_claims.sort_unstable();
+        self.gpu_claims.dedup();
+        self
+    }
+
+    /// Whether the pod's `resourceClaims` entry `name` holds GPUs.
+    pub fn is_gpu_claim(&self, name: &str) -> bool {
+        self.gpu_claims.binary_search(&name).is_ok()
     }
 
     /// The path of device volume `name`.
@@ -440,6 +464,9 @@ pub struct Signals<'c> {
     pub env_from: bool,
     /// For a privileged container: the first hint that it sees GPUs.
     pub hint: Option<Hint<'c>>,
+    /// The first pod `resourceClaims` entry it uses whose claim holds GPUs: the GPUs it gets
+    /// through DRA, which the rewrite keeps rather than adding a limit on top.
+    pub claim: Option<&'c str>,
 }
 
 impl Signals<'_> {
@@ -457,6 +484,7 @@ impl Signals<'_> {
             || self.device_mount
             || self.cdi
             || self.device_list.is_gpu_signal()
+            || self.claim.is_some()
     }
 
     /// Whether a privileged container may hold GPUs: a GPU container, or one whose
@@ -542,6 +570,7 @@ pub fn signals<'c, C: ContainerSpec>(
         mig_access,
         strip_cdi: rules.strip_cdi,
         env_from: container.env_from(),
+        claim: container.claim_names().find(|name| pod.is_gpu_claim(name)),
         hint: if container.privileged() {
             let image = container.image();
             (rules.images.iter())
@@ -743,6 +772,10 @@ macro_rules! api_container_spec {
             }
             fn env_from(&self) -> bool {
                 self.env_from.as_ref().is_some_and(|e| !e.is_empty())
+            }
+            fn claim_names(&self) -> impl Iterator<Item = &str> {
+                let claims = self.resources.as_ref().and_then(|r| r.claims.as_ref());
+                claims.into_iter().flatten().map(|c| c.name.as_str())
             }
         }
     )*};

@@ -5,6 +5,7 @@
 //! types (`cargo run -p gpuwarden-crds --bin crdgen`) and a test fails when they drift.
 
 pub mod bounds;
+pub mod claims;
 pub mod conditions;
 pub mod duration;
 mod error;
@@ -25,7 +26,7 @@ pub use node::{
 pub use policy::{
     CapabilitiesSpec, ContainerExemption, EnvFromGpu, Exemptions, GPU_OPERATOR_NAMESPACE,
     GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec, PolicyMode, PrivilegedMatch,
-    VisibleDevicesAll,
+    RequestAs, VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 

@@ -226,6 +226,41 @@ pub struct GpuSpec {
     /// ignores the variable in unprivileged containers).
     #[serde(default)]
     pub env_from: EnvFromGpu,
+
+    /// How a rewritten container is given the GPUs it had: `ExtendedResource` adds a
+    /// `resourceName` limit; `ResourceClaim` adds a DRA claim from a ResourceClaimTemplate
+    /// the operator keeps in each governed namespace, which containers that named the same
+    /// GPUs share (docs/design.md, "ResourceClaims").
+    #[serde(default)]
+    pub request_as: RequestAs,
+
+    /// The DRA DeviceClass the `ResourceClaim` mode requests GPUs from. Claims of this class
+    /// are GPU claims, like those of the NVIDIA DRA driver's own classes.
+    #[serde(default = "default_device_class")]
+    #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("deviceClassName must be a DNS subdomain such as gpu.nvidia.com"))]
+    #[schemars(length(min = 1, max = DEVICE_CLASS_LEN))]
+    pub device_class_name: String,
+}
+
+/// See [`GpuSpec::request_as`].
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
+pub enum RequestAs {
+    /// A limit on `gpu.resourceName`, served by the device plugin (or by a DeviceClass with
+    /// that `extendedResourceName`, KEP-5004).
+    #[default]
+    ExtendedResource,
+    /// A pod `resourceClaims` entry from the ResourceClaimTemplate
+    /// `gpuwarden-<deviceClassName>-<count>`, referenced by the container.
+    ResourceClaim,
+}
+
+impl std::fmt::Display for RequestAs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::ExtendedResource => "ExtendedResource",
+            Self::ResourceClaim => "ResourceClaim",
+        })
+    }
 }
 
 /// See [`GpuSpec::env_from`].
@@ -247,6 +282,8 @@ impl Default for GpuSpec {
             max_per_pod: default_max(),
             visible_devices_all: VisibleDevicesAll::default(),
             env_from: EnvFromGpu::default(),
+            request_as: RequestAs::default(),
+            device_class_name: default_device_class(),
         }
     }
 }
@@ -410,6 +447,9 @@ pub const GPU_OPERATOR_NAMESPACE: &str = "gpu-operator";
 /// Longest Linux capability name without `CAP_` (the longest today, `CHECKPOINT_RESTORE`,
 /// has 18).
 const CAPABILITY_LEN: usize = 32;
+/// Longest device class name: a ResourceClaimTemplate name `gpuwarden-<class>-<count>` must
+/// stay a DNS subdomain (253).
+pub const DEVICE_CLASS_LEN: usize = 240;
 /// Longest `namespace/name` of a service account.
 const SERVICE_ACCOUNT_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
@@ -424,6 +464,9 @@ fn default_max() -> u32 {
 }
 fn default_resource_name() -> String {
     crate::RESOURCE_GPU.to_owned()
+}
+fn default_device_class() -> String {
+    crate::claims::DEVICE_CLASS_GPU.to_owned()
 }
 fn default_runtime_classes() -> Vec<String> {
     vec!["nvidia".into()]

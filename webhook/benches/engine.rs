@@ -305,6 +305,7 @@ fn main() {
         namespace_labels: &labels,
         operation: gpuwarden_webhook::engine::Operation::Create,
         display_name: "ml/llm-finetune",
+        claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
     };
     let decide = measure(|| {
         black_box(gpuwarden_webhook::engine::decide(

@@ -20,7 +20,9 @@ use kube::core::Status;
 use kube::core::admission::AdmissionResponse;
 use serde::Serialize;
 
-use crate::engine::{self, Decision, Input, NamespaceLabels, Operation, Verdict};
+use crate::engine::{
+    self, ClaimStore, Claims, Decision, Input, NamespaceLabels, NoClaims, Operation, Verdict,
+};
 use crate::patch;
 use crate::pod::{PodView, Str};
 
@@ -36,6 +38,11 @@ pub trait PolicySource: Send + Sync {
     fn lend(&self, namespace: &str, read: &mut PolicyReader<'_>) {
         let labels = self.namespace_labels(namespace);
         read(&self.policies(), labels.as_ref());
+    }
+    /// Where ResourceClaims and ResourceClaimTemplates are read: by default nowhere, so a
+    /// claim counts by nothing and the `ResourceClaim` rewrite is denied, saying so.
+    fn claims(&self) -> &dyn Claims {
+        &NoClaims("this webhook reads no ResourceClaims: it runs without a cluster")
     }
 }
 
@@ -93,6 +100,8 @@ pub struct StaticSource {
     pub policies: Vec<Arc<GpuPolicy>>,
     /// Known namespaces and their labels.
     pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
+    /// ResourceClaims and ResourceClaimTemplates: those inserted, and no others.
+    pub claims: ClaimStore,
 }
 
 impl StaticSource {
@@ -101,6 +110,7 @@ impl StaticSource {
         Self {
             policies: policies.into_iter().map(Arc::new).collect(),
             namespaces: BTreeMap::new(),
+            claims: ClaimStore::new(),
         }
     }
 
@@ -126,6 +136,9 @@ impl PolicySource for StaticSource {
     }
     fn lend(&self, namespace: &str, read: &mut PolicyReader<'_>) {
         read(&self.policies, self.namespaces.get(namespace));
+    }
+    fn claims(&self) -> &dyn Claims {
+        &self.claims
     }
 }
 
@@ -347,6 +360,7 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
             },
             operation,
             display_name: &name,
+            claims: source.claims(),
         };
         let decision = engine::decide(&input, policies);
         answer = Some(respond(api_version, &uid, &name, decision, pod));

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use gpuwarden_crds::{GpuPolicy, validation};
 use serde_json::{Value, json};
 
-use crate::engine::{self, Decision, Input, Operation, Verdict};
+use crate::engine::{self, ClaimSource, ClaimStore, Decision, Input, Operation, Verdict};
 use crate::manifest::{self, Document, ManifestError};
 use crate::pod::PodView;
 
@@ -70,6 +70,22 @@ pub enum MutateError {
         name: String,
         /// Where the template should be.
         pointer: &'static str,
+    },
+    /// A ResourceClaim or ResourceClaimTemplate whose spec is not one.
+    #[error("{file}: document {index} (line {line}): {kind} {name}: {message}")]
+    BadClaim {
+        /// The file.
+        file: String,
+        /// Document index.
+        index: usize,
+        /// Start line.
+        line: usize,
+        /// Kind.
+        kind: String,
+        /// Name.
+        name: String,
+        /// What is wrong.
+        message: String,
     },
     /// The engine produced a patch that does not apply (a bug; reported, never a panic).
     #[error("{file}: document {index}: internal error: the rewrite does not apply: {message}")]
@@ -242,6 +258,8 @@ fn run_inner(
     // First pass: every document is read and checked, one at a time, so that bad input is
     // reported in full before any output; the Namespace objects' labels are kept.
     let mut namespace_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    let mut claims = ClaimStore::offline();
+    let default_namespace = args.namespace.as_deref().unwrap_or("default");
     for (path, text) in &texts {
         for doc in manifest::documents(path, text) {
             let checked = doc.map_err(MutateError::from).and_then(|doc| {
@@ -252,7 +270,11 @@ fn run_inner(
                 Ok(doc) if doc.kind() == "Namespace" => {
                     namespace_labels.insert(doc.name(), labels_of(&doc.object));
                 }
-                Ok(_) => {}
+                Ok(doc) => {
+                    if let Err(e) = read_claim(&doc, default_namespace, &mut claims) {
+                        errors.push(e);
+                    }
+                }
                 Err(e) => errors.push(e),
             }
         }
@@ -262,7 +284,6 @@ fn run_inner(
     }
 
     // Second pass: each document is judged, explained and written, then dropped.
-    let default_namespace = args.namespace.as_deref().unwrap_or("default");
     let mut explainer = Explainer::default();
     let mut failure = None;
     let outcomes = texts
@@ -279,7 +300,7 @@ fn run_inner(
                     .unwrap_or_default(),
             );
             let labels = engine::namespace_labels_or_default(&namespace, Some(labels));
-            match judge(doc, namespace, &labels, &policies) {
+            match judge(doc, namespace, &labels, &policies, &claims) {
                 Ok(outcome) => {
                     explainer.explain(&outcome, stderr);
                     Some(outcome)
@@ -306,6 +327,38 @@ fn run_inner(
     } else {
         EXIT_ADMITTED
     })
+}
+
+/// Keeps a `resource.k8s.io/v1` ResourceClaim or ResourceClaimTemplate for the pods that use
+/// it; other documents are not claims.
+fn read_claim(
+    doc: &Document,
+    default_namespace: &str,
+    claims: &mut ClaimStore,
+) -> Result<(), MutateError> {
+    let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
+    let (source, pointer) = match (api_version, doc.kind()) {
+        (Some("resource.k8s.io/v1"), "ResourceClaim") => (ClaimSource::Claim, "/spec"),
+        (Some("resource.k8s.io/v1"), "ResourceClaimTemplate") => {
+            (ClaimSource::Template, "/spec/spec")
+        }
+        _ => return Ok(()),
+    };
+    let spec = doc.object.pointer(pointer).cloned().unwrap_or(Value::Null);
+    let spec = serde_json::from_value(spec).map_err(|e| MutateError::BadClaim {
+        file: doc.source.clone(),
+        index: doc.index,
+        line: doc.line,
+        kind: doc.kind().to_owned(),
+        name: doc.name(),
+        message: format!(
+            "{} is not a claim spec: {e}",
+            &pointer[1..].replace('/', ".")
+        ),
+    })?;
+    let namespace = doc.namespace().unwrap_or(default_namespace);
+    claims.insert(source, namespace, &doc.name(), &spec);
+    Ok(())
 }
 
 /// The string labels in an object's `metadata.labels`.
@@ -418,6 +471,7 @@ fn judge(
     namespace: String,
     labels: &BTreeMap<String, String>,
     policies: &[Arc<GpuPolicy>],
+    claims: &ClaimStore,
 ) -> Result<Outcome, MutateError> {
     let Some((pointer, template)) = template(&doc)? else {
         return Ok(Outcome {
@@ -436,6 +490,7 @@ fn judge(
         namespace_labels: labels,
         operation: Operation::Create,
         display_name: &display,
+        claims,
     };
     let decision = engine::decide(&input, policies);
     let mut after = doc.object.clone();

@@ -166,6 +166,38 @@ pub fn patch_for_view<'c>(
                     ops.add(at(&base, ["resources", "limits", resource]), quantity);
                 }
             }
+            Change::ClaimUse { container, claim } => {
+                let base = container_base(&container);
+                let resources = container_value(pod, &container).and_then(|c| c.resources.as_ref());
+                let entry = json!({ "name": claim });
+                if resources.is_none() {
+                    ops.add(at(&base, ["resources"]), json!({ "claims": [entry] }));
+                } else if resources.is_some_and(|r| r.claims.is_none()) {
+                    ops.add(at(&base, ["resources", "claims"]), json!([entry]));
+                } else {
+                    ops.add(at(&base, ["resources", "claims", "-"]), entry);
+                }
+            }
+            Change::PodClaims { add } => {
+                let entries = add
+                    .iter()
+                    .map(|c| json!({"name": c.name, "resourceClaimTemplateName": c.template}));
+                let exists = pod
+                    .spec
+                    .as_ref()
+                    .is_some_and(|s| s.resource_claims.is_some());
+                if exists {
+                    for entry in entries {
+                        ops.add(
+                            PointerBuf::from_tokens(["spec", "resourceClaims", "-"]),
+                            entry,
+                        );
+                    }
+                } else {
+                    let list = Value::Array(entries.collect());
+                    ops.add(PointerBuf::from_tokens(["spec", "resourceClaims"]), list);
+                }
+            }
             Change::Env {
                 container,
                 remove,

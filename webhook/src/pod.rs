@@ -182,6 +182,34 @@ pub struct Spec<'a> {
     /// `securityContext`, when an object.
     #[serde(deserialize_with = "object")]
     pub security_context: Option<PodSecurityContext>,
+    /// `resourceClaims`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub resource_claims: Option<Vec<PodResourceClaim<'a>>>,
+}
+
+/// A pod `resourceClaims` entry: a name the containers use, and the ResourceClaim or
+/// ResourceClaimTemplate it stands for.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct PodResourceClaim<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `resourceClaimName`.
+    #[serde(deserialize_with = "text")]
+    pub resource_claim_name: Option<Cow<'a, str>>,
+    /// `resourceClaimTemplateName`.
+    #[serde(deserialize_with = "text")]
+    pub resource_claim_template_name: Option<Cow<'a, str>>,
+}
+
+/// A container `resources.claims` entry.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct ClaimUse<'a> {
+    /// `name`: the pod `resourceClaims` entry.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
 }
 
 /// `affinity`: the engine reads its required node affinity.
@@ -320,6 +348,9 @@ pub struct Resources<'a> {
     /// `requests`, when an object.
     #[serde(deserialize_with = "map")]
     pub requests: Option<Map<'a>>,
+    /// `claims`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub claims: Option<Vec<ClaimUse<'a>>>,
 }
 
 /// `securityContext`.
@@ -427,6 +458,10 @@ impl gpuwarden_crds::gpu::ContainerSpec for Container<'_> {
             (name, m.mount_path.as_deref().unwrap_or(""))
         })
     }
+    fn claim_names(&self) -> impl Iterator<Item = &str> {
+        let claims = self.resources.as_ref().and_then(|r| r.claims.as_ref());
+        (claims.into_iter().flatten()).filter_map(|c| c.name.as_deref())
+    }
 }
 
 /// A value in a map the engine reads (labels, annotations, resource quantities): a string,
@@ -493,6 +528,14 @@ impl<'a> PodView<'a> {
         self.spec
             .as_ref()
             .and_then(|s| s.volumes.as_deref())
+            .unwrap_or_default()
+    }
+
+    /// `spec.resourceClaims`, when a list.
+    pub fn resource_claims(&self) -> &[PodResourceClaim<'a>] {
+        self.spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.as_deref())
             .unwrap_or_default()
     }
 
@@ -710,7 +753,9 @@ lenient_entry!(
     VolumeMount,
     NodeSelectorTerm,
     Requirement,
-    Toleration
+    Toleration,
+    PodResourceClaim,
+    ClaimUse
 );
 
 /// A field holding a pod: its view when it is a JSON object, `None` otherwise.

@@ -692,6 +692,7 @@ fn generated_pods_hold_the_invariants() {
             namespace_labels: &labels,
             operation: Operation::Create,
             display_name: "",
+            claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
         };
         let policies = [Arc::new(policy.clone())];
         let direct = decide(&input, &policies);

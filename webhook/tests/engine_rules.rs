@@ -6,9 +6,10 @@ mod engine_support;
 use engine_support::*;
 use gpuwarden_crds::{
     ANNOTATION_AUDIT, ANNOTATION_POLICY, ANNOTATION_REWRITTEN, PolicyMode, PrivilegedMatch,
-    VisibleDevicesAll,
+    RequestAs, VisibleDevicesAll,
 };
 use gpuwarden_webhook::admission::{Outcome, StaticSource};
+use gpuwarden_webhook::engine::ClaimSource;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -1442,5 +1443,287 @@ fn the_rewrite_stays_inside_the_namespaces_pod_security_level() {
     assert!(
         changes.contains("runAsNonRoot, allowPrivilegeEscalation: false, capabilities drop ALL, seccompProfile (container side)"),
         "{changes}"
+    );
+}
+
+/// A claim spec asking for one device of each class.
+fn claim_spec(classes: &[&str]) -> k8s_openapi::api::resource::v1::ResourceClaimSpec {
+    let requests: Vec<Value> = (classes.iter().enumerate())
+        .map(|(i, class)| json!({"name": format!("r{i}"), "exactly": {"deviceClassName": class}}))
+        .collect();
+    serde_json::from_value(json!({"devices": {"requests": requests}})).unwrap()
+}
+
+/// gpuwarden's templates of `gpu.nvidia.com`, 1 to 8 GPUs, in `namespace`.
+fn with_templates(mut source: StaticSource, namespace: &str) -> StaticSource {
+    for n in 1..=8 {
+        let name = gpuwarden_crds::claims::template_name("gpu.nvidia.com", n);
+        let spec = claim_spec(&["gpu.nvidia.com"]);
+        (source.claims).insert(ClaimSource::Template, namespace, &name, &spec);
+    }
+    source
+}
+
+#[test]
+fn resource_claims_of_gpu_device_classes_are_gpu_signals() {
+    let mut source = source();
+    let claims = &mut source.claims;
+    claims.insert(
+        ClaimSource::Template,
+        "ml",
+        "dra-gpu",
+        &claim_spec(&["gpu.nvidia.com"]),
+    );
+    claims.insert(
+        ClaimSource::Claim,
+        "ml",
+        "a-mig",
+        &claim_spec(&["nic.example.com", "mig.nvidia.com"]),
+    );
+    claims.insert(
+        ClaimSource::Claim,
+        "ml",
+        "nic",
+        &claim_spec(&["nic.example.com"]),
+    );
+    claims.insert(
+        ClaimSource::Claim,
+        "other",
+        "a-mig",
+        &claim_spec(&["mig.nvidia.com"]),
+    );
+    let pod = json!({
+        "metadata": {"name": "dra"},
+        "spec": {
+            "resourceClaims": [
+                {"name": "gpu", "resourceClaimTemplateName": "dra-gpu"},
+                {"name": "mig", "resourceClaimName": "a-mig"},
+                {"name": "nic", "resourceClaimName": "nic"},
+                {"name": "gone", "resourceClaimTemplateName": "not-there"}
+            ],
+            "containers": [
+                // A GPU through its claim, and the variable on top: the claim's GPUs stay, no
+                // limit is added, and the variable goes.
+                {"name": "train", "securityContext": {"privileged": true},
+                 "resources": {"claims": [{"name": "nic"}, {"name": "gpu"}]},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+                // A MIG device through a claim that also asks for a NIC.
+                {"name": "infer", "securityContext": {"privileged": true},
+                 "resources": {"claims": [{"name": "mig"}]}},
+                // A NIC only: privileged, but no GPU container.
+                {"name": "net", "securityContext": {"privileged": true},
+                 "resources": {"claims": [{"name": "nic"}]}},
+                // A claim that cannot be found counts by nothing: its variable makes it a GPU
+                // container given the policy's default.
+                {"name": "lost", "securityContext": {"privileged": true},
+                 "resources": {"claims": [{"name": "gone"}]},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+            ]
+        }
+    });
+    let (answer, patched) = rewrite(&pod, "ml", &source);
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    let containers = &patched["spec"]["containers"];
+    let limits = |i: usize| containers[i]["resources"]["limits"].clone();
+    assert_eq!(limits(0), Value::Null, "no limit on top of a GPU claim");
+    assert_eq!(env_value(&containers[0], "NVIDIA_VISIBLE_DEVICES"), None);
+    assert_eq!(
+        env_value(&containers[0], "NVIDIA_DRIVER_CAPABILITIES"),
+        Some("compute,utility")
+    );
+    assert_eq!(limits(1), Value::Null);
+    assert_eq!(
+        env_value(&containers[1], "NVIDIA_DRIVER_CAPABILITIES"),
+        Some("compute,utility")
+    );
+    assert_eq!(
+        env_value(&containers[2], "NVIDIA_VISIBLE_DEVICES"),
+        Some("void"),
+        "not a GPU container"
+    );
+    assert_eq!(limits(3), json!({"nvidia.com/gpu": "1"}));
+    assert_eq!(
+        patched["spec"]["resourceClaims"], pod["spec"]["resourceClaims"],
+        "claims untouched"
+    );
+    let report: Value = serde_json::from_str(
+        patched["metadata"]["annotations"][ANNOTATION_REWRITTEN]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(report["containers"]["train"]["claim"], "gpu");
+    assert_eq!(report["containers"]["train"]["gpu"], true);
+    assert_eq!(report["containers"]["infer"]["claim"], "mig");
+    assert_eq!(report["containers"]["net"]["gpu"], false);
+    let warnings = answer.warnings().join("\n");
+    assert!(
+        warnings.contains("container train: privileged removed; GPUs from its ResourceClaim gpu;"),
+        "{warnings}"
+    );
+
+    // The same claim names another namespace's objects there: `a-mig` in `other` is a MIG
+    // claim, and nothing else is known.
+    let answer = review_pod(&pod, "other", &source);
+    let patched = answer.apply(&pod);
+    let containers = &patched["spec"]["containers"];
+    assert_eq!(
+        containers[0]["resources"]["limits"],
+        json!({"nvidia.com/gpu": "1"})
+    );
+    assert_eq!(containers[1]["resources"]["limits"], Value::Null);
+}
+
+#[test]
+fn the_resource_claim_mode_requests_gpus_from_templates_and_shares_them() {
+    let claim_policy = |max_per_pod| {
+        policy("dra", |p| {
+            p.spec.gpu.request_as = RequestAs::ResourceClaim;
+            p.spec.gpu.max_per_pod = max_per_pod;
+        })
+    };
+    let mut dra = with_templates(StaticSource::new([claim_policy(8)]), "ml");
+    dra.claims.insert(
+        ClaimSource::Claim,
+        "ml",
+        "scratch",
+        &claim_spec(&["disk.example.com"]),
+    );
+    let pod = json!({
+        "metadata": {"name": "p", "annotations": {"gpuwarden.io/gpu-count.setup": "2"}},
+        "spec": {
+            // An entry of the pod's own already has the first name the rewrite would use.
+            "resourceClaims": [{"name": "gpuwarden-gpus-0", "resourceClaimName": "scratch"}],
+            "initContainers": [
+                {"name": "setup", "securityContext": {"privileged": true}, "resources": {},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]}
+            ],
+            "containers": [
+                {"name": "a", "securityContext": {"privileged": true},
+                 "resources": {"claims": [{"name": "gpuwarden-gpus-0"}]},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "1,0"}]},
+                {"name": "b", "securityContext": {"privileged": true},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0, 1"}]},
+                {"name": "c", "securityContext": {"privileged": true},
+                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+                // Its own request stays an extended resource.
+                {"name": "d", "securityContext": {"privileged": true},
+                 "resources": {"requests": {"nvidia.com/gpu": "1"}}}
+            ]
+        }
+    });
+    let (answer, patched) = rewrite(&pod, "ml", &dra);
+    assert_eq!(
+        answer.summary.outcome,
+        Outcome::Rewritten,
+        "{}",
+        answer.message()
+    );
+    assert_eq!(
+        patched["spec"]["resourceClaims"],
+        json!([
+            {"name": "gpuwarden-gpus-0", "resourceClaimName": "scratch"},
+            {"name": "gpuwarden-gpus-1", "resourceClaimTemplateName": "gpuwarden-gpu.nvidia.com-2"},
+            {"name": "gpuwarden-gpus-2", "resourceClaimTemplateName": "gpuwarden-gpu.nvidia.com-2"},
+            {"name": "gpuwarden-gpus-3", "resourceClaimTemplateName": "gpuwarden-gpu.nvidia.com-1"}
+        ])
+    );
+    let claims = |list: &str, i: usize| patched["spec"][list][i]["resources"]["claims"].clone();
+    assert_eq!(
+        claims("initContainers", 0),
+        json!([{"name": "gpuwarden-gpus-1"}])
+    );
+    assert_eq!(
+        claims("containers", 0),
+        json!([{"name": "gpuwarden-gpus-0"}, {"name": "gpuwarden-gpus-2"}])
+    );
+    assert_eq!(
+        claims("containers", 1),
+        json!([{"name": "gpuwarden-gpus-2"}]),
+        "b shares a's GPUs"
+    );
+    assert_eq!(
+        claims("containers", 2),
+        json!([{"name": "gpuwarden-gpus-3"}])
+    );
+    assert_eq!(
+        patched["spec"]["containers"][3]["resources"]["limits"],
+        json!({"nvidia.com/gpu": "1"})
+    );
+    for c in patched["spec"]["containers"].as_array().unwrap() {
+        assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), None, "{c}");
+        assert_eq!(c["securityContext"]["privileged"], false);
+    }
+    let warnings = answer.warnings().join("\n");
+    assert!(
+        warnings.contains("claims 2 GPUs through gpuwarden-gpus-2 (NVIDIA_VISIBLE_DEVICES=1,0)"),
+        "{warnings}"
+    );
+    assert!(
+        warnings.contains(
+            "container b: privileged removed; shares claim gpuwarden-gpus-2 with container a"
+        ),
+        "{warnings}"
+    );
+    assert!(
+        warnings.contains(
+            "resourceClaims gpuwarden-gpus-1 (template gpuwarden-gpu.nvidia.com-2),gpuwarden-gpus-2"
+        ),
+        "{warnings}"
+    );
+    let report: Value = serde_json::from_str(
+        patched["metadata"]["annotations"][ANNOTATION_REWRITTEN]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        report["resourceClaims"]["gpuwarden-gpus-3"],
+        "gpuwarden-gpu.nvidia.com-1"
+    );
+    assert_eq!(report["containers"]["b"]["claimSharedWith"], "a");
+
+    // Claims are held from start to end: 2 + 2 + 1 claimed and 1 limited is 6 at once.
+    let tight = with_templates(StaticSource::new([claim_policy(5)]), "ml");
+    let answer = review_pod(&pod, "ml", &tight);
+    assert!(!answer.allowed());
+    assert!(
+        answer
+            .message()
+            .contains("the pod would hold 6 GPUs at once, more than maxPerPod 5"),
+        "{}",
+        answer.message()
+    );
+
+    // Where the templates are missing the pod is denied, naming each one once.
+    let answer = review_pod(&pod, "empty", &dra);
+    assert!(!answer.allowed());
+    let message = answer.message();
+    assert!(message.contains("ResourceClaimTemplate empty/gpuwarden-gpu.nvidia.com-2 does not exist: the operator keeps it in every namespace GpuPolicy dra governs"), "{message}");
+    assert_eq!(
+        message
+            .matches("gpuwarden-gpu.nvidia.com-2 does not exist")
+            .count(),
+        1,
+        "{message}"
+    );
+    assert!(
+        message.contains("empty/gpuwarden-gpu.nvidia.com-1 does not exist"),
+        "{message}"
+    );
+
+    // In the default mode the same pod gets limits, and b gets none.
+    let (_, patched) = rewrite(&pod, "ml", &with_templates(source(), "ml"));
+    assert_eq!(
+        patched["spec"]["resourceClaims"],
+        pod["spec"]["resourceClaims"]
+    );
+    assert_eq!(
+        patched["spec"]["containers"][0]["resources"]["limits"],
+        json!({"nvidia.com/gpu": "2"})
+    );
+    assert_eq!(
+        env_value(&patched["spec"]["containers"][1], "NVIDIA_VISIBLE_DEVICES"),
+        Some("void")
     );
 }

@@ -5,6 +5,7 @@
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals};
 
+use super::claims::{ClaimLookup, ClaimSource, Claims};
 use super::{ContainerKind, ContainerRef};
 use crate::pod::{Container, Map, PodView, Scalar};
 
@@ -71,11 +72,13 @@ pub(super) struct PodFacts<'a> {
     pub(super) annotations: Option<&'a Map<'a>>,
 }
 
-/// Reads every container of the pod (init, regular, ephemeral) in `namespace` under `policy`.
+/// Reads every container of the pod (init, regular, ephemeral) in `namespace` under `policy`;
+/// its ResourceClaims through `claims`.
 pub(super) fn read_pod<'a>(
     pod: &'a PodView<'a>,
     namespace: &str,
     policy: &'a GpuPolicy,
+    claims: &dyn Claims,
 ) -> PodFacts<'a> {
     let annotations = pod.annotations();
     let spec = pod.spec.as_ref();
@@ -115,7 +118,8 @@ pub(super) fn read_pod<'a>(
             .into_iter()
             .flatten())
         .filter_map(|t| t.key.as_deref()),
-    );
+    )
+    .claimed(gpu_claims(pod, namespace, policy, claims));
     let rules = Rules::of(policy);
     let exemptions = &policy.spec.exemptions;
     let service_account = spec
@@ -160,4 +164,35 @@ pub(super) fn read_pod<'a>(
         pod: signals,
         annotations,
     }
+}
+
+/// The pod's `resourceClaims` entries whose ResourceClaim or ResourceClaimTemplate requests
+/// devices of a GPU DeviceClass. One that cannot be read is not counted: the container's other
+/// signals still judge it.
+fn gpu_claims<'a>(
+    pod: &'a PodView<'a>,
+    namespace: &str,
+    policy: &GpuPolicy,
+    claims: &dyn Claims,
+) -> Vec<&'a str> {
+    let class = policy.spec.gpu.device_class_name.as_str();
+    (pod.resource_claims().iter())
+        .filter_map(|entry| {
+            let name = entry.name.as_deref()?;
+            let (source, target) = match (
+                entry.resource_claim_name.as_deref(),
+                entry.resource_claim_template_name.as_deref(),
+            ) {
+                (Some(claim), _) => (ClaimSource::Claim, claim),
+                (None, Some(template)) => (ClaimSource::Template, template),
+                (None, None) => return None,
+            };
+            match claims.lookup(source, namespace, target) {
+                ClaimLookup::Found(classes) => (classes.iter())
+                    .any(|c| gpuwarden_crds::claims::is_gpu_device_class(c, class))
+                    .then_some(name),
+                ClaimLookup::Missing | ClaimLookup::Unknown(_) => None,
+            }
+        })
+        .collect()
 }

@@ -16,6 +16,7 @@
 //! The same functions serve admission reviews ([`crate::admission`]) and the offline
 //! `mutate` command ([`crate::mutate`]), where the "pod" is a workload's pod template.
 
+mod claims;
 mod facts;
 mod plan;
 mod psa;
@@ -33,6 +34,7 @@ use crate::pod::{Map, PodView, Scalar};
 use plan::{ContainerPlan, Plan};
 
 pub use crate::pod::ContainerKind;
+pub use claims::{ClaimLookup, ClaimSource, ClaimStore, Claims, NoClaims};
 pub use gpuwarden_crds::exemptions::{glob_match, image_exempt};
 pub use gpuwarden_crds::gpu::{
     ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES, VisibleDevices,
@@ -42,7 +44,7 @@ pub use gpuwarden_crds::selection::{
     LABEL_NAMESPACE_NAME, NamespaceLabels, Selection, namespace_labels_or_default, select_policy,
 };
 pub use gpuwarden_crds::selector::Labels;
-pub use plan::Quantity;
+pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
 
 /// Environment variable naming the driver capabilities (libraries) the runtime mounts.
@@ -86,6 +88,20 @@ pub enum Change<'c> {
         resource: &'c str,
         /// Quantity, written as a string.
         quantity: Quantity<'c>,
+    },
+    /// Rule 3 with `gpu.requestAs: ResourceClaim`: append `{name: claim}` to the container's
+    /// `resources.claims`.
+    ClaimUse {
+        /// The container.
+        container: ContainerRef,
+        /// The pod `resourceClaims` entry.
+        claim: &'c str,
+    },
+    /// Rule 3 with `gpu.requestAs: ResourceClaim`: append these `spec.resourceClaims`
+    /// entries, each `{name, resourceClaimTemplateName}`.
+    PodClaims {
+        /// The entries.
+        add: &'c [NewClaim],
     },
     /// Rule 4: remove these `env` entries (by index) and append this one.
     Env {
@@ -249,6 +265,8 @@ pub struct Input<'a> {
     pub operation: Operation<'a>,
     /// How the pod is named in messages (`namespace/name`).
     pub display_name: &'a str,
+    /// Where its ResourceClaims and gpuwarden's ResourceClaimTemplates are read.
+    pub claims: &'a dyn Claims,
 }
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
@@ -284,7 +302,7 @@ fn decide_create<'a>(
         return Decision::new(Verdict::Exempt, Some(policy), reference, input)
             .with(Detail::Exempt(reason.into()));
     }
-    let facts = facts::read_pod(input.pod, input.namespace, policy);
+    let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
     let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()));
     if let Some(why) = invalid.filter(|_| triggered) {
         return Decision::new(Verdict::Denied, Some(policy), reference, input)
@@ -306,7 +324,7 @@ fn decide_create<'a>(
     }
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
-    let plan = plan::plan_pod(input.pod, facts, policy, strip, level);
+    let plan = plan::plan_pod(input, facts, policy, strip, level);
     // The pod's own value of an annotation; a pass over a pod already rewritten finds the
     // report and the reference it set, and sets nothing again.
     let carried = |key| {
@@ -354,7 +372,7 @@ fn decide_ephemeral<'a>(
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
     // request GPUs, so they cannot be rewritten.
     let kind = ContainerKind::Ephemeral;
-    let facts = facts::read_pod(input.pod, input.namespace, policy);
+    let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
     let offending: Vec<&'a str> = (facts.containers.iter())
         .filter(|c| c.at.kind == kind)
         .filter(|c| {
@@ -570,8 +588,8 @@ impl<'a> Decision<'a> {
 }
 
 /// The changes of a [`Decision`], in the order the patch applies them: per container
-/// (in the pod's order) its security context, GPU limit, environment and mounts; then the
-/// pod's volumes, annotations removed and annotations set.
+/// (in the pod's order) its security context, GPU limit or claim, environment and mounts;
+/// then the pod's claims, volumes, annotations removed and annotations set.
 #[derive(Clone, Debug)]
 pub struct Changes<'c> {
     /// The plan whose container and pod changes go into the patch (Enforce only).
@@ -584,6 +602,7 @@ pub struct Changes<'c> {
 #[derive(Clone, Copy, Debug)]
 enum Step {
     Container(usize, u8),
+    PodClaims,
     Volumes,
     RemoveAnnotations,
     SetAnnotations,
@@ -599,15 +618,20 @@ impl<'c> Iterator for Changes<'c> {
             let (step, change) = match self.step {
                 Step::Container(index, part) => match plan.and_then(|p| p.containers.get(index)) {
                     Some(c) => {
-                        let next = if part == 3 {
+                        let next = if part == 4 {
                             Step::Container(index + 1, 0)
                         } else {
                             Step::Container(index, part + 1)
                         };
                         (next, container_change(plan?, c, part))
                     }
-                    None => (Step::Volumes, None),
+                    None => (Step::PodClaims, None),
                 },
+                Step::PodClaims => (
+                    Step::Volumes,
+                    plan.filter(|p| !p.claims.is_empty())
+                        .map(|p| Change::PodClaims { add: &p.claims }),
+                ),
                 Step::Volumes => (
                     Step::RemoveAnnotations,
                     plan.filter(|p| !p.volumes.is_empty())
@@ -638,7 +662,7 @@ impl<'c> Iterator for Changes<'c> {
     }
 }
 
-/// Change number `part` (0 to 3) of a container, if it has that one.
+/// Change number `part` (0 to 4) of a container, if it has that one.
 fn container_change<'c>(
     plan: &'c Plan<'_>,
     c: &'c ContainerPlan<'_>,
@@ -657,7 +681,11 @@ fn container_change<'c>(
             resource: limit.resource,
             quantity: limit.quantity,
         }),
-        2 => c.env.as_ref().map(|env| Change::Env {
+        2 => (c.claim.as_ref()).map(|claim| Change::ClaimUse {
+            container,
+            claim: &plan.claims[claim.index].name,
+        }),
+        3 => c.env.as_ref().map(|env| Change::Env {
             container,
             remove: &env.remove,
             append: env
@@ -729,6 +757,7 @@ mod tests {
             namespace_labels: labels,
             operation: Operation::Create,
             display_name: "ml/p",
+            claims: &NoClaims("no claims here"),
         };
         decide(&input, policies)
     }

@@ -5,15 +5,17 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy};
+use gpuwarden_crds::claims::{POD_CLAIM_PREFIX, template_name};
+use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy, RequestAs};
 
 use gpuwarden_crds::gpu::{self, CountFrom, PodSignals, VisibleDevices};
 
+use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts};
 use super::psa::{self, PsaLevel};
 use super::{
     ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES,
-    ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
+    ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES, Input,
 };
 use crate::pod::{Container, Scalar};
 
@@ -38,6 +40,30 @@ pub(super) struct Plan<'a> {
     pub(super) psa: PsaLevel,
     /// What the rewritten pod would still fail at that level.
     pub(super) psa_left: Vec<String>,
+    /// `gpu.requestAs: ResourceClaim`: the pod `resourceClaims` entries added, in order.
+    pub(super) claims: Vec<NewClaim>,
+}
+
+/// A pod `resourceClaims` entry the rewrite adds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NewClaim {
+    /// The entry's name, unused in the pod: `gpuwarden-gpus-<n>`.
+    pub name: String,
+    /// gpuwarden's ResourceClaimTemplate it is made from.
+    pub template: String,
+    /// The GPUs it asks for.
+    pub count: u32,
+}
+
+/// A container's use of a claim the rewrite adds.
+#[derive(Debug)]
+pub(super) struct ClaimUse<'a> {
+    /// Index in [`Plan::claims`].
+    pub(super) index: usize,
+    /// Where the count came from.
+    pub(super) from: CountFrom<'a>,
+    /// The container that holds the claim, when this one shares it.
+    pub(super) shared_with: Option<&'a str>,
 }
 
 /// What the rewrite does to one container.
@@ -57,6 +83,10 @@ pub(super) struct ContainerPlan<'a> {
     pub(super) caps_refused: Vec<Cow<'a, str>>,
     /// Rule 3: the GPU limit added.
     pub(super) limit: Option<Limit<'a>>,
+    /// Rule 3 with `gpu.requestAs: ResourceClaim`: the claim it uses instead of a limit.
+    pub(super) claim: Option<ClaimUse<'a>>,
+    /// The pod `resourceClaims` entry of a GPU claim it already uses: its GPUs, kept.
+    pub(super) own_claim: Option<&'a str>,
     /// Rule 4: how its `env` changes.
     pub(super) env: Option<EnvEdit<'a>>,
     /// Rule 5: indices of the `volumeMounts` entries removed, ascending.
@@ -185,12 +215,13 @@ pub(super) fn volumes_to_strip<'a>(facts: &PodFacts<'a>, policy: &GpuPolicy) -> 
 /// Plans the rewrite of every container, and of the pod's device volumes and CDI
 /// annotations. `strip` are the device volumes that go ([`volumes_to_strip`]).
 pub(super) fn plan_pod<'a>(
-    pod: &'a crate::pod::PodView<'a>,
+    input: &Input<'a>,
     facts: PodFacts<'a>,
     policy: &'a GpuPolicy,
     strip: Names<'a>,
     psa: PsaLevel,
 ) -> Plan<'a> {
+    let pod = input.pod;
     let spec = &policy.spec;
     let mut plan = Plan {
         containers: Vec::with_capacity(facts.containers.len()),
@@ -202,6 +233,7 @@ pub(super) fn plan_pod<'a>(
         device_volumes: PodSignals::default(),
         psa,
         psa_left: Vec::new(),
+        claims: Vec::new(),
     };
     // What Pod Security Admission would still refuse once the rewrite is done.
     plan.psa_left = psa::still_fails(
@@ -212,7 +244,12 @@ pub(super) fn plan_pod<'a>(
         |name| !strip.contains(&name),
     );
     let mut counts = gpu_counts(&facts, policy, &mut plan.denials).into_iter();
-    for c in &facts.containers {
+    // Per container (by its index in `facts`), the claim it holds, for those that share it.
+    let mut held: Vec<Option<usize>> = vec![None; facts.containers.len()];
+    let taken: Vec<&str> = (pod.resource_claims().iter())
+        .filter_map(|c| c.name.as_deref())
+        .collect();
+    for (i, c) in facts.containers.iter().enumerate() {
         let count = counts.next();
         let target = c.loses_privilege();
         // A container that leaks without privilege keeps its security context and loses
@@ -227,6 +264,8 @@ pub(super) fn plan_pod<'a>(
             drop_all: false,
             caps_refused: Vec::new(),
             limit: None,
+            claim: None,
+            own_claim: None,
             env: None,
             mounts: Indices::default(),
             mounts_removed: Names::default(),
@@ -246,10 +285,38 @@ pub(super) fn plan_pod<'a>(
             p.seccomp_default = psa == PsaLevel::Restricted && !pod_seccomp && !own_seccomp;
         }
         if changed {
+            p.own_claim = c.signals.claim;
             // Rule 3.
             let gpu = match count {
                 Some(Count::Limit(limit)) => {
-                    p.limit = Some(limit);
+                    match claim_count(&limit, spec.gpu.request_as) {
+                        Some(n) => {
+                            let index = add_claim(&mut plan, &taken, input, policy, n);
+                            held[i] = Some(index);
+                            p.claim = Some(ClaimUse {
+                                index,
+                                from: limit.from,
+                                shared_with: None,
+                            });
+                        }
+                        None => p.limit = Some(limit),
+                    }
+                    true
+                }
+                Some(Count::Share(first)) => {
+                    let holder = &facts.containers[first];
+                    // The holder always has its claim: a count it was denied never shares.
+                    if let Some(index) = held[first] {
+                        let from = (plan.containers.iter())
+                            .find(|p| p.at == holder.at)
+                            .and_then(|p| p.claim.as_ref())
+                            .map_or(CountFrom::VisibleAll, |c| c.from);
+                        p.claim = Some(ClaimUse {
+                            index,
+                            from,
+                            shared_with: Some(holder.name),
+                        });
+                    }
                     true
                 }
                 Some(Count::Zero(why)) => {
@@ -354,15 +421,75 @@ pub(super) fn plan_pod<'a>(
     plan
 }
 
+/// The GPUs a claim gives a container in place of `limit`, when the policy asks for claims
+/// (`gpu.requestAs: ResourceClaim`). A request the container wrote stays an extended
+/// resource: it chose that itself.
+fn claim_count(limit: &Limit<'_>, request_as: RequestAs) -> Option<u32> {
+    match (request_as, limit.quantity, limit.from) {
+        (_, _, CountFrom::Request) | (RequestAs::ExtendedResource, _, _) => None,
+        (RequestAs::ResourceClaim, Quantity::Count(n), _) => Some(n),
+        (RequestAs::ResourceClaim, Quantity::Copied(_), _) => None,
+    }
+}
+
+/// Adds a pod `resourceClaims` entry for `count` GPUs, under a name the pod does not use
+/// (`taken`), and returns its index. The template must exist in the pod's namespace: when it
+/// does not, or cannot be read, the pod is denied with the reason.
+fn add_claim<'a>(
+    plan: &mut Plan<'a>,
+    taken: &[&str],
+    input: &Input<'a>,
+    policy: &GpuPolicy,
+    count: u32,
+) -> usize {
+    let template = template_name(&policy.spec.gpu.device_class_name, count);
+    if !plan.claims.iter().any(|c| c.template == template) {
+        let namespace = input.namespace;
+        let missing = match input
+            .claims
+            .lookup(ClaimSource::Template, namespace, &template)
+        {
+            ClaimLookup::Found(_) => None,
+            ClaimLookup::Missing => Some("does not exist".to_owned()),
+            ClaimLookup::Unknown(why) => Some(format!("cannot be read ({why})")),
+        };
+        if let Some(why) = missing {
+            plan.denials.push(format!(
+                "ResourceClaimTemplate {namespace}/{template} {why}: the operator keeps it in every namespace GpuPolicy {} governs (gpu.requestAs: ResourceClaim); see `kubectl get resourceclaimtemplates -n {namespace} -l {}` and the operator's log",
+                policy.metadata.name.as_deref().unwrap_or(""),
+                gpuwarden_crds::claims::LABEL_CLAIM_TEMPLATE,
+            ));
+        }
+    }
+    let mut n = plan.claims.len();
+    let name = loop {
+        let name = format!("{POD_CLAIM_PREFIX}{n}");
+        if !taken.contains(&name.as_str()) && !plan.claims.iter().any(|c| c.name == name) {
+            break name;
+        }
+        n += 1;
+    };
+    plan.claims.push(NewClaim {
+        name,
+        template,
+        count,
+    });
+    plan.claims.len() - 1
+}
+
 /// Rule 3 for one container of the pod, in the pod's order.
 #[derive(Debug)]
 enum Count<'a> {
-    /// Nothing to add: not changed, not a GPU container, or it has a GPU limit.
+    /// Nothing to add: not changed, not a GPU container, or it has a GPU limit or a GPU
+    /// claim.
     Keep,
     /// This limit.
     Limit(Limit<'a>),
     /// It ends with no GPU, for this reason.
     Zero(String),
+    /// `gpu.requestAs: ResourceClaim`: it names the same GPUs as the container at this index
+    /// in the pod's facts, and shares its claim.
+    Share(usize),
 }
 
 /// A GPU quantity as a number of GPUs, when it is a whole number.
@@ -411,8 +538,10 @@ fn gpu_counts<'a>(
     // Containers that take their count from the pod's total: regular (and sidecar) ones
     // split it, init ones may each use all of it.
     let (mut split, mut whole_total) = (Vec::new(), Vec::new());
-    // The GPUs named in NVIDIA_VISIBLE_DEVICES by a regular container, and which.
-    let mut named: Vec<(String, &str)> = Vec::new();
+    // The GPUs named in NVIDIA_VISIBLE_DEVICES by a regular container, and which (its name
+    // and index).
+    let mut named: Vec<(String, &str, usize)> = Vec::new();
+    let claim_mode = spec.request_as == RequestAs::ResourceClaim;
     for (i, c) in facts.containers.iter().enumerate() {
         if !c.changes() || !c.gpu {
             counts.push(Count::Keep);
@@ -430,7 +559,8 @@ fn gpu_counts<'a>(
             )));
             continue;
         }
-        if c.signals.limit {
+        // A limit, or GPUs through a ResourceClaim of its own: nothing is added on top.
+        if c.signals.limit || c.signals.claim.is_some() {
             counts.push(Count::Keep);
             continue;
         }
@@ -472,16 +602,17 @@ fn gpu_counts<'a>(
                     .then(|| c.signals.visible_key())
                     .flatten()
                     .filter(|_| matches!(from, CountFrom::Visible(_) | CountFrom::VisibleAll));
-                let first = shared
-                    .as_ref()
-                    .and_then(|key| named.iter().find(|(k, _)| k == key).map(|(_, name)| *name));
+                let first = (shared.as_ref()).and_then(|key| {
+                    (named.iter().find(|(k, _, _)| k == key)).map(|(_, name, at)| (*name, *at))
+                });
                 match (shared, first) {
-                    (_, Some(first)) => counts.push(Count::Zero(format!(
+                    (_, Some((_, at))) if claim_mode => counts.push(Count::Share(at)),
+                    (_, Some((first, _))) => counts.push(Count::Zero(format!(
                         "names the same GPUs as container {first} ({ENV_VISIBLE_DEVICES}={}); an extended resource cannot be shared, so container {first} holds them and this one gets none (a DRA ResourceClaim that both containers reference would give both the same GPUs)",
                         c.signals.visible_raw.unwrap_or("")
                     ))),
                     (Some(key), None) => {
-                        named.push((key, c.name));
+                        named.push((key, c.name, i));
                         counts.push(Count::Limit(Limit::count(&spec.resource_name, n, from)));
                     }
                     (None, None) => {
@@ -539,15 +670,20 @@ fn gpu_counts<'a>(
     }
 
     // What the pod holds at once: its regular and sidecar containers together, or its
-    // largest init container, whichever is more.
-    let (mut running, mut init) = (0u32, 0u32);
+    // largest init container, whichever is more; and every claim added, which the pod holds
+    // from start to end (a shared one once).
+    let (mut running, mut init, mut claimed) = (0u32, 0u32, 0u32);
     for (c, count) in facts.containers.iter().zip(&counts) {
         let n = match count {
-            Count::Limit(limit) => match limit.quantity {
-                Quantity::Count(n) => n,
-                Quantity::Copied(q) => whole(q).unwrap_or(0),
+            Count::Limit(limit) => match (claim_count(limit, spec.request_as), limit.quantity) {
+                (Some(n), _) => {
+                    claimed = claimed.saturating_add(n);
+                    continue;
+                }
+                (None, Quantity::Count(n)) => n,
+                (None, Quantity::Copied(q)) => whole(q).unwrap_or(0),
             },
-            Count::Zero(_) => 0,
+            Count::Zero(_) | Count::Share(_) => 0,
             Count::Keep => limited_gpus(c, policy).unwrap_or(0),
         };
         match c.at.kind {
@@ -556,7 +692,7 @@ fn gpu_counts<'a>(
             _ => running = running.saturating_add(n),
         }
     }
-    let held = running.max(init);
+    let held = running.max(init).saturating_add(claimed);
     if held > spec.max_per_pod {
         denials.push(format!(
             "the pod would hold {held} GPUs at once, more than maxPerPod {}: no node is expected to fit it",

@@ -107,6 +107,34 @@ impl Plan<'_> {
                 let _ = write!(out, " ({})", limit.from);
             }
         }
+        if let Some(own) = c.own_claim {
+            let out = phrases.next();
+            out.push_str("GPUs from its ResourceClaim ");
+            out.push_str(own);
+        }
+        if let Some(claim) = &c.claim {
+            let new = &self.claims[claim.index];
+            let out = phrases.next();
+            match claim.shared_with {
+                Some(holder) => {
+                    let _ = write!(
+                        out,
+                        "shares claim {} with container {holder} ({})",
+                        new.name, claim.from
+                    );
+                }
+                None => {
+                    let _ = write!(
+                        out,
+                        "claims {} GPU{} through {} ({})",
+                        new.count,
+                        if new.count == 1 { "" } else { "s" },
+                        new.name,
+                        claim.from
+                    );
+                }
+            }
+        }
         if let Some(why) = &c.no_gpu {
             let out = phrases.next();
             out.push_str("no GPU: ");
@@ -148,8 +176,19 @@ impl Plan<'_> {
         );
     }
 
-    /// The pod-level phrases: device hostPath volumes and annotations removed.
+    /// The pod-level phrases: claims added, device hostPath volumes and annotations removed.
     fn write_pod_phrases(&self, phrases: &mut Phrases<'_>) {
+        if !self.claims.is_empty() {
+            let out = phrases.next();
+            out.push_str("resourceClaims ");
+            for (i, claim) in self.claims.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                let _ = write!(out, "{} (template {})", claim.name, claim.template);
+            }
+            out.push_str(" added");
+        }
         list_phrase(
             phrases,
             "device hostPath volume ",
@@ -175,7 +214,8 @@ impl Plan<'_> {
 
     /// Whether the rewrite touches the pod itself (volumes or annotations).
     fn touches_pod(&self) -> bool {
-        !self.volumes_removed.is_empty()
+        !self.claims.is_empty()
+            || !self.volumes_removed.is_empty()
             || !self.annotations_removed.is_empty()
             || !self.psa_left.is_empty()
     }
@@ -227,6 +267,9 @@ impl Plan<'_> {
                 .iter()
                 .map(|c| (c.name, self.container_report(c)))
                 .collect(),
+            resource_claims: (self.claims.iter())
+                .map(|c| (c.name.as_str(), c.template.as_str()))
+                .collect(),
             volumes_removed: &self.volumes_removed,
             annotations_removed: &self.annotations_removed,
             denials: &self.denials,
@@ -258,7 +301,12 @@ impl Plan<'_> {
             limits: c.limit.as_ref().map(|limit| {
                 BTreeMap::from([(limit.resource, limit.quantity.with_text(str::to_owned))])
             }),
-            gpu_count_from: c.limit.as_ref().map(|limit| limit.from.to_string()),
+            claim: (c.claim.as_ref())
+                .map(|claim| self.claims[claim.index].name.as_str())
+                .or(c.own_claim),
+            claim_shared_with: c.claim.as_ref().and_then(|claim| claim.shared_with),
+            gpu_count_from: (c.limit.as_ref().map(|limit| limit.from.to_string()))
+                .or_else(|| c.claim.as_ref().map(|claim| claim.from.to_string())),
             no_gpu: c.no_gpu.as_deref(),
             env_from: c.env_from,
             env_removed: env.map_or(&[], |env| &env.removed),
@@ -281,6 +329,8 @@ impl Plan<'_> {
 #[serde(rename_all = "camelCase")]
 struct ReportJson<'p> {
     containers: BTreeMap<&'p str, ContainerReport<'p>>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    resource_claims: BTreeMap<&'p str, &'p str>,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     volumes_removed: &'p [&'p str],
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
@@ -319,6 +369,10 @@ struct ContainerReport<'p> {
     seccomp_profile: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     limits: Option<BTreeMap<&'p str, String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    claim: Option<&'p str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    claim_shared_with: Option<&'p str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu_count_from: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -1,0 +1,125 @@
+//! Where the engine reads DRA claims (docs/design.md, "ResourceClaims"): a pod's
+//! `resourceClaims` name ResourceClaims and ResourceClaimTemplates, whose device classes say
+//! whether they hold GPUs; and the `ResourceClaim` rewrite needs gpuwarden's templates to
+//! exist. In a cluster the webhook's caches answer; offline, the manifest's own documents.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use gpuwarden_crds::claims::{self, TEMPLATE_PREFIX};
+use k8s_openapi::api::resource::v1::ResourceClaimSpec;
+
+/// Which object a pod `resourceClaims` entry stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum ClaimSource {
+    /// `resourceClaimName`: a ResourceClaim.
+    Claim,
+    /// `resourceClaimTemplateName`: a ResourceClaimTemplate.
+    Template,
+}
+
+impl ClaimSource {
+    /// The kind, for messages.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Self::Claim => "ResourceClaim",
+            Self::Template => "ResourceClaimTemplate",
+        }
+    }
+}
+
+/// What a lookup found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimLookup {
+    /// The object exists; the device classes its requests name.
+    Found(Vec<String>),
+    /// The object does not exist.
+    Missing,
+    /// It cannot be known: why (the API is not served, the cache is not synced, ...).
+    Unknown(Cow<'static, str>),
+}
+
+impl ClaimLookup {
+    /// The lookup of an object with this spec.
+    pub fn of(spec: &ResourceClaimSpec) -> Self {
+        Self::Found(claims::device_classes(spec).map(str::to_owned).collect())
+    }
+}
+
+/// Reads ResourceClaims and ResourceClaimTemplates by namespace and name, from memory.
+pub trait Claims: Sync + std::fmt::Debug {
+    /// What `namespace/name` of `source`'s kind is.
+    fn lookup(&self, source: ClaimSource, namespace: &str, name: &str) -> ClaimLookup;
+}
+
+/// A source that can read no claims, saying why.
+#[derive(Clone, Copy, Debug)]
+pub struct NoClaims(pub &'static str);
+
+impl Claims for NoClaims {
+    fn lookup(&self, _: ClaimSource, _: &str, _: &str) -> ClaimLookup {
+        ClaimLookup::Unknown(Cow::Borrowed(self.0))
+    }
+}
+
+/// Claims held in memory: those inserted and no others ([`ClaimStore::new`]); or, for the
+/// offline command, a manifest's ResourceClaim and ResourceClaimTemplate documents and
+/// gpuwarden's own templates, which the operator keeps in every namespace a
+/// `ResourceClaim`-mode policy governs and which are taken to exist
+/// ([`ClaimStore::offline`]).
+#[derive(Clone, Debug, Default)]
+pub struct ClaimStore {
+    objects: BTreeMap<(ClaimSource, String, String), Vec<String>>,
+    offline: bool,
+}
+
+impl ClaimStore {
+    /// A store of exactly what is inserted: anything else is missing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A store for a manifest read offline: gpuwarden's templates are taken to exist, and
+    /// anything else not inserted is unknown (it may be in the cluster).
+    pub fn offline() -> Self {
+        Self {
+            offline: true,
+            ..Self::default()
+        }
+    }
+
+    /// Adds a document of either kind in `namespace`.
+    pub fn insert(
+        &mut self,
+        source: ClaimSource,
+        namespace: &str,
+        name: &str,
+        spec: &ResourceClaimSpec,
+    ) {
+        let classes = claims::device_classes(spec).map(str::to_owned).collect();
+        (self.objects).insert((source, namespace.to_owned(), name.to_owned()), classes);
+    }
+}
+
+impl Claims for ClaimStore {
+    fn lookup(&self, source: ClaimSource, namespace: &str, name: &str) -> ClaimLookup {
+        let key = (source, namespace.to_owned(), name.to_owned());
+        if let Some(classes) = self.objects.get(&key) {
+            return ClaimLookup::Found(classes.clone());
+        }
+        if !self.offline {
+            return ClaimLookup::Missing;
+        }
+        // `gpuwarden-<class>-<count>`, as the operator writes it.
+        let own = (source == ClaimSource::Template)
+            .then(|| name.strip_prefix(TEMPLATE_PREFIX)?.rsplit_once('-'))
+            .flatten()
+            .filter(|(class, count)| {
+                !class.is_empty() && count.parse::<u32>().is_ok_and(|n| n > 0)
+            });
+        match own {
+            Some((class, _)) => ClaimLookup::Found(vec![class.to_owned()]),
+            None => ClaimLookup::Unknown(Cow::Borrowed("not in the manifest")),
+        }
+    }
+}
