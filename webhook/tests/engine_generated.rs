@@ -7,9 +7,11 @@ mod engine_support;
 use std::collections::{BTreeMap, BTreeSet};
 
 use engine_support::*;
-use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, VisibleDevicesAll};
+use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, RequestAs, VisibleDevicesAll};
 use gpuwarden_webhook::admission::{Outcome, StaticSource};
-use gpuwarden_webhook::engine::{Input, Operation, Verdict, decide, namespace_labels_or_default};
+use gpuwarden_webhook::engine::{
+    ClaimSource, ClaimStore, Input, Operation, Verdict, decide, namespace_labels_or_default,
+};
 use gpuwarden_webhook::patch::patch_for;
 use gpuwarden_webhook::pod::PodView;
 use rand::rngs::StdRng;
@@ -292,8 +294,114 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
     if !annotations.is_empty() || rng.random_bool(0.5) {
         metadata.insert("annotations".into(), Value::Object(annotations));
     }
-    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec});
+    let mut pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec});
+    // Some pods have two privileged containers naming the same GPUs, which share them.
+    if rng.random_bool(0.1) {
+        let same = pick(rng, &["0,1", "all", "2"]);
+        for c in pod["spec"]["containers"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+            .take(2)
+        {
+            c["securityContext"]["privileged"] = json!(true);
+            let entry = json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": same});
+            match c["env"].as_array_mut() {
+                Some(env) => env.push(entry),
+                None => c["env"] = json!([entry]),
+            }
+        }
+    }
+    // Some pods have DRA claims: a GPU claim from a template and a NIC claim, which some of
+    // their containers use.
+    if rng.random_bool(0.2) {
+        pod["spec"]["resourceClaims"] = json!([
+            {"name": "dra", "resourceClaimTemplateName": "dra-gpu"},
+            {"name": "nic", "resourceClaimName": "nic"}
+        ]);
+        for field in ["initContainers", "containers"] {
+            for c in pod["spec"][field].as_array_mut().into_iter().flatten() {
+                let uses: &[&str] = pick_claims(rng);
+                if !uses.is_empty() {
+                    let entries: Vec<Value> = uses.iter().map(|n| json!({"name": n})).collect();
+                    c["resources"]["claims"] = Value::Array(entries);
+                }
+            }
+        }
+    }
     (pod, namespace)
+}
+
+/// Which of the pod's claims a container uses.
+fn pick_claims(rng: &mut StdRng) -> &'static [&'static str] {
+    [&[][..], &[], &["dra"], &["nic"], &["nic", "dra"]]
+        .choose(rng)
+        .copied()
+        .unwrap_or(&[])
+}
+
+/// The claims every generated pod may meet: in every namespace a GPU template `dra-gpu` and
+/// a NIC claim `nic`; and gpuwarden's templates everywhere but in `batch`, where the
+/// `ResourceClaim` rewrite is denied for want of them.
+fn claim_store(policy: &GpuPolicy) -> ClaimStore {
+    let spec = |class: &str| {
+        serde_json::from_value(json!({"devices": {"requests": [
+            {"name": "r", "exactly": {"deviceClassName": class}}
+        ]}}))
+        .unwrap()
+    };
+    let mut store = ClaimStore::new();
+    for namespace in NAMESPACES {
+        store.insert(
+            ClaimSource::Template,
+            namespace,
+            "dra-gpu",
+            &spec("gpu.nvidia.com"),
+        );
+        store.insert(
+            ClaimSource::Claim,
+            namespace,
+            "nic",
+            &spec("nic.example.com"),
+        );
+        if *namespace == "batch" {
+            continue;
+        }
+        let class = &policy.spec.gpu.device_class_name;
+        for n in 1..=64 {
+            let name = gpuwarden_crds::claims::template_name(class, n);
+            store.insert(ClaimSource::Template, namespace, &name, &spec(class));
+        }
+    }
+    store
+}
+
+/// The GPUs of gpuwarden's claims in a pod's `resourceClaims`, by the count its template
+/// names.
+fn claimed_gpus(pod: &Value) -> u32 {
+    (pod["spec"]["resourceClaims"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .filter_map(|c| c["resourceClaimTemplateName"].as_str())
+    .filter_map(|t| {
+        t.strip_prefix("gpuwarden-")?
+            .rsplit_once('-')?
+            .1
+            .parse::<u32>()
+            .ok()
+    })
+    .sum()
+}
+
+/// Whether the container uses the pod's GPU claim `dra`.
+fn oracle_gpu_claim(c: &Value, pod: &Value) -> bool {
+    let entry = (pod["spec"]["resourceClaims"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .any(|e| e["name"] == "dra" && e["resourceClaimTemplateName"] == "dra-gpu");
+    entry && (c["resources"]["claims"].as_array().into_iter().flatten()).any(|u| u["name"] == "dra")
 }
 
 fn gen_policy(rng: &mut StdRng) -> GpuPolicy {
@@ -468,6 +576,7 @@ fn privileged_gpu_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -
             });
             resource(&c["resources"]["limits"])
                 || resource(&c["resources"]["requests"])
+                || oracle_gpu_claim(c, pod)
                 || env
                 || env_from
                 || mounts
@@ -500,7 +609,8 @@ fn pod_gpus(pod: &Value, policy: &GpuPolicy) -> u32 {
         .map(gpus)
         .max()
         .unwrap_or(0);
-    running.max(init)
+    // Claims are held from the pod's start to its end.
+    running.max(init) + claimed_gpus(pod)
 }
 
 /// Whether the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device.
@@ -581,6 +691,16 @@ fn without_allowed_fields(
                 || k.starts_with("gpuwarden.io/gpu-count")
         });
     }
+    if let Some(c) = pod
+        .pointer_mut("/spec/resourceClaims")
+        .and_then(Value::as_array_mut)
+    {
+        c.retain(|c| {
+            !c["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("gpuwarden-gpus-"))
+        });
+    }
     if let Some(v) = pod
         .pointer_mut("/spec/volumes")
         .and_then(Value::as_array_mut)
@@ -615,6 +735,17 @@ fn without_allowed_fields(
                     // Only a limit equal to a same-named request may have been added; keep others.
                     l.remove(r);
                 }
+            }
+            if let Some(claims) = c
+                .get_mut("resources")
+                .and_then(|r| r.get_mut("claims"))
+                .and_then(Value::as_array_mut)
+            {
+                claims.retain(|u| {
+                    !u["name"]
+                        .as_str()
+                        .is_some_and(|n| n.starts_with("gpuwarden-gpus-"))
+                });
             }
             if let Some(env) = c.get_mut("env").and_then(Value::as_array_mut) {
                 env.retain(|e| !e["name"].as_str().is_some_and(|n| n.starts_with("NVIDIA_")));
@@ -651,20 +782,33 @@ fn prune(v: &mut Value) {
 
 #[test]
 fn generated_pods_hold_the_invariants() {
+    generated_pods_hold_the_invariants_in(RequestAs::ExtendedResource);
+}
+
+#[test]
+fn generated_pods_hold_the_invariants_when_gpus_are_claimed() {
+    generated_pods_hold_the_invariants_in(RequestAs::ResourceClaim);
+}
+
+/// Every generated pod, judged by a generated policy that requests GPUs as `request_as`.
+fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
     let seed: u64 = 0x0067_7075_7761_7264;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
     let mut patched_count = 0;
     let mut leaks_seen = 0;
+    let (mut claimed, mut shared) = (0, 0);
     for case in 0..CASES {
         let (pod, namespace) = gen_pod(&mut rng, case);
-        let policy = gen_policy(&mut rng);
+        let mut policy = gen_policy(&mut rng);
+        policy.spec.gpu.request_as = request_as;
         let mode = policy.spec.mode;
         // Some namespaces enforce a Pod Security level, which bounds the rewrite.
         let level = *["", "", "baseline", "restricted"]
             .choose(&mut rng)
             .unwrap_or(&"");
         let mut source = StaticSource::new([policy.clone()]);
+        source.claims = claim_store(&policy);
         if !level.is_empty() {
             source =
                 source.with_namespace(&namespace, &[("pod-security.kubernetes.io/enforce", level)]);
@@ -692,7 +836,7 @@ fn generated_pods_hold_the_invariants() {
             namespace_labels: &labels,
             operation: Operation::Create,
             display_name: "",
-            claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
+            claims: &source.claims,
         };
         let policies = [Arc::new(policy.clone())];
         let direct = decide(&input, &policies);
@@ -766,6 +910,55 @@ fn generated_pods_hold_the_invariants() {
                 policy.spec.gpu.max_per_pod,
                 ctx()
             );
+            // Every claim a container uses is the pod's; every claim the rewrite adds is
+            // used. In the ResourceClaim mode no GPU limit is added but one copied from the
+            // container's own request; in the other no claim is added.
+            let entries: Vec<&str> = (patched["spec"]["resourceClaims"].as_array().into_iter())
+                .flatten()
+                .filter_map(|e| e["name"].as_str())
+                .collect();
+            let uses: Vec<&str> = containers_of(&patched)
+                .flat_map(|c| c["resources"]["claims"].as_array().into_iter().flatten())
+                .filter_map(|u| u["name"].as_str())
+                .collect();
+            assert!(
+                uses.iter().all(|u| entries.contains(u)),
+                "a container uses a claim the pod lacks\n{}\n{patched:#}",
+                ctx()
+            );
+            let added: Vec<&&str> = (entries.iter())
+                .filter(|e| e.starts_with("gpuwarden-gpus-"))
+                .collect();
+            assert!(
+                added.iter().all(|e| uses.contains(e)),
+                "a claim no container uses\n{}\n{patched:#}",
+                ctx()
+            );
+            claimed += usize::from(!added.is_empty());
+            shared += usize::from(
+                added
+                    .iter()
+                    .any(|a| uses.iter().filter(|u| *u == *a).count() > 1),
+            );
+            match request_as {
+                RequestAs::ExtendedResource => {
+                    assert!(added.is_empty(), "claims added\n{}", ctx());
+                }
+                RequestAs::ResourceClaim => {
+                    let resource = policy.spec.gpu.resource_name.as_str();
+                    for (before, after) in containers_of(&pod).zip(containers_of(&patched)) {
+                        let has =
+                            |c: &Value, what: &str| c["resources"][what].get(resource).is_some();
+                        assert!(
+                            !has(after, "limits")
+                                || has(before, "limits")
+                                || has(before, "requests"),
+                            "a limit added in the ResourceClaim mode\n{}\n{patched:#}",
+                            ctx()
+                        );
+                    }
+                }
+            }
             // Nothing the rewrite adds is beyond the namespace's Pod Security level.
             if level == "baseline" || level == "restricted" {
                 let allowed: &[&str] = if level == "restricted" {
@@ -895,8 +1088,14 @@ fn generated_pods_hold_the_invariants() {
         leaks_seen >= 50,
         "too few pods with only a leak: {leaks_seen}"
     );
+    if request_as == RequestAs::ResourceClaim {
+        assert!(
+            claimed >= 200 && shared >= 10,
+            "too few claimed ({claimed}) or shared ({shared})"
+        );
+    }
     println!(
-        "{CASES} generated pods: {outcomes:?}, {patched_count} patched, {leaks_seen} leaking only"
+        "{CASES} generated pods ({request_as}): {outcomes:?}, {patched_count} patched, {leaks_seen} leaking only, {claimed} given claims, {shared} sharing one"
     );
 }
 
