@@ -223,6 +223,24 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
         ));
     }
 
+    let class = spec.gpu.device_class_name.as_str();
+    let label = |l: &str| {
+        !l.is_empty()
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if class.len() > crate::policy::DEVICE_CLASS_LEN || !class.split('.').all(label) {
+        out.push(problem(
+            "InvalidDeviceClass",
+            format!(
+                "spec.gpu.deviceClassName {class:?} is not a DNS subdomain of at most {} characters, such as gpu.nvidia.com",
+                crate::policy::DEVICE_CLASS_LEN
+            ),
+        ));
+    }
+
     if let Some(health) = &spec.health
         && let Err(e) = parse_duration(&health.recover_after)
     {

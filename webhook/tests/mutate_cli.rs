@@ -491,6 +491,11 @@ fn an_invalid_policy_is_refused_not_skipped() {
             "  capabilities:\n    allowed: [IPC_LOCK, NOT_A_CAP]\n",
             "UnknownCapability: spec.capabilities.allowed: unknown Linux capabilities NOT_A_CAP",
         ),
+        (
+            "class",
+            "  gpu:\n    requestAs: ResourceClaim\n    deviceClassName: GPU_Class\n",
+            "InvalidDeviceClass: spec.gpu.deviceClassName \"GPU_Class\" is not a DNS subdomain",
+        ),
     ] {
         let file = write(
             dir.path(),
@@ -513,4 +518,87 @@ fn an_invalid_policy_is_refused_not_skipped() {
         );
         assert!(r.stdout.is_empty(), "{case}: nothing is written");
     }
+}
+
+#[test]
+fn claims_in_the_manifest_judge_its_pods_and_the_claim_mode_names_templates() {
+    let dir = tempfile::tempdir().unwrap();
+    let claims = "apiVersion: resource.k8s.io/v1
+kind: ResourceClaimTemplate
+metadata: {name: one-gpu, namespace: ml}
+spec:
+  spec:
+    devices:
+      requests:
+        - name: gpu
+          exactly: {deviceClassName: gpu.nvidia.com}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dra, namespace: ml}
+spec:
+  resourceClaims: [{name: gpu, resourceClaimTemplateName: one-gpu}]
+  containers:
+    - name: trainer
+      image: nvcr.io/nvidia/pytorch:24.05-py3
+      securityContext: {privileged: true}
+      resources: {claims: [{name: gpu}]}
+";
+    let file = write(dir.path(), "dra.yaml", claims);
+    let r = run(&["-f", &file, "-o", "json"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let out: Value = serde_json::from_str(&r.stdout).unwrap();
+    let pod = &out["items"][1];
+    let trainer = &pod["spec"]["containers"][0];
+    assert_eq!(trainer["securityContext"]["privileged"], false);
+    assert_eq!(
+        trainer["resources"]["limits"],
+        Value::Null,
+        "the claim holds its GPU"
+    );
+    assert!(
+        r.stderr.contains("GPUs from its ResourceClaim gpu"),
+        "{}",
+        r.stderr
+    );
+
+    // A policy that requests GPUs as claims: gpuwarden's templates are taken to exist.
+    let policy = write(
+        dir.path(),
+        "policy.yaml",
+        "apiVersion: gpuwarden.io/v1alpha1\nkind: GpuPolicy\nmetadata: {name: dra}\nspec:\n  gpu: {requestAs: ResourceClaim}\n",
+    );
+    let r = run(&[
+        "-f",
+        &example("02-deployment-two-gpus.yaml"),
+        "--policy",
+        &policy,
+        "-o",
+        "json",
+    ]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let out: Value = serde_json::from_str(&r.stdout).unwrap();
+    let spec = &out["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["resourceClaims"],
+        serde_json::json!([{"name": "gpuwarden-gpus-0", "resourceClaimTemplateName": "gpuwarden-gpu.nvidia.com-2"}]),
+        "{}",
+        r.stderr
+    );
+
+    // A claim document that is not one is bad input.
+    let bad = write(
+        dir.path(),
+        "bad.yaml",
+        "apiVersion: resource.k8s.io/v1\nkind: ResourceClaim\nmetadata: {name: x, namespace: ml}\nspec:\n  devices: {requests: oops}\n",
+    );
+    let r = run(&["-f", &bad]);
+    assert_eq!(r.code, 2);
+    assert!(
+        r.stderr.contains(&format!(
+            "{bad}: document 1 (line 1): ResourceClaim x: spec is not a claim spec"
+        )),
+        "{}",
+        r.stderr
+    );
 }
