@@ -1,23 +1,29 @@
 //! Where the server reads policies and namespace labels: reflector caches of `GpuPolicy`
-//! and `Namespace` in a cluster, or a fixed set of policies from a file outside one.
+//! and `Namespace` in a cluster (and of DRA ResourceClaims and ResourceClaimTemplates where
+//! the cluster serves `resource.k8s.io/v1`), or a fixed set of policies from a file outside
+//! one.
 //!
 //! Either way a review never calls the API server: it reads memory. Readiness is a
 //! [`SyncFlag`] the source raises once its caches hold a complete list, so the server can be
 //! tested with any [`PolicySource`] and a flag the test flips.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use futures::StreamExt;
 use gpuwarden_crds::{GpuPolicy, validation};
 use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 
 use crate::admission::{PolicyReader, PolicySource};
+use crate::engine::{ClaimLookup, ClaimSource, Claims};
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 
@@ -188,19 +194,133 @@ impl PolicySource for StaticPolicySource {
     }
 }
 
-/// Reflector caches of every `GpuPolicy` and of every Namespace's metadata.
+/// Reflector caches of every `GpuPolicy`, of every Namespace's metadata and, where the
+/// cluster serves DRA, of every ResourceClaim and ResourceClaimTemplate.
 #[derive(Clone)]
 pub struct ReflectorCache {
     policies: Store<GpuPolicy>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// Set once discovery has said whether `resource.k8s.io/v1` is served.
+    claims: Arc<OnceLock<ClaimCaches>>,
+}
+
+/// The DRA caches, when the API is served.
+enum ClaimCaches {
+    /// `resource.k8s.io/v1` is not served: no claim can be read.
+    NotServed,
+    /// Watched; `synced` is raised once both hold a complete list.
+    Watched {
+        claims: Store<ResourceClaim>,
+        templates: Store<ResourceClaimTemplate>,
+        synced: SyncFlag,
+    },
 }
 
 impl std::fmt::Debug for ReflectorCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let claims = match self.claims.get() {
+            None => "not discovered".to_owned(),
+            Some(ClaimCaches::NotServed) => "not served".to_owned(),
+            Some(ClaimCaches::Watched {
+                claims, templates, ..
+            }) => format!("{} claims, {} templates", claims.len(), templates.len()),
+        };
         f.debug_struct("ReflectorCache")
             .field("policies", &self.policies.len())
             .field("namespaces", &self.namespaces.len())
+            .field("claims", &claims)
             .finish()
+    }
+}
+
+/// Whether the API server serves ResourceClaims and ResourceClaimTemplates in
+/// `resource.k8s.io/v1`. Other errors than "not found" are retried until shutdown.
+async fn dra_served(client: &kube::Client, shutdown: &Shutdown) -> Option<bool> {
+    loop {
+        match client.list_api_group_resources("resource.k8s.io/v1").await {
+            Ok(list) => {
+                let has = |name: &str| list.resources.iter().any(|r| r.name == name);
+                return Some(has("resourceclaims") && has("resourceclaimtemplates"));
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => return Some(false),
+            Err(error) => {
+                tracing::warn!(error = %gpuwarden_crds::error_chain(&error), "discovery of resource.k8s.io/v1 failed; retrying");
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            () = shutdown.wait() => return None,
+        }
+    }
+}
+
+/// Starts the ResourceClaim and ResourceClaimTemplate caches, keeping only what the engine
+/// reads: their device requests.
+fn watch_claims(client: kube::Client, shutdown: &Shutdown) -> ClaimCaches {
+    let (claims, claim_writer) = reflector::store::<ResourceClaim>();
+    let (templates, template_writer) = reflector::store::<ResourceClaimTemplate>();
+    let claim_stream = watcher(
+        Api::<ResourceClaim>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|c| {
+        c.metadata.managed_fields = None;
+        c.metadata.annotations = None;
+        c.status = None;
+    })
+    .reflect(claim_writer)
+    .applied_objects();
+    let template_stream = watcher(
+        Api::<ResourceClaimTemplate>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|t| {
+        t.metadata.managed_fields = None;
+        t.metadata.annotations = None;
+        t.spec.metadata = None;
+    })
+    .reflect(template_writer)
+    .applied_objects();
+    tokio::spawn(drive("resourceclaims", claim_stream, shutdown.clone()));
+    tokio::spawn(drive(
+        "resourceclaimtemplates",
+        template_stream,
+        shutdown.clone(),
+    ));
+    ClaimCaches::Watched {
+        claims,
+        templates,
+        synced: SyncFlag::new(),
+    }
+}
+
+impl Claims for ReflectorCache {
+    fn lookup(&self, source: ClaimSource, namespace: &str, name: &str) -> ClaimLookup {
+        match self.claims.get() {
+            None => ClaimLookup::Unknown(Cow::Borrowed(
+                "the webhook has not yet discovered whether the cluster serves resource.k8s.io/v1",
+            )),
+            Some(ClaimCaches::NotServed) => ClaimLookup::Unknown(Cow::Borrowed(
+                "the cluster does not serve resource.k8s.io/v1 ResourceClaims",
+            )),
+            Some(ClaimCaches::Watched { synced, .. }) if !synced.get() => ClaimLookup::Unknown(
+                Cow::Borrowed("the webhook's ResourceClaim caches are not synced yet"),
+            ),
+            Some(ClaimCaches::Watched {
+                claims, templates, ..
+            }) => {
+                let found = match source {
+                    ClaimSource::Claim => (claims.get(&ObjectRef::new(name).within(namespace)))
+                        .map(|c| ClaimLookup::of(&c.spec)),
+                    ClaimSource::Template => (templates
+                        .get(&ObjectRef::new(name).within(namespace)))
+                    .map(|t| ClaimLookup::of(&t.spec.spec)),
+                };
+                found.unwrap_or(ClaimLookup::Missing)
+            }
+        }
     }
 }
 
@@ -229,7 +349,7 @@ impl ReflectorCache {
         .applied_objects();
         // Labels are all the engine needs of a Namespace: watch metadata only.
         let namespace_stream = watcher(
-            Api::<PartialObjectMeta<Namespace>>::all(client),
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default(),
         )
         .default_backoff()
@@ -246,8 +366,10 @@ impl ReflectorCache {
         let cache = Self {
             policies,
             namespaces,
+            claims: Arc::new(OnceLock::new()),
         };
         let ready = cache.clone();
+        let claim_shutdown = shutdown.clone();
         tokio::spawn(async move {
             metrics.set_cache_synced("gpupolicies", false);
             metrics.set_cache_synced("namespaces", false);
@@ -264,7 +386,40 @@ impl ReflectorCache {
                         tracing::info!(count = ready.namespaces.len(), "Namespace cache synced");
                     }
                 };
-                tokio::join!(policies, namespaces);
+                // DRA is optional: without it claims count by nothing and the ResourceClaim
+                // mode is denied, saying why.
+                let claims = async {
+                    let Some(served) = dra_served(&client, &claim_shutdown).await else {
+                        return;
+                    };
+                    let caches = if served {
+                        watch_claims(client.clone(), &claim_shutdown)
+                    } else {
+                        tracing::info!("resource.k8s.io/v1 is not served: DRA claims are not read");
+                        ClaimCaches::NotServed
+                    };
+                    let caches = ready.claims.get_or_init(|| caches);
+                    if let ClaimCaches::Watched {
+                        claims,
+                        templates,
+                        synced,
+                    } = caches
+                    {
+                        metrics.set_cache_synced("resourceclaims", false);
+                        if claims.wait_until_ready().await.is_ok()
+                            && templates.wait_until_ready().await.is_ok()
+                        {
+                            synced.set(true);
+                            metrics.set_cache_synced("resourceclaims", true);
+                            tracing::info!(
+                                claims = claims.len(),
+                                templates = templates.len(),
+                                "ResourceClaim caches synced"
+                            );
+                        }
+                    }
+                };
+                tokio::join!(policies, namespaces, claims);
                 synced.set(true);
             };
             tokio::select! {
@@ -318,6 +473,10 @@ impl PolicySource for ReflectorCache {
             .as_ref()
             .map(|ns| ns.metadata.labels.as_ref().unwrap_or(&no_labels));
         read(&self.policies.state(), labels);
+    }
+
+    fn claims(&self) -> &dyn Claims {
+        self
     }
 }
 

@@ -1,12 +1,14 @@
 //! The reflector caches against an in-process mock API server: the sync flag rises only
-//! after both the GpuPolicy and the Namespace lists arrived, and then reviews read policies
-//! and namespace labels from memory.
+//! after the GpuPolicy, Namespace and (where DRA is served) ResourceClaim and
+//! ResourceClaimTemplate lists arrived, and then reviews read policies, namespace labels and
+//! claims from memory.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpuwarden_webhook::admission::PolicySource;
 use gpuwarden_webhook::cache::{ReflectorCache, SyncFlag};
+use gpuwarden_webhook::engine::{ClaimLookup, ClaimSource};
 use gpuwarden_webhook::metrics::Metrics;
 use gpuwarden_webhook::server::shutdown_channel;
 use http::{Request, Response};
@@ -52,12 +54,34 @@ fn namespace_list() -> serde_json::Value {
     })
 }
 
-/// Answers list requests for `kind` ("gpupolicies" or "namespaces") when `answer` says so;
-/// holds watch requests open (an API server with nothing new to say).
+/// The DRA lists: a GPU claim and a template of `gpu.nvidia.com`, a NIC claim.
+fn dra_list(kind: &str) -> serde_json::Value {
+    let request = |class: &str| json!({"name": "r", "exactly": {"deviceClassName": class}});
+    let items = if kind == "ResourceClaimList" {
+        json!([
+            {"metadata": {"name": "gpu", "namespace": "ml", "resourceVersion": "30"},
+             "spec": {"devices": {"requests": [request("gpu.nvidia.com")]}},
+             "status": {"allocation": {"devices": {"results": []}}}},
+            {"metadata": {"name": "nic", "namespace": "ml", "resourceVersion": "31"},
+             "spec": {"devices": {"requests": [request("nic.example.com")]}}}
+        ])
+    } else {
+        json!([
+            {"metadata": {"name": "gpuwarden-gpu.nvidia.com-1", "namespace": "ml", "resourceVersion": "32"},
+             "spec": {"spec": {"devices": {"requests": [request("gpu.nvidia.com")]}}}}
+        ])
+    };
+    json!({"apiVersion": "resource.k8s.io/v1", "kind": kind, "metadata": {"resourceVersion": "33"}, "items": items})
+}
+
+/// Answers list requests for `kind` ("gpupolicies" or "namespaces") when `answer` says so,
+/// discovery of `resource.k8s.io/v1` as `dra` says, and its lists; holds watch requests open
+/// (an API server with nothing new to say).
 async fn serve_api(
     mut handle: ApiHandle,
     answer_policies: tokio::sync::watch::Receiver<bool>,
     seen: Arc<std::sync::Mutex<Vec<String>>>,
+    dra: bool,
 ) {
     let mut held: Vec<SendResponse<Response<Body>>> = Vec::new();
     let mut pending_policy_list: Option<SendResponse<Response<Body>>> = None;
@@ -86,6 +110,30 @@ async fn serve_api(
                         .to_owned();
                     assert!(accept.contains("as=PartialObjectMetadataList"), "namespaces must be watched as metadata only: {accept}");
                     send.send_response(json_response(namespace_list()));
+                } else if uri == "/apis/resource.k8s.io/v1" {
+                    send.send_response(if dra {
+                        let resources = ["resourceclaims", "resourceclaimtemplates", "deviceclasses"].map(|name| json!({
+                            "name": name, "singularName": "", "namespaced": name != "deviceclasses",
+                            "kind": "x", "verbs": ["list", "watch"]
+                        }));
+                        json_response(json!({
+                            "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "resource.k8s.io/v1",
+                            "resources": resources.to_vec()
+                        }))
+                    } else {
+                        Response::builder()
+                            .status(404)
+                            .header("content-type", "application/json")
+                            .body(Body::from(serde_json::to_vec(&json!({
+                                "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                "reason": "NotFound", "code": 404, "message": "the server could not find the requested resource"
+                            })).unwrap()))
+                            .unwrap()
+                    });
+                } else if dra && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaims?") {
+                    send.send_response(json_response(dra_list("ResourceClaimList")));
+                } else if dra && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaimtemplates?") {
+                    send.send_response(json_response(dra_list("ResourceClaimTemplateList")));
                 } else {
                     panic!("unexpected request {uri}");
                 }
@@ -108,7 +156,7 @@ async fn caches_sync_from_lists_and_answer_from_memory() {
     let client = kube::Client::new(service, "default");
     let (release_policies, answer_policies) = tokio::sync::watch::channel(false);
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    tokio::spawn(serve_api(handle, answer_policies, seen.clone()));
+    tokio::spawn(serve_api(handle, answer_policies, seen.clone(), true));
 
     let metrics = Arc::new(Metrics::new());
     let synced = SyncFlag::new();
@@ -158,13 +206,71 @@ async fn caches_sync_from_lists_and_answer_from_memory() {
         assert_eq!(lent_labels, expected, "{namespace}");
     }
 
-    // Reading the caches made no request: only lists and watches were ever sent.
+    // Claims, by namespace and name: a GPU claim, a NIC claim, gpuwarden's template.
+    let claims = cache.claims();
+    let gpu = ClaimLookup::Found(vec!["gpu.nvidia.com".to_owned()]);
+    assert_eq!(claims.lookup(ClaimSource::Claim, "ml", "gpu"), gpu);
+    assert_eq!(
+        claims.lookup(ClaimSource::Claim, "ml", "nic"),
+        ClaimLookup::Found(vec!["nic.example.com".to_owned()])
+    );
+    let template = "gpuwarden-gpu.nvidia.com-1";
+    assert_eq!(claims.lookup(ClaimSource::Template, "ml", template), gpu);
+    assert_eq!(
+        claims.lookup(ClaimSource::Template, "ml", "gpu"),
+        ClaimLookup::Missing
+    );
+    assert_eq!(
+        claims.lookup(ClaimSource::Claim, "other", "gpu"),
+        ClaimLookup::Missing
+    );
+    assert!(
+        metrics
+            .encode()
+            .unwrap()
+            .contains(r#"gpuwarden_webhook_cache_synced{cache="resourceclaims"} 1"#)
+    );
+
+    // Reading the caches made no request: only discovery, lists and watches were ever sent.
     let requests = seen.lock().unwrap().clone();
     assert!(
         requests.iter().all(
             |uri| uri.starts_with("/apis/gpuwarden.io/v1alpha1/gpupolicies?")
                 || uri.starts_with("/api/v1/namespaces?")
+                || uri == "/apis/resource.k8s.io/v1"
+                || uri.starts_with("/apis/resource.k8s.io/v1/resourceclaims?")
+                || uri.starts_with("/apis/resource.k8s.io/v1/resourceclaimtemplates?")
         ),
+        "{requests:?}"
+    );
+    trigger.trigger();
+}
+
+#[tokio::test]
+async fn without_dra_the_caches_sync_and_claims_are_unknown() {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let (_release, answer_policies) = tokio::sync::watch::channel(true);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    tokio::spawn(serve_api(handle, answer_policies, seen.clone(), false));
+    let synced = SyncFlag::new();
+    let (trigger, shutdown) = shutdown_channel();
+    let cache = ReflectorCache::start(client, Arc::new(Metrics::new()), synced.clone(), shutdown);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !synced.get() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(synced.get(), "a cluster without DRA still syncs");
+    let lookup = cache
+        .claims()
+        .lookup(ClaimSource::Template, "ml", "gpuwarden-gpu.nvidia.com-1");
+    assert!(
+        matches!(&lookup, ClaimLookup::Unknown(why) if why.contains("does not serve resource.k8s.io/v1")),
+        "{lookup:?}"
+    );
+    let requests = seen.lock().unwrap().clone();
+    assert!(
+        !requests.iter().any(|uri| uri.contains("resourceclaims")),
         "{requests:?}"
     );
     trigger.trigger();
