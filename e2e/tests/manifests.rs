@@ -370,13 +370,48 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["list", "watch"],
         &[],
     ),
-    // operator (src/runner.rs): reflectors over Node, GpuNode, GpuPolicy and agent Leases.
+    // ... and, where DRA is served, over ResourceClaims and ResourceClaimTemplates.
+    (
+        install::WEBHOOK_NAME,
+        None,
+        "resource.k8s.io",
+        "resourceclaims",
+        &["list", "watch"],
+        &[],
+    ),
+    (
+        install::WEBHOOK_NAME,
+        None,
+        "resource.k8s.io",
+        "resourceclaimtemplates",
+        &["list", "watch"],
+        &[],
+    ),
+    // operator (src/runner.rs): reflectors over Node, GpuNode, GpuPolicy, agent Leases and
+    // Namespace metadata.
     (
         install::OPERATOR_NAME,
         None,
         "",
         "nodes",
         &["list", "watch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "",
+        "namespaces",
+        &["list", "watch"],
+        &[],
+    ),
+    // src/claim_templates.rs: gpuwarden's ResourceClaimTemplates, applied and deleted.
+    (
+        install::OPERATOR_NAME,
+        None,
+        "resource.k8s.io",
+        "resourceclaimtemplates",
+        &["list", "watch", "create", "patch", "delete"],
         &[],
     ),
     // src/node_controller.rs: server-side apply of GpuNode (create + patch), delete, status.
@@ -1635,6 +1670,8 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
         ("Pod", "pods"),
         ("Lease", "leases"),
         ("Secret", "secrets"),
+        ("ResourceClaim", "resourceclaims"),
+        ("ResourceClaimTemplate", "resourceclaimtemplates"),
         (
             "MutatingWebhookConfiguration",
             "mutatingwebhookconfigurations",

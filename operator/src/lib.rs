@@ -12,6 +12,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 pub mod certs;
+pub mod claim_templates;
 pub mod gpunode;
 pub mod health;
 pub mod leader;

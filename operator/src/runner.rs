@@ -1,7 +1,8 @@
 //! Wiring: one watch (and cache) per kind, routes that pass on only objects whose inputs
 //! changed (so the operator's own writes and Lease renewals do not wake it), three
 //! kube-runtime `Controller`s with bounded concurrency and per-object backoff, the
-//! certificate keeper, leader election and the health server.
+//! certificate keeper, the ResourceClaimTemplate keeper (where the cluster serves DRA),
+//! leader election and the health server.
 
 use gpuwarden_crds::error_chain;
 use std::collections::HashMap;
@@ -16,7 +17,9 @@ use gpuwarden_crds::{
     AGENT_LEASE_NAMESPACE, AGENT_LEASE_PREFIX, GpuNode, GpuPolicy, TAINT_GPU_UNHEALTHY,
 };
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, NodeSpec, NodeStatus};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeSpec, NodeStatus};
+use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
+use kube::api::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, store::Writer};
@@ -28,6 +31,7 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::certs::CertParams;
+use crate::claim_templates::{self, TemplateContext};
 use crate::gpunode::{agent_liveness, node_gpu_signal};
 use crate::health::{self, HealthState};
 use crate::leader::{self, LeaderError, Leadership};
@@ -168,6 +172,7 @@ impl Backoffs {
 /// shutdown; the watcher retries with backoff and the cache keeps serving what it has.
 fn watch_kind<K>(
     api: Api<K>,
+    config: watcher::Config,
     trim: fn(&mut K),
     writer: Writer<K>,
     shutdown: watch::Receiver<bool>,
@@ -176,7 +181,7 @@ fn watch_kind<K>(
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
 {
-    let events = watcher(api, watcher::Config::default())
+    let events = watcher(api, config)
         .default_backoff()
         .modify(trim)
         .reflect(writer)
@@ -200,18 +205,41 @@ fn route<K: Resource<DynamicType = ()>>(
     mut deleted: impl FnMut(&K) + Send + 'static,
 ) -> impl FnMut(&watcher::Event<K>) + Send + 'static {
     let mut filter = ChangeFilter::default();
+    // Namespaced objects are known by namespace and name.
+    let key = |o: &K| match o.namespace() {
+        Some(namespace) => format!("{namespace}/{}", o.name_any()),
+        None => o.name_any(),
+    };
     move |event| match event {
         watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
-            if filter.changed(&o.name_any(), inputs(o)) {
+            if filter.changed(&key(o), inputs(o)) {
                 changed(o);
             }
         }
         watcher::Event::Delete(o) => {
-            filter.forget(&o.name_any());
+            filter.forget(&key(o));
             deleted(o);
         }
         watcher::Event::Init | watcher::Event::InitDone => {}
     }
+}
+
+/// A route's two callbacks that only wake `tx`, for a keeper that reconciles everything.
+fn wake_on<K>(
+    tx: &mpsc::UnboundedSender<()>,
+) -> (
+    impl FnMut(&K) + Send + 'static,
+    impl FnMut(&K) + Send + 'static,
+) {
+    let (a, b) = (tx.clone(), tx.clone());
+    (
+        move |_: &K| {
+            let _ = a.send(());
+        },
+        move |_: &K| {
+            let _ = b.send(());
+        },
+    )
 }
 
 /// A channel of objects for a controller's trigger: the sending half for a route, the
@@ -359,11 +387,15 @@ where
     let (gone_tx, nodes_gone) = trigger::<Node>();
     let (policy_tx, policy_changes) = trigger::<GpuPolicy>();
     let (policies_tx, policies_changed) = mpsc::unbounded_channel::<()>();
+    // The template keeper reconciles everything when a policy, a namespace's labels or one of
+    // its templates change.
+    let (templates_tx, templates_changed) = mpsc::unbounded_channel::<()>();
 
     let tasks = vec![
         report_leadership(leadership.clone(), metrics.clone(), sd_rx.clone()),
         watch_kind(
             Api::<Node>::all(client.clone()),
+            watcher::Config::default(),
             trim_node,
             node_w,
             sd_rx.clone(),
@@ -379,6 +411,7 @@ where
         ),
         watch_kind(
             Api::<GpuNode>::all(client.clone()),
+            watcher::Config::default(),
             trim_gpunode,
             gpunode_w,
             sd_rx.clone(),
@@ -398,6 +431,7 @@ where
         ),
         watch_kind(
             Api::<Lease>::namespaced(client.clone(), AGENT_LEASE_NAMESPACE),
+            watcher::Config::default(),
             |l| l.metadata.managed_fields = None,
             lease_w,
             sd_rx.clone(),
@@ -420,6 +454,7 @@ where
         // Overlaps are between policies, so any change re-validates all of them.
         watch_kind(
             Api::<GpuPolicy>::all(client.clone()),
+            watcher::Config::default(),
             |p| p.metadata.managed_fields = None,
             policy_w,
             sd_rx.clone(),
@@ -432,18 +467,71 @@ where
                     ))
                 },
                 {
-                    let policies_tx = policies_tx.clone();
+                    let (policies_tx, templates_tx) = (policies_tx.clone(), templates_tx.clone());
                     move |p: &GpuPolicy| {
                         let _ = policy_tx.send(p.clone());
                         let _ = policies_tx.send(());
+                        let _ = templates_tx.send(());
                     }
                 },
-                move |_| {
-                    let _ = policies_tx.send(());
+                {
+                    let templates_tx = templates_tx.clone();
+                    move |_| {
+                        let _ = policies_tx.send(());
+                        let _ = templates_tx.send(());
+                    }
                 },
             ),
         ),
     ];
+    let mut tasks = tasks;
+    let (namespaces, namespace_w) = reflector::store::<PartialObjectMeta<Namespace>>();
+    let (templates, template_w) = reflector::store::<ResourceClaimTemplate>();
+    let dra = dra_served(&client).await;
+    if dra {
+        let (changed, deleted) = wake_on(&templates_tx);
+        tasks.push(watch_kind(
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+            watcher::Config::default(),
+            |ns| {
+                ns.metadata.managed_fields = None;
+                ns.metadata.annotations = None;
+            },
+            namespace_w,
+            sd_rx.clone(),
+            route(
+                |ns: &PartialObjectMeta<Namespace>| {
+                    hash_of(&(
+                        &ns.metadata.labels,
+                        ns.metadata.deletion_timestamp.is_some(),
+                    ))
+                },
+                changed,
+                deleted,
+            ),
+        ));
+        let (changed, deleted) = wake_on(&templates_tx);
+        tasks.push(watch_kind(
+            Api::<ResourceClaimTemplate>::all(client.clone()),
+            watcher::Config::default().labels(gpuwarden_crds::claims::LABEL_CLAIM_TEMPLATE),
+            |t| t.metadata.managed_fields = None,
+            template_w,
+            sd_rx.clone(),
+            route(
+                |t: &ResourceClaimTemplate| {
+                    hash_of(&(
+                        t.metadata.namespace.as_deref(),
+                        t.metadata.uid.as_deref(),
+                        serde_json::to_string(&t.metadata.owner_references).unwrap_or_default(),
+                    ))
+                },
+                changed,
+                deleted,
+            ),
+        ));
+    } else {
+        info!("the cluster does not serve resource.k8s.io/v1: no ResourceClaimTemplates are kept");
+    }
 
     // Nothing is decided before every cache has its first full list; what changed meanwhile
     // waits in the triggers.
@@ -562,6 +650,7 @@ where
                 node_ctx,
             )
     };
+    let policies_for_templates = policies.clone();
     let policy_ctx = Arc::new(PolicyContext {
         client: client.clone(),
         policies: policies.clone(),
@@ -620,11 +709,26 @@ where
         };
         cert_loop(ctx, sd_rx.clone()).await;
     };
+    let templates = async {
+        if !dra {
+            return;
+        }
+        let ctx = TemplateContext {
+            client: client.clone(),
+            policies: policies_for_templates,
+            namespaces,
+            templates,
+            leader: leadership.clone(),
+            metrics: metrics.clone(),
+        };
+        template_loop(ctx, templates_changed, sd_rx.clone()).await;
+    };
     tokio::join!(
         drain(node_controller),
         drain(orphan_controller),
         drain(policy_controller),
-        certs
+        certs,
+        templates
     );
     finish(tasks, leader_task, health_task).await
 }
@@ -683,6 +787,82 @@ fn error_action(
     let delay = backoffs.next(key);
     warn!(object = key, error = %chain, retry_in = ?delay, "reconcile failed; retrying");
     Action::requeue(delay)
+}
+
+/// Whether the API server serves ResourceClaimTemplates in `resource.k8s.io/v1`. Asked once
+/// at start; an error counts as no (and is logged), since templates are only needed where a
+/// webhook could point pods at them, and the webhook asks for itself.
+async fn dra_served(client: &Client) -> bool {
+    match client.list_api_group_resources("resource.k8s.io/v1").await {
+        Ok(list) => list
+            .resources
+            .iter()
+            .any(|r| r.name == "resourceclaimtemplates"),
+        Err(kube::Error::Api(status)) if status.code == 404 => false,
+        Err(e) => {
+            warn!(error = %error_chain(&e), "discovery of resource.k8s.io/v1 failed; no ResourceClaimTemplates are kept until restart");
+            false
+        }
+    }
+}
+
+/// Keeps gpuwarden's ResourceClaimTemplates: once its caches are complete, reconciles all of
+/// them whenever something they depend on changes, on becoming the leader, after a failure
+/// (with backoff), and every ten minutes.
+async fn template_loop(
+    ctx: TemplateContext,
+    mut wake: mpsc::UnboundedReceiver<()>,
+    shutdown: watch::Receiver<bool>,
+) {
+    let ready = async {
+        let _ = ctx.policies.wait_until_ready().await;
+        let _ = ctx.namespaces.wait_until_ready().await;
+        let _ = ctx.templates.wait_until_ready().await;
+    };
+    tokio::select! {
+        () = ready => {}
+        () = stopped(shutdown.clone()) => return,
+    }
+    let mut leadership = ctx.leader.clone();
+    let backoffs = Backoffs::default();
+    loop {
+        let start = Instant::now();
+        let wait = match claim_templates::reconcile_templates(&ctx).await {
+            Ok(_) => {
+                ctx.metrics
+                    .reconciled(claim_templates::CONTROLLER, start.elapsed(), None);
+                backoffs.reset("templates");
+                Duration::from_secs(600)
+            }
+            Err(e) => {
+                ctx.metrics.reconciled(
+                    claim_templates::CONTROLLER,
+                    start.elapsed(),
+                    Some(e.kind()),
+                );
+                let delay = backoffs.next("templates");
+                warn!(error = %error_chain(&e), retry_in = ?delay, "ResourceClaimTemplate sync failed");
+                delay
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            woken = wake.recv() => {
+                if woken.is_none() {
+                    return;
+                }
+                // A burst of changes is one reconcile.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                while wake.try_recv().is_ok() {}
+            }
+            changed = leadership.changed() => {
+                if changed.is_none() {
+                    return;
+                }
+            }
+            () = stopped(shutdown.clone()) => return,
+        }
+    }
 }
 
 async fn cert_loop(ctx: CertContext, shutdown: watch::Receiver<bool>) {

@@ -992,3 +992,110 @@ async fn nodes_are_never_tainted_with_the_flag_off() {
             .all(|s| !s.path.starts_with("/api/v1/nodes"))
     );
 }
+
+fn claim_policy() -> GpuPolicy {
+    let mut p = GpuPolicy::default_policy();
+    p.metadata.name = Some("dra".into());
+    p.metadata.uid = Some("u-dra".into());
+    p.spec.gpu.request_as = gpuwarden_crds::RequestAs::ResourceClaim;
+    p.spec.gpu.max_per_container = 2;
+    p
+}
+
+fn namespace_meta(
+    name: &str,
+) -> kube::api::PartialObjectMeta<k8s_openapi::api::core::v1::Namespace> {
+    let mut ns = kube::api::PartialObjectMeta::<k8s_openapi::api::core::v1::Namespace>::default();
+    ns.metadata.name = Some(name.to_owned());
+    ns
+}
+
+#[tokio::test]
+async fn claim_templates_are_applied_where_missing_and_deleted_where_unwanted() {
+    use gpuwarden_operator::claim_templates::{
+        TemplateContext, Written, desired_templates, reconcile_templates, template_object,
+    };
+    use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
+    let policies = vec![claim_policy()];
+    let all: Vec<Arc<GpuPolicy>> = policies.iter().cloned().map(Arc::new).collect();
+    let desired = desired_templates(&all, [("ml", None)]);
+    // ml/…-1 is current; ml/…-9 is no longer wanted (the policy's maxPerContainer went down).
+    let key = ("ml".to_owned(), "gpuwarden-gpu.nvidia.com-1".to_owned());
+    let mut current = template_object(&key, &desired[&key]);
+    current.metadata.uid = Some("t-1".into());
+    let mut stale = current.clone();
+    stale.metadata.name = Some("gpuwarden-gpu.nvidia.com-9".into());
+    stale.metadata.uid = Some("t-9".into());
+    let world = |templates: Vec<ResourceClaimTemplate>, leader| {
+        let (client, api) = FakeApi::start(echo());
+        let (policies, pw) = cache(policies.clone(), true);
+        let (namespaces, nw) = cache(
+            vec![namespace_meta("ml"), namespace_meta("kube-system")],
+            true,
+        );
+        let (templates, tw) = cache(templates, true);
+        std::mem::forget((pw, nw, tw));
+        let ctx = TemplateContext {
+            client,
+            policies,
+            namespaces,
+            templates,
+            leader,
+            metrics: Arc::new(Metrics::new()),
+        };
+        (ctx, api)
+    };
+
+    let (ctx, api) = world(vec![current.clone(), stale], Leadership::always());
+    let written = reconcile_templates(&ctx).await.unwrap();
+    assert_eq!(
+        written,
+        Written {
+            applied: 1,
+            deleted: 1
+        }
+    );
+    let writes = api.writes();
+    assert_eq!(writes.len(), 2, "{writes:?}");
+    let apply = &writes[0];
+    assert_eq!(apply.method, "PATCH");
+    assert_eq!(
+        apply.path,
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaimtemplates/gpuwarden-gpu.nvidia.com-2"
+    );
+    assert!(
+        apply.query.contains("fieldManager=gpuwarden-operator")
+            && apply.query.contains("force=true")
+    );
+    assert_eq!(apply.content_type, "application/apply-patch+yaml");
+    assert_eq!(
+        apply.body["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"],
+        2
+    );
+    assert_eq!(apply.body["metadata"]["ownerReferences"][0]["uid"], "u-dra");
+    let delete = &writes[1];
+    assert_eq!(delete.method, "DELETE");
+    assert_eq!(
+        delete.path,
+        "/apis/resource.k8s.io/v1/namespaces/ml/resourceclaimtemplates/gpuwarden-gpu.nvidia.com-9"
+    );
+    assert_eq!(
+        delete.body["preconditions"]["uid"], "t-9",
+        "only the template it saw"
+    );
+
+    // Once they are what the policy wants, nothing is written; and a replica that is not
+    // the leader never writes.
+    let mut second = template_object(
+        &("ml".into(), "gpuwarden-gpu.nvidia.com-2".into()),
+        &desired[&("ml".to_owned(), "gpuwarden-gpu.nvidia.com-2".to_owned())],
+    );
+    second.metadata.uid = Some("t-2".into());
+    let (ctx, api) = world(vec![current.clone(), second], Leadership::always());
+    assert_eq!(reconcile_templates(&ctx).await.unwrap(), Written::default());
+    assert!(api.requests().is_empty());
+    let (_tx, standby) = Leadership::channel(false);
+    let (ctx, api) = world(vec![], standby);
+    assert_eq!(reconcile_templates(&ctx).await.unwrap(), Written::default());
+    assert!(api.requests().is_empty());
+}
