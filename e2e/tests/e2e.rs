@@ -1430,3 +1430,365 @@ async fn agent_policy_pins_status_writes_to_the_agents_node() {
         unbound.message()
     );
 }
+
+/// DRA (issue: the ResourceClaim mode): a policy with `gpu.requestAs: ResourceClaim` makes
+/// the operator keep gpuwarden's ResourceClaimTemplates in its namespace; a privileged pod
+/// whose two containers name the same GPUs is admitted with one claim from the 2-GPU
+/// template that both use; kube-controller-manager creates the ResourceClaim from it and
+/// the pod stays Pending; a missing template is a denial naming it, until the operator puts
+/// it back; the node agent, fed a fake kubelet that reports the claim's devices, lists the
+/// bindings as allocated through the claim; deleting the policy removes the templates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn resource_claim_mode_on_a_real_server() {
+    use gpuwarden_crds::claims::{LABEL_CLAIM_TEMPLATE, template_name};
+    use gpuwarden_node_agent::podresources::{
+        CdiDevice, ClaimResource, ContainerResources, DynamicResource, PodResources,
+    };
+    use gpuwarden_node_agent::testing::{FakeKubelet, FakeKubeletServer};
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimTemplate};
+
+    let env = Env::new().await;
+    if !env
+        .cluster
+        .serves("resource.k8s.io/v1", "resourceclaimtemplates")
+        .await
+    {
+        skip(
+            "DRA",
+            "the server does not serve resource.k8s.io/v1 (Kubernetes before 1.34)",
+        );
+        return;
+    }
+    env.system_namespace().await;
+    let ns = env.namespace("dra").await;
+    let policy_name = format!("{ns}-claims");
+    let mut policy = GpuPolicy::default_policy();
+    policy.metadata = kube::api::ObjectMeta {
+        name: Some(policy_name.clone()),
+        ..Default::default()
+    };
+    policy.spec.priority = 1000;
+    policy.spec.namespace_selector =
+        serde_json::from_value(json!({"matchLabels": {"kubernetes.io/metadata.name": ns}}))
+            .expect("selector");
+    policy.spec.gpu.request_as = gpuwarden_crds::RequestAs::ResourceClaim;
+    policy.spec.gpu.max_per_container = 2;
+    let policies: Api<GpuPolicy> = Api::all(env.client());
+    policies
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap_or_else(|e| panic!("failed to create GpuPolicy {policy_name}: {e}"));
+    env.cleanup.own_typed::<GpuPolicy>(None, &policy_name);
+
+    // The operator keeps one template per count, 1 and 2, owned by the policy.
+    let (stop_operator, operator) = start_operator(&env);
+    let templates: Api<ResourceClaimTemplate> = Api::namespaced(env.client(), &ns);
+    let wanted = [
+        template_name("gpu.nvidia.com", 1),
+        template_name("gpu.nvidia.com", 2),
+    ];
+    let listed = |templates: Api<ResourceClaimTemplate>| async move {
+        let params = kube::api::ListParams::default().labels(LABEL_CLAIM_TEMPLATE);
+        let list = templates.list(&params).await.ok()?;
+        let mut names: Vec<String> = list.items.iter().map(ResourceExt::name_any).collect();
+        names.sort();
+        Some((names, list.items))
+    };
+    let kept = wait_for(Duration::from_secs(60), || {
+        let templates = templates.clone();
+        async move {
+            listed(templates)
+                .await
+                .filter(|(names, _)| names.len() == 2)
+        }
+    })
+    .await
+    .expect("the operator never created the two templates");
+    assert_eq!(kept.0, wanted);
+    let two = kept
+        .1
+        .iter()
+        .find(|t| t.name_any() == wanted[1])
+        .expect("template 2");
+    let owner = &two.metadata.owner_references.as_ref().expect("owners")[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str()),
+        ("GpuPolicy", policy_name.as_str())
+    );
+    let request = &two
+        .spec
+        .spec
+        .devices
+        .as_ref()
+        .expect("devices")
+        .requests
+        .as_ref()
+        .expect("requests")[0];
+    let exactly = request.exactly.as_ref().expect("exactly");
+    assert_eq!(
+        (exactly.device_class_name.as_str(), exactly.count),
+        ("gpu.nvidia.com", Some(2))
+    );
+
+    let node = fake_node(
+        &env,
+        "dra",
+        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
+        0,
+    )
+    .await;
+    let node_name = node.name_any();
+    env.cleanup.own_typed::<GpuNode>(None, &node_name);
+    env.cleanup.own_typed::<Lease>(
+        Some(gpuwarden_crds::AGENT_LEASE_NAMESPACE),
+        &gpuwarden_crds::agent_lease_name(&node_name),
+    );
+
+    let (webhook, _) = env.webhook().await;
+    let container = |name: &str, visible: &str| {
+        json!({
+            "name": name,
+            "image": "registry.k8s.io/pause:3.10",
+            "securityContext": {"privileged": true},
+            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": visible}]
+        })
+    };
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "dra-train"},
+        "spec": {"nodeName": node_name, "containers": [container("a", "0,1"), container("b", "1,0")]}
+    });
+    env.until_admission(&ns, &pod, "claims", |r| {
+        r.status.is_success() && r.body["spec"]["resourceClaims"].is_array()
+    })
+    .await;
+    let created = env
+        .cluster
+        .create_pod(&ns, &pod, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+    let spec = &created.body["spec"];
+    assert_eq!(
+        spec["resourceClaims"],
+        json!([{"name": "gpuwarden-gpus-0", "resourceClaimTemplateName": wanted[1]}])
+    );
+    for c in spec["containers"].as_array().expect("containers") {
+        assert_eq!(
+            c["resources"]["claims"],
+            json!([{"name": "gpuwarden-gpus-0"}]),
+            "{c}"
+        );
+        assert_eq!(c["resources"]["limits"], Value::Null, "{c}");
+        assert_eq!(c["securityContext"]["privileged"], false, "{c}");
+    }
+    assert!(
+        created
+            .warnings
+            .iter()
+            .any(|w| w.contains("shares claim gpuwarden-gpus-0 with container a")),
+        "{:?}",
+        created.warnings
+    );
+    let pod_uid = created.body["metadata"]["uid"]
+        .as_str()
+        .expect("uid")
+        .to_owned();
+
+    // kube-controller-manager makes the pod's ResourceClaim from the template.
+    let claims: Api<ResourceClaim> = Api::namespaced(env.client(), &ns);
+    let pods: Api<Pod> = Api::namespaced(env.client(), &ns);
+    let claim = wait_for(Duration::from_secs(60), || {
+        let (claims, pods, pod_uid) = (claims.clone(), pods.clone(), pod_uid.clone());
+        async move {
+            let pod = pods.get("dra-train").await.ok()?;
+            let status = pod.status?.resource_claim_statuses?;
+            let name = status
+                .iter()
+                .find(|s| s.name == "gpuwarden-gpus-0")?
+                .resource_claim_name
+                .clone()?;
+            let claim = claims.get(&name).await.ok()?;
+            let owned =
+                (claim.metadata.owner_references.iter().flatten()).any(|o| o.uid == pod_uid);
+            owned.then_some(claim)
+        }
+    })
+    .await
+    .expect("no ResourceClaim was made from the template (is kube-controller-manager running?)");
+    let request = &claim
+        .spec
+        .devices
+        .as_ref()
+        .expect("devices")
+        .requests
+        .as_ref()
+        .expect("requests")[0];
+    assert_eq!(request.exactly.as_ref().and_then(|e| e.count), Some(2));
+    let phase = pods
+        .get("dra-train")
+        .await
+        .expect("pod")
+        .status
+        .and_then(|s| s.phase);
+    assert_eq!(
+        phase.as_deref(),
+        Some("Pending"),
+        "no driver, no kubelet: it waits"
+    );
+
+    // A template the namespace lacks is a denial naming it; the operator puts it back.
+    let _ = stop_operator.send(());
+    let _ = operator.await;
+    templates
+        .delete(&wanted[0], &Default::default())
+        .await
+        .expect("delete template 1");
+    let single = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "dra-one"},
+        "spec": {"containers": [container("c", "all")]}
+    });
+    let denied = env
+        .until_admission(&ns, &single, "missing template", |r| {
+            r.status.is_client_error()
+        })
+        .await;
+    assert!(
+        denied.message().contains(&format!(
+            "ResourceClaimTemplate {ns}/{} does not exist",
+            wanted[0]
+        )),
+        "{}",
+        denied.message()
+    );
+    let (stop_operator, operator) = start_operator(&env);
+    env.until_admission(&ns, &single, "template back", |r| r.status.is_success())
+        .await;
+
+    // The node agent lists the claim's GPUs as allocated to both containers.
+    let uuids = [
+        "GPU-11111111-2222-3333-4444-555555555555",
+        "GPU-66666666-7777-8888-9999-000000000000",
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fake = dir.path().join("gpus.yaml");
+    std::fs::write(
+        &fake,
+        format!(
+            "driver:\n  driverVersion: \"580.65.06\"\n  cudaDriverVersion: \"13.0\"\n  nvmlVersion: \"13.580.65.06\"\ngpus:\n  - {{index: 0, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:18:00.0\", minorNumber: 0, migMode: Disabled}}\n  - {{index: 1, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:2A:00.0\", minorNumber: 1, migMode: Disabled}}\n",
+            uuids[0], uuids[1]
+        ),
+    )
+    .expect("write the fake GPU file");
+    let claim_name = claim.name_any();
+    let dynamic = DynamicResource {
+        claim_name: claim_name.clone(),
+        claim_namespace: ns.clone(),
+        claim_resources: (0..2)
+            .map(|i| ClaimResource {
+                cdi_devices: vec![CdiDevice {
+                    name: format!("k8s.gpu.nvidia.com/device=gpu-{i}"),
+                }],
+                driver_name: "gpu.nvidia.com".into(),
+                pool_name: node_name.clone(),
+                device_name: format!("gpu-{i}"),
+            })
+            .collect(),
+    };
+    let kubelet = FakeKubeletServer::start(
+        &dir.path().join("kubelet.sock"),
+        FakeKubelet {
+            pods: vec![PodResources {
+                name: "dra-train".into(),
+                namespace: ns.clone(),
+                containers: ["a", "b"]
+                    .map(|name| ContainerResources {
+                        name: name.into(),
+                        devices: vec![],
+                        dynamic_resources: vec![dynamic.clone()],
+                    })
+                    .to_vec(),
+            }],
+            ..FakeKubelet::default()
+        },
+    )
+    .await
+    .expect("start the fake kubelet");
+    let mut config = gpuwarden_node_agent::Config::new(&node_name);
+    config.fake = Some(fake);
+    config.pod_resources_socket = kubelet.socket().to_path_buf();
+    config.host_root = dir.path().to_path_buf();
+    config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    config.poll_interval = Duration::from_secs(2);
+    let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = env.client();
+    let agent = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = agent_stopped.await;
+        };
+        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
+            eprintln!("node agent stopped: {e}");
+        }
+    });
+    let gpunodes: Api<GpuNode> = Api::all(env.client());
+    let expected_claim = format!("{ns}/{claim_name}");
+    let bound = wait_for(Duration::from_secs(90), || {
+        let (gpunodes, node_name, pod_uid, expected_claim) = (
+            gpunodes.clone(),
+            node_name.clone(),
+            pod_uid.clone(),
+            expected_claim.clone(),
+        );
+        async move {
+            let gn = gpunodes.get_opt(&node_name).await.ok().flatten()?;
+            let bindings = gn.status?.bindings?;
+            let ok = ["a", "b"].iter().all(|c| {
+                bindings.iter().any(|b| {
+                    b.pod_uid == pod_uid
+                        && b.container == *c
+                        && b.gpu_uuids == uuids
+                        && b.claims == [expected_claim.clone()]
+                        && serde_json::to_value(&b.source).ok() == Some(json!("Allocated"))
+                })
+            });
+            ok.then_some(bindings)
+        }
+    })
+    .await;
+    assert!(
+        bound.is_some(),
+        "the GpuNode never listed both containers' claim bindings: {:?}",
+        gpunodes
+            .get_opt(&node_name)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|g| g.status)
+            .and_then(|s| s.bindings)
+    );
+    let _ = stop_agent.send(());
+    let _ = agent.await;
+    kubelet.stop().await;
+
+    // Without the policy its templates go (the operator deletes them; the garbage collector
+    // would too, through the owner reference).
+    policies
+        .delete(&policy_name, &Default::default())
+        .await
+        .expect("delete the policy");
+    let gone = wait_for(Duration::from_secs(60), || {
+        let templates = templates.clone();
+        async move {
+            listed(templates)
+                .await
+                .filter(|(names, _)| names.is_empty())
+        }
+    })
+    .await;
+    assert!(gone.is_some(), "the templates outlived their policy");
+    let _ = stop_operator.send(());
+    let _ = operator.await;
+    webhook.stop().await;
+}
