@@ -1750,7 +1750,7 @@ async fn resource_claim_mode_on_a_real_server() {
                         && b.container == *c
                         && b.gpu_uuids == uuids
                         && b.claims == [expected_claim.clone()]
-                        && serde_json::to_value(&b.source).ok() == Some(json!("Allocated"))
+                        && b.source == gpuwarden_crds::BindingSource::Allocated
                 })
             });
             ok.then_some(bindings)
