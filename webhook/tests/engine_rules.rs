@@ -1561,6 +1561,14 @@ fn resource_claims_of_gpu_device_classes_are_gpu_signals() {
         warnings.contains("container train: privileged removed; GPUs from its ResourceClaim gpu;"),
         "{warnings}"
     );
+    assert!(
+        warnings.contains("its claim gone was not counted (ResourceClaimTemplate ml/not-there does not exist): if it holds GPUs, they come on top"),
+        "{warnings}"
+    );
+    assert_eq!(
+        report["containers"]["lost"]["claimsNotRead"]["gone"],
+        "ResourceClaimTemplate ml/not-there does not exist"
+    );
 
     // The same claim names another namespace's objects there: `a-mig` in `other` is a MIG
     // claim, and nothing else is known.

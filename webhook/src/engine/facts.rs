@@ -70,6 +70,8 @@ pub(super) struct PodFacts<'a> {
     /// Device volumes and CDI annotations.
     pub(super) pod: PodSignals<'a>,
     pub(super) annotations: Option<&'a Map<'a>>,
+    /// The pod's `resourceClaims` entries whose claim could not be read: name, and why.
+    pub(super) unread_claims: Vec<(&'a str, String)>,
 }
 
 /// Reads every container of the pod (init, regular, ephemeral) in `namespace` under `policy`;
@@ -82,6 +84,7 @@ pub(super) fn read_pod<'a>(
 ) -> PodFacts<'a> {
     let annotations = pod.annotations();
     let spec = pod.spec.as_ref();
+    let claims_read = read_claims(pod, namespace, policy, claims);
     let signals = PodSignals::read(
         pod.volumes().iter().filter_map(|v| {
             let path = v.host_path.as_ref().and_then(|h| h.path.as_deref());
@@ -119,7 +122,7 @@ pub(super) fn read_pod<'a>(
             .flatten())
         .filter_map(|t| t.key.as_deref()),
     )
-    .claimed(gpu_claims(pod, namespace, policy, claims));
+    .claimed(claims_read.gpu);
     let rules = Rules::of(policy);
     let exemptions = &policy.spec.exemptions;
     let service_account = spec
@@ -163,36 +166,56 @@ pub(super) fn read_pod<'a>(
         containers,
         pod: signals,
         annotations,
+        unread_claims: claims_read.unread,
     }
 }
 
-/// The pod's `resourceClaims` entries whose ResourceClaim or ResourceClaimTemplate requests
-/// devices of a GPU DeviceClass. One that cannot be read is not counted: the container's other
-/// signals still judge it.
-fn gpu_claims<'a>(
+/// The pod's `resourceClaims` entries, read.
+struct ClaimsRead<'a> {
+    /// Those whose ResourceClaim or ResourceClaimTemplate requests devices of a GPU
+    /// DeviceClass.
+    gpu: Vec<&'a str>,
+    /// Those that could not be read, and why: not counted, the container's other signals
+    /// still judge it, and the rewrite says so.
+    unread: Vec<(&'a str, String)>,
+}
+
+fn read_claims<'a>(
     pod: &'a PodView<'a>,
     namespace: &str,
     policy: &GpuPolicy,
     claims: &dyn Claims,
-) -> Vec<&'a str> {
+) -> ClaimsRead<'a> {
     let class = policy.spec.gpu.device_class_name.as_str();
-    (pod.resource_claims().iter())
-        .filter_map(|entry| {
-            let name = entry.name.as_deref()?;
-            let (source, target) = match (
-                entry.resource_claim_name.as_deref(),
-                entry.resource_claim_template_name.as_deref(),
-            ) {
-                (Some(claim), _) => (ClaimSource::Claim, claim),
-                (None, Some(template)) => (ClaimSource::Template, template),
-                (None, None) => return None,
-            };
-            match claims.lookup(source, namespace, target) {
-                ClaimLookup::Found(classes) => (classes.iter())
-                    .any(|c| gpuwarden_crds::claims::is_gpu_device_class(c, class))
-                    .then_some(name),
-                ClaimLookup::Missing | ClaimLookup::Unknown(_) => None,
+    let mut read = ClaimsRead {
+        gpu: Vec::new(),
+        unread: Vec::new(),
+    };
+    for entry in pod.resource_claims() {
+        let Some(name) = entry.name.as_deref() else {
+            continue;
+        };
+        let (source, target) = match (
+            entry.resource_claim_name.as_deref(),
+            entry.resource_claim_template_name.as_deref(),
+        ) {
+            (Some(claim), _) => (ClaimSource::Claim, claim),
+            (None, Some(template)) => (ClaimSource::Template, template),
+            (None, None) => continue,
+        };
+        let why = match claims.lookup(source, namespace, target) {
+            ClaimLookup::Found(classes) => {
+                if (classes.iter()).any(|c| gpuwarden_crds::claims::is_gpu_device_class(c, class)) {
+                    read.gpu.push(name);
+                }
+                continue;
             }
-        })
-        .collect()
+            ClaimLookup::Missing => "does not exist".to_owned(),
+            ClaimLookup::Unknown(why) => format!("cannot be read: {why}"),
+        };
+        let kind = source.kind();
+        read.unread
+            .push((name, format!("{kind} {namespace}/{target} {why}")));
+    }
+    read
 }

@@ -8,7 +8,7 @@ use std::fmt;
 use gpuwarden_crds::claims::{POD_CLAIM_PREFIX, template_name};
 use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy, RequestAs};
 
-use gpuwarden_crds::gpu::{self, CountFrom, PodSignals, VisibleDevices};
+use gpuwarden_crds::gpu::{self, ContainerSpec as _, CountFrom, PodSignals, VisibleDevices};
 
 use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts};
@@ -87,6 +87,9 @@ pub(super) struct ContainerPlan<'a> {
     pub(super) claim: Option<ClaimUse<'a>>,
     /// The pod `resourceClaims` entry of a GPU claim it already uses: its GPUs, kept.
     pub(super) own_claim: Option<&'a str>,
+    /// Claims it uses that could not be read, when the rewrite gives it GPUs: they may hold
+    /// GPUs on top of those (entry name, and why).
+    pub(super) unread_claims: Vec<(&'a str, String)>,
     /// Rule 4: how its `env` changes.
     pub(super) env: Option<EnvEdit<'a>>,
     /// Rule 5: indices of the `volumeMounts` entries removed, ascending.
@@ -266,6 +269,7 @@ pub(super) fn plan_pod<'a>(
             limit: None,
             claim: None,
             own_claim: None,
+            unread_claims: Vec::new(),
             env: None,
             mounts: Indices::default(),
             mounts_removed: Names::default(),
@@ -326,6 +330,12 @@ pub(super) fn plan_pod<'a>(
                 }
                 _ => c.gpu,
             };
+            if p.limit.is_some() || p.claim.is_some() {
+                p.unread_claims = (facts.unread_claims.iter())
+                    .filter(|(name, _)| c.value.claim_names().any(|n| n == *name))
+                    .map(|(name, why)| (*name, why.clone()))
+                    .collect();
+            }
             // `envFrom` may set NVIDIA_VISIBLE_DEVICES unseen. An `env` entry overrides it,
             // so a container without GPUs is safe with `void`; a GPU container cannot be
             // given one (it would override the allocation too).

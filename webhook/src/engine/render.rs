@@ -135,6 +135,12 @@ impl Plan<'_> {
                 }
             }
         }
+        for (name, why) in &c.unread_claims {
+            let _ = write!(
+                phrases.next(),
+                "its claim {name} was not counted ({why}): if it holds GPUs, they come on top"
+            );
+        }
         if let Some(why) = &c.no_gpu {
             let out = phrases.next();
             out.push_str("no GPU: ");
@@ -305,6 +311,9 @@ impl Plan<'_> {
                 .map(|claim| self.claims[claim.index].name.as_str())
                 .or(c.own_claim),
             claim_shared_with: c.claim.as_ref().and_then(|claim| claim.shared_with),
+            claims_not_read: (c.unread_claims.iter())
+                .map(|(name, why)| (*name, why.as_str()))
+                .collect(),
             gpu_count_from: (c.limit.as_ref().map(|limit| limit.from.to_string()))
                 .or_else(|| c.claim.as_ref().map(|claim| claim.from.to_string())),
             no_gpu: c.no_gpu.as_deref(),
@@ -373,6 +382,8 @@ struct ContainerReport<'p> {
     claim: Option<&'p str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     claim_shared_with: Option<&'p str>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    claims_not_read: BTreeMap<&'p str, &'p str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gpu_count_from: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
