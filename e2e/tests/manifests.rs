@@ -161,6 +161,9 @@ fn check_typed(doc: &Document) -> Result<(), String> {
         ("v1", "Service") => round_trip::<Service>(doc),
         ("v1", "ConfigMap") => round_trip::<ConfigMap>(doc),
         ("v1", "Pod") => round_trip::<k8s_openapi::api::core::v1::Pod>(doc),
+        ("resource.k8s.io/v1", "ResourceClaimTemplate") => {
+            round_trip::<k8s_openapi::api::resource::v1::ResourceClaimTemplate>(doc)
+        }
         ("apps/v1", "Deployment") => round_trip::<Deployment>(doc),
         ("apps/v1", "StatefulSet") => round_trip::<k8s_openapi::api::apps::v1::StatefulSet>(doc),
         ("apps/v1", "ReplicaSet") => round_trip::<k8s_openapi::api::apps::v1::ReplicaSet>(doc),

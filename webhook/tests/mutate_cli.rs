@@ -73,7 +73,7 @@ fn the_examples_directory_is_rewritten_and_explained() {
     assert_eq!(r.code, 0, "stderr:\n{}", r.stderr);
     // Every object comes out as YAML, rewritten where the policy rewrites it.
     let docs: Vec<Value> = serde_saphyr::from_multiple(&r.stdout).unwrap();
-    assert_eq!(docs.len(), 6, "{}", r.stdout);
+    assert_eq!(docs.len(), 8, "{}", r.stdout);
     let deployment = docs.iter().find(|d| d["kind"] == "Deployment").unwrap();
     let c = &deployment["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(c["securityContext"]["privileged"], false);
@@ -100,7 +100,9 @@ fn the_examples_directory_is_rewritten_and_explained() {
         "requests nvidia.com/gpu=4 (annotation gpuwarden.io/gpu-count=4)",
         "DaemonSet gpu-operator/nvidia-dcgm-exporter: exempt, unchanged: every privileged or leaking GPU container has an image exempt in namespace gpu-operator",
         "Pod ml-research/jupyter-gpu: unchanged: no privileged or leaking GPU container",
-        "6 objects: 1 exempt, 4 rewritten, 1 unchanged",
+        "Pod ml-research/dra-finetune: REWRITTEN",
+        "container finetune: privileged removed; GPUs from its ResourceClaim gpu",
+        "8 objects: 1 exempt, 1 passed through, 5 rewritten, 1 unchanged",
     ] {
         assert!(
             r.stderr.contains(expected),
