@@ -215,6 +215,19 @@ fn main() {
         .with_namespace("ml", &[("team", "nlp")])
         .with_namespace("kube-system", &[]);
     let ungoverned = StaticSource::new([]);
+    // The default policy requesting GPUs as claims, with gpuwarden's templates in `ml`.
+    let mut claiming = GpuPolicy::default_policy();
+    claiming.spec.gpu.request_as = gpuwarden_crds::RequestAs::ResourceClaim;
+    let mut claims = StaticSource::new([claiming]);
+    for n in 1..=8 {
+        let template = gpuwarden_crds::claims::template_name("gpu.nvidia.com", n);
+        let spec = serde_json::from_value(json!({"devices": {"requests": [
+            {"name": "gpus", "exactly": {"deviceClassName": "gpu.nvidia.com", "count": n}}
+        ]}}))
+        .expect("a claim spec");
+        let source = gpuwarden_webhook::engine::ClaimSource::Template;
+        claims.claims.insert(source, "ml", &template, &spec);
+    }
 
     let cases: Vec<(&str, Vec<u8>, &StaticSource, Outcome)> = vec![
         (
@@ -233,6 +246,12 @@ fn main() {
             "rewritten",
             review(&pod("ml", "nvcr.io/nvidia/pytorch:24.05-py3", true)),
             &source,
+            Outcome::Rewritten,
+        ),
+        (
+            "rewritten (as a ResourceClaim)",
+            review(&pod("ml", "nvcr.io/nvidia/pytorch:24.05-py3", true)),
+            &claims,
             Outcome::Rewritten,
         ),
         (
