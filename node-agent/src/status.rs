@@ -299,6 +299,18 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             privileged.insert(p.uid.clone(), pod_ref(p));
         }
     }
+    // A privileged container the kubelet allocated GPUs to holds GPUs whatever its spec
+    // shows: a DRA claim says nothing of its device class in the pod alone.
+    for b in bindings
+        .iter()
+        .filter(|b| b.source != BindingSource::Observed)
+    {
+        if let Some(p) = input.pods.by_uid(&b.pod_uid)
+            && (p.containers.iter()).any(|c| c.privileged && c.name == b.container)
+        {
+            privileged.insert(p.uid.clone(), pod_ref(p));
+        }
+    }
 
     let mut status = GpuNodeStatus {
         driver: Some(input.reading.driver.clone()),
@@ -466,6 +478,16 @@ mod tests {
         assert!(!b.is_out_of_band());
         assert_eq!(b.claims, ["ml/train-gpus"]);
         assert_eq!(b.resource_name.as_deref(), Some("gpu.nvidia.com"));
+        assert_eq!(c.status.privileged_pods.unwrap_or_default(), []);
+
+        // Privileged, the container holds its claim's GPUs and the pod is a privileged GPU
+        // pod, though nothing in its spec but the claim says GPU.
+        let mut pods = pods;
+        pods[0].containers[0].privileged = true;
+        let c = run_allocated(&pods, &allocations, &[]);
+        let privileged = c.status.privileged_pods.unwrap_or_default();
+        assert_eq!(privileged.len(), 1, "{privileged:?}");
+        assert_eq!(privileged[0].name, "train");
     }
 
     #[test]
