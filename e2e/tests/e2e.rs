@@ -802,6 +802,53 @@ fn start_operator(
     (tx, task)
 }
 
+/// A fake GPU file in `dir`: H100s with these UUIDs, indices in order, on driver `version`.
+fn fake_gpus(dir: &std::path::Path, version: &str, uuids: &[&str]) -> std::path::PathBuf {
+    let mut text = format!(
+        "driver:\n  driverVersion: \"{version}\"\n  cudaDriverVersion: \"12.4\"\n  nvmlVersion: \"12.{version}\"\ngpus:\n"
+    );
+    for (index, uuid) in uuids.iter().enumerate() {
+        text.push_str(&format!(
+            "  - {{index: {index}, uuid: {uuid}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:{:02X}:00.0\", minorNumber: {index}, migMode: Disabled}}\n",
+            0x18 + 0x12 * index
+        ));
+    }
+    let path = dir.join("gpus.yaml");
+    std::fs::write(&path, text).expect("write the fake GPU file");
+    path
+}
+
+/// Runs the node agent in-process for `node`, on the fake GPUs and the fake kubelet's
+/// socket, until the returned sender fires.
+fn start_agent(
+    env: &Env,
+    node: &str,
+    fake: std::path::PathBuf,
+    socket: &std::path::Path,
+    dir: &std::path::Path,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let mut config = gpuwarden_node_agent::Config::new(node);
+    config.fake = Some(fake);
+    config.pod_resources_socket = socket.to_path_buf();
+    config.host_root = dir.to_path_buf();
+    config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    config.poll_interval = Duration::from_secs(2);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = env.client();
+    let task = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
+            eprintln!("node agent stopped: {e}");
+        }
+    });
+    (stop, task)
+}
+
 async fn gpunode(env: &Env, name: &str, timeout: Duration) -> Option<GpuNode> {
     let api: Api<GpuNode> = Api::all(env.client());
     wait_for(timeout, || {
@@ -964,15 +1011,7 @@ async fn agent_reports_status_and_bindings_then_goes_silent() {
         "GPU-66666666-7777-8888-9999-000000000000",
     ];
     let dir = tempfile::tempdir().expect("tempdir");
-    let fake = dir.path().join("gpus.yaml");
-    std::fs::write(
-        &fake,
-        format!(
-            "driver:\n  driverVersion: \"550.90.07\"\n  cudaDriverVersion: \"12.4\"\n  nvmlVersion: \"12.550.90.07\"\ngpus:\n  - {{index: 0, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:18:00.0\", minorNumber: 0, migMode: Disabled}}\n  - {{index: 1, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:2A:00.0\", minorNumber: 1, migMode: Disabled}}\n",
-            uuids[0], uuids[1]
-        ),
-    )
-    .expect("write the fake GPU file");
+    let fake = fake_gpus(dir.path(), "550.90.07", &uuids);
     let kubelet = FakeKubeletServer::start(
         &dir.path().join("kubelet.sock"),
         FakeKubelet {
@@ -994,22 +1033,7 @@ async fn agent_reports_status_and_bindings_then_goes_silent() {
     .await
     .expect("start the fake kubelet");
 
-    let mut config = gpuwarden_node_agent::Config::new(&node_name);
-    config.fake = Some(fake);
-    config.pod_resources_socket = kubelet.socket().to_path_buf();
-    config.host_root = dir.path().to_path_buf();
-    config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    config.poll_interval = Duration::from_secs(2);
-    let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
-    let client = env.client();
-    let agent = tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = agent_stopped.await;
-        };
-        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
-            eprintln!("node agent stopped: {e}");
-        }
-    });
+    let (stop_agent, agent) = start_agent(&env, &node_name, fake, kubelet.socket(), dir.path());
 
     let api: Api<GpuNode> = Api::all(env.client());
     let pod_uid = pod.metadata.uid.clone().expect("uid");
@@ -1673,15 +1697,7 @@ async fn resource_claim_mode_on_a_real_server() {
         "GPU-66666666-7777-8888-9999-000000000000",
     ];
     let dir = tempfile::tempdir().expect("tempdir");
-    let fake = dir.path().join("gpus.yaml");
-    std::fs::write(
-        &fake,
-        format!(
-            "driver:\n  driverVersion: \"580.65.06\"\n  cudaDriverVersion: \"13.0\"\n  nvmlVersion: \"13.580.65.06\"\ngpus:\n  - {{index: 0, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:18:00.0\", minorNumber: 0, migMode: Disabled}}\n  - {{index: 1, uuid: {}, model: NVIDIA H100 80GB HBM3, memoryMiB: 81559, pciBusId: \"00000000:2A:00.0\", minorNumber: 1, migMode: Disabled}}\n",
-            uuids[0], uuids[1]
-        ),
-    )
-    .expect("write the fake GPU file");
+    let fake = fake_gpus(dir.path(), "580.65.06", &uuids);
     let claim_name = claim.name_any();
     let dynamic = DynamicResource {
         claim_name: claim_name.clone(),
@@ -1716,22 +1732,7 @@ async fn resource_claim_mode_on_a_real_server() {
     )
     .await
     .expect("start the fake kubelet");
-    let mut config = gpuwarden_node_agent::Config::new(&node_name);
-    config.fake = Some(fake);
-    config.pod_resources_socket = kubelet.socket().to_path_buf();
-    config.host_root = dir.path().to_path_buf();
-    config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    config.poll_interval = Duration::from_secs(2);
-    let (stop_agent, agent_stopped) = tokio::sync::oneshot::channel::<()>();
-    let client = env.client();
-    let agent = tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = agent_stopped.await;
-        };
-        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
-            eprintln!("node agent stopped: {e}");
-        }
-    });
+    let (stop_agent, agent) = start_agent(&env, &node_name, fake, kubelet.socket(), dir.path());
     let gpunodes: Api<GpuNode> = Api::all(env.client());
     let expected_claim = format!("{ns}/{claim_name}");
     let bound = wait_for(Duration::from_secs(90), || {
