@@ -777,6 +777,25 @@ async fn fake_node(env: &Env, suffix: &str, labels: Value, gpus: u32) -> Node {
     api.get(&name).await.expect("node")
 }
 
+/// A fake GPU node (labelled `nvidia.com/gpu.present`) for an in-process agent; its GpuNode
+/// and agent Lease are deleted with the test's other objects.
+async fn agent_node(env: &Env, suffix: &str, gpus: u32) -> String {
+    let node = fake_node(
+        env,
+        suffix,
+        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
+        gpus,
+    )
+    .await;
+    let name = node.name_any();
+    env.cleanup.own_typed::<GpuNode>(None, &name);
+    env.cleanup.own_typed::<Lease>(
+        Some(gpuwarden_crds::AGENT_LEASE_NAMESPACE),
+        &gpuwarden_crds::agent_lease_name(&name),
+    );
+    name
+}
+
 /// Runs the operator in-process (no leader election, certificates left alone) until the
 /// returned sender fires.
 fn start_operator(
@@ -973,19 +992,7 @@ async fn agent_reports_status_and_bindings_then_goes_silent() {
     let env = Env::new().await;
     env.system_namespace().await;
     let ns = env.namespace("agent").await;
-    let node = fake_node(
-        &env,
-        "agent",
-        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
-        2,
-    )
-    .await;
-    let node_name = node.name_any();
-    env.cleanup.own_typed::<GpuNode>(None, &node_name);
-    env.cleanup.own_typed::<Lease>(
-        Some(gpuwarden_crds::AGENT_LEASE_NAMESPACE),
-        &gpuwarden_crds::agent_lease_name(&node_name),
-    );
+    let node_name = agent_node(&env, "agent", 2).await;
     let (stop_operator, operator) = start_operator(&env);
 
     // A pod bound to the fake node (no scheduler, no kubelet: it stays Pending).
@@ -1555,19 +1562,7 @@ async fn resource_claim_mode_on_a_real_server() {
         ("gpu.nvidia.com", Some(2))
     );
 
-    let node = fake_node(
-        &env,
-        "dra",
-        json!({gpuwarden_crds::LABEL_GPU_PRESENT: "true"}),
-        0,
-    )
-    .await;
-    let node_name = node.name_any();
-    env.cleanup.own_typed::<GpuNode>(None, &node_name);
-    env.cleanup.own_typed::<Lease>(
-        Some(gpuwarden_crds::AGENT_LEASE_NAMESPACE),
-        &gpuwarden_crds::agent_lease_name(&node_name),
-    );
+    let node_name = agent_node(&env, "dra", 0).await;
 
     let (webhook, _) = env.webhook().await;
     let container = |name: &str, visible: &str| {
