@@ -254,6 +254,27 @@ async fn dra_served(client: &kube::Client, shutdown: &Shutdown) -> Option<bool> 
     }
 }
 
+/// How long readiness waits for the DRA caches.
+const CLAIM_SYNC_GRACE: Duration = Duration::from_secs(30);
+
+/// Raises `synced` (and the metric) once both DRA caches hold a complete list.
+async fn sync_claims(
+    claims: Store<ResourceClaim>,
+    templates: Store<ResourceClaimTemplate>,
+    synced: SyncFlag,
+    metrics: Arc<Metrics>,
+) {
+    if claims.wait_until_ready().await.is_ok() && templates.wait_until_ready().await.is_ok() {
+        synced.set(true);
+        metrics.set_cache_synced("resourceclaims", true);
+        tracing::info!(
+            claims = claims.len(),
+            templates = templates.len(),
+            "ResourceClaim caches synced"
+        );
+    }
+}
+
 /// Starts the ResourceClaim and ResourceClaimTemplate caches, keeping only what the engine
 /// reads: their device requests.
 fn watch_claims(client: kube::Client, shutdown: &Shutdown) -> ClaimCaches {
@@ -406,15 +427,19 @@ impl ReflectorCache {
                     } = caches
                     {
                         metrics.set_cache_synced("resourceclaims", false);
-                        if claims.wait_until_ready().await.is_ok()
-                            && templates.wait_until_ready().await.is_ok()
-                        {
-                            synced.set(true);
-                            metrics.set_cache_synced("resourceclaims", true);
-                            tracing::info!(
-                                claims = claims.len(),
-                                templates = templates.len(),
-                                "ResourceClaim caches synced"
+                        let sync = tokio::spawn(sync_claims(
+                            claims.clone(),
+                            templates.clone(),
+                            synced.clone(),
+                            metrics.clone(),
+                        ));
+                        // Readiness waits a while for the optional DRA caches, not for ever:
+                        // without them (RBAC not yet updated, say) claims are unknown, and
+                        // the reviews that need them say so.
+                        if tokio::time::timeout(CLAIM_SYNC_GRACE, sync).await.is_err() {
+                            tracing::warn!(
+                                grace = ?CLAIM_SYNC_GRACE,
+                                "the ResourceClaim caches have not synced; ready without them until they do (check the webhook's RBAC for resource.k8s.io)"
                             );
                         }
                     }

@@ -54,6 +54,17 @@ fn namespace_list() -> serde_json::Value {
     })
 }
 
+/// What the mock says of `resource.k8s.io/v1`.
+#[derive(Clone, Copy, PartialEq)]
+enum Dra {
+    /// Served, with the lists of [`dra_list`].
+    Served,
+    /// Served, but the webhook may not list it (RBAC not updated).
+    Forbidden,
+    /// Not served.
+    NotServed,
+}
+
 /// The DRA lists: a GPU claim and a template of `gpu.nvidia.com`, a NIC claim.
 fn dra_list(kind: &str) -> serde_json::Value {
     let request = |class: &str| json!({"name": "r", "exactly": {"deviceClassName": class}});
@@ -81,7 +92,7 @@ async fn serve_api(
     mut handle: ApiHandle,
     answer_policies: tokio::sync::watch::Receiver<bool>,
     seen: Arc<std::sync::Mutex<Vec<String>>>,
-    dra: bool,
+    dra: Dra,
 ) {
     let mut held: Vec<SendResponse<Response<Body>>> = Vec::new();
     let mut pending_policy_list: Option<SendResponse<Response<Body>>> = None;
@@ -111,7 +122,7 @@ async fn serve_api(
                     assert!(accept.contains("as=PartialObjectMetadataList"), "namespaces must be watched as metadata only: {accept}");
                     send.send_response(json_response(namespace_list()));
                 } else if uri == "/apis/resource.k8s.io/v1" {
-                    send.send_response(if dra {
+                    send.send_response(if dra != Dra::NotServed {
                         let resources = ["resourceclaims", "resourceclaimtemplates", "deviceclasses"].map(|name| json!({
                             "name": name, "singularName": "", "namespaced": name != "deviceclasses",
                             "kind": "x", "verbs": ["list", "watch"]
@@ -130,9 +141,20 @@ async fn serve_api(
                             })).unwrap()))
                             .unwrap()
                     });
-                } else if dra && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaims?") {
+                } else if dra == Dra::Forbidden && uri.starts_with("/apis/resource.k8s.io/v1/") {
+                    send.send_response(
+                        Response::builder()
+                            .status(403)
+                            .header("content-type", "application/json")
+                            .body(Body::from(serde_json::to_vec(&json!({
+                                "kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                "reason": "Forbidden", "code": 403, "message": "forbidden"
+                            })).unwrap()))
+                            .unwrap(),
+                    );
+                } else if dra == Dra::Served && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaims?") {
                     send.send_response(json_response(dra_list("ResourceClaimList")));
-                } else if dra && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaimtemplates?") {
+                } else if dra == Dra::Served && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaimtemplates?") {
                     send.send_response(json_response(dra_list("ResourceClaimTemplateList")));
                 } else {
                     panic!("unexpected request {uri}");
@@ -156,7 +178,12 @@ async fn caches_sync_from_lists_and_answer_from_memory() {
     let client = kube::Client::new(service, "default");
     let (release_policies, answer_policies) = tokio::sync::watch::channel(false);
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    tokio::spawn(serve_api(handle, answer_policies, seen.clone(), true));
+    tokio::spawn(serve_api(
+        handle,
+        answer_policies,
+        seen.clone(),
+        Dra::Served,
+    ));
 
     let metrics = Arc::new(Metrics::new());
     let synced = SyncFlag::new();
@@ -252,7 +279,12 @@ async fn without_dra_the_caches_sync_and_claims_are_unknown() {
     let client = kube::Client::new(service, "default");
     let (_release, answer_policies) = tokio::sync::watch::channel(true);
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    tokio::spawn(serve_api(handle, answer_policies, seen.clone(), false));
+    tokio::spawn(serve_api(
+        handle,
+        answer_policies,
+        seen.clone(),
+        Dra::NotServed,
+    ));
     let synced = SyncFlag::new();
     let (trigger, shutdown) = shutdown_channel();
     let cache = ReflectorCache::start(client, Arc::new(Metrics::new()), synced.clone(), shutdown);
@@ -272,6 +304,43 @@ async fn without_dra_the_caches_sync_and_claims_are_unknown() {
     assert!(
         !requests.iter().any(|uri| uri.contains("resourceclaims")),
         "{requests:?}"
+    );
+    trigger.trigger();
+}
+
+#[tokio::test(start_paused = true)]
+async fn dra_caches_that_never_sync_hold_readiness_only_for_a_while() {
+    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let client = kube::Client::new(service, "default");
+    let (_release, answer_policies) = tokio::sync::watch::channel(true);
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    tokio::spawn(serve_api(
+        handle,
+        answer_policies,
+        seen.clone(),
+        Dra::Forbidden,
+    ));
+    let metrics = Arc::new(Metrics::new());
+    let synced = SyncFlag::new();
+    let (trigger, shutdown) = shutdown_channel();
+    let cache = ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(!synced.get(), "ready before the grace ran out");
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert!(
+        synced.get(),
+        "the forbidden DRA caches held readiness past the grace"
+    );
+    let lookup = cache.claims().lookup(ClaimSource::Claim, "ml", "gpu");
+    assert!(
+        matches!(&lookup, ClaimLookup::Unknown(why) if why.contains("not synced")),
+        "{lookup:?}"
+    );
+    assert!(
+        metrics
+            .encode()
+            .unwrap()
+            .contains(r#"gpuwarden_webhook_cache_synced{cache="resourceclaims"} 0"#)
     );
     trigger.trigger();
 }
