@@ -18,13 +18,13 @@ fn mutate_the_examples_like_the_readme_says() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(
-        stderr.contains("6 objects: 1 exempt, 4 rewritten, 1 unchanged"),
+        stderr.contains("8 objects: 1 exempt, 1 passed through, 5 rewritten, 1 unchanged"),
         "{stderr}"
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         stdout.matches("\n---\n").count() + usize::from(stdout.starts_with("---\n")),
-        6
+        8
     );
 
     let out = gpuwarden_webhook()
