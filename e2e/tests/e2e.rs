@@ -1656,6 +1656,15 @@ async fn resource_claim_mode_on_a_real_server() {
         Some("Pending"),
         "no driver, no kubelet: it waits"
     );
+    let allocated = claims
+        .get(&claim.name_any())
+        .await
+        .expect("the claim")
+        .status;
+    assert!(
+        allocated.and_then(|s| s.allocation).is_none(),
+        "no DRA driver publishes devices here, so nothing can be allocated"
+    );
 
     // A template the namespace lacks is a denial naming it; the operator puts it back.
     let _ = stop_operator.send(());
