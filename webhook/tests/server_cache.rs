@@ -172,23 +172,47 @@ async fn serve_api(
     }
 }
 
-#[tokio::test]
-async fn caches_sync_from_lists_and_answer_from_memory() {
+/// A cache started against the mock: what it serves of DRA as `dra` says; the GpuPolicy list
+/// held back until `release_policies` says true, unless `policies_at_once`.
+struct Started {
+    cache: ReflectorCache,
+    synced: SyncFlag,
+    metrics: Arc<Metrics>,
+    seen: Arc<std::sync::Mutex<Vec<String>>>,
+    release_policies: tokio::sync::watch::Sender<bool>,
+    trigger: gpuwarden_webhook::shutdown::ShutdownTrigger,
+}
+
+fn start(policies_at_once: bool, dra: Dra) -> Started {
     let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     let client = kube::Client::new(service, "default");
-    let (release_policies, answer_policies) = tokio::sync::watch::channel(false);
+    let (release_policies, answer_policies) = tokio::sync::watch::channel(policies_at_once);
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    tokio::spawn(serve_api(
-        handle,
-        answer_policies,
-        seen.clone(),
-        Dra::Served,
-    ));
-
+    tokio::spawn(serve_api(handle, answer_policies, seen.clone(), dra));
     let metrics = Arc::new(Metrics::new());
     let synced = SyncFlag::new();
     let (trigger, shutdown) = shutdown_channel();
     let cache = ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown);
+    Started {
+        cache,
+        synced,
+        metrics,
+        seen,
+        release_policies,
+        trigger,
+    }
+}
+
+#[tokio::test]
+async fn caches_sync_from_lists_and_answer_from_memory() {
+    let Started {
+        cache,
+        synced,
+        metrics,
+        seen,
+        release_policies,
+        trigger,
+    } = start(false, Dra::Served);
 
     // Namespaces are listed, policies are not yet: not synced.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -275,19 +299,14 @@ async fn caches_sync_from_lists_and_answer_from_memory() {
 
 #[tokio::test]
 async fn without_dra_the_caches_sync_and_claims_are_unknown() {
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let client = kube::Client::new(service, "default");
-    let (_release, answer_policies) = tokio::sync::watch::channel(true);
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    tokio::spawn(serve_api(
-        handle,
-        answer_policies,
-        seen.clone(),
-        Dra::NotServed,
-    ));
-    let synced = SyncFlag::new();
-    let (trigger, shutdown) = shutdown_channel();
-    let cache = ReflectorCache::start(client, Arc::new(Metrics::new()), synced.clone(), shutdown);
+    let Started {
+        cache,
+        synced,
+        seen,
+        release_policies: _release,
+        trigger,
+        ..
+    } = start(true, Dra::NotServed);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     while !synced.get() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -310,20 +329,14 @@ async fn without_dra_the_caches_sync_and_claims_are_unknown() {
 
 #[tokio::test(start_paused = true)]
 async fn dra_caches_that_never_sync_hold_readiness_only_for_a_while() {
-    let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let client = kube::Client::new(service, "default");
-    let (_release, answer_policies) = tokio::sync::watch::channel(true);
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    tokio::spawn(serve_api(
-        handle,
-        answer_policies,
-        seen.clone(),
-        Dra::Forbidden,
-    ));
-    let metrics = Arc::new(Metrics::new());
-    let synced = SyncFlag::new();
-    let (trigger, shutdown) = shutdown_channel();
-    let cache = ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown);
+    let Started {
+        cache,
+        synced,
+        metrics,
+        release_policies: _release,
+        trigger,
+        ..
+    } = start(true, Dra::Forbidden);
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert!(!synced.get(), "ready before the grace ran out");
     tokio::time::sleep(Duration::from_secs(15)).await;
