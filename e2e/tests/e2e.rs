@@ -808,17 +808,25 @@ fn start_operator(
     config.leader_election = false;
     config.manage_webhook_certificates = false;
     config.health_listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (tx, shutdown) = stoppable();
     let client = env.client();
     let task = tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = rx.await;
-        };
         if let Err(e) = gpuwarden_operator::run(config, client, shutdown).await {
             eprintln!("operator stopped: {e}");
         }
     });
     (tx, task)
+}
+
+/// A sender, and the shutdown future it resolves.
+fn stoppable() -> (
+    tokio::sync::oneshot::Sender<()>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
 }
 
 /// A fake GPU file in `dir`: H100s with these UUIDs, indices in order, on driver `version`.
@@ -855,12 +863,9 @@ fn start_agent(
     config.host_root = dir.to_path_buf();
     config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     config.poll_interval = Duration::from_secs(2);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop, shutdown) = stoppable();
     let client = env.client();
     let task = tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = stopped.await;
-        };
         if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
             eprintln!("node agent stopped: {e}");
         }

@@ -25,6 +25,14 @@ fn json_response(value: serde_json::Value) -> Response<Body> {
         .unwrap()
 }
 
+/// A failure `Status` answer.
+fn failure(code: u16, reason: &str) -> Response<Body> {
+    let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "code": code});
+    let mut response = json_response(status);
+    *response.status_mut() = http::StatusCode::from_u16(code).unwrap();
+    response
+}
+
 fn policy_list() -> serde_json::Value {
     let mut policy = serde_json::to_value(gpuwarden_crds::GpuPolicy::default_policy()).unwrap();
     policy["metadata"]["resourceVersion"] = json!("11");
@@ -132,26 +140,10 @@ async fn serve_api(
                             "resources": resources.to_vec()
                         }))
                     } else {
-                        Response::builder()
-                            .status(404)
-                            .header("content-type", "application/json")
-                            .body(Body::from(serde_json::to_vec(&json!({
-                                "kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                "reason": "NotFound", "code": 404, "message": "the server could not find the requested resource"
-                            })).unwrap()))
-                            .unwrap()
+                        failure(404, "NotFound")
                     });
                 } else if dra == Dra::Forbidden && uri.starts_with("/apis/resource.k8s.io/v1/") {
-                    send.send_response(
-                        Response::builder()
-                            .status(403)
-                            .header("content-type", "application/json")
-                            .body(Body::from(serde_json::to_vec(&json!({
-                                "kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                "reason": "Forbidden", "code": 403, "message": "forbidden"
-                            })).unwrap()))
-                            .unwrap(),
-                    );
+                    send.send_response(failure(403, "Forbidden"));
                 } else if dra == Dra::Served && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaims?") {
                     send.send_response(json_response(dra_list("ResourceClaimList")));
                 } else if dra == Dra::Served && uri.starts_with("/apis/resource.k8s.io/v1/resourceclaimtemplates?") {
