@@ -26,6 +26,13 @@ pub fn template_name(class: &str, count: u32) -> String {
     format!("{TEMPLATE_PREFIX}{class}-{count}")
 }
 
+/// The device class and count a [`template_name`] names, or `None` for any other name.
+pub fn template_parts(name: &str) -> Option<(&str, u32)> {
+    let (class, count) = name.strip_prefix(TEMPLATE_PREFIX)?.rsplit_once('-')?;
+    let count = count.parse().ok().filter(|n| *n > 0)?;
+    (!class.is_empty()).then_some((class, count))
+}
+
 /// Whether claims of `class` hand out GPUs: one of the NVIDIA DRA driver's GPU classes, or
 /// the governing policy's `gpu.deviceClassName`.
 pub fn is_gpu_device_class(class: &str, policy_class: &str) -> bool {
@@ -59,6 +66,20 @@ mod tests {
         );
         let longest = template_name(&"a".repeat(crate::policy::DEVICE_CLASS_LEN), 64);
         assert!(longest.len() <= 253, "{}", longest.len());
+        for (class, count) in [("gpu.nvidia.com", 2), ("a-b.example.com", 64)] {
+            assert_eq!(
+                template_parts(&template_name(class, count)),
+                Some((class, count))
+            );
+        }
+        for other in [
+            "gpuwarden-gpu.nvidia.com-0",
+            "gpuwarden--1",
+            "gpuwarden-x",
+            "one-h100-1",
+        ] {
+            assert_eq!(template_parts(other), None, "{other}");
+        }
     }
 
     #[test]

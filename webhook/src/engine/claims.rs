@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use gpuwarden_crds::claims::{self, TEMPLATE_PREFIX};
+use gpuwarden_crds::claims;
 use k8s_openapi::api::resource::v1::ResourceClaimSpec;
 
 /// Which object a pod `resourceClaims` entry stands for.
@@ -69,7 +69,7 @@ impl Claims for NoClaims {
 /// ([`ClaimStore::offline`]).
 #[derive(Clone, Debug, Default)]
 pub struct ClaimStore {
-    objects: BTreeMap<(ClaimSource, String, String), Vec<String>>,
+    objects: BTreeMap<(ClaimSource, String, String), ClaimLookup>,
     offline: bool,
 }
 
@@ -96,27 +96,23 @@ impl ClaimStore {
         name: &str,
         spec: &ResourceClaimSpec,
     ) {
-        let classes = claims::device_classes(spec).map(str::to_owned).collect();
-        (self.objects).insert((source, namespace.to_owned(), name.to_owned()), classes);
+        let key = (source, namespace.to_owned(), name.to_owned());
+        self.objects.insert(key, ClaimLookup::of(spec));
     }
 }
 
 impl Claims for ClaimStore {
     fn lookup(&self, source: ClaimSource, namespace: &str, name: &str) -> ClaimLookup {
         let key = (source, namespace.to_owned(), name.to_owned());
-        if let Some(classes) = self.objects.get(&key) {
-            return ClaimLookup::Found(classes.clone());
+        if let Some(found) = self.objects.get(&key) {
+            return found.clone();
         }
         if !self.offline {
             return ClaimLookup::Missing;
         }
-        // `gpuwarden-<class>-<count>`, as the operator writes it.
         let own = (source == ClaimSource::Template)
-            .then(|| name.strip_prefix(TEMPLATE_PREFIX)?.rsplit_once('-'))
-            .flatten()
-            .filter(|(class, count)| {
-                !class.is_empty() && count.parse::<u32>().is_ok_and(|n| n > 0)
-            });
+            .then(|| claims::template_parts(name))
+            .flatten();
         match own {
             Some((class, _)) => ClaimLookup::Found(vec![class.to_owned()]),
             None => ClaimLookup::Unknown(Cow::Borrowed("not in the manifest")),

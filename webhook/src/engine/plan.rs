@@ -247,8 +247,9 @@ pub(super) fn plan_pod<'a>(
         |name| !strip.contains(&name),
     );
     let mut counts = gpu_counts(&facts, policy, &mut plan.denials).into_iter();
-    // Per container (by its index in `facts`), the claim it holds, for those that share it.
-    let mut held: Vec<Option<usize>> = vec![None; facts.containers.len()];
+    // Per container (by its index in `facts`), the claim it holds and where its count came
+    // from, for those that share it.
+    let mut held: Vec<Option<(usize, CountFrom<'a>)>> = vec![None; facts.containers.len()];
     let taken: Vec<&str> = (pod.resource_claims().iter())
         .filter_map(|c| c.name.as_deref())
         .collect();
@@ -296,7 +297,7 @@ pub(super) fn plan_pod<'a>(
                     match claim_count(&limit, spec.gpu.request_as) {
                         Some(n) => {
                             let index = add_claim(&mut plan, &taken, input, policy, n);
-                            held[i] = Some(index);
+                            held[i] = Some((index, limit.from));
                             p.claim = Some(ClaimUse {
                                 index,
                                 from: limit.from,
@@ -308,17 +309,12 @@ pub(super) fn plan_pod<'a>(
                     true
                 }
                 Some(Count::Share(first)) => {
-                    let holder = &facts.containers[first];
                     // The holder always has its claim: a count it was denied never shares.
-                    if let Some(index) = held[first] {
-                        let from = (plan.containers.iter())
-                            .find(|p| p.at == holder.at)
-                            .and_then(|p| p.claim.as_ref())
-                            .map_or(CountFrom::VisibleAll, |c| c.from);
+                    if let Some((index, from)) = held[first] {
                         p.claim = Some(ClaimUse {
                             index,
                             from,
-                            shared_with: Some(holder.name),
+                            shared_with: Some(facts.containers[first].name),
                         });
                     }
                     true
