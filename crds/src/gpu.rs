@@ -59,6 +59,113 @@ pub fn is_gpu_resource(name: &str) -> bool {
     name == RESOURCE_GPU || name == RESOURCE_GPU_SHARED || name.starts_with(RESOURCE_MIG_PREFIX)
 }
 
+/// The resource NVIDIA's sandbox (KubeVirt) device plugin advertises passthrough GPUs as when
+/// it is given the alias `pgpu`.
+pub const RESOURCE_PASSTHROUGH_ALIAS: &str = "nvidia.com/pgpu";
+
+/// Whether `name` is a GPU that NVIDIA's sandbox device plugin hands out whole to a VM
+/// (KubeVirt, Kata, confidential containers): `nvidia.com/pgpu`, or `nvidia.com/` followed
+/// by the upper-case device name it reads from the PCI database (`nvidia.com/GH100_H100_PCIE`)
+/// or a vGPU type (`nvidia.com/NVIDIA_A10-12Q`). NVIDIA's other resources under
+/// `nvidia.com/` (the GPU, MIG and network operators' names) are lower case.
+pub fn is_passthrough_resource(name: &str) -> bool {
+    name == RESOURCE_PASSTHROUGH_ALIAS
+        || name
+            .strip_prefix("nvidia.com/")
+            .is_some_and(|rest| rest.starts_with(|c: char| c.is_ascii_uppercase()))
+}
+
+/// The CDI device kind of a passthrough GPU (`nvidia.com/pgpu=0`): the Kata runtime hands it
+/// to the pod's VM. The NVIDIA container toolkit on the host names its devices
+/// `nvidia.com/gpu=...` and never reads this kind.
+pub const CDI_PASSTHROUGH_PREFIX: &str = "nvidia.com/pgpu=";
+
+/// Whether a `cdi.k8s.io/*` annotation value names passthrough GPUs only: every
+/// comma-separated device is of the [`CDI_PASSTHROUGH_PREFIX`] kind.
+pub fn is_passthrough_cdi(value: &str) -> bool {
+    value
+        .split(',')
+        .all(|d| d.starts_with(CDI_PASSTHROUGH_PREFIX))
+}
+
+/// A host device an unprivileged container cannot open, whatever it mounts: the device
+/// cgroup lets through only the devices the kubelet allocated (and a few terminals).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostDevice {
+    /// The device, or the directory of devices, as the host names it.
+    pub path: &'static str,
+    /// What it is, for messages.
+    pub what: &'static str,
+    /// The extended resources of device plugins that hand a container this device (globs).
+    pub resources: &'static [&'static str],
+}
+
+/// The host devices a de-privileged container cannot open (docs/design.md, "Do no harm").
+/// `/dev/infiniband` takes its resources from the policy's `rdmaResources` too; `/dev/vfio`
+/// from the passthrough GPU resources ([`is_passthrough_resource`]).
+pub const HOST_DEVICES: &[HostDevice] = &[
+    HostDevice {
+        path: "/dev/infiniband",
+        what: "RDMA devices",
+        resources: &[],
+    },
+    HostDevice {
+        path: "/dev/vfio",
+        what: "VFIO passthrough devices",
+        resources: &[],
+    },
+    HostDevice {
+        path: "/dev/kvm",
+        what: "KVM",
+        resources: &["devices.kubevirt.io/kvm"],
+    },
+    HostDevice {
+        path: "/dev/net/tun",
+        what: "TUN/TAP",
+        resources: &["devices.kubevirt.io/tun"],
+    },
+    HostDevice {
+        path: "/dev/vhost-net",
+        what: "vhost-net",
+        resources: &["devices.kubevirt.io/vhost-net"],
+    },
+    HostDevice {
+        path: "/dev/fuse",
+        what: "FUSE",
+        resources: &[],
+    },
+];
+
+/// What the whole host `/dev` (or a directory above one of [`HOST_DEVICES`]) is to messages:
+/// no device plugin hands it out.
+pub const HOST_DEV_TREE: HostDevice = HostDevice {
+    path: "/dev",
+    what: "every host device",
+    resources: &[],
+};
+
+/// The host device an unprivileged container cannot open that a hostPath (cleaned
+/// lexically) reaches: one of [`HOST_DEVICES`] or a path under it, or [`HOST_DEV_TREE`] for
+/// a directory that holds one of them (`/dev`, `/dev/net`).
+pub fn host_device(path: &str) -> Option<HostDevice> {
+    let clean;
+    let path = if is_clean(path) {
+        path
+    } else {
+        clean = clean_path(path);
+        &clean
+    };
+    let under = |parent: &str, child: &str| {
+        child
+            .strip_prefix(parent)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    };
+    if let Some(device) = HOST_DEVICES.iter().find(|d| under(d.path, path)) {
+        return Some(*device);
+    }
+    (path != "/" && HOST_DEVICES.iter().any(|d| under(path, d.path))).then_some(HOST_DEV_TREE)
+}
+
 /// How a container's `NVIDIA_VISIBLE_DEVICES` reads.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum VisibleDevices {
@@ -238,6 +345,8 @@ pub struct Rules<'p> {
     pub taints: &'p [String],
     /// `match.gpuImages`: globs.
     pub images: &'p [String],
+    /// `match.gpuResources`: more GPU resources (globs).
+    pub resources: &'p [String],
     /// `gpu.deviceClassName`: one more GPU DeviceClass.
     pub device_class: &'p str,
 }
@@ -253,6 +362,7 @@ impl Default for Rules<'_> {
             node_labels: &[],
             taints: &[],
             images: &[],
+            resources: &[],
             device_class: crate::claims::DEVICE_CLASS_GPU,
         }
     }
@@ -269,6 +379,7 @@ impl<'p> Rules<'p> {
             node_labels: &policy.spec.match_.gpu_node_labels,
             taints: &policy.spec.match_.gpu_taints,
             images: &policy.spec.match_.gpu_images,
+            resources: &policy.spec.match_.gpu_resources,
             device_class: &policy.spec.gpu.device_class_name,
         }
     }
@@ -293,9 +404,13 @@ impl<'p> Rules<'p> {
         Some(Hint::Toleration(key))
     }
 
-    /// Whether `name` is a GPU resource under these rules.
+    /// Whether `name` is a GPU resource under these rules: NVIDIA's GPU and passthrough
+    /// resources, `gpu.resourceName` and `match.gpuResources`.
     pub fn is_gpu_resource(&self, name: &str) -> bool {
-        is_gpu_resource(name) || name == self.resource
+        is_gpu_resource(name)
+            || name == self.resource
+            || is_passthrough_resource(name)
+            || (self.resources.iter()).any(|p| crate::exemptions::glob_match(p, name))
     }
 }
 
@@ -332,7 +447,8 @@ pub struct PodSignals<'a> {
     /// Device volumes, (name, path) sorted by name, each name once: the last of a repeated
     /// name wins, as in the kubelet's map of volumes.
     device_volumes: Vec<(&'a str, &'a str)>,
-    /// The `cdi.k8s.io/*` annotation keys, in order.
+    /// The `cdi.k8s.io/*` annotation keys the rewrite removes, in order: all but those that
+    /// name the passthrough GPUs the pod holds.
     cdi_keys: Vec<&'a str>,
     /// Whether one of them names an NVIDIA device.
     cdi_nvidia: bool,
@@ -349,10 +465,14 @@ pub struct PodSignals<'a> {
 
 impl<'a> PodSignals<'a> {
     /// Reads `spec.volumes` as (name, hostPath path) and `metadata.annotations` as
-    /// (key, string value).
+    /// (key, string value). `passthrough` says whether a container of the pod holds a
+    /// passthrough GPU resource ([`is_passthrough_resource`]): then a CDI annotation that
+    /// names only passthrough GPUs ([`is_passthrough_cdi`]) names the GPU the pod holds,
+    /// which the Kata runtime hands its VM; it is no signal, and it stays.
     pub fn read(
         volumes: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
         annotations: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+        passthrough: bool,
     ) -> Self {
         let mut signals = Self::default();
         for (name, path) in volumes {
@@ -367,6 +487,9 @@ impl<'a> PodSignals<'a> {
         }
         for (key, value) in annotations {
             if key.starts_with(CDI_ANNOTATION_PREFIX) {
+                if passthrough && value.is_some_and(is_passthrough_cdi) {
+                    continue;
+                }
                 signals.cdi_keys.push(key);
                 signals.cdi_nvidia |= value.is_some_and(|v| v.contains("nvidia.com/"));
             }
@@ -423,7 +546,7 @@ impl<'a> PodSignals<'a> {
         self.device_volumes.iter().map(|(name, _)| *name)
     }
 
-    /// The `cdi.k8s.io/*` annotation keys.
+    /// The `cdi.k8s.io/*` annotation keys the rewrite removes (`stripCdiAnnotations`).
     pub fn cdi_keys(&self) -> &[&'a str] {
         &self.cdi_keys
     }
@@ -583,6 +706,11 @@ pub fn signals<'c, C: ContainerSpec>(
     }
 }
 
+/// Whether a container has a limit or request on a passthrough GPU resource.
+pub fn holds_passthrough<C: ContainerSpec>(container: &C) -> bool {
+    (container.limit_names().chain(container.request_names())).any(is_passthrough_resource)
+}
+
 /// Where a rewritten container's GPU count came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CountFrom<'a> {
@@ -602,11 +730,26 @@ pub enum CountFrom<'a> {
     VisibleAll,
     /// The IDs in `NVIDIA_VISIBLE_DEVICES`, as written.
     Visible(&'a str),
-    /// The devices named by mounts under [`DEVICE_LIST_ROOT`] (`all`: the policy's default).
+    /// The devices named by mounts under [`DEVICE_LIST_ROOT`].
     DeviceList,
+    /// A mount of [`DEVICE_LIST_ROOT`] itself or of its `all`, counted as the policy's
+    /// default.
+    DeviceListAll,
     /// Nothing said how many: the policy's default, and the signal that made it a GPU
     /// container.
     PolicyDefault(Because<'a>),
+}
+
+impl CountFrom<'_> {
+    /// Whether the pod asked for this many GPUs itself (a request, an annotation, the IDs
+    /// or devices it named), rather than being given the policy's default because of what
+    /// it mounts, runs or where it runs.
+    pub fn asked_by_pod(&self) -> bool {
+        !matches!(
+            self,
+            Self::VisibleAll | Self::DeviceListAll | Self::PolicyDefault(_)
+        )
+    }
 }
 
 /// Why a container counted with the policy's default is a GPU container.
@@ -641,6 +784,10 @@ impl std::fmt::Display for CountFrom<'_> {
             Self::VisibleAll => write!(f, "{ENV_VISIBLE_DEVICES}=all, policy default"),
             Self::Visible(raw) => write!(f, "{ENV_VISIBLE_DEVICES}={raw}"),
             Self::DeviceList => write!(f, "device-list mounts under {DEVICE_LIST_ROOT}"),
+            Self::DeviceListAll => write!(
+                f,
+                "device-list mount of all GPUs under {DEVICE_LIST_ROOT}, policy default"
+            ),
             Self::PolicyDefault(because) => {
                 f.write_str("policy default")?;
                 match because {
@@ -686,7 +833,7 @@ pub fn signal_count<'a>(
     // The toolkit reads a device list from mounts before the environment.
     let (visible, all_from) = match signals.device_list {
         VisibleDevices::Devices(n) => return Ok((n, CountFrom::DeviceList)),
-        VisibleDevices::All => (&VisibleDevices::All, CountFrom::DeviceList),
+        VisibleDevices::All => (&VisibleDevices::All, CountFrom::DeviceListAll),
         _ => (&signals.visible, CountFrom::VisibleAll),
     };
     match visible {
@@ -790,6 +937,9 @@ impl<'a> PodSignals<'a> {
     /// The pod-level signals of an API `Pod`.
     pub fn of_pod(pod: &'a k8s_openapi::api::core::v1::Pod) -> Self {
         let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_ref());
+        let passthrough = (pod.spec.iter())
+            .flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers))
+            .any(holds_passthrough);
         Self::read(
             volumes.into_iter().flatten().map(|v| {
                 let path = v.host_path.as_ref().map(|h| h.path.as_str());
@@ -797,6 +947,7 @@ impl<'a> PodSignals<'a> {
             }),
             (pod.metadata.annotations.iter().flatten())
                 .map(|(k, v)| (k.as_str(), Some(v.as_str()))),
+            passthrough,
         )
         .placed(
             pod.spec

@@ -91,8 +91,21 @@ pub struct GpuPolicySpec {
     pub strip_device_host_paths: bool,
 
     /// Remove `cdi.k8s.io/*` pod annotations, which would otherwise inject devices through CDI.
+    /// An annotation naming only passthrough GPUs (`nvidia.com/pgpu=...`) in a pod that holds
+    /// one through the sandbox device plugin stays: the Kata runtime hands that GPU to the
+    /// pod's VM.
     #[serde(default = "default_true")]
     pub strip_cdi_annotations: bool,
+
+    /// Extended resources of RDMA device plugins (globs, `domain/name`): a container that
+    /// requests one is handed its `/dev/infiniband` devices by that plugin, so a
+    /// `/dev/infiniband` hostPath it mounts does not stop the rewrite. Without one, a
+    /// privileged container mounting `/dev/infiniband` is denied rather than de-privileged
+    /// into one that cannot open the HCA.
+    #[serde(default = "default_rdma_resources")]
+    #[x_kube(validation = Rule::new(RESOURCE_PATTERN_RULE).message(RESOURCE_PATTERN_MESSAGE))]
+    #[schemars(length(max = 16), inner(length(max = QUALIFIED_NAME_LEN)))]
+    pub rdma_resources: Vec<String>,
 
     /// What this policy never touches. Pods cannot exempt themselves.
     #[serde(default)]
@@ -127,7 +140,7 @@ impl std::fmt::Display for PolicyMode {
 }
 
 /// Which privileged containers are GPU containers.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct MatchSpec {
     /// `GpuSignals`: a privileged container counts when it shows a GPU signal (GPU limit,
@@ -164,6 +177,16 @@ pub struct MatchSpec {
     #[serde(default = "default_gpu_images")]
     #[schemars(length(max = 64), inner(length(max = IMAGE_LEN)))]
     pub gpu_images: Vec<String>,
+
+    /// Extended resources (globs, `domain/name`) that hand a container GPUs besides
+    /// `nvidia.com/gpu`, `nvidia.com/gpu.shared`, `nvidia.com/mig-*`, `gpu.resourceName` and
+    /// the passthrough GPUs of NVIDIA's sandbox device plugin (`nvidia.com/pgpu`,
+    /// `nvidia.com/<GPU model>`), e.g. a renamed time-slicing resource: a container holding
+    /// one is a GPU container and is given no `gpu.resourceName` on top.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = Rule::new(RESOURCE_PATTERN_RULE).message(RESOURCE_PATTERN_MESSAGE))]
+    #[schemars(length(max = 16), inner(length(max = QUALIFIED_NAME_LEN)))]
+    pub gpu_resources: Vec<String>,
 }
 
 impl Default for MatchSpec {
@@ -174,6 +197,7 @@ impl Default for MatchSpec {
             gpu_node_labels: default_gpu_node_labels(),
             gpu_taints: default_gpu_taints(),
             gpu_images: default_gpu_images(),
+            gpu_resources: Vec::new(),
         }
     }
 }
@@ -444,6 +468,52 @@ pub struct GpuPolicyStatus {
 /// Where the GPU Operator runs by default.
 pub const GPU_OPERATOR_NAMESPACE: &str = "gpu-operator";
 
+/// The namespaces NVIDIA's official installs put their node components in: the GPU Operator
+/// (`gpu-operator`; `nvidia-gpu-operator` through OLM on OpenShift), the standalone device
+/// plugin and GPU feature discovery charts, the DRA driver (before and after its rename) and
+/// the Network Operator. `kube-system`, where static manifests and GKE put theirs, is exempt
+/// as a whole.
+pub const NVIDIA_COMPONENT_NAMESPACES: [&str; 7] = [
+    GPU_OPERATOR_NAMESPACE,
+    "nvidia-gpu-operator",
+    "nvidia-device-plugin",
+    "gpu-feature-discovery",
+    "nvidia-dra-driver-gpu",
+    "dra-driver-nvidia-gpu",
+    "nvidia-network-operator",
+];
+
+/// The image repositories of NVIDIA's node components (the GPU Operator's operands and
+/// validator, the device plugin and GPU feature discovery, the sandbox and Kata device
+/// plugins, DCGM, the DRA driver, the Network Operator), each by tag and by digest (OLM pins
+/// digests without a tag). `nvcr.io/nvidia/cloud-native/*` holds the driver, MIG, vGPU,
+/// Kata and confidential-computing managers, DCGM, GDS and gdrcopy.
+fn nvidia_component_images() -> Vec<String> {
+    const REPOSITORIES: [&str; 11] = [
+        "nvcr.io/nvidia/gpu-operator",
+        "nvcr.io/nvidia/driver",
+        "nvcr.io/nvidia/k8s-device-plugin",
+        "nvcr.io/nvidia/gpu-feature-discovery",
+        "nvcr.io/nvidia/k8s/dcgm-exporter",
+        "nvcr.io/nvidia/k8s/container-toolkit",
+        "nvcr.io/nvidia/kubevirt-gpu-device-plugin",
+        "nvcr.io/nvidia/k8s-dra-driver-gpu",
+        "nvcr.io/nvidia/dra-driver-nvidia-gpu",
+        // Older GPU Operators ran the VFIO manager and operand init containers on it.
+        "nvcr.io/nvidia/cuda",
+        "registry.k8s.io/nv-dra-driver-gpu/nvidia-dra-driver-gpu",
+    ];
+    const TREES: [&str; 3] = [
+        "nvcr.io/nvidia/cloud-native/*",
+        "nvcr.io/nvidia/mellanox/*",
+        "registry.k8s.io/dra-driver-nvidia/*",
+    ];
+    (REPOSITORIES.iter())
+        .flat_map(|r| [format!("{r}:*"), format!("{r}@*")])
+        .chain(TREES.map(String::from))
+        .collect()
+}
+
 /// Longest Linux capability name without `CAP_` (the longest today, `CHECKPOINT_RESTORE`,
 /// has 18).
 const CAPABILITY_LEN: usize = 32;
@@ -488,6 +558,17 @@ fn default_gpu_images() -> Vec<String> {
     .map(String::from)
     .to_vec()
 }
+fn default_rdma_resources() -> Vec<String> {
+    vec!["rdma/*".to_owned()]
+}
+
+/// CEL for a list of extended-resource globs: a literal domain, then a name that may hold
+/// `*` and `?`. A pattern without a domain would match `cpu` or `memory`.
+const RESOURCE_PATTERN_RULE: &str =
+    "self.all(p, p.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9_.*?]+$'))";
+const RESOURCE_PATTERN_MESSAGE: &str =
+    "resource patterns are domain/name, with * and ? only in the name, such as rdma/*";
+
 fn default_driver_capabilities() -> Vec<String> {
     vec!["compute".into(), "utility".into()]
 }
@@ -530,26 +611,18 @@ impl GpuPolicy {
                 driver_capabilities: default_driver_capabilities(),
                 strip_device_host_paths: true,
                 strip_cdi_annotations: true,
+                rdma_resources: default_rdma_resources(),
                 exemptions: Exemptions {
                     namespaces: ["kube-system", crate::SYSTEM_NAMESPACE]
                         .map(String::from)
                         .to_vec(),
                     service_accounts: Vec::new(),
                     images: Vec::new(),
-                    // The GPU Operator's components need privilege, in its namespace only.
+                    // NVIDIA's node components need privilege and every GPU of their node,
+                    // in the namespaces their official installs use only.
                     containers: vec![ContainerExemption {
-                        images: [
-                            "nvcr.io/nvidia/gpu-operator:*",
-                            "nvcr.io/nvidia/driver:*",
-                            "nvcr.io/nvidia/k8s-device-plugin:*",
-                            "nvcr.io/nvidia/gpu-feature-discovery:*",
-                            "nvcr.io/nvidia/k8s/dcgm-exporter:*",
-                            "nvcr.io/nvidia/k8s/container-toolkit:*",
-                            "nvcr.io/nvidia/cloud-native/*",
-                        ]
-                        .map(String::from)
-                        .to_vec(),
-                        namespaces: vec![GPU_OPERATOR_NAMESPACE.to_owned()],
+                        images: nvidia_component_images(),
+                        namespaces: NVIDIA_COMPONENT_NAMESPACES.map(String::from).to_vec(),
                         service_accounts: Vec::new(),
                         digests: Vec::new(),
                     }],

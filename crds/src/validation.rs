@@ -163,6 +163,32 @@ fn image_pattern_problem(pattern: &str) -> Option<&'static str> {
     }
 }
 
+/// What is wrong with an extended-resource glob (`match.gpuResources`, `rdmaResources`), as
+/// the CRD's rule says: a DNS-subdomain domain without wildcards, `/`, then a name of
+/// letters, digits, `-`, `_`, `.`, `*` and `?`.
+fn resource_pattern_problem(pattern: &str) -> Option<&'static str> {
+    let Some((domain, name)) = pattern.split_once('/') else {
+        return Some("has no domain/ (a pattern without one would match cpu or memory)");
+    };
+    let domain_ok = !domain.is_empty()
+        && domain
+            .bytes()
+            .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.'))
+        && !domain.starts_with(['-', '.'])
+        && !domain.ends_with(['-', '.']);
+    let name_ok = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'*' | b'?'));
+    if !domain_ok {
+        Some("needs a literal lower-case domain before the /")
+    } else if !name_ok {
+        Some("has a name with characters other than letters, digits, -, _, ., * and ?")
+    } else {
+        None
+    }
+}
+
 /// Problems with one policy on its own.
 pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
     let spec = &policy.spec;
@@ -310,6 +336,20 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
                 "InvalidPattern",
                 format!("spec.match.gpuImages: pattern {pattern:?} {why}"),
             ));
+        }
+    }
+    let resource_lists = [
+        ("match.gpuResources", &spec.match_.gpu_resources),
+        ("rdmaResources", &spec.rdma_resources),
+    ];
+    for (field, patterns) in resource_lists {
+        for pattern in patterns {
+            if let Some(why) = resource_pattern_problem(pattern) {
+                out.push(problem(
+                    "InvalidPattern",
+                    format!("spec.{field}: pattern {pattern:?} {why}"),
+                ));
+            }
         }
     }
     // Checked on every admission review (fail closed), so the valid path allocates nothing.

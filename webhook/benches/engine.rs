@@ -325,6 +325,7 @@ fn main() {
         operation: gpuwarden_webhook::engine::Operation::Create,
         display_name: "ml/llm-finetune",
         claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
+        owner_kind: None,
     };
     let decide = measure(|| {
         black_box(gpuwarden_webhook::engine::decide(

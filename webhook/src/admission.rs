@@ -361,6 +361,7 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
             operation,
             display_name: &name,
             claims: source.claims(),
+            owner_kind: None,
         };
         let decision = engine::decide(&input, policies);
         answer = Some(respond(api_version, &uid, &name, decision, pod));

@@ -137,6 +137,27 @@ pub struct Metadata<'a> {
     /// `annotations`, when an object.
     #[serde(deserialize_with = "map")]
     pub annotations: Option<Map<'a>>,
+    /// `ownerReferences`, when a list.
+    #[serde(deserialize_with = "list")]
+    pub owner_references: Option<Vec<OwnerReference<'a>>>,
+}
+
+/// A `metadata.ownerReferences` entry: the engine asks which workload controls the pod.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct OwnerReference<'a> {
+    /// `apiVersion`.
+    #[serde(deserialize_with = "text")]
+    pub api_version: Option<Cow<'a, str>>,
+    /// `kind`.
+    #[serde(deserialize_with = "text")]
+    pub kind: Option<Cow<'a, str>>,
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `controller`, when a boolean.
+    #[serde(deserialize_with = "boolean")]
+    pub controller: Option<bool>,
 }
 
 /// `spec`.
@@ -543,6 +564,13 @@ impl<'a> PodView<'a> {
     pub fn annotations(&self) -> Option<&Map<'a>> {
         self.metadata.as_ref()?.annotations.as_ref()
     }
+
+    /// The `metadata.ownerReferences` entry of the pod's controller (`controller: true`).
+    pub fn controller(&self) -> Option<&OwnerReference<'a>> {
+        (self.metadata.as_ref()?.owner_references.as_deref()?)
+            .iter()
+            .find(|r| r.controller == Some(true))
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -748,6 +776,7 @@ macro_rules! lenient_entry {
 struct Wrapped<T>(T);
 lenient_entry!(
     Volume,
+    OwnerReference,
     Container,
     EnvVar,
     VolumeMount,

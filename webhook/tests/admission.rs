@@ -217,6 +217,7 @@ fn the_view_from_the_body_gives_the_whole_pods_patch() {
         operation: Operation::Create,
         display_name: "ml/p",
         claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
+        owner_kind: None,
     };
     let decision = engine::decide(&input, &source.policies);
     assert_eq!(decision.verdict(), Verdict::Rewritten);

@@ -60,7 +60,6 @@ const VISIBLE: &[&str] = &[
     " , ",
 ];
 const HOST_PATHS: &[&str] = &[
-    "/dev",
     "/dev/nvidia0",
     "/dev/nvidiactl",
     "/dev/dri",
@@ -68,10 +67,29 @@ const HOST_PATHS: &[&str] = &[
     "/dev/shm",
     "/var/log",
     "/dev//nvidia1/",
+    "/dev/./nvidia0",
+];
+/// Host devices an unprivileged container cannot open (and the whole `/dev`), which a
+/// de-privileged container must not be left mounting: picked less often, since a pod with one
+/// is denied.
+const HOST_DEVICE_PATHS: &[&str] = &[
+    "/dev",
+    "/dev/",
     "/dev/fuse",
     "/dev/kvm",
-    "/dev/./nvidia0",
     "/dev/nvidia0/../fuse",
+    "/dev/infiniband",
+    "/dev/infiniband/uverbs0",
+    "/dev//infiniband/",
+    "/dev/net",
+    "/dev/vfio/12",
+];
+/// Device plugin resources that hand a container the host devices above.
+const DEVICE_RESOURCES: &[&str] = &[
+    "rdma/rdma_shared_device_a",
+    "rdma/hca",
+    "devices.kubevirt.io/kvm",
+    "nvidia.com/GH100_H100_PCIE",
 ];
 const CAPS: &[&str] = &[
     "SYS_ADMIN",
@@ -87,6 +105,9 @@ const GPU_RESOURCES: &[&str] = &[
     "nvidia.com/mig-1g.10gb",
     "nvidia.com/gpu.shared",
     "example.com/accelerator",
+    // Passthrough GPUs of NVIDIA's sandbox device plugin.
+    "nvidia.com/GH100_H100_PCIE",
+    "nvidia.com/pgpu",
 ];
 
 const DEVICE_LIST_PATHS: &[&str] = &[
@@ -141,7 +162,7 @@ fn gen_container(rng: &mut StdRng, name: &str, volumes: &[String]) -> Value {
         );
     }
     // Resources.
-    match rng.random_range(0..6) {
+    match rng.random_range(0..7) {
         0 => {}
         1 => {
             c.insert(
@@ -165,6 +186,12 @@ fn gen_container(rng: &mut StdRng, name: &str, volumes: &[String]) -> Value {
             c.insert(
                 "resources".into(),
                 json!({"requests": {"nvidia.com/gpu": 2}}),
+            );
+        }
+        5 if rng.random_bool(0.5) => {
+            c.insert(
+                "resources".into(),
+                json!({"limits": {pick(rng, DEVICE_RESOURCES): 1}}),
             );
         }
         _ => {
@@ -219,7 +246,9 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
     let mut volume_names = Vec::new();
     for i in 0..rng.random_range(0..4) {
         let name = format!("vol{i}");
-        if rng.random_bool(0.7) {
+        if rng.random_bool(0.07) {
+            volumes.push(json!({"name": name, "hostPath": {"path": pick(rng, HOST_DEVICE_PATHS)}}));
+        } else if rng.random_bool(0.7) {
             volumes.push(json!({"name": name, "hostPath": {"path": pick(rng, HOST_PATHS)}}));
         } else {
             volumes.push(json!({"name": name, "emptyDir": {}}));
@@ -274,7 +303,9 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
                 &[
                     "nvidia.com/gpu=all",
                     "nvidia.com/gpu=0",
-                    "example.com/fpga=1"
+                    "example.com/fpga=1",
+                    "nvidia.com/pgpu=0",
+                    "nvidia.com/pgpu=0,nvidia.com/gpu=1",
                 ]
             )),
         );
@@ -294,7 +325,20 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
     if !annotations.is_empty() || rng.random_bool(0.5) {
         metadata.insert("annotations".into(), Value::Object(annotations));
     }
+    // Some pods are a DaemonSet's, which runs them on every node.
+    if rng.random_bool(0.15) {
+        metadata.insert(
+            "ownerReferences".into(),
+            json!([{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent", "uid": "u", "controller": true}]),
+        );
+    }
     let mut pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec});
+    // Some pods hold a passthrough GPU for a Kata VM, named by a CDI annotation too.
+    if rng.random_bool(0.05) {
+        pod["metadata"]["annotations"]["cdi.k8s.io/gpu"] = json!("nvidia.com/pgpu=0");
+        pod["spec"]["containers"][0]["resources"] =
+            json!({"limits": {"nvidia.com/GH100_H100_PCIE": 1}});
+    }
     // Some pods have two privileged containers naming the same GPUs, which share them.
     if rng.random_bool(0.1) {
         let same = pick(rng, &["0,1", "all", "2"]);
@@ -613,13 +657,121 @@ fn pod_gpus(pod: &Value, policy: &GpuPolicy) -> u32 {
     running.max(init) + claimed_gpus(pod)
 }
 
-/// Whether the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device.
+/// Whether the pod carries a `cdi.k8s.io/*` annotation naming an NVIDIA device, other than
+/// one naming only the passthrough GPUs (`nvidia.com/pgpu=`) of a pod that holds one.
 fn oracle_cdi(pod: &Value) -> bool {
     pod["metadata"]["annotations"].as_object().is_some_and(|a| {
         a.iter().any(|(k, v)| {
-            k.starts_with("cdi.k8s.io/") && v.as_str().is_some_and(|v| v.contains("nvidia.com/"))
+            k.starts_with("cdi.k8s.io/")
+                && v.as_str().is_some_and(|v| {
+                    v.contains("nvidia.com/")
+                        && !(oracle_holds_passthrough(pod)
+                            && v.split(',').all(|d| d.starts_with("nvidia.com/pgpu=")))
+                })
         })
     })
+}
+
+/// Whether a resource is a passthrough GPU of NVIDIA's sandbox device plugin: `pgpu`, or
+/// a device name in capitals.
+fn oracle_passthrough(resource: &str) -> bool {
+    resource == "nvidia.com/pgpu"
+        || resource
+            .strip_prefix("nvidia.com/")
+            .and_then(|r| r.chars().next())
+            .is_some_and(|c| c.is_ascii_uppercase())
+}
+
+/// Whether a container asks for one of the resources `matches` accepts.
+fn oracle_asks(c: &Value, matches: impl Fn(&str) -> bool) -> bool {
+    ["limits", "requests"].iter().any(|what| {
+        (c["resources"][what].as_object().into_iter().flatten()).any(|(k, _)| matches(k))
+    })
+}
+
+/// Whether the pod says how many GPUs the container gets itself: a GPU request, a count
+/// annotation, the IDs its last `NVIDIA_VISIBLE_DEVICES` names, or the devices its
+/// device-list mounts name (not `all`, which the toolkit reads first).
+fn oracle_asked_count(c: &Value, pod: &Value) -> bool {
+    let annotations = &pod["metadata"]["annotations"];
+    let name = c["name"].as_str().unwrap_or("");
+    if annotations.get("gpuwarden.io/gpu-count").is_some()
+        || annotations
+            .get(format!("gpuwarden.io/gpu-count.{name}"))
+            .is_some()
+        || oracle_asks(c, |r| r.starts_with("nvidia.com/"))
+    {
+        return true;
+    }
+    let lists: Vec<Vec<&str>> = (c["volumeMounts"].as_array().into_iter().flatten())
+        .filter_map(|m| m["mountPath"].as_str())
+        .filter(|p| oracle_device_list_path(p))
+        .map(oracle_parts)
+        .collect();
+    if !lists.is_empty() {
+        return lists
+            .iter()
+            .all(|parts| parts.get(3).is_some_and(|d| !d.eq_ignore_ascii_case("all")));
+    }
+    let env = c["env"].as_array().map(Vec::as_slice).unwrap_or_default();
+    (env.iter().rev())
+        .find(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
+        .and_then(|e| e["value"].as_str())
+        .is_some_and(|v| {
+            let v = v.trim().to_ascii_lowercase();
+            !["none", "void", "all"].contains(&v.as_str())
+                && v.split(',').any(|d| !d.trim().is_empty())
+        })
+}
+
+/// Whether an init or regular container of the pod holds a passthrough GPU.
+fn oracle_holds_passthrough(pod: &Value) -> bool {
+    ["initContainers", "containers"].iter().any(|f| {
+        (pod["spec"][f].as_array().into_iter().flatten())
+            .any(|c| oracle_asks(c, oracle_passthrough))
+    })
+}
+
+/// The host devices a container mounts that it could not open without privilege and that no
+/// device plugin resource it asks for hands over: `/dev/infiniband`, `/dev/vfio`,
+/// `/dev/kvm`, `/dev/net/tun`, `/dev/vhost-net`, `/dev/fuse`, paths under them, and
+/// directories holding them; the RDMA resources are those of the default `rdmaResources`.
+fn oracle_unopenable_mounts(c: &Value, pod: &Value) -> Vec<String> {
+    /// A device's path parts, and the resources that hand it over.
+    type Device = (&'static [&'static str], fn(&str) -> bool);
+    const DEVICES: &[Device] = &[
+        (&["dev", "infiniband"], |r| r.starts_with("rdma/")),
+        (&["dev", "vfio"], oracle_passthrough),
+        (&["dev", "kvm"], |r| r == "devices.kubevirt.io/kvm"),
+        (&["dev", "net", "tun"], |r| r == "devices.kubevirt.io/tun"),
+        (&["dev", "vhost-net"], |r| {
+            r == "devices.kubevirt.io/vhost-net"
+        }),
+        (&["dev", "fuse"], |_| false),
+    ];
+    let volumes = pod["spec"]["volumes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let mut found = Vec::new();
+    for m in c["volumeMounts"].as_array().into_iter().flatten() {
+        let Some(path) = (volumes.iter().rev())
+            .find(|v| v["name"] == m["name"])
+            .and_then(|v| v["hostPath"]["path"].as_str())
+        else {
+            continue;
+        };
+        let parts = oracle_parts(path);
+        for (device, provided) in DEVICES {
+            let under = parts.starts_with(device);
+            let above =
+                !parts.is_empty() && device.starts_with(&parts) && parts.len() < device.len();
+            if (under && !oracle_asks(c, provided)) || above {
+                found.push(path.to_owned());
+            }
+        }
+    }
+    found
 }
 
 /// The oracle's path resolution: the parts of an absolute path after `.`, `..` and empty
@@ -798,6 +950,7 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
     let mut patched_count = 0;
     let mut leaks_seen = 0;
     let (mut claimed, mut shared) = (0, 0);
+    let (mut daemon_set_denied, mut device_denied, mut passthrough_cdi_kept) = (0, 0, 0);
     for case in 0..CASES {
         let (pod, namespace) = gen_pod(&mut rng, case);
         let mut policy = gen_policy(&mut rng);
@@ -837,6 +990,7 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
             operation: Operation::Create,
             display_name: "",
             claims: &source.claims,
+            owner_kind: None,
         };
         let policies = [Arc::new(policy.clone())];
         let direct = decide(&input, &policies);
@@ -1011,6 +1165,67 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
                 "leaking containers left: {leaking:?}\n{}\n{patched:#}",
                 ctx()
             );
+            // Do no harm: no container loses privilege while it mounts host devices it
+            // could then not open; a DaemonSet's pod is given no GPUs it did not ask for; a
+            // passthrough GPU is not requested again, and its CDI annotation stays.
+            let daemon_set = pod["metadata"]["ownerReferences"][0]["kind"] == "DaemonSet";
+            let resource = policy.spec.gpu.resource_name.as_str();
+            for (before, after) in containers_of(&pod).zip(containers_of(&patched)) {
+                let name = before["name"].as_str().unwrap_or("");
+                if before["securityContext"]["privileged"] == json!(true)
+                    && after["securityContext"]["privileged"] == json!(false)
+                {
+                    let left = oracle_unopenable_mounts(before, &pod);
+                    assert!(
+                        left.is_empty(),
+                        "{name} lost privilege but mounts {left:?}\n{}\n{patched:#}",
+                        ctx()
+                    );
+                }
+                let gained = |c: &Value| {
+                    c["resources"]["limits"].get(resource).is_some()
+                        || (c["resources"]["claims"].as_array().into_iter().flatten()).any(|u| {
+                            u["name"]
+                                .as_str()
+                                .is_some_and(|n| n.starts_with("gpuwarden-gpus-"))
+                        })
+                };
+                let given = gained(after) && !gained(before);
+                assert!(
+                    !(daemon_set && given) || oracle_asked_count(before, &pod),
+                    "DaemonSet container {name} given GPUs it did not ask for\n{}\n{patched:#}",
+                    ctx()
+                );
+                assert!(
+                    !(given && oracle_asks(before, oracle_passthrough)),
+                    "{name} holds a passthrough GPU and was given another\n{}\n{patched:#}",
+                    ctx()
+                );
+            }
+            if oracle_holds_passthrough(&pod) {
+                for (key, value) in
+                    (pod["metadata"]["annotations"].as_object().into_iter()).flatten()
+                {
+                    let kept = key.starts_with("cdi.k8s.io/")
+                        && value.as_str().is_some_and(|v| {
+                            v.split(',').all(|d| d.starts_with("nvidia.com/pgpu="))
+                        });
+                    if kept {
+                        passthrough_cdi_kept += 1;
+                        assert_eq!(
+                            patched["metadata"]["annotations"][key],
+                            *value,
+                            "the passthrough CDI annotation {key} was removed\n{}",
+                            ctx()
+                        );
+                    }
+                }
+            }
+        }
+        if !first.allowed() {
+            let message = first.message();
+            daemon_set_denied += usize::from(message.contains("runs it on every node"));
+            device_denied += usize::from(message.contains("an unprivileged container cannot open"));
         }
         let offending = !privileged_gpu_containers(&pod, &namespace, &policy).is_empty()
             || !leaking_containers(&pod, &namespace, &policy).is_empty();
@@ -1088,6 +1303,10 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
         leaks_seen >= 50,
         "too few pods with only a leak: {leaks_seen}"
     );
+    assert!(
+        daemon_set_denied >= 20 && device_denied >= 20 && passthrough_cdi_kept >= 5,
+        "too few DaemonSet denials ({daemon_set_denied}), host-device denials ({device_denied}) or passthrough CDI annotations kept ({passthrough_cdi_kept})"
+    );
     if request_as == RequestAs::ResourceClaim {
         assert!(
             claimed >= 200 && shared >= 10,
@@ -1095,7 +1314,7 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
         );
     }
     println!(
-        "{CASES} generated pods ({request_as}): {outcomes:?}, {patched_count} patched, {leaks_seen} leaking only, {claimed} given claims, {shared} sharing one"
+        "{CASES} generated pods ({request_as}): {outcomes:?}, {patched_count} patched, {leaks_seen} leaking only, {claimed} given claims, {shared} sharing one, denied as DaemonSet {daemon_set_denied}, for host devices {device_denied}, passthrough CDI kept {passthrough_cdi_kept}"
     );
 }
 

@@ -85,12 +85,17 @@ pub(super) fn read_pod<'a>(
     let annotations = pod.annotations();
     let spec = pod.spec.as_ref();
     let claims_read = read_claims(pod, namespace, policy, claims);
+    let passthrough = [ContainerKind::Init, ContainerKind::Regular]
+        .into_iter()
+        .flat_map(|kind| pod.containers(kind))
+        .any(gpu::holds_passthrough);
     let signals = PodSignals::read(
         pod.volumes().iter().filter_map(|v| {
             let path = v.host_path.as_ref().and_then(|h| h.path.as_deref());
             Some((v.name.as_deref()?, path))
         }),
         (annotations.into_iter().flatten()).map(|(k, v)| (k.as_ref(), v.as_str())),
+        passthrough,
     )
     .placed(
         spec.and_then(|s| s.runtime_class_name.as_deref()),

@@ -267,7 +267,27 @@ pub struct Input<'a> {
     pub display_name: &'a str,
     /// Where its ResourceClaims and gpuwarden's ResourceClaimTemplates are read.
     pub claims: &'a dyn Claims,
+    /// The kind of the workload whose pod template this is, where the pod cannot say so
+    /// itself (offline: a DaemonSet's template). A pod's controller `ownerReference` says
+    /// the same in a cluster.
+    pub owner_kind: Option<&'a str>,
 }
+
+impl Input<'_> {
+    /// The workload that puts this pod on every node (a DaemonSet of any API group), by
+    /// kind and name: a GPU request it did not write would take a GPU on each node.
+    pub(crate) fn node_wide(&self) -> Option<(&str, &str)> {
+        if let Some(kind) = self.owner_kind.filter(|k| *k == KIND_DAEMON_SET) {
+            return Some((kind, self.display_name));
+        }
+        let owner = self.pod.controller()?;
+        (owner.kind.as_deref() == Some(KIND_DAEMON_SET))
+            .then(|| (KIND_DAEMON_SET, owner.name.as_deref().unwrap_or("")))
+    }
+}
+
+/// The kind of workload that runs a pod on every node.
+pub const KIND_DAEMON_SET: &str = "DaemonSet";
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide<'a>(input: &Input<'a>, policies: &'a [Arc<GpuPolicy>]) -> Decision<'a> {
@@ -758,6 +778,7 @@ mod tests {
             operation: Operation::Create,
             display_name: "ml/p",
             claims: &NoClaims("no claims here"),
+            owner_kind: None,
         };
         decide(&input, policies)
     }

@@ -8,7 +8,10 @@ use std::fmt;
 use gpuwarden_crds::claims::{POD_CLAIM_PREFIX, template_name};
 use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy, RequestAs};
 
-use gpuwarden_crds::gpu::{self, ContainerSpec as _, CountFrom, PodSignals, VisibleDevices};
+use gpuwarden_crds::exemptions::glob_match;
+use gpuwarden_crds::gpu::{
+    self, ContainerSpec as _, CountFrom, HostDevice, PodSignals, VisibleDevices,
+};
 
 use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts};
@@ -253,6 +256,13 @@ pub(super) fn plan_pod<'a>(
     let taken: Vec<&str> = (pod.resource_claims().iter())
         .filter_map(|c| c.name.as_deref())
         .collect();
+    let host_paths: Vec<(&str, &str)> = (pod.volumes().iter())
+        .filter_map(|v| {
+            let path = v.host_path.as_ref()?.path.as_deref()?;
+            Some((v.name.as_deref()?, path))
+        })
+        .collect();
+    let node_wide = input.node_wide();
     for (i, c) in facts.containers.iter().enumerate() {
         let count = counts.next();
         let target = c.loses_privilege();
@@ -281,6 +291,9 @@ pub(super) fn plan_pod<'a>(
             seccomp_default: false,
         };
         if target {
+            if let Some(denial) = host_device_denial(c, &host_paths, input, policy) {
+                plan.denials.push(denial);
+            }
             capabilities(&mut p, c.value, policy, psa);
             let pod_seccomp = (pod.spec.as_ref())
                 .and_then(|s| s.security_context.as_ref())
@@ -294,6 +307,10 @@ pub(super) fn plan_pod<'a>(
             // Rule 3.
             let gpu = match count {
                 Some(Count::Limit(limit)) => {
+                    if let Some(owner) = node_wide.filter(|_| !limit.from.asked_by_pod()) {
+                        plan.denials
+                            .push(node_wide_denial(c, &limit, owner, input, policy));
+                    }
                     match claim_count(&limit, spec.gpu.request_as) {
                         Some(n) => {
                             let index = add_claim(&mut plan, &taken, input, policy, n);
@@ -426,6 +443,116 @@ pub(super) fn plan_pod<'a>(
     plan.device_volumes = facts.pod;
     plan
 }
+
+/// How to exempt a container in messages that point to an exemption.
+fn exemption_hint(c: &ContainerFacts<'_>, input: &Input<'_>, policy: &GpuPolicy) -> String {
+    format!(
+        "exempt it in GpuPolicy {}: exemptions.containers with images [{}] and namespaces [{}]",
+        policy.metadata.name.as_deref().unwrap_or(""),
+        c.value.image.as_deref().unwrap_or(""),
+        input.namespace,
+    )
+}
+
+/// Do no harm (docs/design.md): a pod that a DaemonSet runs on every node would be given
+/// GPUs it never asked for (the policy's default, for a hint, a device mount or `all`), which
+/// would take a GPU on every node or keep the pods Pending. It is denied, naming the way out.
+fn node_wide_denial(
+    c: &ContainerFacts<'_>,
+    limit: &Limit<'_>,
+    (kind, name): (&str, &str),
+    input: &Input<'_>,
+    policy: &GpuPolicy,
+) -> String {
+    format!(
+        "{} {} would be given {} GPU(s) it did not ask for ({}), and {kind} {name} runs it on every node: that would take a GPU on each. If it is a node agent that needs the node's GPUs, {}; if it should hold GPUs, ask for them (limits {} or annotation {ANNOTATION_GPU_COUNT})",
+        c.at.kind.noun(),
+        c.name,
+        limit.quantity,
+        limit.from,
+        exemption_hint(c, input, policy),
+        policy.spec.gpu.resource_name,
+    )
+}
+
+/// Do no harm (docs/design.md): a container that loses privilege but mounts host devices an
+/// unprivileged container cannot open would be admitted broken; it is denied, naming the
+/// devices and the way out, unless it requests a device plugin resource that hands them over.
+fn host_device_denial(
+    c: &ContainerFacts<'_>,
+    host_paths: &[(&str, &str)],
+    input: &Input<'_>,
+    policy: &GpuPolicy,
+) -> Option<String> {
+    let requested: Vec<&str> = c
+        .value
+        .limit_names()
+        .chain(c.value.request_names())
+        .collect();
+    let provided = |device: &HostDevice| {
+        requested.iter().any(|r| {
+            let from_policy = match device.path {
+                RDMA_DEVICES => (policy.spec.rdma_resources.iter()).any(|p| glob_match(p, r)),
+                VFIO_DEVICES => gpu::is_passthrough_resource(r),
+                _ => false,
+            };
+            from_policy || device.resources.iter().any(|p| glob_match(p, r))
+        })
+    };
+    let mut found: Vec<(HostDevice, &str, &str)> = Vec::new();
+    for name in c.mount_names() {
+        // The last volume of a name wins, as in the kubelet.
+        let Some(&(_, path)) = host_paths.iter().rev().find(|(n, _)| *n == name) else {
+            continue;
+        };
+        let Some(device) = gpu::host_device(path).filter(|d| !provided(d)) else {
+            continue;
+        };
+        if !found
+            .iter()
+            .any(|(d, v, _)| d.path == device.path && *v == name)
+        {
+            found.push((device, name, path));
+        }
+    }
+    if found.is_empty() {
+        return None;
+    }
+    let devices: Vec<String> = (found.iter())
+        .map(|(d, volume, path)| format!("{} ({path}, volume {volume})", d.what))
+        .collect();
+    let mut ways: Vec<String> = Vec::new();
+    for (device, ..) in &found {
+        let way = match device.path {
+            RDMA_DEVICES => format!(
+                "request the RDMA devices from an RDMA device plugin (a resource matching rdmaResources {}, such as rdma/rdma_shared_device_a)",
+                policy.spec.rdma_resources.join(", ")
+            ),
+            VFIO_DEVICES => "request the GPU from NVIDIA's sandbox device plugin (nvidia.com/pgpu or nvidia.com/<GPU model>)".to_owned(),
+            _ if device.path == gpu::HOST_DEV_TREE.path => {
+                "mount only the GPU device paths it needs (gpuwarden turns them into a GPU request)".to_owned()
+            }
+            _ if !device.resources.is_empty() => {
+                format!("request {} from its device plugin", device.resources.join(" or "))
+            }
+            _ => continue,
+        };
+        push_new(&mut ways, way);
+    }
+    ways.push(exemption_hint(c, input, policy));
+    Some(format!(
+        "{} {} loses privilege, and an unprivileged container cannot open {}: the device cgroup admits only devices the kubelet allocated. To be admitted: {}",
+        c.at.kind.noun(),
+        c.name,
+        devices.join(", "),
+        ways.join("; or "),
+    ))
+}
+
+/// [`gpu::HOST_DEVICES`] whose device plugin resources the policy and the passthrough GPU
+/// resources name.
+const RDMA_DEVICES: &str = "/dev/infiniband";
+const VFIO_DEVICES: &str = "/dev/vfio";
 
 /// The GPUs a claim gives a container in place of `limit`, when the policy asks for claims
 /// (`gpu.requestAs: ResourceClaim`). A request the container wrote stays an extended
