@@ -3,6 +3,7 @@
 //! each workload.
 
 use std::collections::VecDeque;
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -266,7 +267,7 @@ impl Documents<'_> {
     }
 
     fn read_yaml(&mut self, index: usize, line: usize, chunk: &str) -> Result<(), ManifestError> {
-        let value: Value = serde_saphyr::from_str(chunk).map_err(|e| ManifestError::Yaml {
+        let value: Value = yaml_value(chunk).map_err(|e| ManifestError::Yaml {
             path: self.source.to_owned(),
             index,
             line,
@@ -329,6 +330,40 @@ impl Documents<'_> {
     }
 }
 
+/// One YAML document read as kubectl reads it: sigs.k8s.io/yaml resolves plain scalars by
+/// YAML 1.1 (`0755` is the octal 493, `yes`/`no`/`on`/`off`/`y`/`n` are booleans), which
+/// serde-saphyr does with `legacy_octal_numbers` (its booleans are YAML 1.1 already); then the
+/// JSON is what Go's encoder writes of the numbers it read, where a float without a fraction
+/// is written as an integer (`1e3` and `1.0` become `1000` and `1`), so a quantity or a mode
+/// reads back as the integer the API server sees.
+pub fn yaml_value(text: &str) -> Result<Value, serde_saphyr::Error> {
+    let options = serde_saphyr::options! { legacy_octal_numbers: true };
+    let mut value: Value = serde_saphyr::from_str_with_options(text, options)?;
+    integral_floats_as_integers(&mut value);
+    Ok(value)
+}
+
+/// Writes each float that holds a whole number in the `i64` or `u64` range as an integer, as
+/// Go's `encoding/json` prints a `float64` without a fraction (below 1e21).
+fn integral_floats_as_integers(value: &mut Value) {
+    match value {
+        Value::Number(n) if n.is_f64() => {
+            let Some(f) = n.as_f64().filter(|f| f.fract() == 0.0) else {
+                return;
+            };
+            // `as` saturates; the round trip says whether the value fits exactly.
+            if f >= -(2f64.powi(63)) && f < 2f64.powi(63) && (f as i64) as f64 == f {
+                *value = Value::from(f as i64);
+            } else if f >= 0.0 && f < 2f64.powi(64) && (f as u64) as f64 == f {
+                *value = Value::from(f as u64);
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(integral_floats_as_integers),
+        Value::Object(map) => map.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
+}
+
 /// Splits YAML text at `---` document markers into (1-based start line, text) chunks,
 /// leaving out chunks with nothing but blank lines and comments.
 fn split_yaml(text: &str) -> Vec<(usize, &str)> {
@@ -366,6 +401,85 @@ fn split_yaml(text: &str) -> Vec<(usize, &str)> {
 
 fn first_line(s: &str) -> String {
     s.lines().next().unwrap_or(s).to_owned()
+}
+
+/// A pod found inside an object that is not a workload of a known kind (a custom resource:
+/// MPIJob, RayCluster, JobSet, Volcano Job, ...).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FoundPod {
+    /// JSON pointer of the template (or of the bare pod spec).
+    pub pointer: String,
+    /// The same place as users write it: `spec.mpiReplicaSpecs.Worker.template`,
+    /// `spec.tasks[0].template`.
+    pub path: String,
+    /// A pod spec on its own (`containers` right at the pointer, as in a KServe predictor or
+    /// an Argo `containerSet`) rather than a template with `metadata` and `spec`.
+    pub bare: bool,
+}
+
+/// Every pod inside `object`, in key order: each subtree shaped like a pod template
+/// (an object whose `spec` holds a `containers` list of named objects) or, failing that,
+/// like a pod spec (an object holding such a `containers` list itself). Nothing inside a pod
+/// found is searched again. A list of containers is only a pod when every entry is an object
+/// with a string `name`, so schemas (`containers` as an object) and lists of names do not
+/// count.
+pub fn find_pods(object: &Value) -> Vec<FoundPod> {
+    fn is_pod_spec(value: &Value) -> bool {
+        value
+            .get("containers")
+            .and_then(Value::as_array)
+            .is_some_and(|list| {
+                !list.is_empty()
+                    && list
+                        .iter()
+                        .all(|c| c.get("name").is_some_and(Value::is_string))
+            })
+    }
+    fn walk(value: &Value, pointer: &mut String, path: &mut String, out: &mut Vec<FoundPod>) {
+        match value {
+            Value::Object(map) => {
+                let found = if map.get("spec").is_some_and(is_pod_spec) {
+                    Some(false)
+                } else {
+                    is_pod_spec(value).then_some(true)
+                };
+                if let Some(bare) = found {
+                    out.push(FoundPod {
+                        pointer: pointer.clone(),
+                        path: path.clone(),
+                        bare,
+                    });
+                    return;
+                }
+                for (key, child) in map {
+                    let (p, q) = (pointer.len(), path.len());
+                    pointer.push('/');
+                    pointer.push_str(&key.replace('~', "~0").replace('/', "~1"));
+                    if !path.is_empty() {
+                        path.push('.');
+                    }
+                    path.push_str(key);
+                    walk(child, pointer, path, out);
+                    pointer.truncate(p);
+                    path.truncate(q);
+                }
+            }
+            Value::Array(items) => {
+                for (i, child) in items.iter().enumerate() {
+                    let (p, q) = (pointer.len(), path.len());
+                    let _ = write!(pointer, "/{i}");
+                    let _ = write!(path, "[{i}]");
+                    walk(child, pointer, path, out);
+                    pointer.truncate(p);
+                    path.truncate(q);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(object, &mut String::new(), &mut String::new(), &mut out);
+    out
 }
 
 /// JSON pointer of the pod template in a workload of `kind`: `Some("")` for a Pod,
@@ -437,6 +551,76 @@ mod tests {
         assert!(!looks_like_kubernetes(
             "driver:\n  driverVersion: \"550\"\ngpus: []\n"
         ));
+    }
+
+    #[test]
+    fn yaml_scalars_read_as_kubectl_reads_them() {
+        let doc = "mode: 0755\nzero: 0\nyes_: yes\nOn_: On\nn_: n\nquoted: \"0755\"\nexp: 1e3\nwhole: 1.0\nhalf: 0.5\ntime: 1:20\nunderscored: 1_000\nhex: 0x1F\nbinary: 0b101\nbad_octal: 08\nbig: 1e30\nneg: -012\n";
+        let v = yaml_value(doc).unwrap();
+        let expect = serde_json::json!({
+            "mode": 493, "zero": 0, "yes_": true, "On_": true, "n_": false, "quoted": "0755",
+            "exp": 1000, "whole": 1, "half": 0.5, "time": "1:20", "underscored": 1000,
+            "hex": 31, "binary": 5, "bad_octal": 8, "big": 1e30, "neg": -10,
+        });
+        assert_eq!(v, expect);
+        // Integers stay integers in the JSON, as kubectl writes them.
+        assert_eq!(v["exp"].to_string(), "1000");
+        assert_eq!(v["mode"].to_string(), "493");
+    }
+
+    #[test]
+    fn pods_are_found_inside_any_object() {
+        let job: Value = yaml_value(
+            "apiVersion: kubeflow.org/v2beta1\nkind: MPIJob\nmetadata: {name: nccl}\nspec:\n  mpiReplicaSpecs:\n    Launcher:\n      replicas: 1\n      template:\n        spec:\n          containers: [{name: launcher, image: mpi}]\n    Worker:\n      replicas: 2\n      template:\n        metadata: {annotations: {a: b}}\n        spec:\n          containers: [{name: worker, image: nccl}]\n          volumes: [{name: ib, hostPath: {path: /dev/infiniband}}]\n",
+        )
+        .unwrap();
+        let found = find_pods(&job);
+        let paths: Vec<(&str, &str, bool)> = (found.iter())
+            .map(|f| (f.path.as_str(), f.pointer.as_str(), f.bare))
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                (
+                    "spec.mpiReplicaSpecs.Launcher.template",
+                    "/spec/mpiReplicaSpecs/Launcher/template",
+                    false
+                ),
+                (
+                    "spec.mpiReplicaSpecs.Worker.template",
+                    "/spec/mpiReplicaSpecs/Worker/template",
+                    false
+                ),
+            ]
+        );
+        // Lists, escaped keys, and a pod spec on its own (a KServe predictor).
+        let other = serde_json::json!({
+            "kind": "Thing",
+            "spec": {
+                "tasks": [{"name": "t", "template": {"spec": {"containers": [{"name": "c"}]}}}],
+                "a/b": {"containers": [{"name": "p", "image": "x"}]},
+            }
+        });
+        let found = find_pods(&other);
+        assert_eq!(found.len(), 2);
+        assert_eq!(found[0].pointer, "/spec/a~1b");
+        assert!(found[0].bare);
+        assert_eq!(found[1].path, "spec.tasks[0].template");
+        assert_eq!(
+            other.pointer(&found[1].pointer).unwrap()["spec"]["containers"][0]["name"],
+            "c"
+        );
+        // Not pods: a schema whose `containers` is an object, a list of names, an empty
+        // list, containers without names.
+        for not_a_pod in [
+            serde_json::json!({"spec": {"containers": {"type": "array"}}}),
+            serde_json::json!({"spec": {"containers": ["a", "b"]}}),
+            serde_json::json!({"spec": {"containers": []}}),
+            serde_json::json!({"containers": [{"image": "x"}]}),
+            serde_json::json!({"data": {"pod.yaml": "spec:\n  containers: [{name: a}]"}}),
+        ] {
+            assert!(find_pods(&not_a_pod).is_empty(), "{not_a_pod}");
+        }
     }
 
     #[test]

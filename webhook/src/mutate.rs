@@ -1,7 +1,10 @@
-//! `gpuwarden-webhook mutate`: the webhook's engine, offline. Reads manifests (Pods and the pod
-//! templates of Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs), applies
-//! the policy exactly as admission would, and prints the rewritten objects, a diff or the
-//! JSON patches. Why each object changed (or was denied) goes to stderr.
+//! `gpuwarden-webhook mutate`: the webhook's engine, offline. Reads manifests (Pods, the pod
+//! templates of Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs, and
+//! every pod template inside any other object: MPIJob, RayCluster, JobSet, Volcano Job, ...),
+//! applies the policy exactly as admission would, and prints the rewritten objects, a diff or
+//! the JSON patches, each change made where the template stands. Why each pod changed (or was
+//! denied) goes to stderr, naming where it sits in a custom resource. YAML is read as kubectl
+//! reads it ([`manifest::yaml_value`]).
 //!
 //! Exit codes: 0 when everything would be admitted (rewritten or not), 1 when something would
 //! be denied, 2 on bad input (the message names the file, document and reason).
@@ -163,9 +166,21 @@ struct Outcome {
     after: Value,
     /// The patch against the whole object.
     patch: json_patch::Patch,
-    /// `None` for kinds that hold no pod.
-    decision: Option<Explanation>,
+    /// What the engine decided for each pod of the object, in order; empty for objects that
+    /// hold no pod.
+    decisions: Vec<Judged>,
     namespace: String,
+}
+
+/// The decision for one pod of an object.
+#[derive(Debug)]
+struct Judged {
+    /// Where the pod sits, for objects whose kind is not a known workload
+    /// (`spec.mpiReplicaSpecs.Worker.template`); `None` for Pods and known workloads.
+    path: Option<String>,
+    /// A pod spec without metadata of its own: annotations cannot be written there.
+    bare: bool,
+    explanation: Explanation,
 }
 
 /// What the engine decided about an object's pod, kept to explain it on stderr.
@@ -263,7 +278,7 @@ fn run_inner(
     for (path, text) in &texts {
         for doc in manifest::documents(path, text) {
             let checked = doc.map_err(MutateError::from).and_then(|doc| {
-                template(&doc)?;
+                pods(&doc)?;
                 Ok(doc)
             });
             match checked {
@@ -374,16 +389,36 @@ fn labels_of(object: &Value) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
-/// The pod template of a workload and its pointer: `Ok(None)` for kinds that hold no pod,
-/// an error for a workload without the template its kind must have.
-fn template(doc: &Document) -> Result<Option<(&'static str, &Value)>, MutateError> {
+/// A pod inside an object: where it is, and how it is reported.
+struct Place {
+    pointer: String,
+    /// Shown for pods found inside custom resources.
+    path: Option<String>,
+    bare: bool,
+}
+
+/// The pods of an object: the one template of a known workload (an error when it lacks the
+/// template its kind must have), the Pod itself, or every pod template found inside any
+/// other object ([`manifest::find_pods`]: MPIJob, RayCluster, JobSet, ...).
+fn pods(doc: &Document) -> Result<Vec<Place>, MutateError> {
     let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
     let Some(pointer) = manifest::pod_template_pointer(api_version.unwrap_or(""), doc.kind())
     else {
-        return Ok(None);
+        let found = manifest::find_pods(&doc.object);
+        return Ok((found.into_iter())
+            .map(|f| Place {
+                pointer: f.pointer,
+                path: Some(f.path),
+                bare: f.bare,
+            })
+            .collect());
     };
     match doc.object.pointer(pointer) {
-        Some(template) if template.is_object() => Ok(Some((pointer, template))),
+        Some(template) if template.is_object() => Ok(vec![Place {
+            pointer: pointer.to_owned(),
+            path: None,
+            bare: false,
+        }]),
         _ => Err(MutateError::NoTemplate {
             file: doc.source.clone(),
             index: doc.index,
@@ -473,50 +508,88 @@ fn judge(
     policies: &[Arc<GpuPolicy>],
     claims: &ClaimStore,
 ) -> Result<Outcome, MutateError> {
-    let Some((pointer, template)) = template(&doc)? else {
-        return Ok(Outcome {
-            after: doc.object.clone(),
-            doc,
-            patch: json_patch::Patch(Vec::new()),
-            decision: None,
-            namespace,
-        });
-    };
+    let places = pods(&doc)?;
     let display = format!("{namespace}/{}", doc.name());
-    let view = PodView::from_value(template);
-    let input = Input {
-        pod: &view,
-        namespace: &namespace,
-        namespace_labels: labels,
-        operation: Operation::Create,
-        display_name: &display,
-        claims,
-    };
-    let decision = engine::decide(&input, policies);
     let mut after = doc.object.clone();
     let mut patch = json_patch::Patch(Vec::new());
-    if decision.verdict() != Verdict::Denied && decision.changes().next().is_some() {
-        let patch_error = |message: String| MutateError::Patch {
-            file: doc.source.clone(),
-            index: doc.index,
-            message,
+    let mut decisions = Vec::with_capacity(places.len());
+    let patch_error = |message: String| MutateError::Patch {
+        file: doc.source.clone(),
+        index: doc.index,
+        message,
+    };
+    for place in places {
+        let Some(found) = doc.object.pointer(&place.pointer) else {
+            continue;
         };
-        let relative = crate::patch::patch_for(template, decision.changes());
-        if let Some(target) = after.pointer_mut(pointer) {
-            json_patch::patch(target, &relative.0).map_err(|e| patch_error(e.to_string()))?;
+        // A bare pod spec is judged as the spec of a pod without metadata.
+        let wrapped;
+        let template = if place.bare {
+            wrapped = json!({ "spec": found });
+            &wrapped
+        } else {
+            found
+        };
+        let view = PodView::from_value(template);
+        let input = Input {
+            pod: &view,
+            namespace: &namespace,
+            namespace_labels: labels,
+            operation: Operation::Create,
+            display_name: &display,
+            claims,
+            owner_kind: Some(doc.kind()),
+        };
+        let decision = engine::decide(&input, policies);
+        if decision.verdict() != Verdict::Denied && decision.changes().next().is_some() {
+            let relative = crate::patch::patch_for_view(&view, decision.changes());
+            let relative = if place.bare {
+                unwrap_spec(relative)
+            } else {
+                relative
+            };
+            if let Some(target) = after.pointer_mut(&place.pointer) {
+                json_patch::patch(target, &relative.0).map_err(|e| patch_error(e.to_string()))?;
+            }
+            patch.0.extend(prefixed(relative, &place.pointer).0);
         }
-        patch = prefixed(relative, pointer);
+        decisions.push(Judged {
+            path: place.path,
+            bare: place.bare,
+            explanation: Explanation::of(&decision),
+        });
     }
-    let explanation = Explanation::of(&decision);
-    // The decision borrows the template inside `doc`.
-    drop(decision);
     Ok(Outcome {
         doc,
         after,
         patch,
-        decision: Some(explanation),
+        decisions,
         namespace,
     })
+}
+
+/// The patch of a pod wrapped around a bare pod spec, against the spec itself: paths under
+/// `/spec` lose that prefix, and changes to the pod's metadata (its annotations), which a
+/// bare spec has nowhere to hold, are left out.
+fn unwrap_spec(patch: json_patch::Patch) -> json_patch::Patch {
+    use json_patch::PatchOperation as Op;
+    let unwrap = |path: &json_patch::jsonptr::PointerBuf| {
+        path.strip_prefix(json_patch::jsonptr::Pointer::from_static("/spec"))
+            .map(ToOwned::to_owned)
+    };
+    let ops = patch.0.into_iter().filter_map(|op| match op {
+        Op::Add(mut o) => {
+            o.path = unwrap(&o.path)?;
+            Some(Op::Add(o))
+        }
+        Op::Remove(mut o) => {
+            o.path = unwrap(&o.path)?;
+            Some(Op::Remove(o))
+        }
+        // The engine writes only `add` and `remove`.
+        other => Some(other),
+    });
+    json_patch::Patch(ops.collect())
 }
 
 /// The same patch, with every path under `prefix` (a pod template pointer).
@@ -558,19 +631,32 @@ impl Explainer {
             self.last_source.clone_from(&o.doc.source);
         }
         let object = format!("{} {}/{}", o.doc.kind(), o.namespace, o.doc.name());
-        let Some(d) = &o.decision else {
+        if o.decisions.is_empty() {
             *self.counts.entry("passed through").or_default() += 1;
             let _ = writeln!(
                 stderr,
                 "  {object}: no pod template, passed through unchanged"
             );
             return;
-        };
+        }
+        for judged in &o.decisions {
+            let at = match &judged.path {
+                Some(path) if path.is_empty() => format!("{object} (the object itself)"),
+                Some(path) => format!("{object} {path}"),
+                None => object.clone(),
+            };
+            self.explain_pod(&at, judged, &o.namespace, stderr);
+        }
+    }
+
+    /// One line for one pod of an object, then its warnings and denial.
+    fn explain_pod(&mut self, at: &str, judged: &Judged, namespace: &str, stderr: &mut dyn Write) {
+        let d = &judged.explanation;
         let policy = d.policy.as_str();
         let (key, line) = match d.verdict {
             Verdict::NotGoverned => (
                 "unchanged",
-                format!("unchanged: no GpuPolicy selects namespace {}", o.namespace),
+                format!("unchanged: no GpuPolicy selects namespace {namespace}"),
             ),
             Verdict::Unchanged => (
                 "unchanged",
@@ -597,13 +683,19 @@ impl Explainer {
         };
         self.denied |= d.verdict == Verdict::Denied;
         *self.counts.entry(key).or_default() += 1;
-        let _ = writeln!(stderr, "  {object}: {line}");
+        let _ = writeln!(stderr, "  {at}: {line}");
         for w in &d.warnings {
             let w = w
                 .strip_prefix("gpuwarden audit: ")
                 .or_else(|| w.strip_prefix("gpuwarden: "))
                 .unwrap_or(w);
             let _ = writeln!(stderr, "    - {w}");
+        }
+        if judged.bare && d.verdict == Verdict::Rewritten {
+            let _ = writeln!(
+                stderr,
+                "    - a pod spec without metadata of its own: the pod's annotations (gpuwarden's report, CDI annotations) are not written here"
+            );
         }
         if let Some(message) = &d.denial {
             let message = message.strip_prefix("gpuwarden: ").unwrap_or(message);

@@ -604,3 +604,171 @@ spec:
         r.stderr
     );
 }
+
+/// A Volcano Job with a privileged worker task that names GPUs, and a PyTorchJob whose
+/// master is exempt by nothing and whose worker is ordinary: the pods inside them are judged
+/// where they stand.
+const CUSTOM_RESOURCES: &str = "apiVersion: batch.volcano.sh/v1alpha1
+kind: Job
+metadata:
+  name: train
+  namespace: ml
+spec:
+  minAvailable: 2
+  tasks:
+    - name: ps
+      replicas: 1
+      template:
+        spec:
+          containers:
+            - name: ps
+              image: registry.example.com/ps:1
+    - name: worker
+      replicas: 2
+      template:
+        metadata:
+          labels: {role: worker}
+        spec:
+          containers:
+            - name: worker
+              image: nvcr.io/nvidia/pytorch:24.05-py3
+              env:
+                - {name: NVIDIA_VISIBLE_DEVICES, value: \"0,1\"}
+              securityContext: {privileged: true}
+---
+apiVersion: ray.io/v1
+kind: RayCluster
+metadata:
+  name: rc
+  namespace: ml
+spec:
+  headGroupSpec:
+    template:
+      spec:
+        containers:
+          - {name: head, image: rayproject/ray:2.9.0}
+  workerGroupSpecs:
+    - groupName: gpu
+      template:
+        spec:
+          containers:
+            - name: worker
+              image: rayproject/ray:2.9.0-gpu
+              resources: {limits: {nvidia.com/gpu: 1}}
+              securityContext: {privileged: true}
+              volumeMounts: [{name: ib, mountPath: /dev/infiniband}]
+          volumes: [{name: ib, hostPath: {path: /dev/infiniband}}]
+---
+apiVersion: apps.nvidia.com/v1alpha1
+kind: NIMService
+metadata:
+  name: llm
+  namespace: ml
+spec:
+  image: {repository: nvcr.io/nim/meta/llama3-8b-instruct, tag: 1.0.0}
+  resources: {limits: {nvidia.com/gpu: 1}}
+";
+
+#[test]
+fn pods_inside_custom_resources_are_judged_where_they_stand() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "crs.yaml", CUSTOM_RESOURCES);
+    let r = run(&["-f", &path]);
+    // The RayCluster's worker would lose privilege while it mounts /dev/infiniband.
+    assert_eq!(r.code, 1, "stderr:\n{}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    let line = |prefix: &str| {
+        (lines.iter())
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line {prefix:?} in\n{}", r.stderr))
+    };
+    assert!(line("  Job ml/train spec.tasks[0].template: ").contains("unchanged"));
+    assert!(line("  Job ml/train spec.tasks[1].template: ").contains("REWRITTEN"));
+    assert!(line("  RayCluster ml/rc spec.headGroupSpec.template: ").contains("unchanged"));
+    assert!(line("  RayCluster ml/rc spec.workerGroupSpecs[0].template: ").contains("DENIED"));
+    assert!(
+        r.stderr.contains(
+            "an unprivileged container cannot open RDMA devices (/dev/infiniband, volume ib)"
+        ) && r.stderr.contains("rdma/rdma_shared_device_a"),
+        "{}",
+        r.stderr
+    );
+    assert!(line("  NIMService ml/llm: ").contains("no pod template"));
+    assert!(
+        r.stderr
+            .contains("3 objects: 1 denied, 1 passed through, 1 rewritten, 2 unchanged"),
+        "{}",
+        r.stderr
+    );
+
+    // The rewrite is made where the template stands, and the patch says where.
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&r.stdout).unwrap();
+    let worker = &docs[0]["spec"]["tasks"][1]["template"];
+    let c = &worker["spec"]["containers"][0];
+    assert_eq!(c["securityContext"]["privileged"], false);
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
+    assert!(worker["metadata"]["annotations"]["gpuwarden.io/rewritten"].is_string());
+    assert_eq!(
+        docs[0]["spec"]["tasks"][0],
+        serde_saphyr::from_str::<Value>(CUSTOM_RESOURCES.split("---").next().unwrap()).unwrap()["spec"]
+            ["tasks"][0]
+    );
+    let r = run(&["-f", &path, "-o", "patch"]);
+    let patches: Value = serde_json::from_str(&r.stdout).unwrap();
+    let ops = patches[0]["patch"].as_array().unwrap();
+    assert!(
+        ops.iter().all(|op| op["path"]
+            .as_str()
+            .unwrap()
+            .starts_with("/spec/tasks/1/template/")),
+        "{ops:?}"
+    );
+}
+
+#[test]
+fn objects_left_alone_come_out_as_kubectl_reads_them() {
+    // The GPU Operator's driver DaemonSet writes `defaultMode: 0755` (YAML 1.1 octal: 493)
+    // and is exempt in its namespace.
+    let text = "apiVersion: apps/v1
+kind: DaemonSet
+metadata: {name: nvidia-driver-daemonset, namespace: gpu-operator}
+spec:
+  selector: {matchLabels: {app: d}}
+  template:
+    metadata: {labels: {app: d}}
+    spec:
+      containers:
+        - name: nvidia-driver-ctr
+          image: nvcr.io/nvidia/driver:595.91.07-ubuntu24.04
+          securityContext: {privileged: true}
+          env: [{name: ON, value: \"on\"}, {name: QUOTED, value: \"0o644\"}]
+          volumeMounts: [{name: run, mountPath: /run/nvidia}]
+          resources: {limits: {memory: 1e3}}
+      volumes:
+        - name: scripts
+          configMap: {name: s, defaultMode: 0755}
+        - {name: run, hostPath: {path: /run/nvidia}}
+      hostPID: yes
+";
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "driver.yaml", text);
+    let r = run(&["-f", &path, "-o", "json"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(r.stderr.contains("exempt, unchanged"), "{}", r.stderr);
+    let ds: Value = serde_json::from_str(&r.stdout).unwrap();
+    let spec = &ds["spec"]["template"]["spec"];
+    assert_eq!(
+        spec["volumes"][0]["configMap"]["defaultMode"].to_string(),
+        "493"
+    );
+    assert_eq!(spec["hostPID"], true);
+    assert_eq!(
+        spec["containers"][0]["resources"]["limits"]["memory"].to_string(),
+        "1000"
+    );
+    assert_eq!(spec["containers"][0]["env"][0]["value"], "on");
+    // YAML output keeps strings that YAML 1.1 would read otherwise quoted.
+    let r = run(&["-f", &path]);
+    let again: Value = gpuwarden_webhook::manifest::yaml_value(&r.stdout).unwrap();
+    assert_eq!(again, ds, "{}", r.stdout);
+}
