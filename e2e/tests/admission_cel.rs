@@ -729,6 +729,18 @@ mod generated {
         "cpu",
         "memory",
         "nvidia.com/gpux",
+        // Passthrough GPUs of NVIDIA's sandbox device plugin, and NVIDIA names that are not.
+        "nvidia.com/GH100_H100_PCIE",
+        "nvidia.com/pgpu",
+        "nvidia.com/rdma-vf",
+        "example.com/vgpu-a",
+        "example.com/vgpu-b",
+    ];
+    /// `match.gpuResources` a policy may add; the last is beyond CEL (a `?`).
+    pub const GPU_RESOURCE_PATTERNS: &[&str] = &[
+        "example.com/vgpu-*",
+        "example.com/vgpu-a",
+        "example.com/vgpu-?",
     ];
     pub const IMAGES: &[&str] = &[
         "nvcr.io/nvidia/pytorch:24.05-py3",
@@ -888,6 +900,15 @@ mod generated {
                     1 => {
                         pod["metadata"]["annotations"] = json!({"cdi.k8s.io/x": "vendor.com/dev=1"})
                     }
+                    2 => {
+                        let value = *["nvidia.com/pgpu=0", "nvidia.com/pgpu=0,nvidia.com/gpu=1",
+                            "nvidia.com/pgpu=0,nvidia.com/pgpu=1"].choose(&mut rng).unwrap();
+                        pod["metadata"]["annotations"] = json!({"cdi.k8s.io/gpu": value});
+                        if rng.random_bool(0.7) {
+                            pod["spec"]["containers"][0]["resources"]["limits"]
+                                ["nvidia.com/GH100_H100_PCIE"] = json!("1");
+                        }
+                    }
                     _ => {}
                 }
                 let mut policy = gpuwarden_crds::manifests::default_policy_manifest();
@@ -911,6 +932,12 @@ mod generated {
                 }
                 if rng.random_bool(0.3) {
                     policy["spec"]["gpu"]["resourceName"] = json!("example.com/accel");
+                }
+                let mut resource_glob = false;
+                if rng.random_bool(0.2) {
+                    let pattern = *GPU_RESOURCE_PATTERNS.choose(&mut rng).unwrap();
+                    resource_glob = pattern.contains('?');
+                    policy["spec"]["match"]["gpuResources"] = json!([pattern]);
                 }
                 let mut inner_wildcard = false;
                 if rng.random_bool(0.3) {
@@ -965,7 +992,7 @@ mod generated {
                 Case {
                     pod,
                     policy,
-                    beyond_cel: inner_wildcard || unresolved || glob_only,
+                    beyond_cel: inner_wildcard || unresolved || glob_only || resource_glob,
                 }
             })
             .collect()
