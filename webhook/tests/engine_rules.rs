@@ -1735,3 +1735,307 @@ fn the_resource_claim_mode_requests_gpus_from_templates_and_shares_them() {
         Some("void")
     );
 }
+
+/// A privileged DaemonSet pod as its controller writes it: `ownerReferences` naming it.
+fn daemon_set_pod(name: &str, image: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": format!("{name}-x7k2p"),
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": name,
+                "uid": "6f1c", "controller": true, "blockOwnerDeletion": true}]
+        },
+        "spec": {
+            "containers": [{
+                "name": name,
+                "image": image,
+                "securityContext": {"privileged": true}
+            }]
+        }
+    })
+}
+
+#[test]
+fn nvidia_components_are_left_alone_where_their_installs_put_them() {
+    // NVIDIA's own privileged static device plugin: exempt in its namespace, where a GPU
+    // request would keep it Pending on a node that advertises no GPU yet.
+    let plugin = daemon_set_pod(
+        "nvidia-device-plugin-daemonset",
+        "nvcr.io/nvidia/k8s-device-plugin:v0.19.1",
+    );
+    for namespace in [
+        "nvidia-device-plugin",
+        "gpu-operator",
+        "nvidia-gpu-operator",
+    ] {
+        let answer = review_pod(&plugin, namespace, &source());
+        assert_eq!(answer.summary.outcome, Outcome::Exempt, "{namespace}");
+        assert!(answer.patch.is_none());
+    }
+    // The sandbox device plugin, pinned by digest as OLM installs it.
+    let sandbox = daemon_set_pod(
+        "nvidia-sandbox-device-plugin-daemonset",
+        &format!(
+            "nvcr.io/nvidia/kubevirt-gpu-device-plugin@sha256:{}",
+            "a".repeat(64)
+        ),
+    );
+    assert_eq!(
+        review_pod(&sandbox, "nvidia-gpu-operator", &source())
+            .summary
+            .outcome,
+        Outcome::Exempt
+    );
+    // A tenant cannot run the same image privileged elsewhere: it is judged, and as a
+    // DaemonSet given a GPU it never asked for, denied.
+    let answer = review_pod(&plugin, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    assert!(
+        answer.message().contains("runs it on every node"),
+        "{}",
+        answer.message()
+    );
+}
+
+#[test]
+fn a_daemon_set_is_never_made_a_gpu_consumer() {
+    // An exporter mounting /dev/nvidia0 and /dev/nvidiactl, as the nvidia_gpu_exporter chart
+    // rendered it: a GPU request would take one GPU on every node.
+    let mut exporter = daemon_set_pod("gpu-exporter", "utkuozdemir/nvidia_gpu_exporter:1.2.0");
+    exporter["spec"]["containers"][0]["volumeMounts"] = json!([
+        {"name": "nvidia0", "mountPath": "/dev/nvidia0"},
+        {"name": "nvidiactl", "mountPath": "/dev/nvidiactl"}
+    ]);
+    exporter["spec"]["volumes"] = json!([
+        {"name": "nvidia0", "hostPath": {"path": "/dev/nvidia0"}},
+        {"name": "nvidiactl", "hostPath": {"path": "/dev/nvidiactl"}}
+    ]);
+    let answer = review_pod(&exporter, "monitoring", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    let message = answer.message();
+    for part in [
+        "container gpu-exporter would be given 1 GPU(s) it did not ask for (policy default, GPU by a device mount)",
+        "DaemonSet gpu-exporter runs it on every node",
+        "exemptions.containers with images [utkuozdemir/nvidia_gpu_exporter:1.2.0] and namespaces [monitoring]",
+        "limits nvidia.com/gpu or annotation gpuwarden.io/gpu-count",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message}");
+    }
+    // Audit admits it and says what Enforce would do.
+    let audit = StaticSource::new([policy("default", |p| p.spec.mode = PolicyMode::Audit)]);
+    let answer = review_pod(&exporter, "monitoring", &audit);
+    assert_eq!(answer.summary.outcome, Outcome::Audited);
+    assert!(
+        answer.warnings().iter().any(|w| w.starts_with(
+            "gpuwarden audit: Enforce would deny: container gpu-exporter would be given 1 GPU(s)"
+        )),
+        "{:?}",
+        answer.warnings()
+    );
+    // Hints and `all` are counts it did not write either.
+    let mut all = daemon_set_pod("agent", "registry.example.com/agent:1");
+    all["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    assert_eq!(
+        review_pod(&all, "monitoring", &source()).summary.outcome,
+        Outcome::Denied
+    );
+    let hinted = daemon_set_pod("agent", "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04");
+    assert_eq!(
+        review_pod(&hinted, "monitoring", &source()).summary.outcome,
+        Outcome::Denied
+    );
+    // GPUs it names, a count annotation or a request it wrote are its own: rewritten.
+    let mut named = daemon_set_pod("agent", "registry.example.com/agent:1");
+    named["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]);
+    let (answer, out) = rewrite(&named, "monitoring", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+    let mut annotated = hinted.clone();
+    annotated["metadata"]["annotations"] = json!({"gpuwarden.io/gpu-count": "1"});
+    assert_eq!(
+        review_pod(&annotated, "monitoring", &source())
+            .summary
+            .outcome,
+        Outcome::Rewritten
+    );
+    // A pod owned by anything else is not node-wide.
+    let mut replica = hinted.clone();
+    replica["metadata"]["ownerReferences"][0]["kind"] = json!("ReplicaSet");
+    assert_eq!(
+        review_pod(&replica, "monitoring", &source())
+            .summary
+            .outcome,
+        Outcome::Rewritten
+    );
+}
+
+#[test]
+fn gpus_held_through_other_nvidia_resources_are_not_requested_twice() {
+    // A Kata confidential-computing pod, as in the Contrast docs: a passthrough GPU from the
+    // sandbox device plugin, named for the VM by a CDI annotation.
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "gpu-tester", "annotations": {"cdi.k8s.io/gpu": "nvidia.com/pgpu=0"}},
+        "spec": {
+            "runtimeClassName": "contrast-cc",
+            "containers": [{"name": "main", "image": "ubuntu:24.04",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+                "resources": {"limits": {"nvidia.com/GH100_H100_PCIE": 1}}}]
+        }
+    });
+    let answer = review_pod(&pod, "ml", &source());
+    assert_eq!(
+        answer.summary.outcome,
+        Outcome::Allowed,
+        "{:?}",
+        answer.warnings()
+    );
+    assert!(answer.patch.is_none());
+    // Privileged, it loses privilege and gets nothing on top; the CDI annotation stays.
+    let mut privileged = pod.clone();
+    privileged["spec"]["containers"][0]["securityContext"] = json!({"privileged": true});
+    let (answer, out) = rewrite(&privileged, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    let c = &out["spec"]["containers"][0];
+    assert_eq!(c["securityContext"]["privileged"], false);
+    assert_eq!(
+        c["resources"]["limits"],
+        json!({"nvidia.com/GH100_H100_PCIE": 1})
+    );
+    assert_eq!(
+        out["metadata"]["annotations"]["cdi.k8s.io/gpu"],
+        "nvidia.com/pgpu=0"
+    );
+    // Without the passthrough GPU the same annotation is a leak, and goes.
+    let mut leak = pod.clone();
+    leak["spec"]["containers"][0]["resources"] = json!({});
+    let (answer, out) = rewrite(&leak, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    assert!(
+        out["metadata"]["annotations"]
+            .get("cdi.k8s.io/gpu")
+            .is_none()
+    );
+    // Time-slicing and MIG resources hold GPUs too; the policy can name more.
+    for resource in [
+        "nvidia.com/gpu.shared",
+        "nvidia.com/mig-1g.10gb",
+        "nvidia.com/pgpu",
+    ] {
+        let mut shared = training_pod();
+        shared["spec"]["containers"][0]["resources"]["limits"] = json!({resource: 1});
+        let (_, out) = rewrite(&shared, "ml", &source());
+        assert_eq!(
+            out["spec"]["containers"][0]["resources"]["limits"],
+            json!({resource: 1}),
+            "{resource}"
+        );
+    }
+    let mut vgpu = training_pod();
+    vgpu["spec"]["containers"][0]["resources"]["limits"] = json!({"example.com/vgpu-8g": 1});
+    let named = StaticSource::new([policy("default", |p| {
+        p.spec.match_.gpu_resources = vec!["example.com/vgpu-*".into()]
+    })]);
+    let (_, out) = rewrite(&vgpu, "ml", &named);
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"],
+        json!({"example.com/vgpu-8g": 1})
+    );
+    let (_, out) = rewrite(&vgpu, "ml", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+}
+
+#[test]
+fn a_rewrite_never_leaves_a_container_without_the_host_devices_it_mounts() {
+    // OCI's NCCL test on OKE: privileged MPI workers that mount the host's /dev/infiniband.
+    let mut worker = training_pod();
+    worker["spec"]["containers"][0]["resources"]["limits"] = json!({"nvidia.com/gpu": 8});
+    worker["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "ib", "mountPath": "/dev/infiniband"}]);
+    worker["spec"]["volumes"] = json!([{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}]);
+    let answer = review_pod(&worker, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    let message = answer.message();
+    for part in [
+        "container trainer loses privilege, and an unprivileged container cannot open RDMA devices (/dev/infiniband, volume ib)",
+        "request the RDMA devices from an RDMA device plugin (a resource matching rdmaResources rdma/*",
+        "exempt it in GpuPolicy default",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message}");
+    }
+    // With an RDMA resource the device plugin hands it the HCA: rewritten, the mount kept.
+    let mut with_rdma = worker.clone();
+    with_rdma["spec"]["containers"][0]["resources"]["limits"]["rdma/rdma_shared_device_a"] =
+        json!(1);
+    let (answer, out) = rewrite(&with_rdma, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    assert_eq!(out["spec"]["volumes"], worker["spec"]["volumes"]);
+    assert_eq!(
+        out["spec"]["containers"][0]["volumeMounts"],
+        worker["spec"]["containers"][0]["volumeMounts"]
+    );
+    // Other devices, paths written unclean, directories that hold them, the whole /dev.
+    for (path, what) in [
+        ("/dev/kvm", "KVM (/dev/kvm"),
+        ("/dev/vfio/12", "VFIO passthrough devices (/dev/vfio/12"),
+        ("/dev/nvidia0/../fuse", "FUSE (/dev/nvidia0/../fuse"),
+        ("/dev//net/tun/", "TUN/TAP (/dev//net/tun/"),
+        ("/dev/net", "every host device (/dev/net"),
+        ("/dev", "every host device (/dev,"),
+        ("/dev/", "every host device (/dev/,"),
+    ] {
+        let mut pod = training_pod();
+        pod["spec"]["containers"][0]["volumeMounts"] =
+            json!([{"name": "d", "mountPath": "/host-dev"}]);
+        pod["spec"]["volumes"] = json!([{"name": "d", "hostPath": {"path": path}}]);
+        let answer = review_pod(&pod, "ml", &source());
+        assert_eq!(answer.summary.outcome, Outcome::Denied, "{path}");
+        assert!(
+            answer.message().contains(what),
+            "{path}: {}",
+            answer.message()
+        );
+    }
+    // An exempt container keeps its privilege and its devices; Audit only warns.
+    let audit = StaticSource::new([policy("default", |p| p.spec.mode = PolicyMode::Audit)]);
+    let answer = review_pod(&worker, "ml", &audit);
+    assert_eq!(answer.summary.outcome, Outcome::Audited);
+    assert!(
+        answer
+            .warnings()
+            .iter()
+            .any(|w| w.contains("Enforce would deny: container trainer loses privilege"))
+    );
+    let exempt = StaticSource::new([policy("default", |p| {
+        p.spec
+            .exemptions
+            .containers
+            .push(gpuwarden_crds::ContainerExemption {
+                images: vec!["nvcr.io/nvidia/pytorch:*".into()],
+                namespaces: vec!["ml".into()],
+                ..Default::default()
+            })
+    })]);
+    assert_eq!(
+        review_pod(&worker, "ml", &exempt).summary.outcome,
+        Outcome::Exempt
+    );
+    // /dev/shm and GPU device paths are not such devices.
+    let mut shm = training_pod();
+    shm["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "shm", "mountPath": "/dev/shm"}]);
+    shm["spec"]["volumes"] = json!([{"name": "shm", "hostPath": {"path": "/dev/shm"}}]);
+    assert_eq!(
+        review_pod(&shm, "ml", &source()).summary.outcome,
+        Outcome::Rewritten
+    );
+}
