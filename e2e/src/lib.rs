@@ -3,3 +3,4 @@
 
 pub mod cluster;
 pub mod manifests;
+pub mod readme;

@@ -278,7 +278,9 @@ impl Input<'_> {
     /// kind and name: a GPU request it did not write would take a GPU on each node.
     pub(crate) fn node_wide(&self) -> Option<(&str, &str)> {
         if let Some(kind) = self.owner_kind.filter(|k| *k == KIND_DAEMON_SET) {
-            return Some((kind, self.display_name));
+            // Offline the pod is named after its workload, `namespace/name`.
+            let name = self.display_name.rsplit('/').next().unwrap_or_default();
+            return Some((kind, name));
         }
         let owner = self.pod.controller()?;
         (owner.kind.as_deref() == Some(KIND_DAEMON_SET))

@@ -1,0 +1,18 @@
+//! The README's shell blocks, read by the tests that run them as written.
+
+use crate::manifests::repo_root;
+
+/// The lines of the first `sh` block under the heading `## {heading}` of the README.
+pub fn readme_block(heading: &str) -> Vec<String> {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let section = readme
+        .split_once(&format!("\n## {heading}\n"))
+        .unwrap_or_else(|| panic!("README has no section {heading}"))
+        .1;
+    let block = section
+        .split_once("```sh\n")
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .unwrap_or_else(|| panic!("README section {heading} has no sh block"))
+        .0;
+    block.lines().map(str::to_owned).collect()
+}
