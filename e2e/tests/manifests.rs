@@ -451,13 +451,14 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["patch"],
         &[],
     ),
-    // src/webhook_certs.rs: get_opt + JSON patch of caBundle.
+    // src/webhook_certs.rs: get_opt + JSON patch of caBundle; src/runner.rs: a watch on
+    // that one object (field selector metadata.name), which wakes the certificate keeper.
     (
         install::OPERATOR_NAME,
         None,
         "admissionregistration.k8s.io",
         "mutatingwebhookconfigurations",
-        &["get", "patch"],
+        &["get", "list", "watch", "patch"],
         &[install::MUTATING_WEBHOOK_CONFIGURATION],
     ),
     // kube::runtime::events::Recorder (events.k8s.io/v1: create, then patch for a series).

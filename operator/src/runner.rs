@@ -1,8 +1,9 @@
 //! Wiring: one watch (and cache) per kind, routes that pass on only objects whose inputs
 //! changed (so the operator's own writes and Lease renewals do not wake it), three
 //! kube-runtime `Controller`s with bounded concurrency and per-object backoff, the
-//! certificate keeper, the ResourceClaimTemplate keeper (where the cluster serves DRA),
-//! leader election and the health server.
+//! certificate keeper (woken by a watch on the webhook configuration), the
+//! ResourceClaimTemplate keeper (where the cluster serves DRA), leader election and the
+//! health server.
 
 use gpuwarden_crds::error_chain;
 use std::collections::HashMap;
@@ -16,6 +17,7 @@ use futures::{Stream, StreamExt, stream};
 use gpuwarden_crds::{
     AGENT_LEASE_NAMESPACE, AGENT_LEASE_PREFIX, GpuNode, GpuPolicy, TAINT_GPU_UNHEALTHY,
 };
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Node, NodeSpec, NodeStatus};
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
@@ -136,6 +138,24 @@ fn lease_inputs(lease: &Lease, clock: &Clock) -> u64 {
         spec.and_then(|s| s.lease_duration_seconds),
         agent_liveness(Some(lease), clock()).is_live(),
     ))
+}
+
+/// What the certificate keeper reads of the webhook configuration: which object it is and
+/// each webhook's `caBundle`. A configuration re-created without a bundle, or one whose
+/// bundle someone changed, wakes it; a label edit does not.
+fn webhook_configuration_inputs(mwc: &MutatingWebhookConfiguration) -> u64 {
+    let bundles: Vec<(&str, Option<&[u8]>)> = mwc
+        .webhooks
+        .iter()
+        .flatten()
+        .map(|w| {
+            (
+                w.name.as_str(),
+                w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()),
+            )
+        })
+        .collect();
+    hash_of(&(mwc.metadata.uid.as_deref(), bundles))
 }
 
 /// Remembers the last input hash per object and says whether a new one differs.
@@ -485,6 +505,31 @@ where
         ),
     ];
     let mut tasks = tasks;
+    // The certificate keeper is woken when the webhook configuration appears or its bundles
+    // change. The watch is on that one object (a field selector, which is also what lets RBAC
+    // pin list and watch to its name); the store only feeds the route.
+    let (certs_tx, certs_changed) = mpsc::unbounded_channel::<()>();
+    if config.manage_webhook_certificates {
+        let (_, webhook_configuration_w) = reflector::store::<MutatingWebhookConfiguration>();
+        tasks.push(watch_kind(
+            Api::<MutatingWebhookConfiguration>::all(client.clone()),
+            watcher::Config::default().fields(&format!(
+                "metadata.name={}",
+                gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION
+            )),
+            |mwc| mwc.metadata.managed_fields = None,
+            webhook_configuration_w,
+            sd_rx.clone(),
+            route(
+                webhook_configuration_inputs,
+                move |_: &MutatingWebhookConfiguration| {
+                    let _ = certs_tx.send(());
+                },
+                // Nothing to restore on a configuration that is gone; its return wakes us.
+                |_: &MutatingWebhookConfiguration| {},
+            ),
+        ));
+    }
     let (namespaces, namespace_w) = reflector::store::<PartialObjectMeta<Namespace>>();
     let (templates, template_w) = reflector::store::<ResourceClaimTemplate>();
     let dra = dra_served(&client).await;
@@ -707,7 +752,7 @@ where
             leader: leadership.clone(),
             metrics: metrics.clone(),
         };
-        cert_loop(ctx, sd_rx.clone()).await;
+        cert_loop(ctx, certs_changed, sd_rx.clone()).await;
     };
     let templates = async {
         if !dra {
@@ -865,7 +910,13 @@ async fn template_loop(
     }
 }
 
-async fn cert_loop(ctx: CertContext, shutdown: watch::Receiver<bool>) {
+/// Keeps the webhook's certificates: a pass when they are due, when the webhook
+/// configuration changes (`wake`), on becoming the leader, and after a failure (with backoff).
+async fn cert_loop(
+    ctx: CertContext,
+    mut wake: mpsc::UnboundedReceiver<()>,
+    shutdown: watch::Receiver<bool>,
+) {
     let mut leadership = ctx.leader.clone();
     let backoffs = Backoffs::default();
     loop {
@@ -898,6 +949,14 @@ async fn cert_loop(ctx: CertContext, shutdown: watch::Receiver<bool>) {
         debug!(?wait, "next webhook certificate check");
         tokio::select! {
             () = tokio::time::sleep(wait) => {}
+            woken = wake.recv() => {
+                if woken.is_none() {
+                    return;
+                }
+                // A re-applied configuration may come as a create and a few updates.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                while wake.try_recv().is_ok() {}
+            }
             changed = leadership.changed() => {
                 if changed.is_none() {
                     return;

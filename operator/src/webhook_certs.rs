@@ -1,6 +1,11 @@
 //! Keeps the webhook's TLS Secret and the MutatingWebhookConfiguration's `caBundle` in step
 //! with [`crate::certs::plan`]. The `caBundle` is patched before the Secret is written, so by
 //! the time the webhook serves a certificate from a new CA, the API server already trusts it.
+//!
+//! A pass runs when the certificates are due, when the webhook configuration appears or its
+//! bundles change (the runner watches that one object), and every [`MAX_RECHECK`] otherwise.
+//! A configuration re-created from the manifests, which carry no `caBundle`, is thus trusted
+//! again within seconds rather than refusing every pod it sends until the next pass.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,8 +28,9 @@ use crate::{Clock, Leadership};
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "webhook-certificates";
-/// Longest wait between two checks, so a reinstalled webhook configuration gets its
-/// `caBundle` back soon.
+/// Longest wait between two passes. The watch on the webhook configuration wakes a pass at
+/// once; this is the net under it (a watch the RBAC does not allow yet, a Secret edited by
+/// hand).
 pub const MAX_RECHECK: Duration = Duration::from_secs(300);
 
 /// A certificate reconcile that failed.
@@ -122,9 +128,18 @@ pub async fn reconcile_certificates(ctx: &CertContext) -> Result<Timestamp, Cert
             if let Some(patch) =
                 ca_bundle_patch(&mwc, &plan.ca_bundle).map_err(CertSyncError::Encode)?
             {
+                // A JSON patch under the operator's own name rather than a server-side apply:
+                // the operator then owns each `caBundle` it sets and nothing else. An apply
+                // would also co-own each webhook entry by its key, so a re-apply of the user's
+                // manifests that drops an entry would leave a stub of it, which the API server
+                // refuses. Each `add` is guarded by a `test` of the entry's name.
+                let params = PatchParams {
+                    field_manager: Some(FIELD_MANAGER_OPERATOR.to_owned()),
+                    ..PatchParams::default()
+                };
                 mwcs.patch(
                     MUTATING_WEBHOOK_CONFIGURATION,
-                    &PatchParams::default(),
+                    &params,
                     &Patch::Json::<()>(patch),
                 )
                 .await

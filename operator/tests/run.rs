@@ -409,3 +409,221 @@ async fn a_standby_replica_takes_over_when_the_leader_goes() {
     b_stop.send(()).unwrap();
     assert!(b_task.await.unwrap().is_ok());
 }
+
+/// The webhook configuration as the manifests create it: no `caBundle`. Two entries, so the
+/// test sees every entry patched.
+fn webhook_configuration() -> serde_json::Value {
+    let entry = |name: &str| {
+        json!({
+            "name": name,
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "clientConfig": {
+                "service": {"name": "gpuwarden-webhook", "namespace": "gpuwarden-system", "path": "/mutate"},
+            },
+        })
+    };
+    json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": "gpuwarden", "uid": "mwc-1"},
+        "webhooks": [entry("pods.gpuwarden.io"), entry("other.gpuwarden.io")],
+    })
+}
+
+/// The `caBundle` of each entry of the webhook configuration, as stored (base64).
+fn bundles(fake: &FakeApi) -> Vec<serde_json::Value> {
+    fake.get("mutatingwebhookconfigurations", "gpuwarden")
+        .map(|m| {
+            m["webhooks"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|w| w["clientConfig"]["caBundle"].clone())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Requests to the webhook configuration that wrote it.
+fn configuration_writes(fake: &FakeApi) -> Vec<String> {
+    fake.requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| !r.starts_with("GET ") && r.contains("/mutatingwebhookconfigurations"))
+        .cloned()
+        .collect()
+}
+
+/// What the README's emergency procedure leads to: the webhook configuration deleted, then
+/// re-created from the manifests, which carry no `caBundle`. The operator notices through its
+/// watch and writes the bundle from the Secret into every entry within seconds, under its own
+/// field manager; it puts back a bundle someone changed, and leaves a trusted configuration
+/// alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_created_webhook_configuration_gets_its_ca_bundle_back_within_seconds() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = Arc::new(FakeApi::default());
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = free_port();
+    config.leader_election = false;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
+        let _ = stop_rx.await;
+    }));
+    wait_for("webhook Secret", Duration::from_secs(20), || {
+        fake.count("secrets") == 1
+    })
+    .await;
+    let ca = fake.get("secrets", "gpuwarden-webhook-tls").unwrap()["data"]["ca.crt"].clone();
+    assert!(ca.is_string(), "{ca}");
+    // The operator watches that one configuration by name, as its RBAC requires.
+    wait_for(
+        "a watch on the configuration",
+        Duration::from_secs(5),
+        || {
+            fake.requests.lock().unwrap().iter().any(|r| {
+                r.starts_with(
+                    "GET /apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations?",
+                ) && r.contains("watch=true")
+                    && r.contains("fieldSelector=metadata.name%3Dgpuwarden")
+            })
+        },
+    )
+    .await;
+
+    // Re-created without a bundle: every entry trusts the CA again within seconds (the
+    // periodic pass alone would take up to five minutes).
+    let created = Instant::now();
+    fake.create(
+        "mutatingwebhookconfigurations",
+        "gpuwarden",
+        webhook_configuration(),
+    );
+    wait_for("caBundle restored", Duration::from_secs(5), || {
+        bundles(&fake) == [ca.clone(), ca.clone()]
+    })
+    .await;
+    eprintln!("caBundle restored after {:?}", created.elapsed());
+    // The operator's own write comes back through the watch and finds nothing to do.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let writes = configuration_writes(&fake);
+    assert_eq!(writes.len(), 1, "{writes:#?}");
+    assert!(
+        writes[0].starts_with("PATCH ") && writes[0].contains("fieldManager=gpuwarden-operator"),
+        "{writes:#?}"
+    );
+
+    // A bundle someone changed is put back.
+    fake.modify("mutatingwebhookconfigurations", "gpuwarden", |m| {
+        m["webhooks"][1]["clientConfig"]["caBundle"] = json!("c3RhbGU=");
+    });
+    wait_for("stale caBundle replaced", Duration::from_secs(5), || {
+        bundles(&fake) == [ca.clone(), ca.clone()]
+    })
+    .await;
+    assert_eq!(configuration_writes(&fake).len(), 2);
+
+    // A trusted configuration is not written, whatever else changes in it.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    fake.modify("mutatingwebhookconfigurations", "gpuwarden", |m| {
+        m["metadata"]["labels"] = json!({"team": "platform"});
+        m["webhooks"][0]["timeoutSeconds"] = json!(5);
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        configuration_writes(&fake).len(),
+        2,
+        "{:#?}",
+        configuration_writes(&fake)
+    );
+
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(20), operator)
+        .await
+        .expect("operator stops")
+        .expect("operator task");
+    assert!(result.is_ok(), "{result:?}");
+}
+
+/// A standby sees the webhook configuration come back without a bundle and writes nothing;
+/// once it leads, it restores the bundle at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_restores_the_ca_bundle() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let fake = Arc::new(FakeApi::default());
+    // The Secret a previous leader wrote.
+    let params = gpuwarden_operator::certs::CertParams {
+        namespace: "gpuwarden-system".into(),
+        service: "gpuwarden-webhook".into(),
+        validity: Duration::from_secs(365 * 86400),
+    };
+    let plan =
+        gpuwarden_operator::certs::plan(&Default::default(), jiff::Timestamp::now(), &params)
+            .unwrap();
+    let data: std::collections::BTreeMap<&str, k8s_openapi::ByteString> = plan
+        .data
+        .iter()
+        .map(|(k, v)| (k.as_str(), k8s_openapi::ByteString(v.clone())))
+        .collect();
+    fake.insert(
+        "secrets",
+        "gpuwarden-webhook-tls",
+        json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "gpuwarden-webhook-tls", "namespace": "gpuwarden-system"},
+            "type": "kubernetes.io/tls", "data": data,
+        }),
+    );
+    let ca = serde_json::to_value(k8s_openapi::ByteString(plan.ca_bundle.clone())).unwrap();
+
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = free_port();
+    let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(gpuwarden_operator::run_with(
+        config,
+        fake.client(),
+        async move {
+            let _ = stop_rx.await;
+        },
+        gpuwarden_operator::system_clock(),
+        Some(leadership),
+    ));
+    wait_for(
+        "a watch on the configuration",
+        Duration::from_secs(20),
+        || {
+            fake.requests
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|r| r.contains("/mutatingwebhookconfigurations?") && r.contains("watch=true"))
+        },
+    )
+    .await;
+    fake.create(
+        "mutatingwebhookconfigurations",
+        "gpuwarden",
+        webhook_configuration(),
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(configuration_writes(&fake).is_empty(), "a standby wrote");
+    assert_eq!(fake.writes.load(Ordering::Relaxed), 0, "a standby wrote");
+
+    leader_tx.send(true).unwrap();
+    wait_for(
+        "caBundle restored by the new leader",
+        Duration::from_secs(5),
+        || bundles(&fake) == [ca.clone(), ca.clone()],
+    )
+    .await;
+
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(20), operator)
+        .await
+        .expect("operator stops")
+        .expect("operator task");
+    assert!(result.is_ok(), "{result:?}");
+}

@@ -767,6 +767,11 @@ async fn certificate_renewed_before_expiry_with_both_cas_in_the_bundle_during_ro
         "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/gpuwarden"
     );
     assert_eq!(patch.content_type, "application/json-patch+json");
+    assert!(
+        patch.query.contains("fieldManager=gpuwarden-operator"),
+        "the caBundle is written under the operator's name: {}",
+        patch.query
+    );
     assert_eq!(patch.body[0]["op"], "test");
     assert_eq!(patch.body[0]["value"], "pods.gpuwarden.io");
     let bundle = bundle_in_patch(&patch.body);
@@ -869,6 +874,36 @@ async fn first_run_creates_the_secret_and_fills_an_empty_ca_bundle() {
     assert_eq!(writes.len(), 2);
     assert_eq!(certs::bundle_len(&bundle_in_patch(&writes[0].body)), 1);
     assert_eq!(writes[1].body["metadata"]["namespace"], "gpuwarden-system");
+}
+
+#[tokio::test]
+async fn a_standby_reads_but_writes_no_certificate_and_no_ca_bundle() {
+    let mwc = mwc_json(b"");
+    let respond: Responder = Arc::new(move |s: &Seen| match (s.method.as_str(), s.path.as_str()) {
+        (_, p) if p.ends_with("/mutatingwebhookconfigurations/gpuwarden") => {
+            (StatusCode::OK, mwc.clone())
+        }
+        ("PATCH", _) => (StatusCode::OK, s.body.clone()),
+        _ => not_found(),
+    });
+    let (client, api) = FakeApi::start(respond);
+    let (clock, _) = clock_at(0);
+    let (_leader_tx, leader) = Leadership::channel(false);
+    let ctx = CertContext {
+        client,
+        namespace: "gpuwarden-system".into(),
+        params: cert_params(),
+        clock,
+        leader,
+        metrics: Arc::new(Metrics::new()),
+    };
+    let next = reconcile_certificates(&ctx).await.unwrap();
+    assert!(api.writes().is_empty(), "{:#?}", api.writes());
+    assert_eq!(
+        next,
+        ts(300),
+        "a standby checks again at the longest interval"
+    );
 }
 
 #[test]

@@ -41,6 +41,8 @@ pub struct FakeApi {
     pub lists: AtomicU64,
     /// Deletes served.
     pub deletes: AtomicU64,
+    /// Every request but to events, as `METHOD path?query`, in order.
+    pub requests: Mutex<Vec<String>>,
 }
 
 /// JSON merge patch (RFC 7386): objects merge, null removes, anything else replaces.
@@ -87,6 +89,13 @@ fn not_found() -> Response<Body> {
     )
 }
 
+fn invalid(message: &str) -> Response<Body> {
+    json_response(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422, "message": message}),
+    )
+}
+
 /// (collection, list kind, apiVersion) for a path, and the object name and subresource.
 fn route(
     path: &str,
@@ -97,7 +106,7 @@ fn route(
     Option<String>,
     bool,
 )> {
-    let routes: [(&str, &str, &str, &str); 6] = [
+    let routes: [(&str, &str, &str, &str); 7] = [
         ("/api/v1/nodes", "nodes", "NodeList", "v1"),
         (
             "/apis/gpuwarden.io/v1alpha1/gpunodes",
@@ -122,6 +131,12 @@ fn route(
             "secrets",
             "SecretList",
             "v1",
+        ),
+        (
+            "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
+            "mutatingwebhookconfigurations",
+            "MutatingWebhookConfigurationList",
+            "admissionregistration.k8s.io/v1",
         ),
         (
             "/apis/events.k8s.io/v1/namespaces/default/events",
@@ -156,7 +171,7 @@ impl FakeApi {
         (self.resource_version.fetch_add(1, Ordering::SeqCst) + 1).to_string()
     }
 
-    /// Stores an object (and tells watchers it was added).
+    /// Stores an object without telling watchers: for what exists before the operator starts.
     pub fn insert(&self, coll: &'static str, name: &str, mut obj: Value) {
         obj["metadata"]["resourceVersion"] = json!(self.next_rv());
         let bytes = Bytes::from(serde_json::to_vec(&obj).unwrap_or_default());
@@ -165,6 +180,20 @@ impl FakeApi {
             .or_default()
             .objects
             .insert(name.to_owned(), bytes);
+    }
+
+    /// Creates an object and tells watchers it was added, as an API server would.
+    pub fn create(&self, coll: &'static str, name: &str, obj: Value) {
+        self.insert(coll, name, obj);
+        let mut c = self.collections.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = c.entry(coll).or_default();
+        if let Some(obj) = entry
+            .objects
+            .get(name)
+            .and_then(|b| serde_json::from_slice::<Value>(b).ok())
+        {
+            broadcast(entry, "ADDED", &obj);
+        }
     }
 
     /// Changes an object and tells its watchers, as an API server would.
@@ -302,6 +331,12 @@ impl FakeApi {
         let Some((coll, kind, version, name, status)) = route(path) else {
             return not_found();
         };
+        if coll != "events" {
+            self.requests
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(format!("{method} {path}?{query}"));
+        }
         match (method, name) {
             ("GET", None) if query.contains("watch=true") => self.watch(coll),
             ("GET", None) => Response::builder()
@@ -318,6 +353,23 @@ impl FakeApi {
                 let patch: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 if status {
                     self.status_writes.fetch_add(1, Ordering::Relaxed);
+                }
+                if patch.is_array() {
+                    // A JSON patch (RFC 6902): applied as the API server does, refused whole
+                    // when a `test` fails or the object is missing.
+                    let Ok(ops) = serde_json::from_value::<json_patch::Patch>(patch) else {
+                        return invalid("not a JSON patch");
+                    };
+                    let Some(mut patched) = self.get(coll, &name) else {
+                        return not_found();
+                    };
+                    if json_patch::patch(&mut patched, &ops).is_err() {
+                        return invalid("the patch does not apply");
+                    }
+                    return match self.modify(coll, &name, |obj| *obj = patched) {
+                        Some(obj) => json_response(StatusCode::OK, &obj),
+                        None => not_found(),
+                    };
                 }
                 let updated = self.modify(coll, &name, |obj| {
                     if status {
