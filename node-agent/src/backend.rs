@@ -117,12 +117,12 @@ pub enum GpuEventKind {
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     /// `libnvidia-ml.so.1` is missing or NVML did not initialise.
-    #[error(
-        "NVML is not available: {detail}; run on a GPU node with the NVIDIA driver, or pass --fake FILE"
-    )]
+    #[error("NVML is not available: {detail}; {advice}")]
     NvmlUnavailable {
         /// What NVML said.
         detail: String,
+        /// What to check: in a pod the NVIDIA runtime hands over NVML, on a host the driver.
+        advice: &'static str,
     },
     /// An NVML call that the whole read depends on failed.
     #[error("NVML call {call} failed")]

@@ -46,17 +46,55 @@ pub struct NvmlBackend {
     stop: Arc<AtomicBool>,
 }
 
-/// The one-line error for a node without NVML.
-pub fn unavailable(e: &NvmlError) -> BackendError {
-    let detail = match e {
-        NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound => {
-            format!("libnvidia-ml.so.1 could not be loaded ({e})")
-        }
-        NvmlError::DriverNotLoaded => format!("the NVIDIA kernel driver is not loaded ({e})"),
-        NvmlError::NoPermission => format!("no permission to open the GPU devices ({e})"),
-        other => format!("NVML failed to initialise ({other})"),
+/// The service-account token the kubelet mounts into a pod's containers.
+pub const SERVICE_ACCOUNT_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
+
+/// What to do about a missing NVML outside a pod.
+pub const ADVICE_HOST: &str = "run on a GPU node with the NVIDIA driver, or pass --fake FILE";
+/// What a missing library means in a pod: the image has no NVML, the NVIDIA container runtime
+/// injects the host driver's, and it did not.
+pub const ADVICE_POD_RUNTIME: &str = "in a pod the NVIDIA container runtime injects NVML and \
+     the GPU devices, and did not: it is not the node's default runtime (set runtimeClassName, \
+     e.g. nvidia, in the pod spec of deploy/node-agent/node-agent.yaml), or it ignores \
+     NVIDIA_VISIBLE_DEVICES in unprivileged containers (apply the component \
+     deploy/components/node-agent-privileged)";
+/// What a driver that is not loaded means in a pod: the runtime did its part.
+pub const ADVICE_POD_DRIVER: &str = "the NVIDIA runtime injected NVML, so check the NVIDIA \
+     driver on this node (the GPU Operator's driver pod, or nvidia-smi on the host)";
+
+/// Whether this process runs in a Kubernetes pod: the kubelet sets `KUBERNETES_SERVICE_HOST`
+/// in every container, and mounts a service-account token unless told not to.
+pub fn in_pod() -> bool {
+    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+        || std::path::Path::new(SERVICE_ACCOUNT_TOKEN).exists()
+}
+
+/// The one-line error for a node without NVML. `in_pod` picks the advice: in a pod NVML comes
+/// from the NVIDIA container runtime, so "install the driver" would send a person to the wrong
+/// place.
+pub fn unavailable(e: &NvmlError, in_pod: bool) -> BackendError {
+    let (detail, advice) = match e {
+        NvmlError::LibloadingError(_) | NvmlError::LibraryNotFound => (
+            format!("libnvidia-ml.so.1 could not be loaded ({e})"),
+            ADVICE_POD_RUNTIME,
+        ),
+        NvmlError::DriverNotLoaded => (
+            format!("the NVIDIA kernel driver is not loaded ({e})"),
+            ADVICE_POD_DRIVER,
+        ),
+        NvmlError::NoPermission => (
+            format!("no permission to open the GPU devices ({e})"),
+            ADVICE_POD_RUNTIME,
+        ),
+        other => (
+            format!("NVML failed to initialise ({other})"),
+            ADVICE_POD_RUNTIME,
+        ),
     };
-    BackendError::NvmlUnavailable { detail }
+    BackendError::NvmlUnavailable {
+        detail,
+        advice: if in_pod { advice } else { ADVICE_HOST },
+    }
 }
 
 impl NvmlBackend {
@@ -71,7 +109,7 @@ impl NvmlBackend {
                 let nvml = match Nvml::init() {
                     Ok(n) => n,
                     Err(e) => {
-                        let _ = init_tx.send(Err(unavailable(&e)));
+                        let _ = init_tx.send(Err(unavailable(&e, in_pod())));
                         return;
                     }
                 };
@@ -676,12 +714,60 @@ mod tests {
 
     #[test]
     fn unavailable_message_is_one_clear_line() {
-        let e = unavailable(&NvmlError::LibraryNotFound).to_string();
+        let e = unavailable(&NvmlError::LibraryNotFound, false).to_string();
         assert!(
             e.starts_with("NVML is not available: libnvidia-ml.so.1 could not be loaded")
                 && e.ends_with("run on a GPU node with the NVIDIA driver, or pass --fake FILE")
                 && !e.contains('\n'),
             "{e}"
+        );
+    }
+
+    /// In a pod a missing library is the runtime's doing, not a missing driver: the message
+    /// names the two ways that happens and where to fix each, and no longer sends a person to
+    /// install a driver or pass a fake file.
+    #[test]
+    fn unavailable_in_a_pod_names_the_runtime_causes() {
+        for e in [
+            NvmlError::LibraryNotFound,
+            NvmlError::NoPermission,
+            NvmlError::Unknown,
+        ] {
+            let msg = unavailable(&e, true).to_string();
+            assert!(msg.starts_with("NVML is not available: "), "{msg}");
+            for needle in [
+                "not the node's default runtime",
+                "runtimeClassName",
+                "deploy/node-agent/node-agent.yaml",
+                "ignores NVIDIA_VISIBLE_DEVICES in unprivileged containers",
+                "deploy/components/node-agent-privileged",
+            ] {
+                assert!(msg.contains(needle), "{needle}: {msg}");
+            }
+            assert!(!msg.contains("--fake") && !msg.contains('\n'), "{msg}");
+        }
+        let driver = unavailable(&NvmlError::DriverNotLoaded, true).to_string();
+        assert!(
+            driver.contains("driver is not loaded") && driver.contains("check the NVIDIA driver"),
+            "{driver}"
+        );
+        assert!(!driver.contains("runtimeClassName"), "{driver}");
+    }
+
+    /// The paths the pod advice names exist, and the DaemonSet has the commented-out
+    /// runtimeClassName it tells a person to set.
+    #[test]
+    fn the_pod_advice_names_real_places() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let daemonset =
+            std::fs::read_to_string(root.join("deploy/node-agent/node-agent.yaml")).unwrap();
+        assert!(
+            daemonset.contains("# runtimeClassName: nvidia"),
+            "the DaemonSet no longer shows where runtimeClassName goes"
+        );
+        assert!(
+            root.join("deploy/components/node-agent-privileged/kustomization.yaml")
+                .is_file()
         );
     }
 
@@ -707,7 +793,12 @@ mod tests {
             Err(e) => {
                 let msg = e.to_string();
                 assert!(msg.starts_with("NVML is not available: "), "{msg}");
-                assert!(msg.contains("--fake FILE"), "{msg}");
+                let advice = if in_pod() {
+                    "runtimeClassName"
+                } else {
+                    "--fake FILE"
+                };
+                assert!(msg.contains(advice), "{msg}");
             }
         }
     }

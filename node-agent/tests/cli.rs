@@ -80,6 +80,7 @@ fn nvml_missing_is_one_clear_line() {
     let out = agent()
         .args(["inspect"])
         .env_remove("GPUWARDEN_FAKE")
+        .env_remove("KUBERNETES_SERVICE_HOST")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -88,14 +89,46 @@ fn nvml_missing_is_one_clear_line() {
         return;
     }
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    // Where the tests themselves run in a pod, the token says so.
+    let advice = if std::path::Path::new(gpuwarden_node_agent::nvml::SERVICE_ACCOUNT_TOKEN).exists()
+    {
+        gpuwarden_node_agent::nvml::ADVICE_POD_RUNTIME
+    } else {
+        "run on a GPU node with the NVIDIA driver, or pass --fake FILE"
+    };
     assert!(
         stderr.starts_with("NVML is not available: ")
             && stderr.contains("libnvidia-ml.so.1")
-            && stderr
-                .trim_end()
-                .ends_with("run on a GPU node with the NVIDIA driver, or pass --fake FILE"),
+            && stderr.trim_end().ends_with(advice),
         "{stderr}"
     );
+}
+
+/// In a pod (the kubelet sets KUBERNETES_SERVICE_HOST) the agent that cannot load NVML
+/// names what the NVIDIA runtime failed to do and where to fix it, and exits non-zero so the
+/// pod restarts and `rollout status` does not report it ready.
+#[test]
+fn nvml_missing_in_a_pod_names_the_runtime_causes() {
+    let out = agent()
+        .args(["inspect"])
+        .env_remove("GPUWARDEN_FAKE")
+        .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+        .output()
+        .unwrap();
+    if out.status.success() {
+        eprintln!("NVML is present on this machine; nothing to check");
+        return;
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("NVML is not available: libnvidia-ml.so.1 could not be loaded")
+            && stderr
+                .trim_end()
+                .ends_with(gpuwarden_node_agent::nvml::ADVICE_POD_RUNTIME),
+        "{stderr}"
+    );
+    assert!(stderr.contains("runtimeClassName") && stderr.contains("node-agent-privileged"));
 }
 
 #[test]
