@@ -714,7 +714,8 @@ fn workloads(docs: &[Document]) -> Vec<&Document> {
 /// Every container runs with the restricted security context: no privilege, no privilege
 /// escalation, every capability dropped and none added, a read-only root filesystem,
 /// seccomp RuntimeDefault, and a non-root user. The one exception is pinned: the node
-/// agent runs as UID 0 (the kubelet's pod-resources socket is root's) with no capability.
+/// agent's own container runs as UID 0 (the kubelet's pod-resources socket is root's) with
+/// no capability; the other container of its pod does not.
 #[test]
 fn every_container_is_restricted() {
     let docs = base();
@@ -761,7 +762,7 @@ fn every_container_is_restricted() {
             let non_root = sc["runAsNonRoot"]
                 .as_bool()
                 .or(pod_sc["runAsNonRoot"].as_bool());
-            if w.name() == install::NODE_AGENT_NAME {
+            if w.name() == install::NODE_AGENT_NAME && c["name"] == "node-agent" {
                 assert_eq!(
                     non_root,
                     Some(false),
@@ -1034,8 +1035,9 @@ fn webhook_configuration_reaches_the_server() {
 }
 
 /// The node agent runs on GPU nodes only, knows its node, reaches NVML through the NVIDIA
-/// runtime with the `utility` capability, and reads the kubelet's pod-resources socket and
-/// the runtime's configuration read-only.
+/// runtime with the `utility` capability, and reads the kubelet's pod-resources socket
+/// read-only; the runtime's configuration comes from the pod's unprivileged runtime-report
+/// container, which reads it from host directories every node has.
 #[test]
 fn node_agent_reaches_nvml_and_the_kubelet() {
     let docs = base();
@@ -1091,36 +1093,161 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
         .to_string_lossy()
         .into_owned();
     assert_eq!(host_path(&socket_dir), socket_dir);
-    // Every place the agent looks for the runtime's config and CDI specs
-    // (gpuwarden_node_agent::runtime), mounted read-only where GPUWARDEN_HOST_ROOT=/host
-    // makes it look.
-    let mut dirs: Vec<String> = gpuwarden_node_agent::runtime::CONFIG_PATHS
+    // The agent reads the runtime's config and CDI specs from the report of the pod's
+    // runtime-report container, through an emptyDir both mount.
+    let reader = pod
+        .containers
         .iter()
-        .map(|p| {
-            std::path::Path::new(p)
-                .parent()
-                .expect("a directory")
-                .to_string_lossy()
-                .into_owned()
+        .find(|c| {
+            c.args
+                .as_deref()
+                .and_then(<[String]>::first)
+                .map(String::as_str)
+                == Some("runtime-report")
         })
-        .collect();
-    dirs.extend(
-        gpuwarden_node_agent::runtime::CDI_DIRS
-            .iter()
-            .map(|d| d.to_string()),
-    );
-    for host in dirs {
-        assert_eq!(host_path(&format!("/host{host}")), host);
-        let mount = c
-            .volume_mounts
+        .expect("a runtime-report container");
+    let env_of = |c: &k8s_openapi::api::core::v1::Container, name: &str| -> Option<String> {
+        c.env
             .iter()
             .flatten()
-            .find(|m| m.mount_path == format!("/host{host}"))
-            .expect("mounted");
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
+    };
+    let report = env_of(c, "GPUWARDEN_RUNTIME_REPORT").expect("the agent reads a runtime report");
+    assert_eq!(
+        env_of(reader, "GPUWARDEN_RUNTIME_REPORT"),
+        Some(report.clone())
+    );
+    let dir_of = |c: &k8s_openapi::api::core::v1::Container, path: &str| {
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .filter(|m| path.starts_with(&format!("{}/", m.mount_path)))
+            .max_by_key(|m| m.mount_path.len())
+            .cloned()
+            .unwrap_or_else(|| panic!("{}: nothing mounted above {path}", c.name))
+    };
+    let (agent_side, reader_side) = (dir_of(c, &report), dir_of(reader, &report));
+    assert_eq!(agent_side.name, reader_side.name, "one volume for both");
+    assert_eq!(
+        agent_side.read_only,
+        Some(true),
+        "the agent only reads the report"
+    );
+    let shared = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == agent_side.name)
+        .expect("report volume");
+    assert!(
+        shared.empty_dir.is_some(),
+        "the report lives in an emptyDir"
+    );
+
+    // Every place gpuwarden_node_agent::runtime looks is under a read-only hostPath of the
+    // reader, at the same path under GPUWARDEN_HOST_ROOT=/host, whether or not the node has
+    // it: the reader mounts a parent every node has.
+    assert_eq!(
+        env_of(reader, "GPUWARDEN_HOST_ROOT").as_deref(),
+        Some("/host")
+    );
+    let mut paths: Vec<String> = gpuwarden_node_agent::runtime::CONFIG_PATHS
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    paths.extend(
+        gpuwarden_node_agent::runtime::CDI_DIRS
+            .iter()
+            .map(|d| format!("{d}/nvidia.yaml")),
+    );
+    for host in paths {
+        let mount = dir_of(reader, &format!("/host{host}"));
         assert_eq!(mount.read_only, Some(true), "{host}");
+        let volume = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == mount.name)
+            .and_then(|v| v.host_path.as_ref())
+            .unwrap_or_else(|| panic!("{host}: {} is not a hostPath", mount.name));
+        assert_eq!(
+            format!("/host{}", volume.path),
+            mount.mount_path,
+            "{host}: the host path and where it is mounted differ"
+        );
+        assert!(
+            ["/etc", "/usr", "/var/run"].contains(&volume.path.as_str()),
+            "{host}: {} is not a directory every node has",
+            volume.path
+        );
     }
+    // The reader is not the agent: not root, and no GPU.
+    let sc = reader
+        .security_context
+        .as_ref()
+        .expect("reader security context");
+    assert_eq!(sc.run_as_non_root, Some(true));
+    assert!(sc.run_as_user.is_some_and(|u| u > 0));
+    assert_eq!(
+        env_of(reader, "NVIDIA_VISIBLE_DEVICES").as_deref(),
+        Some("void")
+    );
     let host_root = env["GPUWARDEN_HOST_ROOT"].value.as_deref();
     assert_eq!(host_root, Some("/host"));
+    // The agent itself, root, sees no host directory but the kubelet's pod-resources.
+    let agent_host_paths: Vec<&str> = c
+        .volume_mounts
+        .iter()
+        .flatten()
+        .filter(|m| {
+            pod.volumes
+                .iter()
+                .flatten()
+                .any(|v| v.name == m.name && v.host_path.is_some())
+        })
+        .map(|m| m.mount_path.as_str())
+        .collect();
+    assert_eq!(agent_host_paths, [socket_dir.as_str()]);
+}
+
+/// A hostPath whose type is unset, DirectoryOrCreate or FileOrCreate makes a missing path
+/// on the node (the kubelet creates it, or the container runtime does for an unset type).
+/// No manifest of the base or of a component may change the host that way: every hostPath
+/// names what it expects to find.
+#[test]
+fn no_host_path_is_created_on_the_node() {
+    let mut docs = base();
+    let components = std::fs::read_dir(repo_root().join("deploy/components"))
+        .expect("components")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect::<Vec<_>>();
+    assert!(components.len() >= 4, "{components:?}");
+    for component in &components {
+        docs.extend(
+            with_component(component)
+                .into_iter()
+                .filter(|d| manifests::pod_spec(&d.value).is_some()),
+        );
+    }
+    let mut seen = 0;
+    for w in workloads(&docs) {
+        let spec = manifests::pod_spec(&w.value).expect("pod spec");
+        for v in spec["volumes"].as_array().into_iter().flatten() {
+            let Some(host_path) = v.get("hostPath") else {
+                continue;
+            };
+            seen += 1;
+            let kind = host_path["type"].as_str().unwrap_or_default();
+            assert!(
+                ["Directory", "File", "Socket", "CharDevice", "BlockDevice"].contains(&kind),
+                "{}: hostPath {} has type {kind:?}, which creates it where it is missing",
+                w.source,
+                host_path["path"]
+            );
+        }
+    }
+    assert!(seen >= 4, "only {seen} hostPath volumes found");
 }
 
 /// The base with a component applied: its resources added, its JSON 6902 patches applied
@@ -1584,35 +1711,60 @@ fn manifests_only_set_what_the_binaries_read() {
             .iter()
             .filter(|d| d.name() == name && manifests::pod_spec(&d.value).is_some())
         {
-            let c = &manifests::pod_spec(&w.value).expect("pod spec")["containers"][0];
-            for e in c["env"].as_array().into_iter().flatten() {
-                let var = e["name"].as_str().expect("env name");
-                if var.starts_with("NVIDIA_") {
-                    continue;
-                }
-                assert!(
-                    known.contains(var),
-                    "{}: {var} is not read by {dir}/src/main.rs (it reads {known:?})",
-                    w.source
-                );
-            }
-            let args: Vec<&str> = c["args"]
+            let containers = manifests::pod_spec(&w.value).expect("pod spec")["containers"]
                 .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_str)
-                .collect();
-            let expected = subcommand.trim_end_matches('(').to_lowercase();
-            assert_eq!(
-                args.first().copied(),
-                Some(expected.as_str()),
-                "{}",
-                w.source
-            );
-            assert!(
-                main.contains(subcommand),
-                "{dir} has no {expected} subcommand"
-            );
+                .cloned()
+                .unwrap_or_default();
+            for c in &containers {
+                for e in c["env"].as_array().into_iter().flatten() {
+                    let var = e["name"].as_str().expect("env name");
+                    if var.starts_with("NVIDIA_") {
+                        continue;
+                    }
+                    assert!(
+                        known.contains(var),
+                        "{}: {var} is not read by {dir}/src/main.rs (it reads {known:?})",
+                        w.source
+                    );
+                }
+                let args: Vec<&str> = c["args"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .collect();
+                // The first container runs the component's subcommand; any other runs one its
+                // binary has too (`runtime-report` is `RuntimeReport(`).
+                let expected = subcommand.trim_end_matches('(').to_lowercase();
+                let first = args.first().copied().unwrap_or_default();
+                if c["name"] == containers[0]["name"] {
+                    assert_eq!(first, expected, "{}", w.source);
+                }
+                let variant: String = first
+                    .split('-')
+                    .map(|part| {
+                        let mut chars = part.chars();
+                        chars.next().map_or_else(String::new, |f| {
+                            f.to_uppercase().chain(chars).collect::<String>()
+                        })
+                    })
+                    .collect();
+                assert!(
+                    main.contains(&format!("{variant}(")),
+                    "{dir} has no {first} subcommand"
+                );
+                for probe in ["livenessProbe", "readinessProbe"] {
+                    if let Some(command) = c[probe]["exec"]["command"].as_array() {
+                        assert_eq!(
+                            command.first(),
+                            c["command"].get(0),
+                            "{}: {probe}",
+                            w.source
+                        );
+                        assert_eq!(command.get(1), c["args"].get(0), "{}: {probe}", w.source);
+                    }
+                }
+            }
         }
     }
 }

@@ -90,6 +90,8 @@ pub struct Sweeper {
     last_kubelet_error: Option<String>,
     proc_root: PathBuf,
     host_root: PathBuf,
+    /// The report of the runtime-report container, read instead of `host_root`'s files.
+    runtime_report: Option<PathBuf>,
     runtime: Option<(Timestamp, RuntimeStatus)>,
     runtime_refresh: Duration,
     cgroups: HashMap<u32, Option<ContainerRef>>,
@@ -116,11 +118,19 @@ impl Sweeper {
             last_kubelet_error: None,
             proc_root: host_root.join("proc"),
             host_root: host_root.to_path_buf(),
+            runtime_report: None,
             runtime: None,
             runtime_refresh,
             cgroups: HashMap::new(),
             metrics,
         }
+    }
+
+    /// Reads the NVIDIA runtime's configuration from `report` (written by
+    /// [`crate::runtime::report_loop`] in another container) instead of under the host root.
+    pub fn with_runtime_report(mut self, report: Option<PathBuf>) -> Self {
+        self.runtime_report = report;
+        self
     }
 
     /// Health so far.
@@ -196,11 +206,25 @@ impl Sweeper {
 
         let runtime = match &self.runtime {
             Some((at, r)) if elapsed(*at, now) < self.runtime_refresh => r.clone(),
-            _ => {
-                let r = crate::runtime::read_runtime(&self.host_root);
-                self.runtime = Some((now, r.clone()));
-                r
-            }
+            _ => match &self.runtime_report {
+                None => {
+                    let r = crate::runtime::read_runtime(&self.host_root);
+                    self.runtime = Some((now, r.clone()));
+                    r
+                }
+                Some(report) => match crate::runtime::status_from_report(report) {
+                    Ok(r) => {
+                        self.runtime = Some((now, r.clone()));
+                        r
+                    }
+                    // Both containers start together: a report not written yet is read
+                    // again at the next sweep, not after the whole refresh interval.
+                    Err(r) => {
+                        self.runtime = None;
+                        r
+                    }
+                },
+            },
         };
         let index = PodIndex::new(pods, authoritative);
         let computed = crate::status::compute(&StatusInput {
@@ -317,6 +341,8 @@ pub struct Config {
     pub pod_resources_socket: PathBuf,
     /// Where the host's filesystem is visible (`/` or `/host`).
     pub host_root: PathBuf,
+    /// Read the NVIDIA runtime's configuration from this report instead of under `host_root`.
+    pub runtime_report: Option<PathBuf>,
     /// Metrics and probes listener.
     pub listen: SocketAddr,
     /// Time between sweeps.
@@ -335,6 +361,7 @@ impl Config {
             fake: None,
             pod_resources_socket: PathBuf::from(crate::podresources::DEFAULT_SOCKET),
             host_root: PathBuf::from("/"),
+            runtime_report: None,
             listen: SocketAddr::from(([0, 0, 0, 0], gpuwarden_crds::install::NODE_AGENT_PORT)),
             poll_interval: Duration::from_secs(10),
             resync_interval: Duration::from_secs(600),
@@ -471,7 +498,8 @@ async fn run_inner(
         &config.host_root,
         config.resync_interval,
         metrics.clone(),
-    );
+    )
+    .with_runtime_report(config.runtime_report.clone());
     let mut writer = StatusWriter::new(
         KubeSink::new(client, &node),
         MIN_WRITE_INTERVAL,

@@ -24,6 +24,12 @@ enum Command {
     Run(RunArgs),
     /// Print the GpuNode status the agent would write, as YAML, without a cluster.
     Inspect(InspectArgs),
+    /// Read the NVIDIA runtime's configuration and CDI specs under --host-root every
+    /// --interval and write what they say to --report, for an agent run with
+    /// --runtime-report: the agent, which runs as root, then needs no view of the host's
+    /// /etc, /usr and /var/run. With --check, only tell (for probes) whether the report is
+    /// fresh.
+    RuntimeReport(RuntimeReportArgs),
 }
 
 #[derive(clap::Args)]
@@ -42,6 +48,10 @@ struct RunArgs {
     /// host's /proc there for process attribution.
     #[arg(long, env = "GPUWARDEN_HOST_ROOT", default_value = "/")]
     host_root: PathBuf,
+    /// Read the NVIDIA runtime's configuration from this report, written by the
+    /// runtime-report subcommand in another container, instead of under --host-root.
+    #[arg(long, env = "GPUWARDEN_RUNTIME_REPORT")]
+    runtime_report: Option<PathBuf>,
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "GPUWARDEN_LISTEN", default_value_t = SocketAddr::from(([0, 0, 0, 0], gpuwarden_crds::install::NODE_AGENT_PORT)))]
     listen: SocketAddr,
@@ -70,6 +80,26 @@ struct InspectArgs {
     /// Node name in the output.
     #[arg(long, env = "NODE_NAME", default_value = "this-node")]
     node_name: String,
+}
+
+#[derive(clap::Args)]
+struct RuntimeReportArgs {
+    /// Where the host's filesystem is mounted: the runtime's config.toml and the CDI spec
+    /// directories are read under it.
+    #[arg(long, env = "GPUWARDEN_HOST_ROOT", default_value = "/")]
+    host_root: PathBuf,
+    /// The report to write (JSON, replaced whole each time).
+    #[arg(long, env = "GPUWARDEN_RUNTIME_REPORT", default_value = gpuwarden_node_agent::runtime::DEFAULT_REPORT)]
+    report: PathBuf,
+    /// Time between reads (Go duration).
+    #[arg(long, env = "GPUWARDEN_RUNTIME_REPORT_INTERVAL", default_value = "1m", value_parser = duration)]
+    interval: Duration,
+    /// Only check that the report was written within three intervals, and exit 0 if so.
+    #[arg(long)]
+    check: bool,
+    /// Log format.
+    #[arg(long, env = "GPUWARDEN_LOG_FORMAT", value_enum, default_value_t = LogFormat::Json)]
+    log_format: LogFormat,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -108,6 +138,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(args).await,
         Command::Inspect(args) => inspect(args).await,
+        Command::RuntimeReport(args) => runtime_report(args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -125,24 +156,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         fake: args.fake,
         pod_resources_socket: args.pod_resources_socket,
         host_root: args.host_root,
+        runtime_report: args.runtime_report,
         listen: args.listen,
         poll_interval: args.poll_interval,
         resync_interval: args.resync_interval,
         ..Config::new("")
     };
     let client = kube::Client::try_default().await?;
-    let shutdown = async {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => return std::future::pending().await,
-            };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
+    gpuwarden_node_agent::run(config, client, shutdown_signal()).await?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
     };
-    gpuwarden_node_agent::run(config, client, shutdown).await?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn runtime_report(args: RuntimeReportArgs) -> anyhow::Result<()> {
+    if args.check {
+        gpuwarden_node_agent::runtime::check_report(&args.report, args.interval * 3)?;
+        return Ok(());
+    }
+    init_tracing(args.log_format, "info");
+    gpuwarden_node_agent::runtime::report_loop(
+        &args.host_root,
+        &args.report,
+        args.interval,
+        shutdown_signal(),
+    )
+    .await;
     Ok(())
 }
 

@@ -445,3 +445,47 @@ gpus:
         assert_eq!(gpus[1].health.state, HealthState::Healthy, "at {now}s");
     }
 }
+
+/// In the DaemonSet the runtime configuration comes from the report of the pod's other
+/// container. Until it is written the status says so (RuntimeIsolation Unknown, naming the
+/// report), and the next sweep reads it, without waiting for the refresh interval; the
+/// agent's own host root is not read for it.
+#[tokio::test]
+async fn the_runtime_comes_from_the_report_once_it_is_written() {
+    let host = host_root();
+    // A config under the agent's own host root, which must not be what it reports.
+    let etc = host.path().join("etc/nvidia-container-runtime");
+    std::fs::create_dir_all(&etc).unwrap();
+    std::fs::write(etc.join("config.toml"), "").unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    let report = shared.path().join("runtime.json");
+    let mut s = sweeper(fake_node(), AllocationSource::None, host.path())
+        .with_runtime_report(Some(report.clone()));
+    let rules = HealthRules::default();
+
+    let first = s.sweep(t0(), &[], true, &rules).await.unwrap();
+    let runtime = first.status.runtime.unwrap();
+    assert_eq!(runtime.config_path, None);
+    assert!(
+        runtime
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("runtime.json has not been written yet")),
+        "{runtime:?}"
+    );
+
+    let written = gpuwarden_crds::RuntimeStatus {
+        config_path: Some(gpuwarden_node_agent::runtime::CONFIG_PATHS[1].to_owned()),
+        accept_env_var_when_unprivileged: Some(false),
+        mode: Some("cdi".to_owned()),
+        device_list_strategy: None,
+        cdi_enabled: true,
+        error: Some("/etc/cdi does not exist".to_owned()),
+    };
+    gpuwarden_node_agent::runtime::write_report(&report, &written).unwrap();
+    let next = s
+        .sweep(t0() + Duration::from_secs(10), &[], true, &rules)
+        .await
+        .unwrap();
+    assert_eq!(next.status.runtime, Some(written));
+}

@@ -312,6 +312,12 @@ pub fn desired_conditions(
             } else {
                 "no NVIDIA CDI specs found"
             };
+            // What the agent could not read beside the config (a CDI directory the node does
+            // not have, a spec it may not open) qualifies the CDI part.
+            let cdi = match &r.error {
+                Some(e) => format!("{cdi} ({e})"),
+                None => cdi.to_owned(),
+            };
             if r.env_var_leak() {
                 DesiredCondition::new(
                     RUNTIME_ISOLATION,
@@ -839,6 +845,52 @@ mod tests {
         status.gpus = Some(vec![]);
         let c = desired_conditions(Some(&status), &live);
         assert_eq!(find(&c, HEALTHY).status, "False");
+    }
+
+    /// The agent creates nothing on the host, so any of the paths it reads may be missing:
+    /// the condition says which, and a node without any runtime config is Unknown, not True.
+    #[test]
+    fn runtime_isolation_names_what_the_agent_found_missing() {
+        let live = AgentLiveness::Live { expires: ts(100) };
+        let with = |runtime: RuntimeStatus| GpuNodeStatus {
+            runtime: Some(runtime),
+            ..Default::default()
+        };
+        let none = with(RuntimeStatus {
+            error: Some(
+                "no NVIDIA container runtime config found on the node (... do not exist); \
+                 /etc/cdi and /var/run/cdi do not exist"
+                    .into(),
+            ),
+            ..Default::default()
+        });
+        let c = desired_conditions(Some(&none), &live);
+        let r = find(&c, RUNTIME_ISOLATION);
+        assert_eq!(
+            (r.status, r.reason.as_str()),
+            ("Unknown", "RuntimeConfigUnreadable")
+        );
+        assert!(
+            r.message
+                .contains("no NVIDIA container runtime config found on the node")
+                && r.message.contains("/var/run/cdi do not exist"),
+            "{}",
+            r.message
+        );
+
+        let no_cdi = with(RuntimeStatus {
+            accept_env_var_when_unprivileged: Some(false),
+            error: Some("/etc/cdi and /var/run/cdi do not exist".into()),
+            ..Default::default()
+        });
+        let c = desired_conditions(Some(&no_cdi), &live);
+        let r = find(&c, RUNTIME_ISOLATION);
+        assert_eq!(r.status, "True");
+        assert_eq!(
+            r.message,
+            "unprivileged containers get GPUs only through the device plugin; no NVIDIA CDI \
+             specs found (/etc/cdi and /var/run/cdi do not exist)"
+        );
     }
 
     #[test]
