@@ -1802,3 +1802,454 @@ async fn resource_claim_mode_on_a_real_server() {
     let _ = operator.await;
     webhook.stop().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// On a real node: a kubelet with NVIDIA's device plugin (on the GPUs of the node, or on
+// NVIDIA's mock NVML). Run with the same command; the agent loads the NVML the device
+// plugin uses (`LD_LIBRARY_PATH` pointing at it where it is not installed system-wide), and
+// the busybox image must be on the node (`$GPUWARDEN_E2E_BUSYBOX`, default
+// docker.io/library/busybox:latest, never pulled).
+
+fn busybox() -> String {
+    std::env::var("GPUWARDEN_E2E_BUSYBOX")
+        .unwrap_or_else(|_| "docker.io/library/busybox:latest".into())
+}
+
+/// The real node with at least two allocatable GPUs (`$GPUWARDEN_E2E_NODE` to pick one).
+async fn real_gpu_node(env: &Env) -> String {
+    let nodes: Api<Node> = Api::all(env.client());
+    let chosen = std::env::var("GPUWARDEN_E2E_NODE").ok();
+    let list = nodes.list(&Default::default()).await.expect("list nodes");
+    list.items
+        .into_iter()
+        .filter(|n| chosen.as_deref().is_none_or(|c| n.name_any() == c))
+        .find(|n| {
+            let gpus = (n.status.as_ref())
+                .and_then(|s| s.allocatable.as_ref())
+                .and_then(|a| a.get(gpuwarden_crds::RESOURCE_GPU))
+                .and_then(|q| q.0.parse::<u32>().ok())
+                .unwrap_or(0);
+            let ready = (n.status.as_ref().and_then(|s| s.conditions.as_ref()))
+                .into_iter()
+                .flatten()
+                .any(|c| c.type_ == "Ready" && c.status == "True");
+            gpus >= 2 && ready
+        })
+        .map(|n| n.name_any())
+        .unwrap_or_else(|| {
+            panic!(
+                "no Ready node with 2 allocatable {} (GPUWARDEN_E2E_NODE={chosen:?})",
+                gpuwarden_crds::RESOURCE_GPU
+            )
+        })
+}
+
+/// Runs the node agent in-process for the real `node`: real NVML, the kubelet's own
+/// pod-resources socket, the host's /proc. Returns its metrics address.
+fn start_real_agent(
+    env: &Env,
+    node: &str,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+    std::net::SocketAddr,
+) {
+    // A free port for the metrics, known before the agent binds it.
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let mut config = gpuwarden_node_agent::Config::new(node);
+    config.listen = listen;
+    config.poll_interval = Duration::from_secs(2);
+    let (stop, shutdown) = stoppable();
+    let client = env.client();
+    let task = tokio::spawn(async move {
+        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
+            eprintln!("node agent stopped: {e}");
+        }
+    });
+    (stop, task, listen)
+}
+
+/// `GET /metrics` of the agent, as text.
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let request = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body).await;
+    body
+}
+
+/// The UUIDs in `NVIDIA_VISIBLE_DEVICES=` lines of a container's log.
+fn visible_in_log(log: &str) -> Vec<String> {
+    let mut ids: Vec<String> = (log.lines())
+        .filter_map(|l| l.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
+        .flat_map(|v| v.split(',').map(str::to_owned))
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// The privileged-pod path end to end: a privileged pod naming GPUs 0 and 1 is rewritten by
+/// the webhook, scheduled, allocated two GPUs by NVIDIA's device plugin and started; its
+/// process sees exactly those two UUIDs; the agent's GpuNode binding lists them as
+/// allocated, and its metrics have one holder series per GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a node: a kubelet with NVIDIA's device plugin, NVML for the agent (LD_LIBRARY_PATH), KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
+    let env = Env::new().await;
+    env.system_namespace().await;
+    let node = real_gpu_node(&env).await;
+    env.cleanup.own_typed::<GpuNode>(None, &node);
+    let (stop_operator, operator) = start_operator(&env);
+    let (stop_agent, agent, metrics) = start_real_agent(&env, &node);
+    let ns = env.namespace("node").await;
+    let (webhook, _) = env.webhook().await;
+
+    let mut pod = privileged_gpu_pod("train");
+    pod["spec"]["containers"][0]["image"] = json!(busybox());
+    pod["spec"]["containers"][0]["imagePullPolicy"] = json!("IfNotPresent");
+    pod["spec"]["containers"][0]["command"] = json!(["sh", "-c", "env; sleep 3600"]);
+    pod["spec"]["terminationGracePeriodSeconds"] = json!(1);
+    env.until_admission(&ns, &pod, "rewrite on the node", rewritten)
+        .await;
+    let created = env
+        .cluster
+        .create_pod(&ns, &pod, false)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(created.status.is_success(), "{created:?}");
+    let stored = &created.body["spec"]["containers"][0];
+    assert_eq!(stored["securityContext"]["privileged"], false);
+    assert_eq!(
+        stored["resources"]["limits"][gpuwarden_crds::RESOURCE_GPU],
+        "2"
+    );
+    assert!(
+        !(stored["env"].as_array().into_iter().flatten())
+            .any(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES"),
+        "{stored:#}"
+    );
+
+    let pods: Api<Pod> = Api::namespaced(env.client(), &ns);
+    let running = wait_for(Duration::from_secs(120), || {
+        let pods = pods.clone();
+        async move {
+            let p = pods.get("train").await.ok()?;
+            (p.status.as_ref()?.phase.as_deref() == Some("Running")).then_some(p)
+        }
+    })
+    .await;
+    let Some(running) = running else {
+        panic!(
+            "the pod never ran: {:?}",
+            pods.get("train").await.map(|p| p.status)
+        );
+    };
+    assert_eq!(
+        running
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .as_deref(),
+        Some(node.as_str())
+    );
+    let pod_uid = running.metadata.uid.clone().expect("uid");
+    let log = wait_for(SHORT, || {
+        let pods = pods.clone();
+        async move {
+            let log = pods.logs("train", &Default::default()).await.ok()?;
+            log.contains("NVIDIA_VISIBLE_DEVICES=").then_some(log)
+        }
+    })
+    .await
+    .expect("the container printed its environment");
+    let seen = visible_in_log(&log);
+    assert_eq!(seen.len(), 2, "the process sees {seen:?}");
+    assert!(seen.iter().all(|id| id.starts_with("GPU-")), "{seen:?}");
+
+    // The kubelet's allocation, as the agent reports it, is what the process sees.
+    let gpunodes: Api<GpuNode> = Api::all(env.client());
+    let binding = wait_for(Duration::from_secs(90), || {
+        let gpunodes = gpunodes.clone();
+        let (node, pod_uid) = (node.clone(), pod_uid.clone());
+        async move {
+            let gn = gpunodes.get_opt(&node).await.ok().flatten()?;
+            let bindings = gn.status?.bindings?;
+            bindings.into_iter().find(|b| b.pod_uid == pod_uid)
+        }
+    })
+    .await
+    .expect("the GpuNode lists the pod's binding");
+    let mut allocated = binding.gpu_uuids.clone();
+    allocated.sort();
+    assert_eq!(allocated, seen, "{binding:?}");
+    assert_eq!(
+        binding.source,
+        gpuwarden_crds::BindingSource::Allocated,
+        "{binding:?}"
+    );
+    assert_eq!(
+        binding.resource_name.as_deref(),
+        Some(gpuwarden_crds::RESOURCE_GPU)
+    );
+
+    // One holder series per GPU, joinable on UUID.
+    let series = wait_for(SHORT, || async {
+        let text = scrape(metrics).await;
+        let lines: Vec<String> = (text.lines())
+            .filter(|l| {
+                l.starts_with("gpuwarden_gpu_holder_info{")
+                    && l.contains("pod=\"train\"")
+                    && l.contains(&format!("namespace=\"{ns}\""))
+            })
+            .map(str::to_owned)
+            .collect();
+        (lines.len() == 2).then_some(lines)
+    })
+    .await;
+    let Some(series) = series else {
+        panic!("no holder series for the pod:\n{}", scrape(metrics).await);
+    };
+    for uuid in &seen {
+        assert!(
+            series
+                .iter()
+                .any(|l| l.contains(&format!("UUID=\"{uuid}\""))),
+            "{series:?}"
+        );
+    }
+    eprintln!(
+        "node {node}: pod {ns}/train sees {seen:?}; binding {:?}; series {series:?}",
+        binding.gpu_uuids
+    );
+
+    let _ = pods.delete("train", &Default::default()).await;
+    webhook.stop().await;
+    let _ = stop_agent.send(());
+    let _ = agent.await;
+    let _ = stop_operator.send(());
+    let _ = operator.await;
+}
+
+/// A namespace with a fixed name (`nvidia-device-plugin`, `monitoring`) that this run's
+/// webhook selects: made and deleted here, or, where it exists, labelled for the run and
+/// unlabelled after.
+async fn fixed_namespace(env: &Env, name: &str) {
+    let api: Api<Namespace> = Api::all(env.client());
+    let label = json!({"metadata": {"labels": {
+        LABEL_RUN: env.cluster.run_id,
+        "pod-security.kubernetes.io/enforce": "privileged",
+    }}});
+    if api.get_opt(name).await.expect("read namespace").is_some() {
+        api.patch(name, &PatchParams::default(), &Patch::Merge(&label))
+            .await
+            .expect("label the namespace");
+        eprintln!(
+            "namespace {name} exists: labelled for this run; remove the label {LABEL_RUN} if the test is interrupted"
+        );
+        return;
+    }
+    let mut ns = label;
+    ns["metadata"]["name"] = json!(name);
+    let ns: Namespace = serde_json::from_value(ns).expect("namespace");
+    api.create(&PostParams::default(), &ns)
+        .await
+        .expect("create namespace");
+    env.cleanup.own_typed::<Namespace>(None, name);
+}
+
+/// NVIDIA's device plugin, as its official privileged static manifest
+/// (k8s-device-plugin `deployments/static/nvidia-device-plugin-privileged-with-service-account.yml`)
+/// deploys it, and a privileged exporter DaemonSet mounting /dev/nvidia0 (as the
+/// nvidia_gpu_exporter chart rendered it) hold no GPU on a real node: the first is admitted
+/// unchanged and the kubelet allocates it nothing; the second is denied, and the
+/// DaemonSet's events say why. A privileged pod mounting /dev/infiniband is denied with
+/// the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a node: a kubelet with NVIDIA's device plugin, NVML for the agent (LD_LIBRARY_PATH), KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node() {
+    let env = Env::new().await;
+    env.system_namespace().await;
+    let node = real_gpu_node(&env).await;
+    env.cleanup.own_typed::<GpuNode>(None, &node);
+    let (stop_operator, operator) = start_operator(&env);
+    let (stop_agent, agent, _) = start_real_agent(&env, &node);
+    let (webhook, _) = env.webhook().await;
+    for ns in ["nvidia-device-plugin", "monitoring"] {
+        fixed_namespace(&env, ns).await;
+    }
+    let daemon_sets: Api<k8s_openapi::api::apps::v1::DaemonSet> =
+        Api::namespaced(env.client(), "nvidia-device-plugin");
+    let plugin: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(json!({
+        "metadata": {"name": "nvidia-device-plugin-daemonset"},
+        "spec": {
+            "selector": {"matchLabels": {"name": "nvidia-device-plugin-ds"}},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {
+                "metadata": {"labels": {"name": "nvidia-device-plugin-ds"}},
+                "spec": {
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "priorityClassName": "system-node-critical",
+                    "containers": [{
+                        "name": "nvidia-device-plugin-ctr",
+                        "image": "nvcr.io/nvidia/k8s-device-plugin:v0.19.1",
+                        "imagePullPolicy": "IfNotPresent",
+                        "env": [{"name": "FAIL_ON_INIT_ERROR", "value": "false"}],
+                        "securityContext": {"privileged": true},
+                        "volumeMounts": [{"name": "device-plugin", "mountPath": "/var/lib/kubelet/device-plugins"}]
+                    }],
+                    "volumes": [{"name": "device-plugin", "hostPath": {"path": "/var/lib/kubelet/device-plugins"}}]
+                }
+            }
+        }
+    }))
+    .expect("DaemonSet");
+    daemon_sets
+        .create(&PostParams::default(), &plugin)
+        .await
+        .expect("create the device plugin DaemonSet");
+    let exporter: k8s_openapi::api::apps::v1::DaemonSet = serde_json::from_value(json!({
+        "metadata": {"name": "gpu-exporter"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "gpu-exporter"}},
+            "template": {
+                "metadata": {"labels": {"app": "gpu-exporter"}},
+                "spec": {
+                    "containers": [{
+                        "name": "exporter",
+                        "image": busybox(),
+                        "imagePullPolicy": "IfNotPresent",
+                        "command": ["sleep", "3600"],
+                        "securityContext": {"privileged": true},
+                        "volumeMounts": [
+                            {"name": "nvidiactl", "mountPath": "/dev/nvidiactl"},
+                            {"name": "nvidia0", "mountPath": "/dev/nvidia0"}
+                        ]
+                    }],
+                    "volumes": [
+                        {"name": "nvidiactl", "hostPath": {"path": "/dev/nvidiactl"}},
+                        {"name": "nvidia0", "hostPath": {"path": "/dev/nvidia0"}}
+                    ]
+                }
+            }
+        }
+    }))
+    .expect("DaemonSet");
+    Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(env.client(), "monitoring")
+        .create(&PostParams::default(), &exporter)
+        .await
+        .expect("create the exporter DaemonSet");
+
+    // The device plugin's pod is made, on the node, as written: privileged, no GPU asked.
+    let pods: Api<Pod> = Api::namespaced(env.client(), "nvidia-device-plugin");
+    let plugin_pod = wait_for(Duration::from_secs(60), || {
+        let pods = pods.clone();
+        async move {
+            let list = pods.list(&Default::default()).await.ok()?;
+            list.items
+                .into_iter()
+                .find(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
+        }
+    })
+    .await
+    .expect("the device plugin DaemonSet made a pod on the node");
+    let c = &plugin_pod.spec.as_ref().expect("spec").containers[0];
+    assert_eq!(
+        c.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true)
+    );
+    assert!(
+        c.resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .is_none_or(|l| l.is_empty()),
+        "{c:?}"
+    );
+    // The exporter's pods are denied: the DaemonSet controller's events say why.
+    let events: Api<k8s_openapi::api::core::v1::Event> =
+        Api::namespaced(env.client(), "monitoring");
+    let denied = wait_for(Duration::from_secs(60), || {
+        let events = events.clone();
+        async move {
+            let list = events.list(&Default::default()).await.ok()?;
+            list.items.into_iter().find_map(|e| {
+                let message = e.message.unwrap_or_default();
+                (e.reason.as_deref() == Some("FailedCreate")
+                    && message.contains("runs it on every node"))
+                .then_some(message)
+            })
+        }
+    })
+    .await
+    .expect("a FailedCreate event naming the reason");
+    assert!(
+        denied.contains("exemptions.containers with images ["),
+        "{denied}"
+    );
+    let exporter_pods = Api::<Pod>::namespaced(env.client(), "monitoring")
+        .list(&Default::default())
+        .await
+        .expect("list");
+    assert!(
+        exporter_pods.items.is_empty(),
+        "the exporter has pods: {:?}",
+        exporter_pods.items.len()
+    );
+    // After a few of the agent's polls the kubelet has allocated the device plugin nothing.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let gn = Api::<GpuNode>::all(env.client())
+        .get(&node)
+        .await
+        .expect("GpuNode");
+    let plugin_uid = plugin_pod.metadata.uid.clone().expect("uid");
+    let bindings = gn.status.and_then(|s| s.bindings).unwrap_or_default();
+    assert!(
+        !bindings
+            .iter()
+            .any(|b| b.pod_uid == plugin_uid || b.namespace == "monitoring"),
+        "{bindings:?}"
+    );
+
+    // A privileged pod mounting /dev/infiniband is denied, saying why.
+    let ns = env.namespace("rdma").await;
+    let mut rdma = privileged_gpu_pod("nccl");
+    rdma["spec"]["containers"][0]["volumeMounts"] =
+        json!([{"name": "ib", "mountPath": "/dev/infiniband"}]);
+    rdma["spec"]["volumes"] = json!([{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}]);
+    let answer = env
+        .until_admission(&ns, &rdma, "the /dev/infiniband denial", |r| {
+            !r.status.is_success()
+        })
+        .await;
+    assert!(
+        answer.message().contains(
+            "an unprivileged container cannot open RDMA devices (/dev/infiniband, volume ib)"
+        ),
+        "{answer:?}"
+    );
+    eprintln!(
+        "device plugin pod {} admitted as written, no GPU allocated; exporter denied: {denied}",
+        plugin_pod.name_any()
+    );
+
+    daemon_sets
+        .delete("nvidia-device-plugin-daemonset", &Default::default())
+        .await
+        .ok();
+    Api::<k8s_openapi::api::apps::v1::DaemonSet>::namespaced(env.client(), "monitoring")
+        .delete("gpu-exporter", &Default::default())
+        .await
+        .ok();
+    webhook.stop().await;
+    let _ = stop_agent.send(());
+    let _ = agent.await;
+    let _ = stop_operator.send(());
+    let _ = operator.await;
+}
