@@ -6,8 +6,11 @@
 //! unscheduled. In their place the operator runs in this process, out of cluster, as its
 //! own ServiceAccount (impersonated), so its RBAC is what the API server checks; the test
 //! waits until `kubectl get gpupolicies` shows `default` Ready and the operator has written
-//! the webhook's certificate. After the README's uninstall, no object of the install is
-//! left. Once with `kubectl apply -k deploy/`, once with `deploy/install.yaml`.
+//! the webhook's certificate. Then it deletes the webhook configuration and applies the
+//! install again, as the README's "When the webhook is down" says, and the operator must
+//! have written the `caBundle` back within 15 seconds. After the README's uninstall, no
+//! object of the install is left, and the uninstall runs a second time without an error.
+//! Once with `kubectl apply -k deploy/`, once with `deploy/install.yaml`.
 //!
 //! ```sh
 //! KUBECONFIG=... cargo test -p gpuwarden-e2e --test install -- --ignored --test-threads=1
@@ -16,7 +19,7 @@
 //! They refuse to run where gpuwarden is already installed: they would delete it.
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, OPERATOR_NAME, WEBHOOK_TLS_SECRET};
 use gpuwarden_e2e::cluster::{Cluster, skip, wait_for};
@@ -127,6 +130,26 @@ async fn present(cluster: &Cluster) -> Vec<String> {
     out
 }
 
+/// Whether every webhook of the configuration trusts the CA in the webhook's Secret.
+async fn ca_bundle_written(cluster: &Cluster) -> Option<()> {
+    let secrets: Api<Secret> =
+        Api::namespaced(cluster.client.clone(), gpuwarden_crds::SYSTEM_NAMESPACE);
+    let webhooks: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
+    let secret = secrets.get_opt(WEBHOOK_TLS_SECRET).await.ok().flatten()?;
+    let ca = secret.data?.get("ca.crt")?.clone();
+    let config = webhooks
+        .get_opt(MUTATING_WEBHOOK_CONFIGURATION)
+        .await
+        .ok()
+        .flatten()?;
+    let entries = config.webhooks?;
+    (!entries.is_empty()
+        && entries
+            .iter()
+            .all(|w| w.client_config.ca_bundle.as_ref() == Some(&ca)))
+    .then_some(())
+}
+
 /// A client that acts as the operator's ServiceAccount.
 async fn operator_client() -> kube::Client {
     let mut config = kube::Config::infer().await.expect("KUBECONFIG");
@@ -196,25 +219,32 @@ async fn install_and_uninstall(variant: Variant) {
         "the default GpuPolicy never showed Ready True"
     );
 
-    let secrets: Api<Secret> =
-        Api::namespaced(cluster.client.clone(), gpuwarden_crds::SYSTEM_NAMESPACE);
-    let webhooks: Api<MutatingWebhookConfiguration> = Api::all(cluster.client.clone());
-    let certified = wait_for(Duration::from_secs(60), || async {
-        let secret = secrets.get_opt(WEBHOOK_TLS_SECRET).await.ok().flatten()?;
-        let data = secret.data?;
-        let ca = data.get("ca.crt")?;
-        let config = webhooks
-            .get_opt(MUTATING_WEBHOOK_CONFIGURATION)
-            .await
-            .ok()
-            .flatten()?;
-        let bundle = config.webhooks?.first()?.client_config.ca_bundle.clone()?;
-        (bundle.0 == ca.0).then_some(())
-    })
-    .await;
+    let certified = wait_for(Duration::from_secs(60), || ca_bundle_written(&cluster)).await;
     assert!(
         certified.is_some(),
         "the operator never wrote the webhook's certificate and caBundle"
+    );
+
+    // The way back in "When the webhook is down": the configuration deleted, then applied
+    // again as it was installed. It comes back without a caBundle, and every pod it sends
+    // is refused until the operator, which watches it, writes the bundle again.
+    let apply = commands(&readme_block("Install"), variant)
+        .into_iter()
+        .find(|c| c.starts_with("kubectl apply") && !c.contains("deploy/crds"))
+        .expect("the install's apply");
+    run(&format!(
+        "kubectl delete mutatingwebhookconfiguration {MUTATING_WEBHOOK_CONFIGURATION}"
+    ));
+    let recreated = Instant::now();
+    run(&apply);
+    let restored = wait_for(Duration::from_secs(15), || ca_bundle_written(&cluster)).await;
+    assert!(
+        restored.is_some(),
+        "the caBundle was not back within 15 s of the configuration's re-creation"
+    );
+    eprintln!(
+        "caBundle back {:?} after the configuration was applied again",
+        recreated.elapsed()
     );
 
     let _ = stop.send(());
@@ -225,6 +255,11 @@ async fn install_and_uninstall(variant: Variant) {
     }
 
     let uninstall = readme_block("Uninstall");
+    for command in commands(&uninstall, variant) {
+        run(&command);
+    }
+    // A person who is not sure it finished runs it again: nothing is left to delete, and
+    // nothing fails.
     for command in commands(&uninstall, variant) {
         run(&command);
     }
@@ -265,7 +300,7 @@ fn the_readme_blocks_are_the_commands_this_test_runs() {
         commands(&install, Variant::Kustomize),
         [
             "kubectl apply --server-side -f deploy/crds/",
-            "kubectl wait --for condition=Established crd/gpupolicies.gpuwarden.io crd/gpunodes.gpuwarden.io",
+            "kubectl wait --for condition=Established --timeout=60s crd/gpupolicies.gpuwarden.io crd/gpunodes.gpuwarden.io",
             "kubectl apply --server-side -k deploy/",
         ]
     );
@@ -273,9 +308,31 @@ fn the_readme_blocks_are_the_commands_this_test_runs() {
         commands(&install, Variant::InstallYaml)[2],
         "kubectl apply --server-side -f deploy/install.yaml"
     );
-    let uninstall = readme_block("Uninstall");
+    // Every wait of the README's install ends by itself.
+    for line in install
+        .iter()
+        .filter(|l| l.contains("rollout status") || l.contains("kubectl wait"))
+    {
+        assert!(
+            line.contains("--timeout="),
+            "a wait without a timeout: {line}"
+        );
+    }
+    // The uninstall can run twice: every delete ignores what is gone, and none names a
+    // custom resource, which kubectl cannot map once its CRD is gone.
+    let uninstall = commands(&readme_block("Uninstall"), Variant::Kustomize);
     assert_eq!(
-        commands(&uninstall, Variant::InstallYaml).last().unwrap(),
-        "kubectl delete --ignore-not-found -f deploy/install.yaml"
+        uninstall,
+        commands(&readme_block("Uninstall"), Variant::InstallYaml)
     );
+    for command in &uninstall {
+        assert!(
+            command.starts_with("kubectl delete --ignore-not-found "),
+            "{command}"
+        );
+        assert!(
+            !command.contains(" -k ") && !command.contains(" -f "),
+            "{command}: deleting the manifests names the default GpuPolicy"
+        );
+    }
 }
