@@ -12,6 +12,7 @@ mod error;
 pub mod exemptions;
 pub mod gpu;
 pub mod manifests;
+pub mod match_conditions;
 pub mod node;
 pub mod policy;
 pub mod selection;

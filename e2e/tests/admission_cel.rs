@@ -1071,3 +1071,125 @@ fn backstop_agrees_with_the_gpu_predicate() {
     assert!(cases.len() >= 2000 && rejected > cases.len() / 5);
     assert!(permissive < cases.len() / 10, "{permissive}");
 }
+
+/// The exemption condition the operator writes into the webhook configuration
+/// (`gpuwarden_crds::match_conditions`) lets through, without a call, only pods the engine
+/// would leave unchanged under the same policies, and the backstop admits them: on
+/// generated pods in NVIDIA's, exempt and ordinary namespaces, with NVIDIA component images,
+/// under one or two policies (a second one with other exemptions, sometimes invalid).
+#[test]
+fn the_exemption_condition_skips_only_pods_the_engine_leaves_unchanged() {
+    use gpuwarden_crds::GpuPolicy;
+    use gpuwarden_crds::match_conditions::not_exempt_expression;
+    use gpuwarden_crds::validation::validate_policy;
+    use gpuwarden_webhook::admission::{StaticSource, handle_review};
+    use rand::seq::IndexedRandom;
+    use rand::{Rng, SeedableRng};
+
+    const NAMESPACES: &[&str] = &[
+        "team-a",
+        "gpu-operator",
+        "nvidia-device-plugin",
+        "monitoring",
+        "kube-system",
+    ];
+    const COMPONENT_IMAGES: &[&str] = &[
+        "nvcr.io/nvidia/k8s-device-plugin:v0.19.1",
+        "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless",
+        "nvcr.io/nvidia/cloud-native/k8s-mig-manager:v0.15.0",
+        "nvcr.io/nvidia/gpu-operator@sha256:0123",
+        "nvcr.io/nvidia/driver",
+        "registry.example.com/team/tools:1.0",
+    ];
+    let shipped = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
+    let may_reach = shipped[0].value["webhooks"][0]["matchConditions"][0]["expression"]
+        .as_str()
+        .expect("expression")
+        .to_owned();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6e6f_7465_7865_6d70);
+    let (mut skipped, mut skipped_privileged, mut sent) = (0, 0, 0);
+    for (i, case) in generated::cases(2400).into_iter().enumerate() {
+        let mut pod = case.pod;
+        let namespace = *NAMESPACES.choose(&mut rng).unwrap();
+        // NVIDIA's components, and images a team exempts, in some containers or all.
+        if rng.random_bool(0.5) {
+            let all = rng.random_bool(0.6);
+            for field in ["containers", "initContainers"] {
+                let list = pod["spec"].get_mut(field).and_then(Value::as_array_mut);
+                for c in list.into_iter().flatten() {
+                    if all || rng.random_bool(0.5) {
+                        c["image"] = json!(*COMPONENT_IMAGES.choose(&mut rng).unwrap());
+                    }
+                }
+            }
+        }
+        let mut default: GpuPolicy = serde_json::from_value(case.policy.clone()).expect("a policy");
+        if rng.random_bool(0.1) {
+            // Invalid: it fails closed, its image exemptions hold nowhere.
+            default.spec.gpu.default_count = default.spec.gpu.max_per_container + 1;
+        }
+        let mut policies = vec![default];
+        if rng.random_bool(0.4) {
+            let mut team = GpuPolicy::default_policy();
+            team.metadata.name = Some("team".into());
+            team.spec.priority = 10;
+            team.spec.namespace_selector = serde_json::from_value(
+                json!({"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}),
+            )
+            .expect("selector");
+            match rng.random_range(0..3) {
+                0 => team.spec.exemptions.containers[0]
+                    .namespaces
+                    .push("team-a".into()),
+                1 => team.spec.exemptions.namespaces.push("monitoring".into()),
+                // Invalid: its image exemptions no longer hold anywhere.
+                _ => team.spec.gpu.default_count = team.spec.gpu.max_per_container + 1,
+            }
+            policies.push(team);
+        }
+        let condition = not_exempt_expression(policies.iter(), |p| validate_policy(p).is_empty());
+        let vars = BTreeMap::from([("object", pod.clone()), ("request", request(namespace))]);
+        let exempt_here = !eval_bool(&condition, &vars);
+        if !eval_bool(&may_reach, &vars) {
+            continue;
+        }
+        if !exempt_here {
+            sent += 1;
+            continue;
+        }
+        skipped += 1;
+        skipped_privileged += usize::from(pod.to_string().contains("\"privileged\":true"));
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": format!("u{i}"), "namespace": namespace, "operation": "CREATE",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "userInfo": {"username": "alice"}, "object": pod,
+            }
+        });
+        let source = StaticSource::new(policies.clone());
+        let (bytes, _) = handle_review(review.to_string().as_bytes(), &source);
+        let answer: Value = serde_json::from_slice(&bytes).expect("JSON");
+        assert!(
+            answer["response"]["allowed"] == json!(true) && answer["response"]["patch"].is_null(),
+            "case {i}: let through without a call, but the engine would answer {:#}\nnamespace {namespace}\ncondition {condition}\npod {pod:#}",
+            answer["response"]
+        );
+        // The backstop, whose parameter is the default policy, admits it too.
+        if namespace != "kube-system" {
+            let failures = backstop_decides(pod.clone(), namespace, case.policy.clone());
+            assert!(
+                failures.as_ref().is_none_or(|f| f.is_empty()),
+                "case {i}: the backstop refuses a pod let through: {failures:?}\npod {pod:#}"
+            );
+        }
+    }
+    eprintln!(
+        "{skipped} pods let through without a call ({skipped_privileged} privileged), {sent} sent"
+    );
+    assert!(
+        skipped >= 200 && skipped_privileged >= 100 && sent >= 500,
+        "{skipped} {skipped_privileged} {sent}"
+    );
+}

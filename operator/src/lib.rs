@@ -21,6 +21,7 @@ pub mod node_controller;
 pub mod policy_controller;
 mod runner;
 pub mod webhook_certs;
+pub mod webhook_conditions;
 
 pub use leader::Leadership;
 pub use runner::{RunError, run, run_with, trim_node};

@@ -41,6 +41,7 @@ use crate::metrics::Metrics;
 use crate::node_controller::{self, NodeContext, NodeError};
 use crate::policy_controller::{self, PolicyContext, PolicyError};
 use crate::webhook_certs::{self, CertContext};
+use crate::webhook_conditions::{self, ConditionContext};
 use crate::{Clock, Config, system_clock};
 
 /// The operator failed to start or stopped with an error.
@@ -140,22 +141,23 @@ fn lease_inputs(lease: &Lease, clock: &Clock) -> u64 {
     ))
 }
 
-/// What the certificate keeper reads of the webhook configuration: which object it is and
-/// each webhook's `caBundle`. A configuration re-created without a bundle, or one whose
-/// bundle someone changed, wakes it; a label edit does not.
+/// What the certificate and condition keepers read of the webhook configuration: which
+/// object it is, each webhook's `caBundle` and its `matchConditions`. A configuration
+/// re-created from the manifests, or one whose bundle or conditions someone changed, wakes
+/// them; a label edit does not.
 fn webhook_configuration_inputs(mwc: &MutatingWebhookConfiguration) -> u64 {
-    let bundles: Vec<(&str, Option<&[u8]>)> = mwc
-        .webhooks
-        .iter()
-        .flatten()
-        .map(|w| {
-            (
-                w.name.as_str(),
-                w.client_config.ca_bundle.as_ref().map(|b| b.0.as_slice()),
-            )
-        })
-        .collect();
-    hash_of(&(mwc.metadata.uid.as_deref(), bundles))
+    let mut hasher = DefaultHasher::new();
+    mwc.metadata.uid.hash(&mut hasher);
+    for w in mwc.webhooks.iter().flatten() {
+        w.name.hash(&mut hasher);
+        (w.client_config.ca_bundle.as_ref())
+            .map(|b| b.0.as_slice())
+            .hash(&mut hasher);
+        for c in w.match_conditions.iter().flatten() {
+            (c.name.as_str(), c.expression.as_str()).hash(&mut hasher);
+        }
+    }
+    hasher.finish()
 }
 
 /// Remembers the last input hash per object and says whether a new one differs.
@@ -410,6 +412,8 @@ where
     // The template keeper reconciles everything when a policy, a namespace's labels or one of
     // its templates change.
     let (templates_tx, templates_changed) = mpsc::unbounded_channel::<()>();
+    // The condition keeper, when a policy or the webhook configuration changes.
+    let (conditions_tx, conditions_changed) = mpsc::unbounded_channel::<()>();
 
     let tasks = vec![
         report_leadership(leadership.clone(), metrics.clone(), sd_rx.clone()),
@@ -487,49 +491,59 @@ where
                     ))
                 },
                 {
-                    let (policies_tx, templates_tx) = (policies_tx.clone(), templates_tx.clone());
+                    let (policies_tx, templates_tx, conditions_tx) = (
+                        policies_tx.clone(),
+                        templates_tx.clone(),
+                        conditions_tx.clone(),
+                    );
                     move |p: &GpuPolicy| {
                         let _ = policy_tx.send(p.clone());
                         let _ = policies_tx.send(());
                         let _ = templates_tx.send(());
+                        let _ = conditions_tx.send(());
                     }
                 },
                 {
-                    let templates_tx = templates_tx.clone();
+                    let (templates_tx, conditions_tx) =
+                        (templates_tx.clone(), conditions_tx.clone());
                     move |_| {
                         let _ = policies_tx.send(());
                         let _ = templates_tx.send(());
+                        let _ = conditions_tx.send(());
                     }
                 },
             ),
         ),
     ];
     let mut tasks = tasks;
-    // The certificate keeper is woken when the webhook configuration appears or its bundles
-    // change. The watch is on that one object (a field selector, which is also what lets RBAC
-    // pin list and watch to its name); the store only feeds the route.
+    // The certificate and condition keepers are woken when the webhook configuration appears
+    // or its bundles or conditions change. The watch is on that one object (a field selector,
+    // which is also what lets RBAC pin list and watch to its name); the store only feeds the
+    // route.
     let (certs_tx, certs_changed) = mpsc::unbounded_channel::<()>();
-    if config.manage_webhook_certificates {
-        let (_, webhook_configuration_w) = reflector::store::<MutatingWebhookConfiguration>();
-        tasks.push(watch_kind(
-            Api::<MutatingWebhookConfiguration>::all(client.clone()),
-            watcher::Config::default().fields(&format!(
-                "metadata.name={}",
-                gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION
-            )),
-            |mwc| mwc.metadata.managed_fields = None,
-            webhook_configuration_w,
-            sd_rx.clone(),
-            route(
-                webhook_configuration_inputs,
-                move |_: &MutatingWebhookConfiguration| {
+    let manage_certificates = config.manage_webhook_certificates;
+    let (_, webhook_configuration_w) = reflector::store::<MutatingWebhookConfiguration>();
+    tasks.push(watch_kind(
+        Api::<MutatingWebhookConfiguration>::all(client.clone()),
+        watcher::Config::default().fields(&format!(
+            "metadata.name={}",
+            gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION
+        )),
+        |mwc| mwc.metadata.managed_fields = None,
+        webhook_configuration_w,
+        sd_rx.clone(),
+        route(
+            webhook_configuration_inputs,
+            move |_: &MutatingWebhookConfiguration| {
+                if manage_certificates {
                     let _ = certs_tx.send(());
-                },
-                // Nothing to restore on a configuration that is gone; its return wakes us.
-                |_: &MutatingWebhookConfiguration| {},
-            ),
-        ));
-    }
+                }
+                let _ = conditions_tx.send(());
+            },
+            // Nothing to restore on a configuration that is gone; its return wakes us.
+            |_: &MutatingWebhookConfiguration| {},
+        ),
+    ));
     let (namespaces, namespace_w) = reflector::store::<PartialObjectMeta<Namespace>>();
     let (templates, template_w) = reflector::store::<ResourceClaimTemplate>();
     let dra = dra_served(&client).await;
@@ -696,6 +710,7 @@ where
             )
     };
     let policies_for_templates = policies.clone();
+    let policies_for_conditions = policies.clone();
     let policy_ctx = Arc::new(PolicyContext {
         client: client.clone(),
         policies: policies.clone(),
@@ -768,12 +783,36 @@ where
         };
         template_loop(ctx, templates_changed, sd_rx.clone()).await;
     };
+    let conditions = async {
+        let ctx = ConditionContext {
+            client: client.clone(),
+            policies: policies_for_conditions,
+            leader: leadership.clone(),
+            metrics: metrics.clone(),
+        };
+        keep(
+            webhook_conditions::CONTROLLER,
+            &ctx.leader,
+            &ctx.metrics,
+            async {},
+            || async {
+                webhook_conditions::reconcile_conditions(&ctx)
+                    .await
+                    .map(|_| ())
+            },
+            webhook_conditions::ConditionSyncError::kind,
+            conditions_changed,
+            sd_rx.clone(),
+        )
+        .await;
+    };
     tokio::join!(
         drain(node_controller),
         drain(orphan_controller),
         drain(policy_controller),
         certs,
-        templates
+        templates,
+        conditions
     );
     finish(tasks, leader_task, health_task).await
 }
@@ -856,7 +895,7 @@ async fn dra_served(client: &Client) -> bool {
 /// (with backoff), and every ten minutes.
 async fn template_loop(
     ctx: TemplateContext,
-    mut wake: mpsc::UnboundedReceiver<()>,
+    wake: mpsc::UnboundedReceiver<()>,
     shutdown: watch::Receiver<bool>,
 ) {
     let ready = async {
@@ -864,29 +903,55 @@ async fn template_loop(
         let _ = ctx.namespaces.wait_until_ready().await;
         let _ = ctx.templates.wait_until_ready().await;
     };
+    keep(
+        claim_templates::CONTROLLER,
+        &ctx.leader,
+        &ctx.metrics,
+        ready,
+        || async { claim_templates::reconcile_templates(&ctx).await.map(|_| ()) },
+        claim_templates::TemplateError::kind,
+        wake,
+        shutdown,
+    )
+    .await;
+}
+
+/// Keeps one whole set of objects (`pass` reconciles it): once `ready` resolves, then
+/// whenever `wake` fires (a burst of changes is one pass), on becoming the leader, after a
+/// failure (with backoff), and every ten minutes.
+#[allow(clippy::too_many_arguments, reason = "one loop serves every keeper")]
+async fn keep<E, F, Fut>(
+    controller: &'static str,
+    leader: &Leadership,
+    metrics: &Metrics,
+    ready: impl Future<Output = ()>,
+    mut pass: F,
+    kind: fn(&E) -> &'static str,
+    mut wake: mpsc::UnboundedReceiver<()>,
+    shutdown: watch::Receiver<bool>,
+) where
+    E: std::error::Error + 'static,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), E>>,
+{
     tokio::select! {
         () = ready => {}
         () = stopped(shutdown.clone()) => return,
     }
-    let mut leadership = ctx.leader.clone();
+    let mut leadership = leader.clone();
     let backoffs = Backoffs::default();
     loop {
         let start = Instant::now();
-        let wait = match claim_templates::reconcile_templates(&ctx).await {
-            Ok(_) => {
-                ctx.metrics
-                    .reconciled(claim_templates::CONTROLLER, start.elapsed(), None);
-                backoffs.reset("templates");
+        let wait = match pass().await {
+            Ok(()) => {
+                metrics.reconciled(controller, start.elapsed(), None);
+                backoffs.reset(controller);
                 Duration::from_secs(600)
             }
             Err(e) => {
-                ctx.metrics.reconciled(
-                    claim_templates::CONTROLLER,
-                    start.elapsed(),
-                    Some(e.kind()),
-                );
-                let delay = backoffs.next("templates");
-                warn!(error = %error_chain(&e), retry_in = ?delay, "ResourceClaimTemplate sync failed");
+                metrics.reconciled(controller, start.elapsed(), Some(kind(&e)));
+                let delay = backoffs.next(controller);
+                warn!(controller, error = %error_chain(&e), retry_in = ?delay, "sync failed");
                 delay
             }
         };

@@ -411,7 +411,8 @@ async fn a_standby_replica_takes_over_when_the_leader_goes() {
 }
 
 /// The webhook configuration as the manifests create it: no `caBundle`. Two entries, so the
-/// test sees every entry patched.
+/// test sees every entry patched. The exemption condition is the one the operator keeps
+/// where no GpuPolicy exists (send every pod).
 fn webhook_configuration() -> serde_json::Value {
     let entry = |name: &str| {
         json!({
@@ -421,6 +422,10 @@ fn webhook_configuration() -> serde_json::Value {
             "clientConfig": {
                 "service": {"name": "gpuwarden-webhook", "namespace": "gpuwarden-system", "path": "/mutate"},
             },
+            "matchConditions": [
+                {"name": "may-reach-gpus", "expression": "true"},
+                {"name": gpuwarden_crds::match_conditions::NOT_EXEMPT_CONDITION, "expression": "true"},
+            ],
         })
     };
     json!({
@@ -626,4 +631,104 @@ async fn only_the_leader_restores_the_ca_bundle() {
         .expect("operator stops")
         .expect("operator task");
     assert!(result.is_ok(), "{result:?}");
+}
+
+/// The exemption condition follows the GpuPolicies: written into every webhook entry of the
+/// configuration under the operator's field manager, rewritten when a policy changes, back
+/// within seconds on a configuration re-created from the manifests, and left alone when
+/// current. Without certificate management (cert-manager) too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exemption_condition_follows_the_policies() {
+    use gpuwarden_crds::GpuPolicy;
+    use gpuwarden_crds::match_conditions::{NOT_EXEMPT_CONDITION, not_exempt_expression};
+
+    let fake = Arc::new(FakeApi::default());
+    let policy = GpuPolicy::default_policy();
+    fake.insert(
+        "gpupolicies",
+        "default",
+        serde_json::to_value(&policy).unwrap(),
+    );
+    let mut shipped = webhook_configuration();
+    for hook in shipped["webhooks"].as_array_mut().unwrap() {
+        hook["matchConditions"] = json!([{"name": "may-reach-gpus", "expression": "true"}]);
+    }
+    fake.insert(
+        "mutatingwebhookconfigurations",
+        "gpuwarden",
+        shipped.clone(),
+    );
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = free_port();
+    config.leader_election = false;
+    config.manage_webhook_certificates = false;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
+        let _ = stop_rx.await;
+    }));
+    let conditions = |fake: &FakeApi| -> Vec<serde_json::Value> {
+        let mwc = fake
+            .get("mutatingwebhookconfigurations", "gpuwarden")
+            .unwrap_or_default();
+        (mwc["webhooks"].as_array().into_iter().flatten())
+            .map(|w| w["matchConditions"].clone())
+            .collect()
+    };
+    let expected = |expression: &str| {
+        json!([
+            {"name": "may-reach-gpus", "expression": "true"},
+            {"name": NOT_EXEMPT_CONDITION, "expression": expression},
+        ])
+    };
+    let default = not_exempt_expression([&policy], |_| true);
+    assert!(
+        default.contains("nvcr.io/nvidia/k8s-device-plugin:"),
+        "{default}"
+    );
+    wait_for("the condition written", Duration::from_secs(10), || {
+        conditions(&fake) == [expected(&default), expected(&default)]
+    })
+    .await;
+    let writes = configuration_writes(&fake);
+    assert_eq!(writes.len(), 1, "{writes:#?}");
+    assert!(
+        writes[0].contains("fieldManager=gpuwarden-operator"),
+        "{writes:#?}"
+    );
+
+    // A policy that exempts one more namespace: the condition follows.
+    let mut more = policy.clone();
+    more.spec.exemptions.namespaces.push("monitoring".into());
+    fake.modify("gpupolicies", "default", |p| {
+        p["spec"]["exemptions"]["namespaces"] = json!(more.spec.exemptions.namespaces);
+        p["metadata"]["generation"] = json!(2);
+    });
+    let updated = not_exempt_expression([&more], |_| true);
+    assert!(updated.contains("'monitoring'"), "{updated}");
+    wait_for("the condition rewritten", Duration::from_secs(10), || {
+        conditions(&fake) == [expected(&updated), expected(&updated)]
+    })
+    .await;
+
+    // Re-created from the manifests: back within seconds.
+    fake.remove("mutatingwebhookconfigurations", "gpuwarden");
+    let mut recreated = shipped;
+    recreated["metadata"]["uid"] = json!("mwc-2");
+    fake.create("mutatingwebhookconfigurations", "gpuwarden", recreated);
+    let created = Instant::now();
+    wait_for("the condition restored", Duration::from_secs(5), || {
+        conditions(&fake) == [expected(&updated), expected(&updated)]
+    })
+    .await;
+    eprintln!("exemption condition restored after {:?}", created.elapsed());
+    // Its own write comes back through the watch and finds nothing to do.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        configuration_writes(&fake).len(),
+        3,
+        "{:#?}",
+        configuration_writes(&fake)
+    );
+    stop_tx.send(()).unwrap();
+    assert!(operator.await.unwrap().is_ok());
 }
