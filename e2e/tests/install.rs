@@ -246,6 +246,34 @@ async fn install_and_uninstall(variant: Variant) {
         "caBundle back {:?} after the configuration was applied again",
         recreated.elapsed()
     );
+    // Written under the operator's name, and owning the bundle alone.
+    let config = Api::<MutatingWebhookConfiguration>::all(cluster.client.clone())
+        .get(MUTATING_WEBHOOK_CONFIGURATION)
+        .await
+        .expect("the webhook configuration");
+    let managers: Vec<(String, String)> = config
+        .metadata
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|m| serde_json::to_string(&m.fields_v1).is_ok_and(|f| f.contains("\"f:caBundle\"")))
+        .map(|m| {
+            (
+                m.manager.clone().unwrap_or_default(),
+                serde_json::to_string(&m.fields_v1).unwrap_or_default(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        managers.iter().map(|(m, _)| m.as_str()).collect::<Vec<_>>(),
+        [gpuwarden_crds::FIELD_MANAGER_OPERATOR],
+        "{managers:#?}"
+    );
+    assert!(
+        !managers[0].1.contains("\"f:rules\""),
+        "the operator owns more than the caBundle: {}",
+        managers[0].1
+    );
 
     let _ = stop.send(());
     match operator.await {
