@@ -20,8 +20,8 @@
 use std::collections::BTreeSet;
 
 use crate::{
-    ANNOTATION_GPU_COUNT, CDI_ANNOTATION_PREFIX, GpuPolicy, PrivilegedMatch, RESOURCE_GPU,
-    RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VisibleDevicesAll,
+    ANNOTATION_GPU_COUNT, GpuPolicy, PrivilegedMatch, RESOURCE_GPU, RESOURCE_GPU_SHARED,
+    RESOURCE_MIG_PREFIX, VisibleDevicesAll,
 };
 
 /// The environment variable the NVIDIA container runtime hands GPUs out by.
@@ -461,6 +461,9 @@ pub struct PodSignals<'a> {
     toleration_keys: Vec<&'a str>,
     /// The pod's `resourceClaims` entries whose claim asks for GPUs, sorted.
     gpu_claims: Vec<&'a str>,
+    /// A container of the pod holds a passthrough GPU: the pod runs in a VM sandbox on a
+    /// node whose GPUs are bound to VFIO, where the host's NVIDIA runtime hands out nothing.
+    passthrough: bool,
 }
 
 impl<'a> PodSignals<'a> {
@@ -474,7 +477,10 @@ impl<'a> PodSignals<'a> {
         annotations: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
         passthrough: bool,
     ) -> Self {
-        let mut signals = Self::default();
+        let mut signals = Self {
+            passthrough,
+            ..Self::default()
+        };
         for (name, path) in volumes {
             let Some(path) = path.filter(|p| is_device_host_path(p)) else {
                 continue;
@@ -486,7 +492,7 @@ impl<'a> PodSignals<'a> {
             }
         }
         for (key, value) in annotations {
-            if key.starts_with(CDI_ANNOTATION_PREFIX) {
+            if crate::is_cdi_annotation(key) {
                 if passthrough && value.is_some_and(is_passthrough_cdi) {
                     continue;
                 }
@@ -590,16 +596,21 @@ pub struct Signals<'c> {
     /// The first pod `resourceClaims` entry it uses whose claim holds GPUs: the GPUs it gets
     /// through DRA, which the rewrite keeps rather than adding a limit on top.
     pub claim: Option<&'c str>,
+    /// The pod holds a passthrough GPU ([`is_passthrough_resource`]): its
+    /// `NVIDIA_VISIBLE_DEVICES` and MIG variables are read inside its VM, among the GPUs
+    /// passed through to it, never by the host's runtime, so they neither name GPUs here nor
+    /// leak.
+    pub passthrough: bool,
 }
 
 impl Signals<'_> {
     /// Whether these make a GPU container.
     pub fn is_gpu(&self) -> bool {
-        let env = match self.visible {
+        let env = match self.host_visible() {
             // `privilegedContainers: All` counts a container that says nothing about GPUs,
             // never one that says `none`, `void` or empty.
             VisibleDevices::Unset => self.every_container || self.hint.is_some(),
-            ref visible => visible.is_gpu_signal(),
+            visible => visible.is_gpu_signal(),
         };
         self.limit
             || self.request.is_some()
@@ -608,6 +619,16 @@ impl Signals<'_> {
             || self.cdi
             || self.device_list.is_gpu_signal()
             || self.claim.is_some()
+    }
+
+    /// Its `NVIDIA_VISIBLE_DEVICES` as the host's runtime reads it: unset in a pod that holds
+    /// a passthrough GPU.
+    fn host_visible(&self) -> &VisibleDevices {
+        if self.passthrough {
+            &VisibleDevices::Unset
+        } else {
+            &self.visible
+        }
     }
 
     /// Whether a privileged container may hold GPUs: a GPU container, or one whose
@@ -624,8 +645,7 @@ impl Signals<'_> {
     /// after the device plugin's in the kubelet's list, so the runtime reads the
     /// container's: even beside a GPU limit it is a leak.
     pub fn leaks(&self) -> bool {
-        self.visible.is_gpu_signal()
-            || self.mig_access
+        (!self.passthrough && (self.visible.is_gpu_signal() || self.mig_access))
             || self.device_list != VisibleDevices::Unset
             || (self.cdi && self.strip_cdi)
     }
@@ -694,6 +714,7 @@ pub fn signals<'c, C: ContainerSpec>(
         strip_cdi: rules.strip_cdi,
         env_from: container.env_from(),
         claim: container.claim_names().find(|name| pod.is_gpu_claim(name)),
+        passthrough: pod.passthrough,
         hint: if container.privileged() {
             let image = container.image();
             (rules.images.iter())

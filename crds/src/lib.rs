@@ -64,8 +64,15 @@ pub const ANNOTATION_AUDIT: &str = "gpuwarden.io/audit";
 /// Pod annotation: GPU count for every rewritten container without a GPU limit.
 /// `gpuwarden.io/gpu-count.<container>` sets it for one container.
 pub const ANNOTATION_GPU_COUNT: &str = "gpuwarden.io/gpu-count";
-/// Prefix of pod annotations that request CDI devices directly.
-pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+/// Pod annotation prefixes through which a container runtime injects CDI devices: Kubernetes'
+/// `cdi.k8s.io/`, and `nvidia.cdi.k8s.io/`, which the NVIDIA runtime reads where the GPU
+/// Operator enables CDI (its toolkit's `annotation-prefixes`).
+pub const CDI_ANNOTATION_PREFIXES: [&str; 2] = ["cdi.k8s.io/", "nvidia.cdi.k8s.io/"];
+
+/// Whether a pod annotation key injects CDI devices ([`CDI_ANNOTATION_PREFIXES`]).
+pub fn is_cdi_annotation(key: &str) -> bool {
+    CDI_ANNOTATION_PREFIXES.iter().any(|p| key.starts_with(p))
+}
 
 /// Node label set by NVIDIA GPU feature discovery on nodes with GPUs.
 pub const LABEL_GPU_PRESENT: &str = "nvidia.com/gpu.present";

@@ -503,10 +503,13 @@ fn nvidia_component_images() -> Vec<String> {
         "nvcr.io/nvidia/cuda",
         "registry.k8s.io/nv-dra-driver-gpu/nvidia-dra-driver-gpu",
     ];
-    const TREES: [&str; 3] = [
+    const TREES: [&str; 5] = [
         "nvcr.io/nvidia/cloud-native/*",
         "nvcr.io/nvidia/mellanox/*",
         "registry.k8s.io/dra-driver-nvidia/*",
+        // NVIDIA does not publish the vGPU manager: each site builds it into its own registry.
+        "*/vgpu-manager:*",
+        "*/vgpu-manager@*",
     ];
     (REPOSITORIES.iter())
         .flat_map(|r| [format!("{r}:*"), format!("{r}@*")])

@@ -900,6 +900,11 @@ mod generated {
                     1 => {
                         pod["metadata"]["annotations"] = json!({"cdi.k8s.io/x": "vendor.com/dev=1"})
                     }
+                    3 => {
+                        pod["metadata"]["annotations"] = json!({
+                            "nvidia.cdi.k8s.io/container.c0": "management.nvidia.com/gpu=all"
+                        })
+                    }
                     2 => {
                         let value = *["nvidia.com/pgpu=0", "nvidia.com/pgpu=0,nvidia.com/gpu=1",
                             "nvidia.com/pgpu=0,nvidia.com/pgpu=1"].choose(&mut rng).unwrap();
@@ -907,6 +912,11 @@ mod generated {
                         if rng.random_bool(0.7) {
                             pod["spec"]["containers"][0]["resources"]["limits"]
                                 ["nvidia.com/GH100_H100_PCIE"] = json!("1");
+                            // Kata needs NVIDIA_VISIBLE_DEVICES=all inside the VM.
+                            if rng.random_bool(0.5) {
+                                pod["spec"]["containers"][0]["env"] =
+                                    json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+                            }
                         }
                     }
                     _ => {}

@@ -295,6 +295,13 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
         json!({"app": pick(rng, &["train", "serve", "debug"])}),
     );
     let mut annotations = Map::new();
+    if rng.random_bool(0.03) {
+        // The prefix the NVIDIA runtime reads where the GPU Operator enables CDI.
+        annotations.insert(
+            "nvidia.cdi.k8s.io/container.main-0".into(),
+            json!("management.nvidia.com/gpu=all"),
+        );
+    }
     if rng.random_bool(0.15) {
         annotations.insert(
             "cdi.k8s.io/gpu".into(),
@@ -340,7 +347,7 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
             json!({"limits": {"nvidia.com/GH100_H100_PCIE": 1}});
     }
     // Some pods have two privileged containers naming the same GPUs, which share them.
-    if rng.random_bool(0.1) {
+    if rng.random_bool(0.2) {
         let same = pick(rng, &["0,1", "all", "2"]);
         for c in pod["spec"]["containers"]
             .as_array_mut()
@@ -593,9 +600,11 @@ fn privileged_gpu_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -
             };
             // The last entry of a duplicated name wins, as in the kubelet. Without one, `All`
             // counts the container; with one, its value decides.
+            // In a pod that holds a passthrough GPU the variable is read inside its VM only.
             let all = policy.spec.match_.privileged_containers == PrivilegedMatch::All;
             let env = c["env"]
                 .as_array()
+                .filter(|_| !oracle_holds_passthrough(pod))
                 .map(|a| a.as_slice())
                 .unwrap_or_default()
                 .iter()
@@ -662,7 +671,7 @@ fn pod_gpus(pod: &Value, policy: &GpuPolicy) -> u32 {
 fn oracle_cdi(pod: &Value) -> bool {
     pod["metadata"]["annotations"].as_object().is_some_and(|a| {
         a.iter().any(|(k, v)| {
-            k.starts_with("cdi.k8s.io/")
+            (k.starts_with("cdi.k8s.io/") || k.starts_with("nvidia.cdi.k8s.io/"))
                 && v.as_str().is_some_and(|v| {
                     v.contains("nvidia.com/")
                         && !(oracle_holds_passthrough(pod)
@@ -801,10 +810,14 @@ fn oracle_device_list_path(path: &str) -> bool {
 /// device-list mount, or an NVIDIA CDI annotation the policy strips; image exemptions hold.
 fn leaking_containers(pod: &Value, namespace: &str, policy: &GpuPolicy) -> Vec<String> {
     let cdi = policy.spec.strip_cdi_annotations && oracle_cdi(pod);
+    // In a pod that holds a passthrough GPU the variables are read inside its VM only.
+    let passthrough = oracle_holds_passthrough(pod);
     containers_of(pod)
         .filter(|c| !oracle_container_exempt(c, pod, namespace, policy))
         .filter(|c| {
-            let env = c["env"].as_array().map(Vec::as_slice).unwrap_or_default();
+            let env = (c["env"].as_array().filter(|_| !passthrough))
+                .map(Vec::as_slice)
+                .unwrap_or_default();
             let visible = (env.iter().rev())
                 .find(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
                 .is_some_and(|e| match e["value"].as_str() {
@@ -839,7 +852,7 @@ fn without_allowed_fields(
         .and_then(Value::as_object_mut)
     {
         a.retain(|k, _| {
-            !k.starts_with("gpuwarden.io/") && !k.starts_with("cdi.k8s.io/")
+            !k.starts_with("gpuwarden.io/") && !gpuwarden_crds::is_cdi_annotation(k)
                 || k.starts_with("gpuwarden.io/gpu-count")
         });
     }

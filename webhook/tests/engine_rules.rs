@@ -1912,6 +1912,21 @@ fn gpus_held_through_other_nvidia_resources_are_not_requested_twice() {
         out["metadata"]["annotations"]["cdi.k8s.io/gpu"],
         "nvidia.com/pgpu=0"
     );
+    // Inside the VM, NVIDIA_VISIBLE_DEVICES=all reaches only the GPU passed through (Contrast
+    // needs it): no leak, and a rewritten GPU container keeps it.
+    let mut all = privileged.clone();
+    all["spec"]["containers"][0]["env"] =
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+    let (_, out) = rewrite(&all, "ml", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["env"],
+        all["spec"]["containers"][0]["env"]
+    );
+    all["spec"]["containers"][0]["securityContext"] = json!({});
+    assert_eq!(
+        review_pod(&all, "ml", &source()).summary.outcome,
+        Outcome::Allowed
+    );
     // Without the passthrough GPU the same annotation is a leak, and goes.
     let mut leak = pod.clone();
     leak["spec"]["containers"][0]["resources"] = json!({});
@@ -1948,6 +1963,29 @@ fn gpus_held_through_other_nvidia_resources_are_not_requested_twice() {
         json!({"example.com/vgpu-8g": 1})
     );
     let (_, out) = rewrite(&vgpu, "ml", &source());
+    assert_eq!(
+        out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "1"
+    );
+}
+
+#[test]
+fn the_nvidia_runtimes_own_cdi_annotation_prefix_is_a_leak_too() {
+    // Where the GPU Operator turns CDI on, the NVIDIA runtime reads nvidia.cdi.k8s.io/* as
+    // well: an unprivileged pod carrying one would get every GPU and the management devices.
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "annotations": {
+            "nvidia.cdi.k8s.io/container.main": "management.nvidia.com/gpu=all"}},
+        "spec": {"containers": [{"name": "main", "image": "ubuntu:24.04"}]}
+    });
+    let (answer, out) = rewrite(&pod, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Rewritten);
+    assert!(
+        out["metadata"]["annotations"]
+            .get("nvidia.cdi.k8s.io/container.main")
+            .is_none()
+    );
     assert_eq!(
         out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
         "1"

@@ -388,7 +388,12 @@ pub(super) fn plan_pod<'a>(
             } else {
                 Some(set)
             };
-            p.env = rewrite_env(c.value, remove, set, &plan.driver_capabilities);
+            // In a pod that holds a passthrough GPU the variables are read inside its VM,
+            // among the GPUs passed through (Kata needs `NVIDIA_VISIBLE_DEVICES=all` there):
+            // a GPU container keeps its environment.
+            if !(gpu && c.signals.passthrough) {
+                p.env = rewrite_env(c.value, remove, set, &plan.driver_capabilities);
+            }
         }
 
         // Rule 5: mounts of removed device volumes go from every container that is not
