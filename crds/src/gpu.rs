@@ -38,13 +38,7 @@ pub const DEVICE_LIST_ROOT: &str = "/var/run/nvidia-container-devices";
 /// Whether a mount path (cleaned lexically) is at or under [`DEVICE_LIST_ROOT`], and the
 /// device it names: `Some(None)` for the root itself, `Some(Some(device))` below it.
 pub fn device_list_entry(path: &str) -> Option<Option<String>> {
-    let clean;
-    let path = if is_clean(path) {
-        path
-    } else {
-        clean = clean_path(path);
-        &clean
-    };
+    let path = cleaned(path);
     let rest = path.strip_prefix(DEVICE_LIST_ROOT)?;
     if rest.is_empty() {
         return Some(None);
@@ -148,13 +142,8 @@ pub const HOST_DEV_TREE: HostDevice = HostDevice {
 /// lexically) reaches: one of [`HOST_DEVICES`] or a path under it, or [`HOST_DEV_TREE`] for
 /// a directory that holds one of them (`/dev`, `/dev/net`).
 pub fn host_device(path: &str) -> Option<HostDevice> {
-    let clean;
-    let path = if is_clean(path) {
-        path
-    } else {
-        clean = clean_path(path);
-        &clean
-    };
+    let path = cleaned(path);
+    let path = path.as_ref();
     let under = |parent: &str, child: &str| {
         child
             .strip_prefix(parent)
@@ -223,10 +212,15 @@ pub fn is_device_host_path(path: &str) -> bool {
             || clean == "/dev/dri"
             || clean.starts_with("/dev/dri/")
     };
+    is_device(&cleaned(path))
+}
+
+/// `path` cleaned lexically ([`clean_path`]), borrowed when it is clean already.
+fn cleaned(path: &str) -> std::borrow::Cow<'_, str> {
     if is_clean(path) {
-        is_device(path)
+        std::borrow::Cow::Borrowed(path)
     } else {
-        is_device(&clean_path(path))
+        std::borrow::Cow::Owned(clean_path(path))
     }
 }
 

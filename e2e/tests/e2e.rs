@@ -1844,6 +1844,43 @@ async fn real_gpu_node(env: &Env) -> String {
         })
 }
 
+/// The operator and the node agent, in-process, for the real GPU node.
+struct RealNode {
+    name: String,
+    /// The agent's metrics address.
+    metrics: std::net::SocketAddr,
+    stop_operator: tokio::sync::oneshot::Sender<()>,
+    operator: tokio::task::JoinHandle<()>,
+    stop_agent: tokio::sync::oneshot::Sender<()>,
+    agent: tokio::task::JoinHandle<()>,
+}
+
+impl RealNode {
+    /// Picks the node ([`real_gpu_node`]) and starts the operator and its agent.
+    async fn start(env: &Env) -> Self {
+        env.system_namespace().await;
+        let name = real_gpu_node(env).await;
+        env.cleanup.own_typed::<GpuNode>(None, &name);
+        let (stop_operator, operator) = start_operator(env);
+        let (stop_agent, agent, metrics) = start_real_agent(env, &name);
+        Self {
+            name,
+            metrics,
+            stop_operator,
+            operator,
+            stop_agent,
+            agent,
+        }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop_agent.send(());
+        let _ = self.agent.await;
+        let _ = self.stop_operator.send(());
+        let _ = self.operator.await;
+    }
+}
+
 /// Runs the node agent in-process for the real `node`: real NVML, the kubelet's own
 /// pod-resources socket, the host's /proc. Returns its metrics address.
 fn start_real_agent(
@@ -1904,11 +1941,8 @@ fn visible_in_log(log: &str) -> Vec<String> {
 #[ignore = "needs a node: a kubelet with NVIDIA's device plugin, NVML for the agent (LD_LIBRARY_PATH), KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
     let env = Env::new().await;
-    env.system_namespace().await;
-    let node = real_gpu_node(&env).await;
-    env.cleanup.own_typed::<GpuNode>(None, &node);
-    let (stop_operator, operator) = start_operator(&env);
-    let (stop_agent, agent, metrics) = start_real_agent(&env, &node);
+    let real = RealNode::start(&env).await;
+    let (node, metrics) = (real.name.clone(), real.metrics);
     let ns = env.namespace("node").await;
     let (webhook, _) = env.webhook().await;
 
@@ -2032,10 +2066,7 @@ async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
 
     let _ = pods.delete("train", &Default::default()).await;
     webhook.stop().await;
-    let _ = stop_agent.send(());
-    let _ = agent.await;
-    let _ = stop_operator.send(());
-    let _ = operator.await;
+    real.stop().await;
 }
 
 /// A namespace with a fixed name (`nvidia-device-plugin`, `monitoring`) that this run's
@@ -2076,11 +2107,8 @@ async fn fixed_namespace(env: &Env, name: &str) {
 #[ignore = "needs a node: a kubelet with NVIDIA's device plugin, NVML for the agent (LD_LIBRARY_PATH), KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node() {
     let env = Env::new().await;
-    env.system_namespace().await;
-    let node = real_gpu_node(&env).await;
-    env.cleanup.own_typed::<GpuNode>(None, &node);
-    let (stop_operator, operator) = start_operator(&env);
-    let (stop_agent, agent, _) = start_real_agent(&env, &node);
+    let real = RealNode::start(&env).await;
+    let node = real.name.clone();
     let (webhook, _) = env.webhook().await;
     for ns in ["nvidia-device-plugin", "monitoring"] {
         fixed_namespace(&env, ns).await;
@@ -2248,8 +2276,5 @@ async fn nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node() {
         .await
         .ok();
     webhook.stop().await;
-    let _ = stop_agent.send(());
-    let _ = agent.await;
-    let _ = stop_operator.send(());
-    let _ = operator.await;
+    real.stop().await;
 }

@@ -24,25 +24,11 @@ use std::time::{Duration, Instant};
 use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, OPERATOR_NAME, WEBHOOK_TLS_SECRET};
 use gpuwarden_e2e::cluster::{Cluster, skip, wait_for};
 use gpuwarden_e2e::manifests::{Document, load_file, repo_root};
+use gpuwarden_e2e::readme::readme_block;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
-
-/// The lines of the first `sh` block under the heading `## {heading}` of the README.
-fn readme_block(heading: &str) -> Vec<String> {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
-    let section = readme
-        .split_once(&format!("\n## {heading}\n"))
-        .unwrap_or_else(|| panic!("README has no section {heading}"))
-        .1;
-    let block = section
-        .split_once("```sh\n")
-        .and_then(|(_, rest)| rest.split_once("\n```"))
-        .unwrap_or_else(|| panic!("README section {heading} has no sh block"))
-        .0;
-    block.lines().map(str::to_owned).collect()
-}
 
 /// Which of the README's two install commands to run.
 #[derive(Clone, Copy, Debug)]

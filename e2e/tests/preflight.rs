@@ -307,18 +307,7 @@ fn objects_left_alone_read_as_kubectl_reads_them() {
             // kubectl's own reading of the same document.
             let yaml_doc = serde_saphyr::to_string(&input.object).expect("YAML");
             let original = nth_yaml_document(&text, input.index);
-            let client = kubectl(
-                &[
-                    "create",
-                    "--dry-run=client",
-                    "-o",
-                    "json",
-                    "--validate=false",
-                    "-f",
-                    "-",
-                ],
-                Some(&original),
-            );
+            let client = read_by_kubectl(&original);
             if !client.status.success() {
                 // A kind this server does not know: made known for the server dry run below.
                 let api_version = input.object["apiVersion"].as_str().unwrap_or("");
@@ -336,18 +325,7 @@ fn objects_left_alone_read_as_kubectl_reads_them() {
                     ));
                 }
             }
-            let client = kubectl(
-                &[
-                    "create",
-                    "--dry-run=client",
-                    "-o",
-                    "json",
-                    "--validate=false",
-                    "-f",
-                    "-",
-                ],
-                Some(&original),
-            );
+            let client = read_by_kubectl(&original);
             if !client.status.success() && input.object.get("apiVersion").is_none() {
                 // A fragment (a kustomize patch): kubectl reads no object there either.
                 eprintln!("{what}: no apiVersion, not an object kubectl creates: skipped");
@@ -399,6 +377,22 @@ fn objects_left_alone_read_as_kubectl_reads_them() {
         "{compared} objects left unchanged read as kubectl reads them; {dry_runs} passed a server dry run"
     );
     assert!(compared >= 20, "{compared}");
+}
+
+/// `kubectl create --dry-run=client -o json` of one document: how kubectl reads it.
+fn read_by_kubectl(document: &str) -> Output {
+    kubectl(
+        &[
+            "create",
+            "--dry-run=client",
+            "-o",
+            "json",
+            "--validate=false",
+            "-f",
+            "-",
+        ],
+        Some(document),
+    )
 }
 
 /// The `index`th (1-based) non-empty YAML document of `text`, as written.
