@@ -489,6 +489,9 @@ fn host_device_denial(
     input: &Input<'_>,
     policy: &GpuPolicy,
 ) -> Option<String> {
+    if host_paths.is_empty() {
+        return None;
+    }
     let requested: Vec<&str> = c
         .value
         .limit_names()
