@@ -2,5 +2,6 @@
 //! documents, and (for the ignored end-to-end tests) driving a real cluster.
 
 pub mod cluster;
+pub mod image;
 pub mod manifests;
 pub mod readme;

@@ -1,0 +1,243 @@
+//! An OCI image layout, written without a registry or a container builder, for the
+//! in-cluster test: the workspace's binaries, the shared libraries they load (as `ldd`
+//! finds them on this machine), and the `/etc/passwd` and `/etc/group` entries of
+//! distroless's `nonroot` user, in one uncompressed layer. `tar`, `sha256sum` and `ldd` do
+//! the byte work; the layout's JSON is written here.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::json;
+
+/// Errors building the image.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// A file could not be read or written.
+    #[error("failed to {what} {path}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tool (`tar`, `sha256sum`, `ldd`) failed or could not be started.
+    #[error("failed to run {command}: {message}")]
+    Tool {
+        /// The command line.
+        command: String,
+        /// Its standard error, or why it did not start.
+        message: String,
+    },
+}
+
+/// distroless's users, as its `/etc/passwd` lists them.
+const PASSWD: &str = "root:x:0:0:root:/root:/sbin/nologin\n\
+nobody:x:65534:65534:nobody:/nonexistent:/sbin/nologin\n\
+nonroot:x:65532:65532:nonroot:/home/nonroot:/sbin/nologin\n";
+
+/// distroless's groups.
+const GROUP: &str = "root:x:0:\nnobody:x:65534:\ntty:x:5:\nstaff:x:50:\nnonroot:x:65532:\n";
+
+/// The image's one user, numeric so that `runAsNonRoot` can verify it (as in the Dockerfile).
+pub const IMAGE_USER: &str = "65532:65532";
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ImageError {
+    let path = path.display().to_string();
+    move |source| ImageError::Io { what, path, source }
+}
+
+fn run(command: &mut Command) -> Result<String, ImageError> {
+    let line = format!("{command:?}");
+    let output = command.output().map_err(|e| ImageError::Tool {
+        command: line.clone(),
+        message: e.to_string(),
+    })?;
+    if !output.status.success() {
+        return Err(ImageError::Tool {
+            command: line,
+            message: String::from_utf8_lossy(&output.stderr).into_owned(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// The shared libraries `binary` loads, with the dynamic loader: absolute paths, as `ldd`
+/// prints them (`libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6`, `/lib64/ld-linux-x86-64.so.2`).
+pub fn shared_libraries(binary: &Path) -> Result<Vec<PathBuf>, ImageError> {
+    let out = run(Command::new("ldd").arg(binary))?;
+    let mut libs: Vec<PathBuf> = out
+        .lines()
+        .filter_map(|line| {
+            let target = match line.split_once("=>") {
+                Some((_, rest)) => rest,
+                None => line,
+            };
+            let path = target.split_whitespace().next()?;
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect();
+    libs.sort();
+    libs.dedup();
+    Ok(libs)
+}
+
+/// `sha256:<hex>` of a file.
+fn digest(path: &Path) -> Result<String, ImageError> {
+    let out = run(Command::new("sha256sum").arg(path))?;
+    let hex = out.split_whitespace().next().unwrap_or_default();
+    Ok(format!("sha256:{hex}"))
+}
+
+/// Moves `path` into `layout/blobs/sha256/` under its digest; returns the digest and size.
+fn blob(layout: &Path, path: &Path) -> Result<(String, u64), ImageError> {
+    let digest = digest(path)?;
+    let size = std::fs::metadata(path).map_err(io("read", path))?.len();
+    let dir = layout.join("blobs/sha256");
+    std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+    let target = dir.join(digest.trim_start_matches("sha256:"));
+    std::fs::rename(path, &target).map_err(io("move", path))?;
+    Ok((digest, size))
+}
+
+fn write(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io("create", parent))?;
+    }
+    std::fs::write(path, bytes).map_err(io("write", path))
+}
+
+/// Copies `from` (following links) to `root` + `to`, with `mode`.
+fn install(root: &Path, from: &Path, to: &Path, mode: u32) -> Result<(), ImageError> {
+    use std::os::unix::fs::PermissionsExt;
+    let target = root.join(to.strip_prefix("/").unwrap_or(to));
+    if let Some(parent) = target.parent() {
+        std::fs::create_dir_all(parent).map_err(io("create", parent))?;
+    }
+    std::fs::copy(from, &target).map_err(io("copy", from))?;
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode))
+        .map_err(io("chmod", &target))
+}
+
+/// Writes an OCI image layout tar at `out`, named `name` (`io.containerd.image.name`, what
+/// `ctr images import` tags it as), whose one layer holds `binaries` in `/usr/local/bin`,
+/// the shared libraries they load at the paths `ldd` finds them, and distroless's
+/// `/etc/passwd` and `/etc/group`; it runs as [`IMAGE_USER`]. `work` is a scratch
+/// directory. Returns the manifest's digest.
+pub fn write_oci_layout(
+    work: &Path,
+    out: &Path,
+    name: &str,
+    binaries: &[PathBuf],
+) -> Result<String, ImageError> {
+    let root = work.join("rootfs");
+    let mut libs = Vec::new();
+    for binary in binaries {
+        let file = binary.file_name().unwrap_or_default();
+        install(
+            &root,
+            binary,
+            &Path::new("/usr/local/bin").join(file),
+            0o755,
+        )?;
+        libs.extend(shared_libraries(binary)?);
+    }
+    libs.sort();
+    libs.dedup();
+    for lib in &libs {
+        install(&root, lib, lib, 0o755)?;
+    }
+    write(&root.join("etc/passwd"), PASSWD.as_bytes())?;
+    write(&root.join("etc/group"), GROUP.as_bytes())?;
+    for dir in ["tmp", "home/nonroot"] {
+        let path = root.join(dir);
+        std::fs::create_dir_all(&path).map_err(io("create", &path))?;
+    }
+
+    // Owned by root, dated at the epoch, in name order: the same inputs give the same layer.
+    let layer = work.join("layer.tar");
+    run(Command::new("tar")
+        .args([
+            "--sort=name",
+            "--mtime=@0",
+            "--owner=0",
+            "--group=0",
+            "--numeric-owner",
+        ])
+        .arg("-C")
+        .arg(&root)
+        .arg("-cf")
+        .arg(&layer)
+        .arg("."))?;
+    let layout = work.join("layout");
+    let (layer_digest, layer_size) = blob(&layout, &layer)?;
+
+    let config = json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "User": IMAGE_USER,
+            "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+        },
+        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+        "history": [{"created_by": "gpuwarden-e2e write_oci_layout"}],
+    });
+    let config_file = work.join("config.json");
+    write(&config_file, config.to_string().as_bytes())?;
+    let (config_digest, config_size) = blob(&layout, &config_file)?;
+
+    let manifest = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config_digest,
+            "size": config_size,
+        },
+        "layers": [{
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "digest": layer_digest,
+            "size": layer_size,
+        }],
+    });
+    let manifest_file = work.join("manifest.json");
+    write(&manifest_file, manifest.to_string().as_bytes())?;
+    let (manifest_digest, manifest_size) = blob(&layout, &manifest_file)?;
+
+    let tag = name.rsplit_once(':').map_or("latest", |(_, t)| t);
+    let index = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest_digest,
+            "size": manifest_size,
+            "platform": {"architecture": "amd64", "os": "linux"},
+            "annotations": {
+                "io.containerd.image.name": name,
+                "org.opencontainers.image.ref.name": tag,
+            },
+        }],
+    });
+    write(&layout.join("index.json"), index.to_string().as_bytes())?;
+    write(
+        &layout.join("oci-layout"),
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )?;
+    run(Command::new("tar")
+        .args([
+            "--sort=name",
+            "--mtime=@0",
+            "--owner=0",
+            "--group=0",
+            "--numeric-owner",
+        ])
+        .arg("-C")
+        .arg(&layout)
+        .arg("-cf")
+        .arg(out)
+        .args(["oci-layout", "index.json", "blobs"]))?;
+    Ok(manifest_digest)
+}
