@@ -274,17 +274,16 @@ pub struct Input<'a> {
 }
 
 impl Input<'_> {
-    /// The workload that puts this pod on every node (a DaemonSet of any API group), by
-    /// kind and name: a GPU request it did not write would take a GPU on each node.
-    pub(crate) fn node_wide(&self) -> Option<(&str, &str)> {
-        if let Some(kind) = self.owner_kind.filter(|k| *k == KIND_DAEMON_SET) {
+    /// The name of the DaemonSet (of any API group) that puts this pod on every node: a GPU
+    /// request it did not write would take a GPU on each node.
+    pub(crate) fn daemon_set(&self) -> Option<&str> {
+        if self.owner_kind == Some(KIND_DAEMON_SET) {
             // Offline the pod is named after its workload, `namespace/name`.
-            let name = self.display_name.rsplit('/').next().unwrap_or_default();
-            return Some((kind, name));
+            return Some(self.display_name.rsplit('/').next().unwrap_or_default());
         }
         let owner = self.pod.controller()?;
         (owner.kind.as_deref() == Some(KIND_DAEMON_SET))
-            .then(|| (KIND_DAEMON_SET, owner.name.as_deref().unwrap_or("")))
+            .then(|| owner.name.as_deref().unwrap_or(""))
     }
 }
 

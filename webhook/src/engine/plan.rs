@@ -262,7 +262,7 @@ pub(super) fn plan_pod<'a>(
             Some((v.name.as_deref()?, path))
         })
         .collect();
-    let node_wide = input.node_wide();
+    let daemon_set = input.daemon_set();
     for (i, c) in facts.containers.iter().enumerate() {
         let count = counts.next();
         let target = c.loses_privilege();
@@ -307,9 +307,9 @@ pub(super) fn plan_pod<'a>(
             // Rule 3.
             let gpu = match count {
                 Some(Count::Limit(limit)) => {
-                    if let Some(owner) = node_wide.filter(|_| !limit.from.asked_by_pod()) {
+                    if let Some(name) = daemon_set.filter(|_| !limit.from.asked_by_pod()) {
                         plan.denials
-                            .push(node_wide_denial(c, &limit, owner, input, policy));
+                            .push(daemon_set_denial(c, &limit, name, input, policy));
                     }
                     match claim_count(&limit, spec.gpu.request_as) {
                         Some(n) => {
@@ -462,15 +462,15 @@ fn exemption_hint(c: &ContainerFacts<'_>, input: &Input<'_>, policy: &GpuPolicy)
 /// Do no harm (docs/design.md): a pod that a DaemonSet runs on every node would be given
 /// GPUs it never asked for (the policy's default, for a hint, a device mount or `all`), which
 /// would take a GPU on every node or keep the pods Pending. It is denied, naming the way out.
-fn node_wide_denial(
+fn daemon_set_denial(
     c: &ContainerFacts<'_>,
     limit: &Limit<'_>,
-    (kind, name): (&str, &str),
+    name: &str,
     input: &Input<'_>,
     policy: &GpuPolicy,
 ) -> String {
     format!(
-        "{} {} would be given {} GPU(s) it did not ask for ({}), and {kind} {name} runs it on every node: that would take a GPU on each. If it is a node agent that needs the node's GPUs, {}; if it should hold GPUs, ask for them (limits {} or annotation {ANNOTATION_GPU_COUNT})",
+        "{} {} would be given {} GPU(s) it did not ask for ({}), and DaemonSet {name} runs it on every node: that would take a GPU on each. If it is a node agent that needs the node's GPUs, {}; if it should hold GPUs, ask for them (limits {} or annotation {ANNOTATION_GPU_COUNT})",
         c.at.kind.noun(),
         c.name,
         limit.quantity,
