@@ -527,6 +527,16 @@ pub fn base64(bytes: &[u8]) -> String {
     out
 }
 
+/// The GPU UUIDs a container printed as `NVIDIA_VISIBLE_DEVICES=...` lines of its log, sorted.
+pub fn visible_in_log(log: &str) -> Vec<String> {
+    let mut ids: Vec<String> = (log.lines())
+        .filter_map(|l| l.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
+        .flat_map(|v| v.split(',').map(str::to_owned))
+        .collect();
+    ids.sort();
+    ids
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

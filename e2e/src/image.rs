@@ -109,6 +109,24 @@ fn write(path: &Path, bytes: &[u8]) -> Result<(), ImageError> {
     std::fs::write(path, bytes).map_err(io("write", path))
 }
 
+/// A tar of `entries` under `dir` at `out`: owned by root, dated at the epoch, in name order,
+/// so the same inputs give the same bytes (and digest).
+fn tar(dir: &Path, out: &Path, entries: &[&str]) -> Result<String, ImageError> {
+    run(Command::new("tar")
+        .args([
+            "--sort=name",
+            "--mtime=@0",
+            "--owner=0",
+            "--group=0",
+            "--numeric-owner",
+        ])
+        .arg("-C")
+        .arg(dir)
+        .arg("-cf")
+        .arg(out)
+        .args(entries))
+}
+
 /// Copies `from` (following links) to `root` + `to`, with `mode`.
 fn install(root: &Path, from: &Path, to: &Path, mode: u32) -> Result<(), ImageError> {
     use std::os::unix::fs::PermissionsExt;
@@ -156,21 +174,8 @@ pub fn write_oci_layout(
         std::fs::create_dir_all(&path).map_err(io("create", &path))?;
     }
 
-    // Owned by root, dated at the epoch, in name order: the same inputs give the same layer.
     let layer = work.join("layer.tar");
-    run(Command::new("tar")
-        .args([
-            "--sort=name",
-            "--mtime=@0",
-            "--owner=0",
-            "--group=0",
-            "--numeric-owner",
-        ])
-        .arg("-C")
-        .arg(&root)
-        .arg("-cf")
-        .arg(&layer)
-        .arg("."))?;
+    tar(&root, &layer, &["."])?;
     let layout = work.join("layout");
     let (layer_digest, layer_size) = blob(&layout, &layer)?;
 
@@ -226,18 +231,6 @@ pub fn write_oci_layout(
         &layout.join("oci-layout"),
         br#"{"imageLayoutVersion":"1.0.0"}"#,
     )?;
-    run(Command::new("tar")
-        .args([
-            "--sort=name",
-            "--mtime=@0",
-            "--owner=0",
-            "--group=0",
-            "--numeric-owner",
-        ])
-        .arg("-C")
-        .arg(&layout)
-        .arg("-cf")
-        .arg(out)
-        .args(["oci-layout", "index.json", "blobs"]))?;
+    tar(&layout, out, &["oci-layout", "index.json", "blobs"])?;
     Ok(manifest_digest)
 }

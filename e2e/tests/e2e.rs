@@ -16,7 +16,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
-use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, RawResponse, base64, skip, wait_for};
+use gpuwarden_e2e::cluster::{
+    Cleanup, Cluster, LocalWebhook, RawResponse, base64, skip, visible_in_log, wait_for,
+};
 use gpuwarden_e2e::manifests::load_file;
 use http::Method;
 use k8s_openapi::api::admissionregistration::v1::{
@@ -1921,16 +1923,6 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
     let mut body = String::new();
     let _ = stream.read_to_string(&mut body).await;
     body
-}
-
-/// The UUIDs in `NVIDIA_VISIBLE_DEVICES=` lines of a container's log.
-fn visible_in_log(log: &str) -> Vec<String> {
-    let mut ids: Vec<String> = (log.lines())
-        .filter_map(|l| l.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
-        .flat_map(|v| v.split(',').map(str::to_owned))
-        .collect();
-    ids.sort();
-    ids
 }
 
 /// The privileged-pod path end to end: a privileged pod naming GPUs 0 and 1 is rewritten by

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION;
 use gpuwarden_crds::match_conditions::NOT_EXEMPT_CONDITION;
 use gpuwarden_crds::{LABEL_GPU_PRESENT, RESOURCE_GPU, SYSTEM_NAMESPACE};
+use gpuwarden_e2e::cluster::visible_in_log;
 use gpuwarden_e2e::image::{IMAGE_USER, write_oci_layout};
 use gpuwarden_e2e::manifests::{parse_documents, repo_root};
 use gpuwarden_e2e::readme::readme_block;
@@ -536,16 +537,6 @@ fn assert_rewritten(pod: &Value) {
 fn is_rewritten(pod: &Value) -> bool {
     let c = &pod["spec"]["containers"][0];
     c["securityContext"]["privileged"] == false && c["resources"]["limits"][RESOURCE_GPU] == "2"
-}
-
-/// The GPU UUIDs a container printed in `NVIDIA_VISIBLE_DEVICES`, sorted.
-fn visible_in_log(log: &str) -> Vec<String> {
-    let mut ids: Vec<String> = (log.lines())
-        .filter_map(|l| l.strip_prefix("NVIDIA_VISIBLE_DEVICES="))
-        .flat_map(|v| v.split(',').map(str::to_owned))
-        .collect();
-    ids.sort();
-    ids
 }
 
 /// The webhook's endpoints, ready or not, and its pods.
