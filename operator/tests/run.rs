@@ -40,6 +40,44 @@ fn free_port() -> std::net::SocketAddr {
     l.local_addr().unwrap()
 }
 
+/// The operator running against the fake API server until [`Running::stop`].
+struct Running {
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), gpuwarden_operator::RunError>>,
+}
+
+impl Running {
+    /// Starts it; `leadership`, when given, is decided by the test instead of the Lease
+    /// election.
+    fn start(
+        fake: &Arc<FakeApi>,
+        config: gpuwarden_operator::Config,
+        leadership: Option<gpuwarden_operator::Leadership>,
+    ) -> Self {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(gpuwarden_operator::run_with(
+            config,
+            fake.client(),
+            async move {
+                let _ = stop_rx.await;
+            },
+            gpuwarden_operator::system_clock(),
+            leadership,
+        ));
+        Self { stop_tx, task }
+    }
+
+    /// Shuts it down gracefully: it stops within 20 s, without error.
+    async fn stop(self) {
+        self.stop_tx.send(()).unwrap();
+        let result = tokio::time::timeout(Duration::from_secs(20), self.task)
+            .await
+            .expect("operator stops within 20 s")
+            .expect("operator task");
+        assert!(result.is_ok(), "{result:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_runs_end_to_end_against_a_fake_api_server() {
     let _ = rustls::crypto::ring::default_provider().install_default();
@@ -80,10 +118,7 @@ async fn operator_runs_end_to_end_against_a_fake_api_server() {
     config.health_listen = addr;
     config.leader_election = false;
     config.concurrency = 4;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
-        let _ = stop_rx.await;
-    }));
+    let operator = Running::start(&fake, config, None);
 
     let t = Duration::from_secs(30);
     wait_for("GpuNode and policy statuses", t, || {
@@ -204,12 +239,7 @@ async fn operator_runs_end_to_end_against_a_fake_api_server() {
     .await;
 
     // Graceful shutdown.
-    stop_tx.send(()).unwrap();
-    let result = tokio::time::timeout(Duration::from_secs(20), operator)
-        .await
-        .expect("operator stops within 20 s")
-        .expect("operator task");
-    assert!(result.is_ok(), "{result:?}");
+    operator.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,16 +259,7 @@ async fn a_standby_is_ready_writes_nothing_and_reconciles_everything_when_it_tak
     let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
     config.health_listen = addr;
     let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(gpuwarden_operator::run_with(
-        config,
-        fake.client(),
-        async move {
-            let _ = stop_rx.await;
-        },
-        gpuwarden_operator::system_clock(),
-        Some(leadership),
-    ));
+    let operator = Running::start(&fake, config, Some(leadership));
 
     // The standby syncs its caches and reports ready, but writes nothing.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -279,12 +300,7 @@ async fn a_standby_is_ready_writes_nothing_and_reconciles_everything_when_it_tak
         "a deposed leader wrote"
     );
 
-    stop_tx.send(()).unwrap();
-    let result = tokio::time::timeout(Duration::from_secs(20), operator)
-        .await
-        .expect("operator stops")
-        .expect("operator task");
-    assert!(result.is_ok(), "{result:?}");
+    operator.stop().await;
 }
 
 async fn http_get_ok(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
@@ -311,10 +327,7 @@ async fn lease_election_makes_the_only_replica_leader_and_releases_on_shutdown()
     let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
     config.health_listen = addr;
     config.identity = "replica-a".into();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
-        let _ = stop_rx.await;
-    }));
+    let operator = Running::start(&fake, config, None);
     wait_for("leader writes", Duration::from_secs(30), || {
         fake.status_writes.load(Ordering::Relaxed) >= 3
     })
@@ -326,12 +339,7 @@ async fn lease_election_makes_the_only_replica_leader_and_releases_on_shutdown()
     let (_, metrics) = http_get(addr, "/metrics").await;
     assert!(metrics.contains("gpuwarden_operator_leader 1"), "{metrics}");
 
-    stop_tx.send(()).unwrap();
-    let result = tokio::time::timeout(Duration::from_secs(20), operator)
-        .await
-        .expect("operator stops")
-        .expect("operator task");
-    assert!(result.is_ok(), "{result:?}");
+    operator.stop().await;
     let lease = fake.get("leases", "gpuwarden-operator-leader").unwrap();
     assert_ne!(
         lease["spec"]["holderIdentity"], "replica-a",
@@ -358,11 +366,7 @@ async fn a_standby_replica_takes_over_when_the_leader_goes() {
         config.health_listen = addr;
         config.identity = identity.into();
         config.manage_webhook_certificates = false;
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
-            let _ = stop_rx.await;
-        }));
-        (addr, stop_tx, task)
+        (addr, Running::start(&fake, config, None))
     };
     let holder = || {
         fake.get("leases", "gpuwarden-operator-leader").map(|l| {
@@ -373,12 +377,12 @@ async fn a_standby_replica_takes_over_when_the_leader_goes() {
         })
     };
 
-    let (_a_addr, a_stop, a_task) = start("replica-a");
+    let (_a_addr, a) = start("replica-a");
     wait_for("replica-a leads", Duration::from_secs(30), || {
         holder().as_deref() == Some("replica-a") && fake.status_writes.load(Ordering::Relaxed) >= 3
     })
     .await;
-    let (b_addr, b_stop, b_task) = start("replica-b");
+    let (b_addr, b) = start("replica-b");
     let deadline = Instant::now() + Duration::from_secs(20);
     while http_get_ok(b_addr, "/readyz").await.0 != 200 {
         assert!(Instant::now() < deadline, "standby never became ready");
@@ -388,8 +392,7 @@ async fn a_standby_replica_takes_over_when_the_leader_goes() {
     assert!(metrics.contains("gpuwarden_operator_leader 0"), "{metrics}");
 
     // The leader goes; the standby takes the Lease and writes from then on.
-    a_stop.send(()).unwrap();
-    assert!(a_task.await.unwrap().is_ok());
+    a.stop().await;
     wait_for("replica-b leads", Duration::from_secs(40), || {
         holder().as_deref() == Some("replica-b")
     })
@@ -406,8 +409,7 @@ async fn a_standby_replica_takes_over_when_the_leader_goes() {
         })
     })
     .await;
-    b_stop.send(()).unwrap();
-    assert!(b_task.await.unwrap().is_ok());
+    b.stop().await;
 }
 
 /// The webhook configuration as the manifests create it: no `caBundle`. Two entries, so the
@@ -473,10 +475,7 @@ async fn a_re_created_webhook_configuration_gets_its_ca_bundle_back_within_secon
     let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
     config.health_listen = free_port();
     config.leader_election = false;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
-        let _ = stop_rx.await;
-    }));
+    let operator = Running::start(&fake, config, None);
     wait_for("webhook Secret", Duration::from_secs(20), || {
         fake.count("secrets") == 1
     })
@@ -544,12 +543,7 @@ async fn a_re_created_webhook_configuration_gets_its_ca_bundle_back_within_secon
         configuration_writes(&fake)
     );
 
-    stop_tx.send(()).unwrap();
-    let result = tokio::time::timeout(Duration::from_secs(20), operator)
-        .await
-        .expect("operator stops")
-        .expect("operator task");
-    assert!(result.is_ok(), "{result:?}");
+    operator.stop().await;
 }
 
 /// A standby sees the webhook configuration come back without a bundle and writes nothing;
@@ -586,16 +580,7 @@ async fn only_the_leader_restores_the_ca_bundle() {
     let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
     config.health_listen = free_port();
     let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(gpuwarden_operator::run_with(
-        config,
-        fake.client(),
-        async move {
-            let _ = stop_rx.await;
-        },
-        gpuwarden_operator::system_clock(),
-        Some(leadership),
-    ));
+    let operator = Running::start(&fake, config, Some(leadership));
     wait_for(
         "a watch on the configuration",
         Duration::from_secs(20),
@@ -625,12 +610,7 @@ async fn only_the_leader_restores_the_ca_bundle() {
     )
     .await;
 
-    stop_tx.send(()).unwrap();
-    let result = tokio::time::timeout(Duration::from_secs(20), operator)
-        .await
-        .expect("operator stops")
-        .expect("operator task");
-    assert!(result.is_ok(), "{result:?}");
+    operator.stop().await;
 }
 
 /// The exemption condition follows the GpuPolicies: written into every webhook entry of the
@@ -662,10 +642,7 @@ async fn the_exemption_condition_follows_the_policies() {
     config.health_listen = free_port();
     config.leader_election = false;
     config.manage_webhook_certificates = false;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let operator = tokio::spawn(gpuwarden_operator::run(config, fake.client(), async move {
-        let _ = stop_rx.await;
-    }));
+    let operator = Running::start(&fake, config, None);
     let conditions = |fake: &FakeApi| -> Vec<serde_json::Value> {
         let mwc = fake
             .get("mutatingwebhookconfigurations", "gpuwarden")
@@ -729,6 +706,5 @@ async fn the_exemption_condition_follows_the_policies() {
         "{:#?}",
         configuration_writes(&fake)
     );
-    stop_tx.send(()).unwrap();
-    assert!(operator.await.unwrap().is_ok());
+    operator.stop().await;
 }
