@@ -3,38 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
-use gpuwarden_webhook::mutate::{self, MutateArgs};
+mod mutate_support;
+
+use mutate_support::{run, run_with_stdin};
 use serde_json::Value;
-
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: MutateArgs,
-}
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run_with_stdin(args: &[&str], stdin: &str) -> Run {
-    let cli = Cli::try_parse_from(std::iter::once("mutate").chain(args.iter().copied()))
-        .unwrap_or_else(|e| panic!("flags {args:?}: {e}"));
-    let mut out = Vec::new();
-    let mut err = Vec::new();
-    let code = mutate::run(&cli.args, &mut stdin.as_bytes(), &mut out, &mut err);
-    Run {
-        code,
-        stdout: String::from_utf8(out).unwrap(),
-        stderr: String::from_utf8(err).unwrap(),
-    }
-}
-
-fn run(args: &[&str]) -> Run {
-    run_with_stdin(args, "")
-}
 
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")

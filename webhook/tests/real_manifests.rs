@@ -19,35 +19,12 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use clap::Parser;
+mod mutate_support;
+
 use gpuwarden_webhook::manifest;
-use gpuwarden_webhook::mutate::{self, MutateArgs};
+use gpuwarden_webhook::mutate::{EXIT_ADMITTED, EXIT_BAD_INPUT, EXIT_DENIED};
+use mutate_support::run as mutate;
 use serde_json::Value;
-
-#[derive(Parser)]
-struct Cli {
-    #[command(flatten)]
-    args: MutateArgs,
-}
-
-/// What `mutate` printed for one run.
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn mutate(args: &[&str]) -> Run {
-    let cli = Cli::try_parse_from(std::iter::once("mutate").chain(args.iter().copied()))
-        .unwrap_or_else(|e| panic!("flags {args:?}: {e}"));
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = mutate::run(&cli.args, &mut "".as_bytes(), &mut out, &mut err);
-    Run {
-        code,
-        stdout: String::from_utf8(out).unwrap(),
-        stderr: String::from_utf8(err).unwrap(),
-    }
-}
 
 /// The words a verdict line of `mutate` starts with (Audit: says so in parentheses).
 const VERDICTS: [&str; 6] = [
@@ -285,7 +262,7 @@ fn check(fixture: &Fixture, known_gaps: &mut Vec<String>) -> Vec<String> {
     let path = fixture.path.display().to_string();
     let run = mutate(&["-f", &path, "-o", "json"]);
     let stderr = &run.stderr;
-    if run.code == mutate::EXIT_BAD_INPUT {
+    if run.code == EXIT_BAD_INPUT {
         fail(format!("mutate refused the file:\n{stderr}"));
         return failures;
     }
@@ -336,11 +313,7 @@ fn check(fixture: &Fixture, known_gaps: &mut Vec<String>) -> Vec<String> {
 
     // Denials, and only denials, exit 1.
     let denied = lines.iter().any(|(_, text)| says(text, "DENIED"));
-    let code = if denied {
-        mutate::EXIT_DENIED
-    } else {
-        mutate::EXIT_ADMITTED
-    };
+    let code = if denied { EXIT_DENIED } else { EXIT_ADMITTED };
     if run.code != code {
         fail(format!("exit code {}, expected {code}\n{stderr}", run.code));
     }
