@@ -546,6 +546,11 @@ impl<'a> PodSignals<'a> {
         self.device_volumes.iter().map(|(name, _)| *name)
     }
 
+    /// Whether an init or regular container holds a passthrough GPU.
+    pub fn holds_passthrough(&self) -> bool {
+        self.passthrough
+    }
+
     /// The `cdi.k8s.io/*` annotation keys the rewrite removes (`stripCdiAnnotations`).
     pub fn cdi_keys(&self) -> &[&'a str] {
         &self.cdi_keys

@@ -4,7 +4,9 @@
 //! This crate does no I/O. The CRD YAML under `deploy/crds/` is generated from these
 //! types (`cargo run -p gpuwarden-crds --bin crdgen`) and a test fails when they drift.
 
+pub mod admission_policies;
 pub mod bounds;
+mod cel;
 pub mod claims;
 pub mod conditions;
 pub mod duration;

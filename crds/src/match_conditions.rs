@@ -13,6 +13,7 @@
 //! and the webhook decides, so the condition only ever lets through pods the engine would
 //! leave unchanged.
 
+use crate::cel::{list, literal};
 use crate::{ContainerExemption, GpuPolicy};
 
 /// Name of the condition in the webhook configuration.
@@ -114,28 +115,6 @@ fn image_match(pattern: &str) -> Option<String> {
     }
 }
 
-/// A CEL string literal.
-fn literal(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('\'');
-    for c in text.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\'' => out.push_str("\\'"),
-            '\n' => out.push_str("\\n"),
-            c => out.push(c),
-        }
-    }
-    out.push('\'');
-    out
-}
-
-/// A CEL list of string literals.
-fn list(items: &[String]) -> String {
-    let items: Vec<String> = items.iter().map(|i| literal(i)).collect();
-    format!("[{}]", items.join(", "))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,7 +132,6 @@ mod tests {
         for beyond in ["registry.*/tools:*", "busybox:1.?", "*/cuda:*", "a*b"] {
             assert_eq!(image_match(beyond), None, "{beyond}");
         }
-        assert_eq!(literal("it's\\"), "'it\\'s\\\\'");
     }
 
     #[test]

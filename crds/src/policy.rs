@@ -107,6 +107,18 @@ pub struct GpuPolicySpec {
     #[schemars(length(max = 16), inner(length(max = QUALIFIED_NAME_LEN)))]
     pub rdma_resources: Vec<String>,
 
+    /// Set `NVIDIA_VISIBLE_DEVICES=void` on every init and regular container that holds no
+    /// GPU (no GPU resource, no resource claim, no `NVIDIA_VISIBLE_DEVICES` of its own) and is
+    /// neither privileged nor exempt, in Enforce mode; Audit mode warns instead. The entry
+    /// overrides the image's own `ENV NVIDIA_VISIBLE_DEVICES=all` (every CUDA base image sets
+    /// it), through which the NVIDIA runtime would hand the container every GPU of the node.
+    /// Pods of a DaemonSet and pods holding a passthrough GPU are left as they are. The
+    /// operator has the API server do it (a MutatingAdmissionPolicy), so it needs no webhook
+    /// call; where MutatingAdmissionPolicy is not served, the policy's `AdmissionPolicies`
+    /// condition says so.
+    #[serde(default = "default_true")]
+    pub void_non_gpu_containers: bool,
+
     /// What this policy never touches. Pods cannot exempt themselves.
     #[serde(default)]
     pub exemptions: Exemptions,
@@ -614,6 +626,7 @@ impl GpuPolicy {
                 driver_capabilities: default_driver_capabilities(),
                 strip_device_host_paths: true,
                 strip_cdi_annotations: true,
+                void_non_gpu_containers: true,
                 rdma_resources: default_rdma_resources(),
                 exemptions: Exemptions {
                     namespaces: ["kube-system", crate::SYSTEM_NAMESPACE]

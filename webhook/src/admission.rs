@@ -71,6 +71,9 @@ pub enum Outcome {
     Exempt,
     /// Enforce: allowed with a patch.
     Rewritten,
+    /// Enforce, nothing to rewrite: allowed with `NVIDIA_VISIBLE_DEVICES=void` set on the
+    /// containers that hold no GPU.
+    Voided,
     /// Audit: allowed unchanged with warnings and an annotation.
     Audited,
     /// Deny, or Enforce on something that cannot be rewritten: rejected.
@@ -86,6 +89,7 @@ impl Outcome {
             Self::Allowed => "allowed",
             Self::Exempt => "exempt",
             Self::Rewritten => "rewritten",
+            Self::Voided => "voided",
             Self::Audited => "audited",
             Self::Denied => "denied",
             Self::Invalid => "invalid",
@@ -469,6 +473,7 @@ fn respond(
         Verdict::NotGoverned | Verdict::Unchanged => Outcome::Allowed,
         Verdict::Exempt => Outcome::Exempt,
         Verdict::Rewritten => Outcome::Rewritten,
+        Verdict::Voided => Outcome::Voided,
         Verdict::Audited => Outcome::Audited,
         Verdict::Denied => Outcome::Denied,
     };

@@ -190,6 +190,8 @@ struct Explanation {
     /// `name@generation` of the governing policy ("" when none governs).
     policy: String,
     exempt: Option<String>,
+    /// Whether containers that hold no GPU get `NVIDIA_VISIBLE_DEVICES=void`.
+    voids: bool,
     warnings: Vec<String>,
     denial: Option<String>,
 }
@@ -200,6 +202,7 @@ impl Explanation {
             verdict: decision.verdict(),
             policy: decision.policy_reference().unwrap_or("").to_owned(),
             exempt: decision.exempt_reason().map(str::to_owned),
+            voids: decision.changes().next().is_some(),
             warnings: decision.warnings(),
             denial: decision.denial(),
         }
@@ -665,8 +668,19 @@ impl Explainer {
             Verdict::Exempt => (
                 "exempt",
                 format!(
-                    "exempt, unchanged: {} (GpuPolicy {policy})",
+                    "exempt{}: {} (GpuPolicy {policy})",
+                    if d.voids {
+                        " (containers that hold no GPU voided)"
+                    } else {
+                        ", unchanged"
+                    },
                     d.exempt.as_deref().unwrap_or("exempt")
+                ),
+            ),
+            Verdict::Voided => (
+                "voided",
+                format!(
+                    "VOIDED by GpuPolicy {policy} (Enforce): containers that hold no GPU get NVIDIA_VISIBLE_DEVICES=void"
                 ),
             ),
             Verdict::Rewritten => (

@@ -351,8 +351,10 @@ fn privileged_sidecar_loses_privilege_and_gets_void() {
         "name": "sidecar", "image": "istio/proxyv2:1.22", "securityContext": {"privileged": true}
     }));
     let answer = review_pod(&pod, "ml", &source());
-    assert!(answer.allowed() && answer.patch.is_none());
-    assert_eq!(answer.summary.outcome, Outcome::Allowed);
+    assert!(answer.allowed());
+    // The unprivileged container gets the void rule's entry, the sidecar keeps privilege.
+    assert_eq!(answer.voided_only(), ["/spec/containers/0"]);
+    assert_eq!(answer.summary.outcome, Outcome::Voided);
 
     // With match All it counts as a GPU container.
     let src = StaticSource::new([policy("all", |p| {
@@ -1163,11 +1165,13 @@ fn env_from_never_passes_unseen() {
         changes.ends_with("envFrom may still set NVIDIA_VISIBLE_DEVICES over the allocated GPUs (gpu.envFrom: Warn)"),
         "{changes}"
     );
-    // An unprivileged container with envFrom and no signal is left to the node side.
+    // An unprivileged container with envFrom and no signal gets the void rule's entry,
+    // which overrides whatever envFrom sets.
     let mut plain = triton(json!([]));
     plain["spec"]["containers"][0]["securityContext"] = json!({});
     let answer = review_pod(&plain, "ml", &source());
-    assert!(answer.allowed() && answer.patch.is_none());
+    assert!(answer.allowed());
+    assert_eq!(answer.voided_only(), ["/spec/containers/0"]);
     // So is an empty envFrom.
     let mut empty = triton(json!([]));
     empty["spec"]["containers"][0]["envFrom"] = json!([]);
@@ -1255,7 +1259,8 @@ fn placement_and_image_hints_make_gpu_containers() {
     }
     let mut unprivileged = hinted("runtimeClassName", json!("nvidia"));
     unprivileged["spec"]["containers"][0]["securityContext"] = json!({});
-    assert!(review_pod(&unprivileged, "ml", &source()).patch.is_none());
+    let answer = review_pod(&unprivileged, "ml", &source());
+    assert_eq!(answer.voided_only(), ["/spec/containers/0"]);
     // `none` in the container outweighs a hint about the pod.
     let mut none = hinted("runtimeClassName", json!("nvidia"));
     none["spec"]["containers"][0]["env"] =

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 mod mutate_support;
 
 use mutate_support::{run, run_with_stdin};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 fn examples() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/examples")
@@ -654,9 +654,11 @@ fn pods_inside_custom_resources_are_judged_where_they_stand() {
             .find(|l| l.starts_with(prefix))
             .unwrap_or_else(|| panic!("no line {prefix:?} in\n{}", r.stderr))
     };
-    assert!(line("  Job ml/train spec.tasks[0].template: ").contains("unchanged"));
+    // Containers that hold no GPU get NVIDIA_VISIBLE_DEVICES=void, as the API server's
+    // policy sets it in a cluster.
+    assert!(line("  Job ml/train spec.tasks[0].template: ").contains("VOIDED"));
     assert!(line("  Job ml/train spec.tasks[1].template: ").contains("REWRITTEN"));
-    assert!(line("  RayCluster ml/rc spec.headGroupSpec.template: ").contains("unchanged"));
+    assert!(line("  RayCluster ml/rc spec.headGroupSpec.template: ").contains("VOIDED"));
     assert!(line("  RayCluster ml/rc spec.workerGroupSpecs[0].template: ").contains("DENIED"));
     assert!(
         r.stderr.contains(
@@ -668,7 +670,7 @@ fn pods_inside_custom_resources_are_judged_where_they_stand() {
     assert!(line("  NIMService ml/llm: ").contains("no pod template"));
     assert!(
         r.stderr
-            .contains("3 objects: 1 denied, 1 passed through, 1 rewritten, 2 unchanged"),
+            .contains("3 objects: 1 denied, 1 passed through, 1 rewritten, 2 voided"),
         "{}",
         r.stderr
     );
@@ -680,19 +682,20 @@ fn pods_inside_custom_resources_are_judged_where_they_stand() {
     assert_eq!(c["securityContext"]["privileged"], false);
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2");
     assert!(worker["metadata"]["annotations"]["gpuwarden.io/rewritten"].is_string());
+    let launcher = &docs[0]["spec"]["tasks"][0]["template"]["spec"]["containers"][0];
     assert_eq!(
-        docs[0]["spec"]["tasks"][0],
-        serde_saphyr::from_str::<Value>(CUSTOM_RESOURCES.split("---").next().unwrap()).unwrap()["spec"]
-            ["tasks"][0]
+        launcher["env"],
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}])
     );
     let r = run(&["-f", &path, "-o", "patch"]);
     let patches: Value = serde_json::from_str(&r.stdout).unwrap();
     let ops = patches[0]["patch"].as_array().unwrap();
     assert!(
-        ops.iter().all(|op| op["path"]
-            .as_str()
-            .unwrap()
-            .starts_with("/spec/tasks/1/template/")),
+        ops.iter().all(|op| {
+            let path = op["path"].as_str().unwrap();
+            path.starts_with("/spec/tasks/1/template/")
+                || path == "/spec/tasks/0/template/spec/containers/0/env"
+        }),
         "{ops:?}"
     );
 }

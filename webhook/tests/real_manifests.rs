@@ -27,8 +27,9 @@ use mutate_support::run as mutate;
 use serde_json::Value;
 
 /// The words a verdict line of `mutate` starts with (Audit: says so in parentheses).
-const VERDICTS: [&str; 6] = [
+const VERDICTS: [&str; 7] = [
     "REWRITTEN",
+    "VOIDED",
     "DENIED",
     "exempt",
     "unchanged",
@@ -334,7 +335,9 @@ fn check(fixture: &Fixture, known_gaps: &mut Vec<String>) -> Vec<String> {
             .filter(|(o, _)| *o == object || o.starts_with(&format!("{object} ")))
             .map(|(_, text)| *text)
             .collect();
-        let rewritten = texts.iter().any(|t| says(t, "REWRITTEN"));
+        let rewritten = texts
+            .iter()
+            .any(|t| says(t, "REWRITTEN") || says(t, "VOIDED"));
         // What is not rewritten comes out exactly as kubectl reads it.
         if !rewritten && *after != doc.object {
             fail(format!(

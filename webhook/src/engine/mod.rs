@@ -21,6 +21,7 @@ mod facts;
 mod plan;
 mod psa;
 mod render;
+mod void;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -46,6 +47,7 @@ pub use gpuwarden_crds::selection::{
 pub use gpuwarden_crds::selector::Labels;
 pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
+pub use void::Voided;
 
 /// Environment variable naming the driver capabilities (libraries) the runtime mounts.
 pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
@@ -180,6 +182,9 @@ pub enum Verdict {
     Exempt,
     /// Governed, but nothing to do (no privileged GPU container).
     Unchanged,
+    /// Enforce, nothing to rewrite, and containers that hold no GPU get
+    /// `NVIDIA_VISIBLE_DEVICES=void` ([`Decision::voided`]).
+    Voided,
     /// Enforce: the changes rewrite the pod.
     Rewritten,
     /// Audit: admitted; the changes only add the audit annotation.
@@ -199,6 +204,8 @@ pub struct Decision<'a> {
     /// How the pod is named in messages.
     display_name: &'a str,
     detail: Detail<'a>,
+    /// The containers the void rule holds for (Enforce: set; Audit: reported).
+    voided: Vec<Voided<'a>>,
 }
 
 /// What an annotation the patch sets holds.
@@ -325,6 +332,9 @@ fn decide_create<'a>(
     }
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
     let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()));
+    // The API server's policy is rendered from valid policies in Enforce and Audit only.
+    let voids =
+        matches!(policy.spec.mode, PolicyMode::Enforce | PolicyMode::Audit) && invalid.is_none();
     if let Some(why) = invalid.filter(|_| triggered) {
         return Decision::new(Verdict::Denied, Some(policy), reference, input)
             .with(Detail::Invalid(why));
@@ -341,11 +351,21 @@ fn decide_create<'a>(
             ))
         } else {
             Decision::new(Verdict::Unchanged, Some(policy), reference, input)
-        };
+        }
+        .voiding(if voids {
+            void::void_targets(input, &facts, policy, None)
+        } else {
+            Vec::new()
+        });
     }
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
-    let plan = plan::plan_pod(input, facts, policy, strip, level);
+    let plan = plan::plan_pod(input, &facts, policy, strip, level);
+    let voided = if voids {
+        void::void_targets(input, &facts, policy, Some(&plan))
+    } else {
+        Vec::new()
+    };
     // The pod's own value of an annotation; a pass over a pod already rewritten finds the
     // report and the reference it set, and sets nothing again.
     let carried = |key| {
@@ -377,7 +397,9 @@ fn decide_create<'a>(
         }
         PolicyMode::Deny => Verdict::Denied,
     };
-    Decision::new(verdict, Some(policy), reference, input).with(Detail::Create { plan, mode, set })
+    Decision::new(verdict, Some(policy), reference, input)
+        .with(Detail::Create { plan, mode, set })
+        .voiding(voided)
 }
 
 fn decide_ephemeral<'a>(
@@ -442,7 +464,36 @@ impl<'a> Decision<'a> {
             reference,
             display_name: input.display_name,
             detail: Detail::Plain,
+            voided: Vec::new(),
         }
+    }
+
+    /// Sets the containers the void rule holds for; an unchanged pod in Enforce mode is then
+    /// [`Verdict::Voided`].
+    fn voiding(mut self, voided: Vec<Voided<'a>>) -> Self {
+        let enforce = self
+            .policy
+            .is_some_and(|p| p.spec.mode == PolicyMode::Enforce);
+        if enforce && self.verdict == Verdict::Unchanged && !voided.is_empty() {
+            self.verdict = Verdict::Voided;
+        }
+        self.voided = voided;
+        self
+    }
+
+    /// The containers that get (Enforce) or would get (Audit) `NVIDIA_VISIBLE_DEVICES=void`.
+    pub fn voided(&self) -> &[Voided<'a>] {
+        &self.voided
+    }
+
+    /// Whether the void rule's changes go into the patch.
+    fn sets_void(&self) -> bool {
+        self.policy
+            .is_some_and(|p| p.spec.mode == PolicyMode::Enforce)
+            && matches!(
+                self.verdict,
+                Verdict::Rewritten | Verdict::Voided | Verdict::Exempt
+            )
     }
 
     fn with(mut self, detail: Detail<'a>) -> Self {
@@ -496,6 +547,7 @@ impl<'a> Decision<'a> {
         };
         Changes {
             plan: plan.filter(|_| self.verdict == Verdict::Rewritten),
+            voided: if self.sets_void() { &self.voided } else { &[] },
             set: set.map(|pair| pair.map(|(key, what)| (key, value(&what)))),
             step: Step::Container(0, 0),
         }
@@ -523,6 +575,23 @@ impl<'a> Decision<'a> {
                 self.reference
             )),
             _ => {}
+        }
+        if !self.voided.is_empty() {
+            let names: Vec<&str> = self.voided.iter().map(|v| v.name).collect();
+            let names = names.join(", ");
+            if self.sets_void() {
+                warnings.push(format!(
+                    "gpuwarden: {names}: NVIDIA_VISIBLE_DEVICES=void, as they hold no GPU (an image's own value would hand them every GPU of the node)"
+                ));
+            } else if self
+                .policy
+                .is_some_and(|p| p.spec.mode == PolicyMode::Audit)
+                && self.verdict != Verdict::Denied
+            {
+                warnings.push(format!(
+                    "gpuwarden audit: {names} would get NVIDIA_VISIBLE_DEVICES=void in Enforce: they hold no GPU"
+                ));
+            }
         }
         warnings.iter_mut().for_each(render::clip);
         warnings
@@ -615,6 +684,8 @@ impl<'a> Decision<'a> {
 pub struct Changes<'c> {
     /// The plan whose container and pod changes go into the patch (Enforce only).
     plan: Option<&'c Plan<'c>>,
+    /// The containers that get `NVIDIA_VISIBLE_DEVICES=void`.
+    voided: &'c [Voided<'c>],
     set: [Option<(&'c str, AnnotationValue<'c>)>; 2],
     step: Step,
 }
@@ -623,6 +694,7 @@ pub struct Changes<'c> {
 #[derive(Clone, Copy, Debug)]
 enum Step {
     Container(usize, u8),
+    Void(usize),
     PodClaims,
     Volumes,
     RemoveAnnotations,
@@ -646,6 +718,20 @@ impl<'c> Iterator for Changes<'c> {
                         };
                         (next, container_change(plan?, c, part))
                     }
+                    None => (Step::Void(0), None),
+                },
+                Step::Void(k) => match self.voided.get(k) {
+                    Some(v) => (
+                        Step::Void(k + 1),
+                        Some(Change::Env {
+                            container: v.at,
+                            remove: &[],
+                            append: Some((
+                                ENV_VISIBLE_DEVICES,
+                                gpuwarden_crds::admission_policies::VOID,
+                            )),
+                        }),
+                    ),
                     None => (Step::PodClaims, None),
                 },
                 Step::PodClaims => (

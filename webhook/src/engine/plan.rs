@@ -222,7 +222,7 @@ pub(super) fn volumes_to_strip<'a>(facts: &PodFacts<'a>, policy: &GpuPolicy) -> 
 /// annotations. `strip` are the device volumes that go ([`volumes_to_strip`]).
 pub(super) fn plan_pod<'a>(
     input: &Input<'a>,
-    facts: PodFacts<'a>,
+    facts: &PodFacts<'a>,
     policy: &'a GpuPolicy,
     strip: Names<'a>,
     psa: PsaLevel,
@@ -245,11 +245,11 @@ pub(super) fn plan_pod<'a>(
     plan.psa_left = psa::still_fails(
         psa,
         pod,
-        &facts,
+        facts,
         |i| (facts.containers.get(i)).is_some_and(ContainerFacts::loses_privilege),
         |name| !strip.contains(&name),
     );
-    let mut counts = gpu_counts(&facts, policy, &mut plan.denials).into_iter();
+    let mut counts = gpu_counts(facts, policy, &mut plan.denials).into_iter();
     // Per container (by its index in `facts`), the claim it holds and where its count came
     // from, for those that share it.
     let mut held: Vec<Option<(usize, CountFrom<'a>)>> = vec![None; facts.containers.len()];
@@ -445,7 +445,7 @@ pub(super) fn plan_pod<'a>(
     if spec.strip_cdi_annotations {
         plan.annotations_removed = facts.pod.cdi_keys().to_vec();
     }
-    plan.device_volumes = facts.pod;
+    plan.device_volumes = facts.pod.clone();
     plan
 }
 

@@ -81,6 +81,28 @@ impl Answer {
             .unwrap_or_default()
             .to_owned()
     }
+    /// The containers (`/spec/<list>/<index>`) the patch gives `NVIDIA_VISIBLE_DEVICES=void`
+    /// by the void rule alone; panics on any other operation.
+    pub fn voided_only(&self) -> Vec<String> {
+        let ops = serde_json::to_value(self.patch.as_ref().map(|p| &p.0)).unwrap();
+        let mut out = Vec::new();
+        for op in ops.as_array().into_iter().flatten() {
+            let path = op["path"].as_str().unwrap_or_default();
+            let entry = json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"});
+            let container = match (
+                op["op"].as_str(),
+                path.strip_suffix("/env/-"),
+                path.strip_suffix("/env"),
+            ) {
+                (Some("add"), Some(c), _) if op["value"] == entry => c,
+                (Some("add"), _, Some(c)) if op["value"] == json!([entry]) => c,
+                _ => panic!("not the void rule's: {op}"),
+            };
+            out.push(container.to_owned());
+        }
+        out
+    }
+
     /// `pod` with the patch applied (a copy of `pod` when there is no patch).
     pub fn apply(&self, pod: &Value) -> Value {
         let mut out = pod.clone();

@@ -1,0 +1,538 @@
+//! GpuPolicies rendered into admission policies that the API server runs itself
+//! (docs/design.md, "Inside the API server"). The operator keeps these objects; this module
+//! only writes them.
+//!
+//! For each GpuPolicy in Enforce mode with `voidNonGpuContainers`, a MutatingAdmissionPolicy
+//! and its binding set `NVIDIA_VISIBLE_DEVICES=void` on every container that holds no GPU
+//! (the void rule, [`void_rule`]). In Audit mode a ValidatingAdmissionPolicy bound with
+//! `[Warn, Audit]` names those containers instead. A pod that the API server sends to no
+//! webhook still gets it, and nothing here can block a pod: the policies fail open, and the
+//! webhook's own fail-closed scope does not change.
+//!
+//! Which policy governs a pod is the engine's rule ([`crate::selection::select_policy`]):
+//! the binding selects the policy's namespaces and pods, and a match condition leaves out
+//! pods that a policy of higher precedence selects. A policy that is invalid governs what it
+//! selects and fails closed in the webhook, so neither it nor any policy it outranks is
+//! rendered. The differential test in `webhook/tests/admission_policies.rs` holds the CEL
+//! to the engine.
+
+use serde_json::{Value, json};
+
+use crate::cel::{glob_regex, list, literal, selects};
+use crate::gpu::{DEVICE_LIST_ROOT, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
+use crate::policy::{ContainerExemption, GpuPolicy, PolicyMode};
+use crate::{GROUP, RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VERSION};
+
+/// The API group of admission policies.
+pub const ADMISSION_GROUP: &str = "admissionregistration.k8s.io";
+/// Label on every rendered object: the GpuPolicy it comes from.
+pub const LABEL_POLICY: &str = "gpuwarden.io/policy";
+/// Label on every rendered object: who keeps it.
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// Value of [`LABEL_MANAGED_BY`].
+pub const MANAGED_BY: &str = crate::FIELD_MANAGER_OPERATOR;
+/// Kind of the mutating policy.
+pub const KIND_MUTATING: &str = "MutatingAdmissionPolicy";
+/// Kind of its binding.
+pub const KIND_MUTATING_BINDING: &str = "MutatingAdmissionPolicyBinding";
+/// Kind of the validating policy (Audit mode).
+pub const KIND_VALIDATING: &str = "ValidatingAdmissionPolicy";
+/// Kind of its binding.
+pub const KIND_VALIDATING_BINDING: &str = "ValidatingAdmissionPolicyBinding";
+/// The value the void rule sets.
+pub const VOID: &str = "void";
+
+/// The version of `admissionregistration.k8s.io` the cluster serves MutatingAdmissionPolicy
+/// in: `v1` from Kubernetes 1.36, `v1beta1` in 1.34 and 1.35 where the
+/// `MutatingAdmissionPolicy` feature gate and API are on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MutatingApi {
+    /// `admissionregistration.k8s.io/v1`.
+    V1,
+    /// `admissionregistration.k8s.io/v1beta1`.
+    V1beta1,
+}
+
+impl MutatingApi {
+    /// The `apiVersion` of the objects.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            MutatingApi::V1 => "admissionregistration.k8s.io/v1",
+            MutatingApi::V1beta1 => "admissionregistration.k8s.io/v1beta1",
+        }
+    }
+
+    /// The version alone.
+    pub fn version(self) -> &'static str {
+        match self {
+            MutatingApi::V1 => "v1",
+            MutatingApi::V1beta1 => "v1beta1",
+        }
+    }
+}
+
+/// One object to keep in the cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rendered {
+    /// Its kind.
+    pub kind: &'static str,
+    /// Its name (cluster-scoped).
+    pub name: String,
+    /// The whole object, as it is applied.
+    pub object: Value,
+}
+
+/// What the operator keeps for `policies`: per governing policy in Enforce mode a
+/// MutatingAdmissionPolicy and binding, in Audit mode a ValidatingAdmissionPolicy and binding
+/// (`[Warn, Audit]`), each named `gpuwarden-<policy>`. `valid` says whether a policy passes
+/// validation; rendering stops at the first invalid policy in precedence order.
+pub fn render(
+    policies: &[&GpuPolicy],
+    valid: impl Fn(&GpuPolicy) -> bool,
+    api: MutatingApi,
+) -> Vec<Rendered> {
+    let mut ordered: Vec<&GpuPolicy> = policies.to_vec();
+    ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
+    let mut out = Vec::new();
+    for (at, policy) in ordered.iter().enumerate() {
+        if !valid(policy) {
+            break;
+        }
+        let Some(conditions) = match_conditions(policy, &ordered[..at]) else {
+            break;
+        };
+        if !policy.spec.void_non_gpu_containers {
+            continue;
+        }
+        match policy.spec.mode {
+            PolicyMode::Enforce => out.extend(mutating(policy, conditions, api)),
+            PolicyMode::Audit => out.extend(validating(policy, conditions)),
+            PolicyMode::Deny => {}
+        }
+    }
+    out
+}
+
+/// The name of the objects rendered for `policy`.
+pub fn object_name(policy: &str) -> String {
+    format!("gpuwarden-{policy}")
+}
+
+/// The void rule for container `c` (a CEL expression of one init or regular container of
+/// `object`) under `policy`, in CEL: the container is not privileged; has no
+/// `NVIDIA_VISIBLE_DEVICES`, `NVIDIA_MIG_CONFIG_DEVICES` or `NVIDIA_MIG_MONITOR_DEVICES`
+/// entry; no limit or request on a GPU resource (the policy's rules); no resource claim; no
+/// mount whose path names the toolkit's device-list directory; and its image is not exempt.
+/// The engine's `engine::void` applies the same rule to the same fields.
+pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
+    let gpu = gpu_resource(policy, "r");
+    let env_names = list(&[
+        crate::gpu::ENV_VISIBLE_DEVICES.to_owned(),
+        ENV_MIG_CONFIG_DEVICES.to_owned(),
+        ENV_MIG_MONITOR_DEVICES.to_owned(),
+    ]);
+    let device_list = literal(DEVICE_LIST_MARK);
+    let mut all = vec![
+        format!(
+            "!(has({c}.securityContext) && has({c}.securityContext.privileged) && {c}.securityContext.privileged == true)"
+        ),
+        format!("!(has({c}.env) && {c}.env.exists(e, has(e.name) && e.name in {env_names}))"),
+        format!(
+            "!(has({c}.resources) && ((has({c}.resources.limits) && {c}.resources.limits.exists(r, {gpu})) || (has({c}.resources.requests) && {c}.resources.requests.exists(r, {gpu})) || (has({c}.resources.claims) && size({c}.resources.claims) > 0)))"
+        ),
+        format!(
+            "!(has({c}.volumeMounts) && {c}.volumeMounts.exists(m, has(m.mountPath) && m.mountPath.contains({device_list})))"
+        ),
+    ];
+    let exempt: Vec<String> = (policy.spec.exemptions.containers.iter())
+        .filter_map(|entry| covers(entry, c))
+        .collect();
+    if !exempt.is_empty() {
+        all.push(format!("!({})", exempt.join(" || ")));
+    }
+    all.join(" && ")
+}
+
+/// Part of every device-list path: a mount path that contains it is never voided, by the
+/// engine or the API server (CEL cannot clean a path, so both test the raw text).
+pub const DEVICE_LIST_MARK: &str = "nvidia-container-devices";
+const _: () = assert!(DEVICE_LIST_ROOT.len() > DEVICE_LIST_MARK.len());
+
+/// CEL: `r` (a resource name) is a GPU resource under `policy` ([`crate::gpu::Rules`]).
+fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
+    let mut names = vec![RESOURCE_GPU.to_owned(), RESOURCE_GPU_SHARED.to_owned()];
+    let own = &policy.spec.gpu.resource_name;
+    if !names.contains(own) {
+        names.push(own.clone());
+    }
+    names.push(crate::gpu::RESOURCE_PASSTHROUGH_ALIAS.to_owned());
+    let mut any = vec![
+        format!("{r} in {}", list(&names)),
+        format!("{r}.startsWith({})", literal(RESOURCE_MIG_PREFIX)),
+        format!("{r}.matches('^nvidia[.]com/[A-Z]')"),
+    ];
+    for pattern in &policy.spec.match_.gpu_resources {
+        any.push(format!("{r}.matches({})", literal(&glob_regex(pattern))));
+    }
+    format!("({})", any.join(" || "))
+}
+
+/// The pod's service account as `namespace/name`, as the API server fills it in.
+const SERVICE_ACCOUNT: &str = "(request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default'))";
+
+/// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
+/// the entry exempts nothing (it names neither namespaces nor service accounts).
+fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
+    if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
+        return None;
+    }
+    let image = format!("{c}.image");
+    // An image with neither tag nor digest is also tried as `<image>:latest`.
+    let untagged = format!("!{image}.contains('@') && !{image}.matches(':[^/]*$')");
+    let patterns: Vec<String> = (entry.images.iter())
+        .map(|p| literal(&glob_regex(p)))
+        .collect();
+    let patterns = format!("[{}]", patterns.join(", "));
+    let mut all = vec![
+        format!("has({image}) && {image} != ''"),
+        format!(
+            "{patterns}.exists(p, {image}.matches(p) || ({untagged} && ({image} + ':latest').matches(p)))"
+        ),
+    ];
+    if !entry.namespaces.is_empty() {
+        all.push(format!("request.namespace in {}", list(&entry.namespaces)));
+    }
+    if !entry.service_accounts.is_empty() {
+        all.push(format!(
+            "{SERVICE_ACCOUNT} in {}",
+            list(&entry.service_accounts)
+        ));
+    }
+    if !entry.digests.is_empty() {
+        all.push(format!(
+            "{}.exists(d, !d.contains('@') && {image}.endsWith('@' + d))",
+            list(&entry.digests)
+        ));
+    }
+    Some(format!("({})", all.join(" && ")))
+}
+
+/// The match conditions of `policy`'s objects (name, CEL): pods that a policy in `higher`
+/// selects are theirs, a pod exempt by namespace or service account is left alone, and so
+/// are pods with a CDI annotation (the webhook's rewrite voids theirs), pods of a DaemonSet
+/// and pods holding a passthrough GPU. `None` when a selector in
+/// `higher` cannot be written (it is malformed, so that policy is invalid).
+fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(String, String)>> {
+    let mut conditions = Vec::new();
+    for other in higher {
+        let name = other.metadata.name.as_deref().unwrap_or_default();
+        let mut selected = vec![selects(
+            &other.spec.namespace_selector,
+            "namespaceObject.metadata.labels",
+        )?];
+        if let Some(pods) = &other.spec.pod_selector {
+            selected.push(selects(pods, "object.metadata.labels")?);
+        }
+        conditions.push((
+            format!("not-governed-by-{name}"),
+            format!("!({})", selected.join(" && ")),
+        ));
+    }
+    let exemptions = &policy.spec.exemptions;
+    let mut exempt = Vec::new();
+    if !exemptions.namespaces.is_empty() {
+        exempt.push(format!(
+            "request.namespace in {}",
+            list(&exemptions.namespaces)
+        ));
+    }
+    if !exemptions.service_accounts.is_empty() {
+        exempt.push(format!(
+            "{SERVICE_ACCOUNT} in {}",
+            list(&exemptions.service_accounts)
+        ));
+    }
+    if !exempt.is_empty() {
+        conditions.push((
+            "pod-not-exempt".to_owned(),
+            format!("!({})", exempt.join(" || ")),
+        ));
+    }
+    let cdi: Vec<String> = (crate::CDI_ANNOTATION_PREFIXES.iter())
+        .map(|p| format!("k.startsWith({})", literal(p)))
+        .collect();
+    conditions.push((
+        "no-cdi-annotation".to_owned(),
+        format!(
+            "!(has(object.metadata.annotations) && object.metadata.annotations.exists(k, {}))",
+            cdi.join(" || ")
+        ),
+    ));
+    conditions.push((
+        "not-a-daemonset-pod".to_owned(),
+        "!(has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(o, has(o.controller) && o.controller == true && o.kind == 'DaemonSet'))".to_owned(),
+    ));
+    let passthrough = "(r == 'nvidia.com/pgpu' || r.matches('^nvidia[.]com/[A-Z]'))";
+    let holds = format!(
+        "c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(r, {passthrough})) || (has(c.resources.requests) && c.resources.requests.exists(r, {passthrough})))"
+    );
+    conditions.push((
+        "no-passthrough-gpu".to_owned(),
+        format!(
+            "!(object.spec.containers.exists({holds}) || (has(object.spec.initContainers) && object.spec.initContainers.exists({holds})))"
+        ),
+    ));
+    Some(conditions)
+}
+
+/// The JSONPatch expression of the void rule: for each init and regular container it holds
+/// for, add the entry (appending to `env`, or creating it).
+pub fn void_patch_expression(policy: &GpuPolicy) -> String {
+    let entry = format!("{{'name': 'NVIDIA_VISIBLE_DEVICES', 'value': '{VOID}'}}");
+    let per_list = |field: &str| {
+        let l = format!("object.spec.{field}");
+        let c = format!("{l}[i]");
+        let rule = void_rule(policy, &c);
+        format!(
+            "lists.range(size({l})).filter(i, {rule}).map(i, has({c}.env) ? JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env/-', value: {entry}}} : JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env', value: [{entry}]}})"
+        )
+    };
+    format!(
+        "(has(object.spec.initContainers) ? {} : []) + {}",
+        per_list("initContainers"),
+        per_list("containers")
+    )
+}
+
+/// The names of the containers the void rule holds for, as CEL (Audit mode's report).
+pub fn void_names_expression(policy: &GpuPolicy) -> String {
+    let rule = void_rule(policy, "c");
+    format!(
+        "(has(object.spec.initContainers) ? object.spec.initContainers.filter(c, {rule}).map(c, c.name) : []) + object.spec.containers.filter(c, {rule}).map(c, c.name)"
+    )
+}
+
+fn metadata(policy: &GpuPolicy, name: &str) -> Value {
+    let source = policy.metadata.name.as_deref().unwrap_or_default();
+    let mut meta = json!({
+        "name": name,
+        "labels": {
+            "app.kubernetes.io/part-of": "gpuwarden",
+            LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_POLICY: source,
+        },
+    });
+    // Deleting the GpuPolicy (or its CRD, on uninstall) deletes what was rendered from it.
+    if let Some(uid) = &policy.metadata.uid {
+        meta["ownerReferences"] = json!([{
+            "apiVersion": format!("{GROUP}/{VERSION}"),
+            "kind": "GpuPolicy",
+            "name": source,
+            "uid": uid,
+        }]);
+    }
+    meta
+}
+
+fn conditions_json(conditions: Vec<(String, String)>) -> Value {
+    Value::Array(
+        conditions
+            .into_iter()
+            .map(|(name, expression)| json!({"name": name, "expression": expression}))
+            .collect(),
+    )
+}
+
+fn match_resources(policy: &GpuPolicy) -> Value {
+    let mut resources = json!({
+        "namespaceSelector": policy.spec.namespace_selector,
+    });
+    if let Some(pods) = &policy.spec.pod_selector {
+        resources["objectSelector"] = json!(pods);
+    }
+    resources
+}
+
+const POD_CREATE: &str = "pods";
+
+fn constraints() -> Value {
+    json!({
+        "resourceRules": [{
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE"],
+            "resources": [POD_CREATE],
+        }],
+    })
+}
+
+fn mutating(
+    policy: &GpuPolicy,
+    conditions: Vec<(String, String)>,
+    api: MutatingApi,
+) -> [Rendered; 2] {
+    let name = object_name(policy.metadata.name.as_deref().unwrap_or_default());
+    let policy_object = json!({
+        "apiVersion": api.api_version(),
+        "kind": KIND_MUTATING,
+        "metadata": metadata(policy, &name),
+        "spec": {
+            // A failure leaves the pod as it is: the API server's policy never blocks a pod.
+            "failurePolicy": "Ignore",
+            "matchConstraints": constraints(),
+            "matchConditions": conditions_json(conditions),
+            // Containers another webhook adds after this policy ran are voided too.
+            "reinvocationPolicy": "IfNeeded",
+            "mutations": [{
+                "patchType": "JSONPatch",
+                "jsonPatch": {"expression": void_patch_expression(policy)},
+            }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": api.api_version(),
+        "kind": KIND_MUTATING_BINDING,
+        "metadata": metadata(policy, &name),
+        "spec": {
+            "policyName": name,
+            "matchResources": match_resources(policy),
+        },
+    });
+    [
+        Rendered {
+            kind: KIND_MUTATING,
+            name: name.clone(),
+            object: policy_object,
+        },
+        Rendered {
+            kind: KIND_MUTATING_BINDING,
+            name,
+            object: binding,
+        },
+    ]
+}
+
+fn validating(policy: &GpuPolicy, conditions: Vec<(String, String)>) -> [Rendered; 2] {
+    let name = object_name(policy.metadata.name.as_deref().unwrap_or_default());
+    let policy_name = policy.metadata.name.as_deref().unwrap_or_default();
+    let message = format!(
+        "'GpuPolicy {policy_name} (Audit): in Enforce mode these containers would get NVIDIA_VISIBLE_DEVICES=void, because they hold no GPU and their image may set NVIDIA_VISIBLE_DEVICES: ' + variables.voided.join(', ')"
+    );
+    let policy_object = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": KIND_VALIDATING,
+        "metadata": metadata(policy, &name),
+        "spec": {
+            "failurePolicy": "Ignore",
+            "matchConstraints": constraints(),
+            "matchConditions": conditions_json(conditions),
+            "variables": [{"name": "voided", "expression": void_names_expression(policy)}],
+            "validations": [{
+                "expression": "size(variables.voided) == 0",
+                "messageExpression": message,
+                "reason": "Invalid",
+            }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": KIND_VALIDATING_BINDING,
+        "metadata": metadata(policy, &name),
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Warn", "Audit"],
+            "matchResources": match_resources(policy),
+        },
+    });
+    [
+        Rendered {
+            kind: KIND_VALIDATING,
+            name: name.clone(),
+            object: policy_object,
+        },
+        Rendered {
+            kind: KIND_VALIDATING_BINDING,
+            name,
+            object: binding,
+        },
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(name: &str, priority: i32, mode: PolicyMode) -> GpuPolicy {
+        let mut policy = GpuPolicy::default_policy();
+        policy.metadata.name = Some(name.to_owned());
+        policy.spec.priority = priority;
+        policy.spec.mode = mode;
+        policy
+    }
+
+    #[test]
+    fn an_enforce_policy_gets_a_mutating_policy_and_an_audit_policy_a_warning() {
+        let enforce = named("default", 0, PolicyMode::Enforce);
+        let audit = named("trial", 10, PolicyMode::Audit);
+        let out = render(&[&enforce, &audit], |_| true, MutatingApi::V1);
+        let kinds: Vec<(&str, &str)> = out.iter().map(|r| (r.kind, r.name.as_str())).collect();
+        assert_eq!(
+            kinds,
+            [
+                (KIND_VALIDATING, "gpuwarden-trial"),
+                (KIND_VALIDATING_BINDING, "gpuwarden-trial"),
+                (KIND_MUTATING, "gpuwarden-default"),
+                (KIND_MUTATING_BINDING, "gpuwarden-default"),
+            ]
+        );
+        let conditions = &out[2].object["spec"]["matchConditions"];
+        assert_eq!(conditions[0]["name"], "not-governed-by-trial");
+        assert_eq!(
+            out[2].object["apiVersion"],
+            "admissionregistration.k8s.io/v1"
+        );
+        assert_eq!(out[3].object["spec"]["policyName"], "gpuwarden-default");
+    }
+
+    #[test]
+    fn nothing_is_rendered_from_an_invalid_policy_down() {
+        let high = named("high", 10, PolicyMode::Enforce);
+        let low = named("low", 0, PolicyMode::Enforce);
+        let out = render(
+            &[&high, &low],
+            |p| p.metadata.name.as_deref() != Some("high"),
+            MutatingApi::V1beta1,
+        );
+        assert!(out.is_empty());
+        let out = render(
+            &[&high, &low],
+            |p| p.metadata.name.as_deref() != Some("low"),
+            MutatingApi::V1beta1,
+        );
+        assert_eq!(out.len(), 2);
+        assert_eq!(
+            out[0].object["apiVersion"],
+            "admissionregistration.k8s.io/v1beta1"
+        );
+    }
+
+    #[test]
+    fn deny_mode_and_the_field_turned_off_render_nothing() {
+        let deny = named("deny", 0, PolicyMode::Deny);
+        assert!(render(&[&deny], |_| true, MutatingApi::V1).is_empty());
+        let mut off = named("off", 0, PolicyMode::Enforce);
+        off.spec.void_non_gpu_containers = false;
+        assert!(render(&[&off], |_| true, MutatingApi::V1).is_empty());
+    }
+
+    #[test]
+    fn an_exemption_that_names_no_scope_exempts_nothing() {
+        let entry = ContainerExemption {
+            images: vec!["busybox".into()],
+            namespaces: Vec::new(),
+            service_accounts: Vec::new(),
+            digests: Vec::new(),
+        };
+        assert_eq!(covers(&entry, "c"), None);
+    }
+}

@@ -1,0 +1,99 @@
+//! Writing CEL text: literals, lists and the label-selector and image-glob tests that the
+//! webhook's matchConditions and the rendered admission policies share.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+
+/// A CEL string literal.
+pub(crate) fn literal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('\'');
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
+}
+
+/// A CEL list of string literals.
+pub(crate) fn list(items: &[String]) -> String {
+    let items: Vec<String> = items.iter().map(|i| literal(i)).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// An anchored RE2 pattern matching exactly what [`crate::exemptions::glob_match`] matches:
+/// `*` any run of characters, `?` one, everything else literal.
+pub(crate) fn glob_regex(glob: &str) -> String {
+    let mut out = String::from("^(?s)");
+    for c in glob.chars() {
+        match c {
+            '*' => out.push_str(".*"),
+            '?' => out.push('.'),
+            c if c.is_ascii_alphanumeric() || c == '/' || c == '-' || c == '_' || c == ':' => {
+                out.push(c)
+            }
+            c if c.is_ascii() => {
+                out.push('\\');
+                out.push(c);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('$');
+    out
+}
+
+/// CEL that is true when `selector` selects an object whose labels are `labels` (a CEL
+/// expression of a map that may be absent, such as `object.metadata.labels`), or `None` when
+/// the selector is malformed ([`crate::selector::validate`]).
+pub(crate) fn selects(selector: &LabelSelector, labels: &str) -> Option<String> {
+    crate::selector::validate(selector).ok()?;
+    let has = |key: &str| format!("(has({labels}) && {} in {labels})", literal(key));
+    let value = |key: &str| format!("{labels}[{}]", literal(key));
+    let mut all = Vec::new();
+    for (key, wanted) in selector.match_labels.iter().flatten() {
+        all.push(format!(
+            "({} && {} == {})",
+            has(key),
+            value(key),
+            literal(wanted)
+        ));
+    }
+    for expr in selector.match_expressions.iter().flatten() {
+        let key = expr.key.as_str();
+        let values = list(expr.values.as_deref().unwrap_or_default());
+        all.push(match expr.operator.as_str() {
+            "In" => format!("({} && {} in {values})", has(key), value(key)),
+            "NotIn" => format!("(!{} || !({} in {values}))", has(key), value(key)),
+            "Exists" => has(key),
+            _ => format!("!{}", has(key)),
+        });
+    }
+    Some(if all.is_empty() {
+        "true".to_owned()
+    } else {
+        all.join(" && ")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literals_escape_quotes_and_backslashes() {
+        assert_eq!(literal("it's\\"), "'it\\'s\\\\'");
+        assert_eq!(list(&["a".into(), "b".into()]), "['a', 'b']");
+    }
+
+    #[test]
+    fn globs_become_anchored_patterns_with_every_other_character_literal() {
+        assert_eq!(glob_regex("nvcr.io/nvidia/*"), "^(?s)nvcr\\.io/nvidia/.*$");
+        assert_eq!(glob_regex("a?b+[c]"), "^(?s)a.b\\+\\[c\\]$");
+    }
+}

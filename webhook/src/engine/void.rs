@@ -1,0 +1,91 @@
+//! The void rule (docs/design.md, "Inside the API server"): in Enforce mode, every init and
+//! regular container that holds no GPU gets `NVIDIA_VISIBLE_DEVICES=void`, which overrides
+//! the image's own value. The API server applies the same rule by a MutatingAdmissionPolicy
+//! rendered from the policy ([`gpuwarden_crds::admission_policies`]); both read the same raw
+//! fields, so that the rule never depends on what CEL cannot compute.
+
+use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::admission_policies::DEVICE_LIST_MARK;
+use gpuwarden_crds::gpu::{ContainerSpec, Rules};
+
+use super::facts::PodFacts;
+use super::plan::Plan;
+use super::{ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
+use super::{ENV_VISIBLE_DEVICES, Input};
+use crate::pod::Container;
+
+/// A container the void rule holds for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Voided<'a> {
+    /// Where it is.
+    pub at: ContainerRef,
+    /// Its name.
+    pub name: &'a str,
+}
+
+/// The containers of a pod that `policy` governs (not exempt as a whole) which the void rule
+/// holds for, in the pod as `plan` (the rewrite, if there is one) leaves it: the API server
+/// applies its policy again once the webhook has changed the pod. None for a pod of a
+/// DaemonSet, a pod holding a passthrough GPU or a pod with a CDI annotation left; no
+/// container the rewrite changes (it sets its own `NVIDIA_VISIBLE_DEVICES` or GPUs).
+pub(super) fn void_targets<'a>(
+    input: &Input<'a>,
+    facts: &PodFacts<'a>,
+    policy: &GpuPolicy,
+    plan: Option<&Plan<'_>>,
+) -> Vec<Voided<'a>> {
+    let removed = plan.map_or(&[][..], |p| &p.annotations_removed);
+    let cdi = (facts.annotations.into_iter().flatten())
+        .any(|(key, _)| gpuwarden_crds::is_cdi_annotation(key) && !removed.contains(&key.as_ref()));
+    if !policy.spec.void_non_gpu_containers
+        || input.daemon_set().is_some()
+        || facts.pod.holds_passthrough()
+        || cdi
+    {
+        return Vec::new();
+    }
+    let rules = Rules::of(policy);
+    let mut out = Vec::new();
+    for c in &facts.containers {
+        if c.at.kind == ContainerKind::Ephemeral || c.image_exempt {
+            continue;
+        }
+        let planned = plan.and_then(|p| p.containers.iter().find(|p| p.at == c.at));
+        if plan.is_some() && c.changes() {
+            continue;
+        }
+        let gone = planned.map_or(&[][..], |p| &p.mounts[..]);
+        let mounts = (c.value.mounts().enumerate())
+            .filter(|(i, _)| !gone.contains(i))
+            .map(|(_, (_, path))| path);
+        if holds_no_gpu(c.value, &rules, mounts) {
+            out.push(Voided {
+                at: c.at,
+                name: c.name,
+            });
+        }
+    }
+    out
+}
+
+/// The rule's test of one container's own fields: not privileged, no GPU variable of its
+/// own, no GPU resource, no resource claim, no mount (of `mount_paths`) at a device-list
+/// path.
+fn holds_no_gpu<'m>(
+    c: &Container<'_>,
+    rules: &Rules<'_>,
+    mut mount_paths: impl Iterator<Item = &'m str>,
+) -> bool {
+    const OWN: [&str; 3] = [
+        ENV_VISIBLE_DEVICES,
+        ENV_MIG_CONFIG_DEVICES,
+        ENV_MIG_MONITOR_DEVICES,
+    ];
+    !c.is_privileged()
+        && !c.env_entries().any(|e| OWN.contains(&e.name))
+        && !(c.limit_names().chain(c.request_names())).any(|r| rules.is_gpu_resource(r))
+        && (c.resources.as_ref())
+            .and_then(|r| r.claims.as_ref())
+            .is_none_or(|claims| claims.is_empty())
+        && !mount_paths.any(|path| path.contains(DEVICE_LIST_MARK))
+}
