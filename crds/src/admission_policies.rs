@@ -12,8 +12,8 @@
 //! Which policy governs a pod is the engine's rule ([`crate::selection::select_policy`]):
 //! the binding selects the policy's namespaces and pods, and a match condition leaves out
 //! pods that a policy of higher precedence selects. A policy that is invalid governs what it
-//! selects and fails closed in the webhook, so neither it nor any policy it outranks is
-//! rendered. The differential test in `webhook/tests/admission_policies.rs` holds the CEL
+//! selects and fails closed in the webhook, so it is not rendered (and where its selector is
+//! malformed it selects every pod, so nothing it outranks is either). The differential test in `webhook/tests/admission_policies.rs` holds the CEL
 //! to the engine.
 
 use serde_json::{Value, json};
@@ -95,9 +95,11 @@ pub fn render(
     ordered.sort_by(|a, b| GpuPolicy::precedence(a, b));
     let mut out = Vec::new();
     for (at, policy) in ordered.iter().enumerate() {
+        // What an invalid policy selects is the webhook's, which fails closed on it.
         if !valid(policy) {
-            break;
+            continue;
         }
+        // A malformed selector above selects anything: that policy governs every pod.
         let Some(conditions) = match_conditions(policy, &ordered[..at]) else {
             break;
         };
@@ -495,15 +497,21 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_rendered_from_an_invalid_policy_down() {
-        let high = named("high", 10, PolicyMode::Enforce);
+    fn an_invalid_policy_is_left_to_the_webhook() {
+        let mut high = named("high", 10, PolicyMode::Enforce);
         let low = named("low", 0, PolicyMode::Enforce);
-        let out = render(
-            &[&high, &low],
-            |p| p.metadata.name.as_deref() != Some("high"),
-            MutatingApi::V1beta1,
-        );
-        assert!(out.is_empty());
+        let not_high = |p: &GpuPolicy| p.metadata.name.as_deref() != Some("high");
+        let out = render(&[&high, &low], not_high, MutatingApi::V1beta1);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].name, "gpuwarden-low");
+        let conditions = &out[0].object["spec"]["matchConditions"];
+        assert_eq!(conditions[0]["name"], "not-governed-by-high");
+        // A malformed selector selects everything: nothing is left below it.
+        high.spec.namespace_selector = serde_json::from_value(json!(
+            {"matchExpressions": [{"key": "a", "operator": "Near"}]}
+        ))
+        .unwrap();
+        assert!(render(&[&high, &low], not_high, MutatingApi::V1beta1).is_empty());
         let out = render(
             &[&high, &low],
             |p| p.metadata.name.as_deref() != Some("low"),

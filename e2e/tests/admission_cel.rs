@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cel_interpreter::extractors::This;
-use cel_interpreter::{Context, ExecutionError, FunctionContext, Program, Value as Cel};
+use cel_interpreter::{Context, ExecutionError, FunctionContext, IdedExpr, Value as Cel};
 use gpuwarden_e2e::manifests::{Document, load_file};
 use serde_json::{Value, json};
 
@@ -58,19 +58,92 @@ fn split(
     Ok(Cel::List(Arc::new(parts)))
 }
 
+/// Kubernetes' CEL has the lists extension (1.34 and later); `lists.range(n)` is `[0, n)`.
+fn range(_: &FunctionContext, This(_lists): This<Cel>, n: i64) -> Result<Cel, ExecutionError> {
+    Ok(Cel::List(Arc::new((0..n.max(0)).map(Cel::Int).collect())))
+}
+
+/// The interpreter cannot build messages, so a message literal such as the
+/// MutatingAdmissionPolicy's `JSONPatch{op: ..., path: ..., value: ...}` is read as the map
+/// of its fields, which is what the API server turns it into.
+fn messages_as_maps(expr: &mut IdedExpr) {
+    use cel_interpreter::IdedExpr as E;
+    use cel_parser::ast::{EntryExpr, Expr, IdedEntryExpr, MapEntryExpr, MapExpr};
+    use cel_parser::reference::Val;
+    fn walk(e: &mut E) {
+        match &mut e.expr {
+            Expr::Struct(message) => {
+                let entries = std::mem::take(&mut message.entries)
+                    .into_iter()
+                    .map(|entry| {
+                        let EntryExpr::StructField(mut field) = entry.expr else {
+                            return entry;
+                        };
+                        walk(&mut field.value);
+                        IdedEntryExpr {
+                            id: entry.id,
+                            expr: EntryExpr::MapEntry(MapEntryExpr {
+                                key: E {
+                                    id: entry.id,
+                                    expr: Expr::Literal(Val::String(field.field)),
+                                },
+                                value: field.value,
+                                optional: field.optional,
+                            }),
+                        }
+                    })
+                    .collect();
+                e.expr = Expr::Map(MapExpr { entries });
+            }
+            Expr::Call(call) => {
+                call.target.iter_mut().for_each(|t| walk(t));
+                call.args.iter_mut().for_each(walk);
+            }
+            Expr::Comprehension(c) => {
+                for part in [
+                    &mut c.iter_range,
+                    &mut c.accu_init,
+                    &mut c.loop_cond,
+                    &mut c.loop_step,
+                    &mut c.result,
+                ] {
+                    walk(part);
+                }
+            }
+            Expr::List(list) => list.elements.iter_mut().for_each(walk),
+            Expr::Map(map) => {
+                for entry in &mut map.entries {
+                    match &mut entry.expr {
+                        EntryExpr::MapEntry(m) => {
+                            walk(&mut m.key);
+                            walk(&mut m.value);
+                        }
+                        EntryExpr::StructField(f) => walk(&mut f.value),
+                    }
+                }
+            }
+            Expr::Select(select) => walk(&mut select.operand),
+            Expr::Ident(_) | Expr::Literal(_) | Expr::Unspecified => {}
+        }
+    }
+    walk(expr)
+}
+
 fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
     thread_local! {
-        /// Compiled expressions: the generated-pod test evaluates each thousands of times.
-        static PROGRAMS: std::cell::RefCell<BTreeMap<String, std::rc::Rc<Program>>> =
+        /// Parsed expressions: the generated-pod tests evaluate each thousands of times.
+        static PROGRAMS: std::cell::RefCell<BTreeMap<String, std::rc::Rc<IdedExpr>>> =
             Default::default();
     }
     let program = PROGRAMS.with_borrow_mut(|programs| {
         programs
             .entry(expression.to_owned())
             .or_insert_with(|| {
-                let program = Program::compile(expression)
+                let mut parsed = cel_parser::Parser::default()
+                    .parse(expression)
                     .unwrap_or_else(|e| panic!("does not parse: {expression}: {e}"));
-                std::rc::Rc::new(program)
+                messages_as_maps(&mut parsed);
+                std::rc::Rc::new(parsed)
             })
             .clone()
     });
@@ -78,6 +151,8 @@ fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
     ctx.add_function("substring", substring);
     ctx.add_function("join", join);
     ctx.add_function("split", split);
+    ctx.add_function("range", range);
+    ctx.add_variable_from_value("lists", Cel::String(Arc::new("lists".to_owned())));
     for (name, value) in vars {
         ctx.add_variable(
             *name,
@@ -85,9 +160,7 @@ fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
         )
         .expect("variable");
     }
-    program
-        .execute(&ctx)
-        .unwrap_or_else(|e| panic!("{expression}: {e:?}"))
+    Cel::resolve(&program, &ctx).unwrap_or_else(|e| panic!("{expression}: {e:?}"))
 }
 
 fn eval_bool(expression: &str, vars: &BTreeMap<&str, Value>) -> bool {
@@ -249,6 +322,19 @@ fn match_conditions_select_pods_that_may_reach_gpus() {
         (
             pod(json!({"containers": [{"name": "a",
                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]})),
+            true,
+        ),
+        // The void rule's entry hands out nothing: it sends no pod.
+        (
+            pod(json!({"containers": [{"name": "a",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]})),
+            false,
+        ),
+        (
+            pod(
+                json!({"containers": [{"name": "a", "env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+                "value": "void", "valueFrom": {"configMapKeyRef": {"name": "g", "key": "k"}}}]}]}),
+            ),
             true,
         ),
         (
@@ -1202,4 +1288,378 @@ fn the_exemption_condition_skips_only_pods_the_engine_leaves_unchanged() {
         skipped >= 200 && skipped_privileged >= 100 && sent >= 500,
         "{skipped} {skipped_privileged} {sent}"
     );
+}
+
+/// What the API server does with the rendered MutatingAdmissionPolicies: each whose binding
+/// selects the pod (namespace and object selectors) and whose matchConditions hold has its
+/// JSONPatch applied, in name order. Returns the names of those that changed the pod.
+fn api_server_mutates(
+    rendered: &[gpuwarden_crds::admission_policies::Rendered],
+    pod: &mut Value,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> Vec<String> {
+    use gpuwarden_crds::admission_policies::{KIND_MUTATING, KIND_MUTATING_BINDING};
+    let mut changed = Vec::new();
+    for policy in rendered.iter().filter(|r| r.kind == KIND_MUTATING) {
+        let vars = admission_vars(pod, namespace, labels);
+        if !selected_and_matched(
+            rendered,
+            KIND_MUTATING_BINDING,
+            &policy.object,
+            pod,
+            labels,
+            &vars,
+        ) {
+            continue;
+        }
+        for mutation in policy.object["spec"]["mutations"]
+            .as_array()
+            .expect("mutations")
+        {
+            let expression = mutation["jsonPatch"]["expression"]
+                .as_str()
+                .expect("jsonPatch");
+            let vars = admission_vars(pod, namespace, labels);
+            let ops = to_json(&eval(expression, &vars));
+            let patch: json_patch::Patch = serde_json::from_value(ops.clone())
+                .unwrap_or_else(|e| panic!("not a JSONPatch: {e}: {ops}"));
+            if patch.0.is_empty() {
+                continue;
+            }
+            json_patch::patch(pod, &patch).unwrap_or_else(|e| {
+                panic!("the policy's patch does not apply: {e}: {ops}\n{pod:#}")
+            });
+            changed.push(policy.name.clone());
+        }
+    }
+    changed
+}
+
+/// `object`, `request` and `namespaceObject` as an admission policy sees them.
+fn admission_vars(
+    pod: &Value,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> BTreeMap<&'static str, Value> {
+    BTreeMap::from([
+        ("object", pod.clone()),
+        ("request", request(namespace)),
+        (
+            "namespaceObject",
+            json!({"metadata": {"name": namespace, "labels": labels}}),
+        ),
+    ])
+}
+
+/// Whether `policy`'s binding selects the pod and its matchConditions hold.
+fn selected_and_matched(
+    rendered: &[gpuwarden_crds::admission_policies::Rendered],
+    binding_kind: &str,
+    policy: &Value,
+    pod: &Value,
+    labels: &BTreeMap<String, String>,
+    vars: &BTreeMap<&str, Value>,
+) -> bool {
+    use gpuwarden_crds::selector::matches;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    let name = &policy["metadata"]["name"];
+    let binding = rendered
+        .iter()
+        .find(|r| r.kind == binding_kind && r.object["metadata"]["name"] == *name)
+        .expect("every policy has its binding");
+    let resources = &binding.object["spec"]["matchResources"];
+    let selector = |field: &str| -> LabelSelector {
+        serde_json::from_value(resources[field].clone()).unwrap_or_default()
+    };
+    let pod_labels: BTreeMap<String, String> =
+        serde_json::from_value(pod["metadata"]["labels"].clone()).unwrap_or_default();
+    if !matches(&selector("namespaceSelector"), labels).expect("valid selector")
+        || !matches(&selector("objectSelector"), &pod_labels).expect("valid selector")
+    {
+        return false;
+    }
+    (policy["spec"]["matchConditions"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .all(|c| eval_bool(c["expression"].as_str().expect("expression"), vars))
+}
+
+/// The engine's answer through `handle_review`: `Err(message)` when it denies, else the pod
+/// with its patch applied, and its warnings.
+fn engine_answer(
+    pod: &Value,
+    namespace: &str,
+    source: &gpuwarden_webhook::admission::StaticSource,
+) -> (Result<Value, String>, Vec<String>) {
+    use gpuwarden_webhook::admission::handle_review;
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "u", "namespace": namespace, "operation": "CREATE",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "userInfo": {"username": "alice"}, "object": pod,
+        }
+    });
+    let (bytes, _) = handle_review(review.to_string().as_bytes(), source);
+    let answer: Value = serde_json::from_slice(&bytes).expect("JSON");
+    let response = &answer["response"];
+    let warnings: Vec<String> =
+        serde_json::from_value(response["warnings"].clone()).unwrap_or_default();
+    if response["allowed"] != json!(true) {
+        return (Err(response["status"]["message"].to_string()), warnings);
+    }
+    let mut out = pod.clone();
+    if let Some(patch) = response["patch"].as_str() {
+        let engine = base64_simd::STANDARD.decode_to_vec(patch).expect("base64");
+        let patch: json_patch::Patch = serde_json::from_slice(&engine).expect("a patch");
+        json_patch::patch(&mut out, &patch).expect("the engine's patch applies");
+    }
+    (Ok(out), warnings)
+}
+
+/// One source of truth: on thousands of generated pods under generated policies, the API
+/// server's path (the rendered MutatingAdmissionPolicies, then the webhook where its
+/// matchConditions still send the pod, then the policies again where the webhook changed
+/// it) stores exactly the pod the engine alone writes, or both deny it. In Audit mode the
+/// rendered ValidatingAdmissionPolicy names the containers the engine names.
+#[test]
+fn api_server_policies_follow_the_engine() {
+    use gpuwarden_crds::admission_policies::{
+        KIND_VALIDATING, KIND_VALIDATING_BINDING, MutatingApi, render,
+    };
+    use gpuwarden_crds::match_conditions::not_exempt_expression;
+    use gpuwarden_crds::selection::namespace_labels_or_default;
+    use gpuwarden_crds::validation::validate_policy;
+    use gpuwarden_crds::{GpuPolicy, PolicyMode};
+    use gpuwarden_webhook::admission::StaticSource;
+    use rand::seq::IndexedRandom;
+    use rand::{Rng, SeedableRng};
+
+    const NAMESPACES: &[(&str, &[(&str, &str)])] = &[
+        ("team-a", &[("team", "a")]),
+        ("batch", &[]),
+        (
+            "restricted",
+            &[("pod-security.kubernetes.io/enforce", "restricted")],
+        ),
+        ("gpu-operator", &[]),
+        ("kube-system", &[]),
+    ];
+    const PLAIN_IMAGES: &[&str] = &[
+        "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04",
+        "busybox",
+        "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
+        "registry.example.com/team/tools:1.0",
+    ];
+    let webhook = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
+    let may_reach = webhook[0].value["webhooks"][0]["matchConditions"][0]["expression"]
+        .as_str()
+        .expect("expression")
+        .to_owned();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6d61_7073_6469_6666);
+    let cases = generated::cases(2400);
+    let total = cases.len();
+    let (mut by_policy, mut by_both, mut by_webhook, mut denied, mut audited) = (0, 0, 0, 0, 0);
+    for (i, case) in cases.into_iter().enumerate() {
+        let mut pod = case.pod;
+        let (namespace, labels) = *NAMESPACES.choose(&mut rng).unwrap();
+        let labels = namespace_labels_or_default(
+            namespace,
+            Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
+        );
+        // Containers without privilege, many with a CUDA image: what the void rule is for.
+        // Some pods have nothing else: ordinary pods, which no webhook is sent.
+        let ordinary = rng.random_bool(0.4);
+        if ordinary {
+            let spec = pod["spec"].as_object_mut().expect("spec");
+            spec.remove("volumes");
+            pod["metadata"]
+                .as_object_mut()
+                .map(|m| m.remove("annotations"));
+        }
+        for field in ["containers", "initContainers"] {
+            for c in pod["spec"]
+                .get_mut(field)
+                .and_then(Value::as_array_mut)
+                .into_iter()
+                .flatten()
+            {
+                if ordinary {
+                    if let Some(env) = c.get_mut("env").and_then(Value::as_array_mut) {
+                        env.retain(|e| !e["name"].as_str().unwrap_or("").starts_with("NVIDIA_"));
+                    }
+                    c.as_object_mut().map(|c| c.remove("volumeMounts"));
+                }
+                if ordinary || rng.random_bool(0.4) {
+                    c.as_object_mut().map(|c| c.remove("securityContext"));
+                    if rng.random_bool(0.5) {
+                        c["image"] = json!(*PLAIN_IMAGES.choose(&mut rng).unwrap());
+                    }
+                }
+                if rng.random_bool(0.1) {
+                    c["resources"]["claims"] = json!([{"name": "nic"}]);
+                }
+            }
+        }
+        if rng.random_bool(0.5) {
+            pod["metadata"]["labels"] = json!({"app": "serve"});
+        }
+        if rng.random_bool(0.1) {
+            pod["metadata"]["ownerReferences"] = json!([{"apiVersion": "apps/v1",
+                "kind": "DaemonSet", "name": "agent", "uid": "1", "controller": true}]);
+        }
+        let mut default: GpuPolicy = serde_json::from_value(case.policy.clone()).expect("a policy");
+        default.spec.mode = *[
+            PolicyMode::Enforce,
+            PolicyMode::Enforce,
+            PolicyMode::Audit,
+            PolicyMode::Deny,
+        ]
+        .choose(&mut rng)
+        .unwrap();
+        default.spec.void_non_gpu_containers = rng.random_bool(0.9);
+        if rng.random_bool(0.05) {
+            default.spec.gpu.default_count = default.spec.gpu.max_per_container + 1;
+        }
+        let mut policies = vec![default];
+        if rng.random_bool(0.4) {
+            let mut team = GpuPolicy::default_policy();
+            team.metadata.name = Some("team".into());
+            team.spec.priority = 10;
+            team.spec.mode = *[PolicyMode::Enforce, PolicyMode::Audit]
+                .choose(&mut rng)
+                .unwrap();
+            team.spec.namespace_selector =
+                serde_json::from_value(json!({"matchLabels": {"team": "a"}})).expect("selector");
+            if rng.random_bool(0.5) {
+                team.spec.pod_selector = Some(
+                    serde_json::from_value(json!({"matchExpressions": [
+                        {"key": "app", "operator": "In", "values": ["serve"]}]}))
+                    .expect("selector"),
+                );
+            }
+            if rng.random_bool(0.1) {
+                team.spec.gpu.default_count = team.spec.gpu.max_per_container + 1;
+            }
+            policies.push(team);
+        }
+        let valid = |p: &GpuPolicy| validate_policy(p).is_empty();
+        let refs: Vec<&GpuPolicy> = policies.iter().collect();
+        let rendered = render(&refs, valid, MutatingApi::V1);
+        let not_exempt = not_exempt_expression(policies.iter(), valid);
+        let mut source = StaticSource::new(policies.clone());
+        source
+            .namespaces
+            .insert(namespace.to_owned(), labels.clone());
+
+        let ctx = || {
+            format!(
+                "case {i} in {namespace}\npolicies {:#}\npod {pod:#}",
+                json!(policies)
+            )
+        };
+        let (alone, warnings) = engine_answer(&pod, namespace, &source);
+
+        // The API server's path.
+        let mut stored = pod.clone();
+        let first = api_server_mutates(&rendered, &mut stored, namespace, &labels);
+        let vars = admission_vars(&stored, namespace, &labels);
+        let sent = eval_bool(&may_reach, &vars) && eval_bool(&not_exempt, &vars);
+        let chain = if sent {
+            match engine_answer(&stored, namespace, &source).0 {
+                Ok(after) if after != stored => {
+                    let mut again = after;
+                    api_server_mutates(&rendered, &mut again, namespace, &labels);
+                    Ok(again)
+                }
+                other => other,
+            }
+        } else {
+            Ok(stored.clone())
+        };
+        match (&alone, &chain) {
+            (Err(_), Err(_)) => denied += 1,
+            (Ok(engine), Ok(api_server)) => assert_eq!(
+                api_server,
+                engine,
+                "the API server's path stores another pod than the engine writes\n{}",
+                ctx()
+            ),
+            _ => panic!(
+                "one path denies, the other admits: engine {alone:?}, API server {chain:?}\n{}",
+                ctx()
+            ),
+        }
+        match (first.is_empty(), sent) {
+            (false, false) => by_policy += 1,
+            (false, true) => by_both += 1,
+            (true, true) => by_webhook += 1,
+            (true, false) => {}
+        }
+
+        // Audit: the warning policy names the containers the engine names.
+        let engine_names = warnings
+            .iter()
+            .filter_map(|w| w.strip_prefix("gpuwarden audit: "))
+            .find_map(|w| {
+                w.strip_suffix(
+                    " would get NVIDIA_VISIBLE_DEVICES=void in Enforce: they hold no GPU",
+                )
+            })
+            .map(str::to_owned);
+        let vars = admission_vars(&pod, namespace, &labels);
+        let mut api_names = None;
+        for policy in rendered.iter().filter(|r| r.kind == KIND_VALIDATING) {
+            if !selected_and_matched(
+                &rendered,
+                KIND_VALIDATING_BINDING,
+                &policy.object,
+                &pod,
+                &labels,
+                &vars,
+            ) {
+                continue;
+            }
+            let vars = with_variables_of(&policy.object, &vars);
+            let names: Vec<String> =
+                serde_json::from_value(vars["variables"]["voided"].clone()).expect("names");
+            if !names.is_empty() {
+                api_names = Some(names.join(", "));
+            }
+        }
+        audited += usize::from(api_names.is_some());
+        assert_eq!(
+            api_names,
+            engine_names,
+            "Audit: the warning policy and the engine name other containers\n{}",
+            ctx()
+        );
+    }
+    eprintln!(
+        "{total} pods: {by_policy} changed by the API server's policies alone, {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit"
+    );
+    assert!(
+        by_policy >= 150 && by_both >= 15 && by_webhook >= 500 && audited >= 50 && denied >= 100,
+        "{by_policy} {by_both} {by_webhook} {audited} {denied}"
+    );
+}
+
+/// [`with_variables`] for a policy given as JSON.
+fn with_variables_of<'v>(
+    policy: &Value,
+    vars: &BTreeMap<&'v str, Value>,
+) -> BTreeMap<&'v str, Value> {
+    let document = Document {
+        source: String::new(),
+        value: policy.clone(),
+    };
+    with_variables(&document, vars)
 }

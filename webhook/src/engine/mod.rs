@@ -361,10 +361,12 @@ fn decide_create<'a>(
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
     let plan = plan::plan_pod(input, &facts, policy, strip, level);
-    let voided = if voids {
-        void::void_targets(input, &facts, policy, Some(&plan))
-    } else {
-        Vec::new()
+    // In Enforce the rule holds for the pod as the rewrite leaves it; Audit reports it for
+    // the pod as it is, as the API server's warning does.
+    let voided = match policy.spec.mode {
+        _ if !voids => Vec::new(),
+        PolicyMode::Enforce => void::void_targets(input, &facts, policy, Some(&plan)),
+        _ => void::void_targets(input, &facts, policy, None),
     };
     // The pod's own value of an annotation; a pass over a pod already rewritten finds the
     // report and the reference it set, and sets nothing again.
