@@ -13,8 +13,8 @@
 //! the binding selects the policy's namespaces and pods, and a match condition leaves out
 //! pods that a policy of higher precedence selects. A policy that is invalid governs what it
 //! selects and fails closed in the webhook, so it is not rendered (and where its selector is
-//! malformed it selects every pod, so nothing it outranks is either). The differential test in `webhook/tests/admission_policies.rs` holds the CEL
-//! to the engine.
+//! malformed it selects every pod, so nothing it outranks is either). The differential test
+//! in `e2e/tests/admission_cel.rs` holds the CEL to the engine.
 
 use serde_json::{Value, json};
 
@@ -189,18 +189,20 @@ fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
         return None;
     }
     let image = format!("{c}.image");
-    // An image with neither tag nor digest is also tried as `<image>:latest`.
+    // An image with neither tag nor digest is also tried as `<image>:latest`. Each pattern is
+    // a literal, which the API server compiles once with the policy.
     let untagged = format!("!{image}.contains('@') && !{image}.matches(':[^/]*$')");
-    let patterns: Vec<String> = (entry.images.iter())
-        .map(|p| literal(&glob_regex(p)))
-        .collect();
-    let patterns = format!("[{}]", patterns.join(", "));
-    let mut all = vec![
-        format!("has({image}) && {image} != ''"),
-        format!(
-            "{patterns}.exists(p, {image}.matches(p) || ({untagged} && ({image} + ':latest').matches(p)))"
-        ),
-    ];
+    let (exact, latest): (Vec<String>, Vec<String>) = (entry.images.iter())
+        .map(|p| {
+            let p = literal(&glob_regex(p));
+            (
+                format!("{image}.matches({p})"),
+                format!("({image} + ':latest').matches({p})"),
+            )
+        })
+        .unzip();
+    // The scope first: outside it no pattern is tried.
+    let mut all = Vec::new();
     if !entry.namespaces.is_empty() {
         all.push(format!("request.namespace in {}", list(&entry.namespaces)));
     }
@@ -210,6 +212,12 @@ fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
             list(&entry.service_accounts)
         ));
     }
+    all.push(format!("has({image}) && {image} != ''"));
+    all.push(format!(
+        "({} || ({untagged} && ({})))",
+        exact.join(" || "),
+        latest.join(" || ")
+    ));
     if !entry.digests.is_empty() {
         all.push(format!(
             "{}.exists(d, !d.contains('@') && {image}.endsWith('@' + d))",
@@ -460,6 +468,55 @@ fn validating(policy: &GpuPolicy, conditions: Vec<(String, String)>) -> [Rendere
     ]
 }
 
+/// Condition type on a GpuPolicy: what the API server does for it without the webhook.
+pub const CONDITION_ADMISSION_POLICIES: &str = "AdmissionPolicies";
+
+/// The [`CONDITION_ADMISSION_POLICIES`] condition of `policy` (status, reason, message) when
+/// the cluster serves MutatingAdmissionPolicy in `api` (`None`: not served) and `rendered`
+/// is what the operator keeps.
+pub fn admission_condition(
+    policy: &GpuPolicy,
+    api: Option<MutatingApi>,
+    rendered: &[Rendered],
+) -> (&'static str, &'static str, String) {
+    let name = policy.metadata.name.as_deref().unwrap_or_default();
+    let mine = |kind: &str| {
+        (rendered.iter())
+            .any(|r| r.kind == kind && r.object["metadata"]["labels"][LABEL_POLICY] == name)
+    };
+    let object = object_name(name);
+    if !policy.spec.void_non_gpu_containers {
+        return ("False", "Disabled", "voidNonGpuContainers is false: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES".to_owned());
+    }
+    match (policy.spec.mode, api) {
+        (PolicyMode::Deny, _) => (
+            "False",
+            "DenyMode",
+            "Deny mode rejects privileged GPU pods and changes none, so nothing is voided".to_owned(),
+        ),
+        (PolicyMode::Audit, _) if mine(KIND_VALIDATING) => (
+            "True",
+            "Warning",
+            format!("ValidatingAdmissionPolicy {object} warns (and audits) where Enforce would set NVIDIA_VISIBLE_DEVICES=void"),
+        ),
+        (_, None) => (
+            "False",
+            "NotServed",
+            "the API server does not serve MutatingAdmissionPolicy (admissionregistration.k8s.io/v1 from Kubernetes 1.36, v1beta1 with its feature gate in 1.34 and 1.35): containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES; the webhook still rewrites privileged GPU pods".to_owned(),
+        ),
+        (_, Some(api)) if mine(KIND_MUTATING) => (
+            "True",
+            "Kept",
+            format!("MutatingAdmissionPolicy {object} ({}) sets NVIDIA_VISIBLE_DEVICES=void on containers that hold no GPU", api.api_version()),
+        ),
+        _ => (
+            "False",
+            "NotRendered",
+            "this policy or one that outranks it is invalid, so the webhook judges its pods (see Ready)".to_owned(),
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,6 +579,22 @@ mod tests {
             out[0].object["apiVersion"],
             "admissionregistration.k8s.io/v1beta1"
         );
+    }
+
+    #[test]
+    fn the_condition_says_what_the_api_server_does_for_the_policy() {
+        let enforce = named("default", 0, PolicyMode::Enforce);
+        let out = render(&[&enforce], |_| true, MutatingApi::V1);
+        let (status, reason, message) = admission_condition(&enforce, Some(MutatingApi::V1), &out);
+        assert_eq!((status, reason), ("True", "Kept"), "{message}");
+        assert!(message.contains("gpuwarden-default"), "{message}");
+        let (status, reason, _) = admission_condition(&enforce, None, &[]);
+        assert_eq!((status, reason), ("False", "NotServed"));
+        let (_, reason, _) = admission_condition(&enforce, Some(MutatingApi::V1), &[]);
+        assert_eq!(reason, "NotRendered");
+        let audit = named("trial", 0, PolicyMode::Audit);
+        let out = render(&[&audit], |_| true, MutatingApi::V1);
+        assert_eq!(admission_condition(&audit, None, &out).1, "Warning");
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 
+pub mod admission_policies;
 pub mod certs;
 pub mod claim_templates;
 pub mod gpunode;
@@ -45,6 +46,9 @@ pub struct Config {
     pub manage_webhook_certificates: bool,
     /// Taint nodes `gpuwarden.io/gpu-unhealthy:NoSchedule` while `Healthy=False`.
     pub taint_unhealthy_nodes: bool,
+    /// Keep the MutatingAdmissionPolicies (and Audit-mode ValidatingAdmissionPolicies)
+    /// rendered from the GpuPolicies, where the API server serves them.
+    pub admission_policies: bool,
     /// Elect a leader through a Lease; off runs as the only writer.
     pub leader_election: bool,
     /// Most reconciles in flight per controller.
@@ -63,6 +67,7 @@ impl Config {
             health_listen: SocketAddr::from(([0, 0, 0, 0], gpuwarden_crds::install::HEALTH_PORT)),
             manage_webhook_certificates: true,
             taint_unhealthy_nodes: false,
+            admission_policies: true,
             leader_election: true,
             concurrency: 16,
             cert_validity: Duration::from_secs(365 * 86400),

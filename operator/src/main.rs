@@ -47,6 +47,13 @@ struct RunArgs {
     #[arg(long, env = "GPUWARDEN_TAINT_UNHEALTHY_NODES", default_value_t = false)]
     taint_unhealthy_nodes: bool,
 
+    /// Keep a MutatingAdmissionPolicy per GpuPolicy in Enforce mode that sets
+    /// NVIDIA_VISIBLE_DEVICES=void on containers that hold no GPU (a warning
+    /// ValidatingAdmissionPolicy in Audit mode), where the API server serves
+    /// MutatingAdmissionPolicy. Turned off, none is kept and those kept are deleted.
+    #[arg(long, env = "GPUWARDEN_ADMISSION_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
+    admission_policies: bool,
+
     /// Elect a leader through the Lease gpuwarden-operator-leader; only the leader writes.
     /// Turn off only when exactly one replica runs.
     #[arg(long, env = "GPUWARDEN_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
@@ -124,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
     config.health_listen = args.health_listen;
     config.manage_webhook_certificates = args.manage_webhook_certificates;
     config.taint_unhealthy_nodes = args.taint_unhealthy_nodes;
+    config.admission_policies = args.admission_policies;
     config.leader_election = args.leader_election;
     config.concurrency = args.concurrency;
     config.cert_validity = args.cert_validity;

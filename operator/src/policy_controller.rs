@@ -1,9 +1,11 @@
-//! The GpuPolicy reconciler: validates each policy against itself and the others and writes
-//! `Ready` and `observedGeneration` to its status, only when they change.
+//! The GpuPolicy reconciler: validates each policy against itself and the others, keeps the
+//! admission policies the API server runs for them ([`crate::admission_policies`]), and
+//! writes `Ready`, `AdmissionPolicies` and `observedGeneration` to each policy's status, only
+//! when they change.
 
 use std::sync::Arc;
 
-use gpuwarden_crds::conditions::merge_conditions;
+use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{FIELD_MANAGER_OPERATOR, GpuPolicy};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Patch, PatchParams};
@@ -11,7 +13,11 @@ use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, Resource};
 use serde_json::json;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
+
+use crate::admission_policies;
+use gpuwarden_crds::admission_policies::{CONDITION_ADMISSION_POLICIES, admission_condition};
+use gpuwarden_crds::validation::validate_policy;
 
 use crate::metrics::Metrics;
 use crate::node_controller::synced;
@@ -24,6 +30,9 @@ pub const CONTROLLER: &str = "gpupolicy";
 /// A GpuPolicy reconcile that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
+    /// Keeping the admission policies failed.
+    #[error(transparent)]
+    AdmissionPolicies(#[from] crate::admission_policies::AdmissionPolicyError),
     /// Writing the status failed.
     #[error("failed to apply status of GpuPolicy {policy}")]
     Apply {
@@ -40,6 +49,7 @@ impl PolicyError {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Apply { source, .. } => crate::api_error_kind(source),
+            Self::AdmissionPolicies(e) => crate::api_error_kind(e.api_error()),
         }
     }
 }
@@ -56,6 +66,9 @@ pub struct PolicyContext {
     pub leader: Leadership,
     /// Metrics.
     pub metrics: Arc<Metrics>,
+    /// Whether to keep the admission policies rendered from the GpuPolicies (the operator's
+    /// `--admission-policies`).
+    pub admission_policies: bool,
 }
 
 fn same(a: &[Condition], b: &[Condition]) -> bool {
@@ -81,20 +94,44 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
     if !synced(&ctx.policies) {
         return Ok(Action::requeue(std::time::Duration::from_secs(2)));
     }
+    let all = ctx.policies.state();
+    let all_refs: Vec<&GpuPolicy> = all.iter().map(Arc::as_ref).collect();
+    // Every policy's reconcile keeps them all: any change to one may change the others'.
+    let admission = if ctx.admission_policies {
+        let api = admission_policies::discover(&ctx.client).await;
+        if api.is_none() {
+            warn!(
+                "the API server does not serve MutatingAdmissionPolicy: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES"
+            );
+        }
+        let valid = |p: &GpuPolicy| validate_policy(p).is_empty();
+        let desired = admission_policies::desired(&all_refs, valid, api);
+        admission_policies::keep(&ctx.client, &desired, api).await?;
+        Some((api, desired))
+    } else {
+        None
+    };
     let Some(policy) = ctx.policies.get(&ObjectRef::new(name)) else {
         return Ok(Action::await_change());
     };
     if policy.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let all = ctx.policies.state();
-    let all_refs: Vec<&GpuPolicy> = all.iter().map(Arc::as_ref).collect();
-    let desired = ready_condition(&policy, &all_refs);
+    let mut desired = vec![ready_condition(&policy, &all_refs)];
+    if let Some((api, rendered)) = &admission {
+        let (status, reason, message) = admission_condition(&policy, *api, rendered);
+        desired.push(DesiredCondition::new(
+            CONDITION_ADMISSION_POLICIES,
+            status == "True",
+            reason,
+            message,
+        ));
+    }
     let generation = policy.metadata.generation;
     let status = policy.status.clone().unwrap_or_default();
     let merged = merge_conditions(
         &status.conditions,
-        std::slice::from_ref(&desired),
+        &desired,
         generation,
         Time((ctx.clock)()),
     );
@@ -102,8 +139,8 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
         debug!("status already current");
         return Ok(Action::await_change());
     }
-    if desired.status != "True" {
-        info!(reason = %desired.reason, message = %desired.message, "GpuPolicy is invalid");
+    if desired[0].status != "True" {
+        info!(reason = %desired[0].reason, message = %desired[0].message, "GpuPolicy is invalid");
     }
     let body = json!({
         "apiVersion": GpuPolicy::api_version(&()),

@@ -717,6 +717,7 @@ where
         clock: clock.clone(),
         leader: leadership.clone(),
         metrics: metrics.clone(),
+        admission_policies: config.admission_policies,
     });
     let policy_backoff = Arc::new(Backoffs::default());
     let policy_controller = {

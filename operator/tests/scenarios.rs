@@ -614,6 +614,7 @@ fn policy_world(policies: Vec<GpuPolicy>, leader: Leadership) -> (PolicyContext,
             clock,
             leader,
             metrics: Arc::new(Metrics::new()),
+            admission_policies: false,
         },
         api,
     )
