@@ -50,7 +50,8 @@ struct RunArgs {
     /// Keep a MutatingAdmissionPolicy per GpuPolicy in Enforce mode that sets
     /// NVIDIA_VISIBLE_DEVICES=void on containers that hold no GPU (a warning
     /// ValidatingAdmissionPolicy in Audit mode), where the API server serves
-    /// MutatingAdmissionPolicy. Turned off, none is kept and those kept are deleted.
+    /// MutatingAdmissionPolicy. Turned off, the operator writes none and deletes none: remove
+    /// those it kept with `kubectl delete mutatingadmissionpolicies,mutatingadmissionpolicybindings,validatingadmissionpolicies,validatingadmissionpolicybindings -l app.kubernetes.io/managed-by=gpuwarden-operator`.
     #[arg(long, env = "GPUWARDEN_ADMISSION_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
     admission_policies: bool,
 
