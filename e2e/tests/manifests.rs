@@ -417,6 +417,40 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["list", "watch", "create", "patch", "delete"],
         &[],
     ),
+    // src/admission_policies.rs: the admission policies rendered from the GpuPolicies,
+    // applied, listed by label and deleted.
+    (
+        install::OPERATOR_NAME,
+        None,
+        "admissionregistration.k8s.io",
+        "mutatingadmissionpolicies",
+        &["list", "create", "patch", "delete"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "admissionregistration.k8s.io",
+        "mutatingadmissionpolicybindings",
+        &["list", "create", "patch", "delete"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "admissionregistration.k8s.io",
+        "validatingadmissionpolicies",
+        &["list", "create", "patch", "delete"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "admissionregistration.k8s.io",
+        "validatingadmissionpolicybindings",
+        &["list", "create", "patch", "delete"],
+        &[],
+    ),
     // src/node_controller.rs: server-side apply of GpuNode (create + patch), delete, status.
     (
         install::OPERATOR_NAME,
@@ -1856,6 +1890,17 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
         }
         if text.contains("LeaseManagerBuilder") {
             out.insert("leases".into());
+        }
+        // The rendered admission policies, by their kinds through `Api<DynamicObject>`.
+        if text.contains("Api<DynamicObject>") && text.contains("KIND_MUTATING_BINDING") {
+            for resource in [
+                "mutatingadmissionpolicies",
+                "mutatingadmissionpolicybindings",
+                "validatingadmissionpolicies",
+                "validatingadmissionpolicybindings",
+            ] {
+                out.insert(resource.into());
+            }
         }
     }
     out
