@@ -1,19 +1,82 @@
 //! Keeps the admission policies rendered from the GpuPolicies
-//! ([`gpuwarden_crds::admission_policies`]; docs/design.md, "Inside the API server"): asks
-//! the API server whether it serves MutatingAdmissionPolicy, applies what is rendered with
-//! server-side apply, and deletes what gpuwarden rendered before and no longer does.
+//! ([`gpuwarden_crds::admission_policies`]; docs/design.md, "Inside the API server"): one
+//! keeper pass applies what is rendered with server-side apply and deletes what gpuwarden
+//! rendered before and no longer does. Whether the API server serves MutatingAdmissionPolicy
+//! is asked once at start. The GpuPolicy reconciler reads [`Keeping`] for each policy's
+//! `AdmissionPolicies` condition.
+
+use std::sync::{Arc, Mutex};
 
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::admission_policies::{
     ADMISSION_GROUP, KIND_MUTATING, KIND_MUTATING_BINDING, KIND_VALIDATING,
     KIND_VALIDATING_BINDING, LABEL_MANAGED_BY, MANAGED_BY, MutatingApi, Rendered, render,
 };
+use gpuwarden_crds::validation::validate_policy;
 use gpuwarden_crds::{FIELD_MANAGER_OPERATOR, error_chain};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
 };
+use kube::runtime::reflector::Store;
 use kube::{Api, Client};
+use tokio::sync::mpsc;
 use tracing::{info, warn};
+
+use crate::Leadership;
+use crate::metrics::Metrics;
+
+/// Controller name in metrics and logs.
+pub const CONTROLLER: &str = "admission-policies";
+
+/// What the keeper found: which version serves MutatingAdmissionPolicy, and why its last
+/// pass failed, if it did.
+#[derive(Debug)]
+pub struct Keeping {
+    /// The version serving MutatingAdmissionPolicy, if any.
+    pub api: Option<MutatingApi>,
+    failure: Mutex<Option<String>>,
+}
+
+impl Keeping {
+    /// Nothing kept yet, where `api` serves MutatingAdmissionPolicy.
+    pub fn new(api: Option<MutatingApi>) -> Self {
+        Self {
+            api,
+            failure: Mutex::new(None),
+        }
+    }
+
+    /// Why the last pass failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().map(|f| f.clone()).unwrap_or_default()
+    }
+
+    /// Records a pass; whether that changed what [`Keeping::failure`] says.
+    fn record(&self, failure: Option<String>) -> bool {
+        let Ok(mut last) = self.failure.lock() else {
+            return false;
+        };
+        let changed = *last != failure;
+        *last = failure;
+        changed
+    }
+}
+
+/// What the keeper needs.
+pub struct AdmissionContext {
+    /// API client.
+    pub client: Client,
+    /// Every GpuPolicy.
+    pub policies: Store<GpuPolicy>,
+    /// What was discovered and how the last pass went.
+    pub keeping: Arc<Keeping>,
+    /// Wakes the GpuPolicy reconciler when the last pass's outcome changes.
+    pub policies_changed: mpsc::UnboundedSender<()>,
+    /// Whether this replica may write.
+    pub leader: Leadership,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+}
 
 /// Keeping the admission policies failed.
 #[derive(Debug, thiserror::Error)]
@@ -34,10 +97,10 @@ pub enum AdmissionPolicyError {
 }
 
 impl AdmissionPolicyError {
-    /// The API error.
-    pub fn api_error(&self) -> &kube::Error {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
         match self {
-            Self::Write { source, .. } => source,
+            Self::Write { source, .. } => crate::api_error_kind(source),
         }
     }
 }
@@ -66,13 +129,11 @@ pub async fn discover(client: &Client) -> Option<MutatingApi> {
     None
 }
 
-/// What to keep for `policies` where the cluster serves `api`: everything rendered, less the
-/// MutatingAdmissionPolicies where it serves none.
-pub fn desired(
-    policies: &[&GpuPolicy],
-    valid: impl Fn(&GpuPolicy) -> bool,
-    api: Option<MutatingApi>,
-) -> Vec<Rendered> {
+/// What to keep for `policies` where the cluster serves `api`: everything rendered from the
+/// valid ones (the webhook's test, [`validate_policy`]), less the MutatingAdmissionPolicies
+/// where it serves none.
+pub fn desired(policies: &[&GpuPolicy], api: Option<MutatingApi>) -> Vec<Rendered> {
+    let valid = |p: &GpuPolicy| validate_policy(p).is_empty();
     let mut out = render(policies, valid, api.unwrap_or(MutatingApi::V1));
     if api.is_none() {
         out.retain(|r| r.kind != KIND_MUTATING && r.kind != KIND_MUTATING_BINDING);
@@ -90,6 +151,26 @@ fn resource(kind: &'static str, api: Option<MutatingApi>) -> Option<ApiResource>
         version,
         kind,
     )))
+}
+
+/// One pass: what the policies call for, kept; the outcome recorded in [`Keeping`], and the
+/// GpuPolicy reconciler woken when it changed. Only the leader writes.
+#[tracing::instrument(skip(ctx))]
+pub async fn reconcile_admission_policies(
+    ctx: &AdmissionContext,
+) -> Result<(), AdmissionPolicyError> {
+    if !ctx.leader.is_leader() {
+        return Ok(());
+    }
+    let policies = ctx.policies.state();
+    let refs: Vec<&GpuPolicy> = policies.iter().map(AsRef::as_ref).collect();
+    let api = ctx.keeping.api;
+    let result = keep(&ctx.client, &desired(&refs, api), api).await;
+    let failure = result.as_ref().err().map(|e| error_chain(e));
+    if ctx.keeping.record(failure) {
+        let _ = ctx.policies_changed.send(());
+    }
+    result
 }
 
 /// Applies `desired` and deletes every object of the four kinds that carries gpuwarden's

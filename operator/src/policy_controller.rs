@@ -1,7 +1,7 @@
-//! The GpuPolicy reconciler: validates each policy against itself and the others, keeps the
-//! admission policies the API server runs for them ([`crate::admission_policies`]), and
-//! writes `Ready`, `AdmissionPolicies` and `observedGeneration` to each policy's status, only
-//! when they change.
+//! The GpuPolicy reconciler: validates each policy against itself and the others, and writes
+//! `Ready`, `AdmissionPolicies` (what the API server does for it, as
+//! [`crate::admission_policies`] keeps it) and `observedGeneration` to its status, only when
+//! they change.
 
 use std::sync::Arc;
 
@@ -13,11 +13,10 @@ use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, Resource};
 use serde_json::json;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
-use crate::admission_policies;
+use crate::admission_policies::{self, Keeping};
 use gpuwarden_crds::admission_policies::{CONDITION_ADMISSION_POLICIES, admission_condition};
-use gpuwarden_crds::validation::validate_policy;
 
 use crate::metrics::Metrics;
 use crate::node_controller::synced;
@@ -30,9 +29,6 @@ pub const CONTROLLER: &str = "gpupolicy";
 /// A GpuPolicy reconcile that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    /// Keeping the admission policies failed.
-    #[error(transparent)]
-    AdmissionPolicies(#[from] crate::admission_policies::AdmissionPolicyError),
     /// Writing the status failed.
     #[error("failed to apply status of GpuPolicy {policy}")]
     Apply {
@@ -49,7 +45,6 @@ impl PolicyError {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Apply { source, .. } => crate::api_error_kind(source),
-            Self::AdmissionPolicies(e) => crate::api_error_kind(e.api_error()),
         }
     }
 }
@@ -66,9 +61,9 @@ pub struct PolicyContext {
     pub leader: Leadership,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Whether to keep the admission policies rendered from the GpuPolicies (the operator's
+    /// The admission policies' keeper, where they are kept (the operator's
     /// `--admission-policies`).
-    pub admission_policies: bool,
+    pub admission_policies: Option<Arc<Keeping>>,
 }
 
 fn same(a: &[Condition], b: &[Condition]) -> bool {
@@ -84,6 +79,31 @@ fn same(a: &[Condition], b: &[Condition]) -> bool {
         })
 }
 
+/// `policy`'s `AdmissionPolicies` condition: what is rendered for it, unless the keeper's
+/// last pass failed to keep it.
+fn admission_policies_condition(
+    policy: &GpuPolicy,
+    all: &[&GpuPolicy],
+    keeping: &Keeping,
+) -> DesiredCondition {
+    let rendered = admission_policies::desired(all, keeping.api);
+    let (status, reason, message) = admission_condition(policy, keeping.api, &rendered);
+    match keeping.failure() {
+        Some(why) if status == "True" => DesiredCondition::new(
+            CONDITION_ADMISSION_POLICIES,
+            false,
+            "KeepFailed",
+            format!("the operator could not keep the admission policies: {why}"),
+        ),
+        _ => DesiredCondition::new(
+            CONDITION_ADMISSION_POLICIES,
+            status == "True",
+            reason,
+            message,
+        ),
+    }
+}
+
 /// Reconciles one policy's status. Valid or not, it then waits for a change: an invalid
 /// policy is fixed by editing it, not by retrying.
 #[tracing::instrument(skip(ctx), fields(policy = %name))]
@@ -94,38 +114,17 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
     if !synced(&ctx.policies) {
         return Ok(Action::requeue(std::time::Duration::from_secs(2)));
     }
-    let all = ctx.policies.state();
-    let all_refs: Vec<&GpuPolicy> = all.iter().map(Arc::as_ref).collect();
-    // Every policy's reconcile keeps them all: any change to one may change the others'.
-    let admission = if ctx.admission_policies {
-        let api = admission_policies::discover(&ctx.client).await;
-        if api.is_none() {
-            warn!(
-                "the API server does not serve MutatingAdmissionPolicy: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES"
-            );
-        }
-        let valid = |p: &GpuPolicy| validate_policy(p).is_empty();
-        let desired = admission_policies::desired(&all_refs, valid, api);
-        admission_policies::keep(&ctx.client, &desired, api).await?;
-        Some((api, desired))
-    } else {
-        None
-    };
     let Some(policy) = ctx.policies.get(&ObjectRef::new(name)) else {
         return Ok(Action::await_change());
     };
     if policy.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
+    let all = ctx.policies.state();
+    let all_refs: Vec<&GpuPolicy> = all.iter().map(Arc::as_ref).collect();
     let mut desired = vec![ready_condition(&policy, &all_refs)];
-    if let Some((api, rendered)) = &admission {
-        let (status, reason, message) = admission_condition(&policy, *api, rendered);
-        desired.push(DesiredCondition::new(
-            CONDITION_ADMISSION_POLICIES,
-            status == "True",
-            reason,
-            message,
-        ));
+    if let Some(keeping) = &ctx.admission_policies {
+        desired.push(admission_policies_condition(&policy, &all_refs, keeping));
     }
     let generation = policy.metadata.generation;
     let status = policy.status.clone().unwrap_or_default();

@@ -32,6 +32,7 @@ use std::fmt::Debug;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
+use crate::admission_policies::{self, AdmissionContext, Keeping};
 use crate::certs::CertParams;
 use crate::claim_templates::{self, TemplateContext};
 use crate::gpunode::{agent_liveness, node_gpu_signal};
@@ -414,6 +415,8 @@ where
     let (templates_tx, templates_changed) = mpsc::unbounded_channel::<()>();
     // The condition keeper, when a policy or the webhook configuration changes.
     let (conditions_tx, conditions_changed) = mpsc::unbounded_channel::<()>();
+    // The admission policies' keeper, when a policy changes.
+    let (admission_tx, admission_changed) = mpsc::unbounded_channel::<()>();
 
     let tasks = vec![
         report_leadership(leadership.clone(), metrics.clone(), sd_rx.clone()),
@@ -491,25 +494,31 @@ where
                     ))
                 },
                 {
-                    let (policies_tx, templates_tx, conditions_tx) = (
+                    let (policies_tx, templates_tx, conditions_tx, admission_tx) = (
                         policies_tx.clone(),
                         templates_tx.clone(),
                         conditions_tx.clone(),
+                        admission_tx.clone(),
                     );
                     move |p: &GpuPolicy| {
                         let _ = policy_tx.send(p.clone());
                         let _ = policies_tx.send(());
                         let _ = templates_tx.send(());
                         let _ = conditions_tx.send(());
+                        let _ = admission_tx.send(());
                     }
                 },
                 {
-                    let (templates_tx, conditions_tx) =
-                        (templates_tx.clone(), conditions_tx.clone());
+                    let (policies_tx, templates_tx, conditions_tx) = (
+                        policies_tx.clone(),
+                        templates_tx.clone(),
+                        conditions_tx.clone(),
+                    );
                     move |_| {
                         let _ = policies_tx.send(());
                         let _ = templates_tx.send(());
                         let _ = conditions_tx.send(());
+                        let _ = admission_tx.send(());
                     }
                 },
             ),
@@ -711,13 +720,26 @@ where
     };
     let policies_for_templates = policies.clone();
     let policies_for_conditions = policies.clone();
+    let policies_for_admission = policies.clone();
+    let keeping = if config.admission_policies {
+        let api = admission_policies::discover(&client).await;
+        match api {
+            Some(api) => info!(version = api.version(), "keeping MutatingAdmissionPolicies"),
+            None => warn!(
+                "the API server does not serve MutatingAdmissionPolicy: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES"
+            ),
+        }
+        Some(Arc::new(Keeping::new(api)))
+    } else {
+        None
+    };
     let policy_ctx = Arc::new(PolicyContext {
         client: client.clone(),
         policies: policies.clone(),
         clock: clock.clone(),
         leader: leadership.clone(),
         metrics: metrics.clone(),
-        admission_policies: config.admission_policies,
+        admission_policies: keeping.clone(),
     });
     let policy_backoff = Arc::new(Backoffs::default());
     let policy_controller = {
@@ -807,13 +829,42 @@ where
         )
         .await;
     };
+    let admission = async {
+        let Some(keeping) = keeping else {
+            return;
+        };
+        let ctx = AdmissionContext {
+            client: client.clone(),
+            policies: policies_for_admission,
+            keeping,
+            policies_changed: policies_tx,
+            leader: leadership.clone(),
+            metrics: metrics.clone(),
+        };
+        // An empty cache would delete every policy kept.
+        let ready = async {
+            let _ = ctx.policies.wait_until_ready().await;
+        };
+        keep(
+            admission_policies::CONTROLLER,
+            &ctx.leader,
+            &ctx.metrics,
+            ready,
+            || admission_policies::reconcile_admission_policies(&ctx),
+            admission_policies::AdmissionPolicyError::kind,
+            admission_changed,
+            sd_rx.clone(),
+        )
+        .await;
+    };
     tokio::join!(
         drain(node_controller),
         drain(orphan_controller),
         drain(policy_controller),
         certs,
         templates,
-        conditions
+        conditions,
+        admission
     );
     finish(tasks, leader_task, health_task).await
 }

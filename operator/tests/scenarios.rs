@@ -614,7 +614,7 @@ fn policy_world(policies: Vec<GpuPolicy>, leader: Leadership) -> (PolicyContext,
             clock,
             leader,
             metrics: Arc::new(Metrics::new()),
-            admission_policies: false,
+            admission_policies: None,
         },
         api,
     )
@@ -1134,4 +1134,119 @@ async fn claim_templates_are_applied_where_missing_and_deleted_where_unwanted() 
     let (ctx, api) = world(vec![], standby);
     assert_eq!(reconcile_templates(&ctx).await.unwrap(), Written::default());
     assert!(api.requests().is_empty());
+}
+
+/// The admission policies' keeper applies what the GpuPolicies render under the operator's
+/// field manager, policies before bindings, and deletes by label what no policy renders any
+/// more; a failed pass is recorded, wakes the GpuPolicy reconciler, and turns the policy's
+/// `AdmissionPolicies` condition to KeepFailed.
+#[tokio::test]
+async fn admission_policies_are_applied_stale_ones_deleted_and_a_failure_reported() {
+    use gpuwarden_crds::admission_policies::{CONDITION_ADMISSION_POLICIES, MutatingApi};
+    use gpuwarden_operator::admission_policies::{
+        AdmissionContext, Keeping, reconcile_admission_policies,
+    };
+
+    const MAPS: &str = "/apis/admissionregistration.k8s.io/v1/mutatingadmissionpolicies";
+    let forbid = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let respond: Responder = {
+        let forbid = forbid.clone();
+        Arc::new(move |s: &Seen| match s.method.as_str() {
+            "PATCH" if forbid.load(Ordering::SeqCst) => (
+                StatusCode::FORBIDDEN,
+                json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403, "message": "forbidden"}),
+            ),
+            // A policy left from a GpuPolicy that is gone.
+            "GET" if s.path == MAPS => (
+                StatusCode::OK,
+                json!({"apiVersion": "v1", "kind": "PartialObjectMetadataList", "metadata": {},
+                    "items": [{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                        "metadata": {"name": "gpuwarden-gone"}},
+                        {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                        "metadata": {"name": "gpuwarden-default"}}]}),
+            ),
+            "GET" => (
+                StatusCode::OK,
+                json!({"apiVersion": "v1", "kind": "PartialObjectMetadataList", "metadata": {}, "items": []}),
+            ),
+            _ => echo()(s),
+        })
+    };
+    let (client, api) = FakeApi::start(respond);
+    let (store, writer) = cache(vec![GpuPolicy::default_policy()], true);
+    std::mem::forget(writer);
+    let keeping = Arc::new(Keeping::new(Some(MutatingApi::V1)));
+    let (policies_tx, mut policies_changed) = tokio::sync::mpsc::unbounded_channel();
+    let ctx = AdmissionContext {
+        client: client.clone(),
+        policies: store.clone(),
+        keeping: keeping.clone(),
+        policies_changed: policies_tx,
+        leader: Leadership::always(),
+        metrics: Arc::new(Metrics::new()),
+    };
+    reconcile_admission_policies(&ctx).await.unwrap();
+    let writes: Vec<String> = (api.writes().iter())
+        .map(|s| format!("{} {}", s.method, s.path))
+        .collect();
+    assert_eq!(
+        writes,
+        [
+            format!("PATCH {MAPS}/gpuwarden-default"),
+            "PATCH /apis/admissionregistration.k8s.io/v1/mutatingadmissionpolicybindings/gpuwarden-default".to_owned(),
+            format!("DELETE {MAPS}/gpuwarden-gone"),
+        ]
+    );
+    for write in api.writes().iter().filter(|s| s.method == "PATCH") {
+        assert!(
+            write.query.contains("fieldManager=gpuwarden-operator")
+                && write.query.contains("force=true"),
+            "{write:?}"
+        );
+    }
+    let lists: Vec<Seen> = api
+        .requests()
+        .into_iter()
+        .filter(|s| s.method == "GET")
+        .collect();
+    assert_eq!(lists.len(), 4);
+    assert!(
+        lists.iter().all(|s| s
+            .query
+            .contains("labelSelector=app.kubernetes.io%2Fmanaged-by%3Dgpuwarden-operator")),
+        "{lists:?}"
+    );
+    assert_eq!(keeping.failure(), None);
+    assert!(
+        policies_changed.try_recv().is_err(),
+        "nothing changed for the conditions"
+    );
+
+    // Refused: the pass fails, says so once, and the condition says it too.
+    forbid.store(true, Ordering::SeqCst);
+    assert!(reconcile_admission_policies(&ctx).await.is_err());
+    let failure = keeping.failure().expect("recorded");
+    assert!(
+        failure.contains("failed to apply MutatingAdmissionPolicy gpuwarden-default"),
+        "{failure}"
+    );
+    assert!(policies_changed.try_recv().is_ok());
+    let (clock, _) = clock_at(0);
+    let pctx = PolicyContext {
+        client,
+        policies: store,
+        clock,
+        leader: Leadership::always(),
+        metrics: Arc::new(Metrics::new()),
+        admission_policies: Some(keeping),
+    };
+    forbid.store(false, Ordering::SeqCst);
+    reconcile_policy("default", &pctx).await.unwrap();
+    let status = api.writes().last().expect("status written").body["status"].clone();
+    let admission = condition(
+        status["conditions"].as_array().unwrap(),
+        CONDITION_ADMISSION_POLICIES,
+    );
+    assert_eq!(admission["status"], "False");
+    assert_eq!(admission["reason"], "KeepFailed");
 }
