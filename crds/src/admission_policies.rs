@@ -18,8 +18,8 @@
 
 use serde_json::{Value, json};
 
-use crate::cel::{glob_regex, list, literal, selects};
-use crate::gpu::{DEVICE_LIST_ROOT, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
+use crate::cel::{exemption_scope, glob_regex, list, literal, pod_exempt, selects};
+use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
 use crate::policy::{ContainerExemption, GpuPolicy, PolicyMode};
 use crate::{GROUP, RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VERSION};
 
@@ -158,7 +158,6 @@ pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
 /// Part of every device-list path: a mount path that contains it is never voided, by the
 /// engine or the API server (CEL cannot clean a path, so both test the raw text).
 pub const DEVICE_LIST_MARK: &str = "nvidia-container-devices";
-const _: () = assert!(DEVICE_LIST_ROOT.len() > DEVICE_LIST_MARK.len());
 
 /// CEL: `r` (a resource name) is a GPU resource under `policy` ([`crate::gpu::Rules`]).
 fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
@@ -179,9 +178,6 @@ fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
     format!("({})", any.join(" || "))
 }
 
-/// The pod's service account as `namespace/name`, as the API server fills it in.
-const SERVICE_ACCOUNT: &str = "(request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default'))";
-
 /// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
 /// the entry exempts nothing (it names neither namespaces nor service accounts).
 fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
@@ -201,29 +197,14 @@ fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
             )
         })
         .unzip();
-    // The scope first: outside it no pattern is tried.
-    let mut all = Vec::new();
-    if !entry.namespaces.is_empty() {
-        all.push(format!("request.namespace in {}", list(&entry.namespaces)));
-    }
-    if !entry.service_accounts.is_empty() {
-        all.push(format!(
-            "{SERVICE_ACCOUNT} in {}",
-            list(&entry.service_accounts)
-        ));
-    }
-    all.push(format!("has({image}) && {image} != ''"));
+    // The scope before the patterns: outside it none is tried.
+    let mut all = vec![format!("has({image}) && {image} != ''")];
+    all.extend(exemption_scope(entry, &image));
     all.push(format!(
         "({} || ({untagged} && ({})))",
         exact.join(" || "),
         latest.join(" || ")
     ));
-    if !entry.digests.is_empty() {
-        all.push(format!(
-            "{}.exists(d, !d.contains('@') && {image}.endsWith('@' + d))",
-            list(&entry.digests)
-        ));
-    }
     Some(format!("({})", all.join(" && ")))
 }
 
@@ -248,20 +229,7 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
             format!("!({})", selected.join(" && ")),
         ));
     }
-    let exemptions = &policy.spec.exemptions;
-    let mut exempt = Vec::new();
-    if !exemptions.namespaces.is_empty() {
-        exempt.push(format!(
-            "request.namespace in {}",
-            list(&exemptions.namespaces)
-        ));
-    }
-    if !exemptions.service_accounts.is_empty() {
-        exempt.push(format!(
-            "{SERVICE_ACCOUNT} in {}",
-            list(&exemptions.service_accounts)
-        ));
-    }
+    let exempt = pod_exempt(&policy.spec.exemptions);
     if !exempt.is_empty() {
         conditions.push((
             "pod-not-exempt".to_owned(),
@@ -604,6 +572,11 @@ mod tests {
         let mut off = named("off", 0, PolicyMode::Enforce);
         off.spec.void_non_gpu_containers = false;
         assert!(render(&[&off], |_| true, MutatingApi::V1).is_empty());
+    }
+
+    #[test]
+    fn every_device_list_path_holds_the_mark() {
+        assert!(crate::gpu::DEVICE_LIST_ROOT.contains(DEVICE_LIST_MARK));
     }
 
     #[test]

@@ -3,6 +3,53 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
+use crate::policy::{ContainerExemption, Exemptions};
+
+/// The pod's service account as `namespace/name`, as the API server fills it in.
+pub(crate) const SERVICE_ACCOUNT: &str = "(request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default'))";
+
+/// CEL terms, any of which exempts the whole pod: its namespace or its service account is
+/// listed ([`Exemptions::pod_exemption`]).
+pub(crate) fn pod_exempt(exemptions: &Exemptions) -> Vec<String> {
+    let mut any = Vec::new();
+    if !exemptions.namespaces.is_empty() {
+        any.push(format!(
+            "request.namespace in {}",
+            list(&exemptions.namespaces)
+        ));
+    }
+    if !exemptions.service_accounts.is_empty() {
+        any.push(format!(
+            "{SERVICE_ACCOUNT} in {}",
+            list(&exemptions.service_accounts)
+        ));
+    }
+    any
+}
+
+/// CEL terms, all of which a container exemption's scope needs: the pod's namespace and
+/// service account among those listed, and, where digests are listed, `image` (a CEL
+/// expression) pinned to one of them ([`ContainerExemption::covers`]).
+pub(crate) fn exemption_scope(entry: &ContainerExemption, image: &str) -> Vec<String> {
+    let mut all = Vec::new();
+    if !entry.namespaces.is_empty() {
+        all.push(format!("request.namespace in {}", list(&entry.namespaces)));
+    }
+    if !entry.service_accounts.is_empty() {
+        all.push(format!(
+            "{SERVICE_ACCOUNT} in {}",
+            list(&entry.service_accounts)
+        ));
+    }
+    if !entry.digests.is_empty() {
+        all.push(format!(
+            "{}.exists(d, {image}.endsWith('@' + d))",
+            list(&entry.digests)
+        ));
+    }
+    all
+}
+
 /// A CEL string literal.
 pub(crate) fn literal(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 2);

@@ -13,14 +13,11 @@
 //! and the webhook decides, so the condition only ever lets through pods the engine would
 //! leave unchanged.
 
-use crate::cel::{list, literal};
+use crate::cel::{exemption_scope, literal, pod_exempt};
 use crate::{ContainerExemption, GpuPolicy};
 
 /// Name of the condition in the webhook configuration.
 pub const NOT_EXEMPT_CONDITION: &str = "gpuwarden-not-exempt";
-
-/// The pod's service account as `namespace/name`, as the API server fills it in.
-const SERVICE_ACCOUNT: &str = "request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default')";
 
 /// The CEL of [`NOT_EXEMPT_CONDITION`] for these policies; `valid` says whether a policy's
 /// image exemptions hold (the operator's validation). `true` when there is no policy, or
@@ -46,16 +43,7 @@ pub fn not_exempt_expression<'p>(
 /// The CEL that says a pod is exempt under `policy`, or `None` when nothing can be.
 fn exempt_under(policy: &GpuPolicy, images_hold: bool) -> Option<String> {
     let ex = &policy.spec.exemptions;
-    let mut any = Vec::new();
-    if !ex.namespaces.is_empty() {
-        any.push(format!("request.namespace in {}", list(&ex.namespaces)));
-    }
-    if !ex.service_accounts.is_empty() {
-        any.push(format!(
-            "({SERVICE_ACCOUNT}) in {}",
-            list(&ex.service_accounts)
-        ));
-    }
+    let mut any = pod_exempt(ex);
     let entries: Vec<String> = if images_hold {
         ex.containers.iter().filter_map(entry_covers).collect()
     } else {
@@ -82,21 +70,7 @@ fn entry_covers(entry: &ContainerExemption) -> Option<String> {
         return None;
     }
     let mut all = vec![format!("({})", images.join(" || "))];
-    if !entry.namespaces.is_empty() {
-        all.push(format!("request.namespace in {}", list(&entry.namespaces)));
-    }
-    if !entry.service_accounts.is_empty() {
-        all.push(format!(
-            "({SERVICE_ACCOUNT}) in {}",
-            list(&entry.service_accounts)
-        ));
-    }
-    if !entry.digests.is_empty() {
-        all.push(format!(
-            "{}.exists(d, c.image.endsWith('@' + d))",
-            list(&entry.digests)
-        ));
-    }
+    all.extend(exemption_scope(entry, "c.image"));
     Some(format!("({})", all.join(" && ")))
 }
 

@@ -190,19 +190,12 @@ fn to_json(value: &Cel) -> Value {
     }
 }
 
-/// The values of a ValidatingAdmissionPolicy's `variables` for one request, each seeing
-/// the ones before it, as `vars` plus `variables`.
-fn with_variables<'v>(
-    policy: &Document,
-    vars: &BTreeMap<&'v str, Value>,
-) -> BTreeMap<&'v str, Value> {
+/// The values of an admission policy's `variables` (the policy as JSON) for one request,
+/// each seeing the ones before it, as `vars` plus `variables`.
+fn with_variables<'v>(policy: &Value, vars: &BTreeMap<&'v str, Value>) -> BTreeMap<&'v str, Value> {
     let mut vars = vars.clone();
     let mut variables = serde_json::Map::new();
-    for variable in policy.value["spec"]["variables"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
+    for variable in policy["spec"]["variables"].as_array().into_iter().flatten() {
         vars.insert("variables", Value::Object(variables.clone()));
         let name = variable["name"].as_str().expect("name");
         let value = eval(variable["expression"].as_str().expect("expression"), &vars);
@@ -222,7 +215,7 @@ fn decide(policy: &Document, vars: &BTreeMap<&str, Value>) -> Option<Vec<String>
             return None;
         }
     }
-    let vars = with_variables(policy, vars);
+    let vars = with_variables(&policy.value, vars);
     let mut failures = Vec::new();
     for validation in spec["validations"].as_array().into_iter().flatten() {
         if !eval_bool(
@@ -265,16 +258,23 @@ fn request(namespace: &str) -> Value {
            "resource": {"group": "", "version": "v1", "resource": "pods"}})
 }
 
+/// The shipped webhook's `may-reach-gpus` matchCondition.
+fn may_reach_gpus() -> String {
+    let docs = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
+    let condition = &docs[0].value["webhooks"][0]["matchConditions"][0];
+    assert_eq!(condition["name"], "may-reach-gpus");
+    condition["expression"]
+        .as_str()
+        .expect("expression")
+        .to_owned()
+}
+
 /// The webhook's matchConditions send a pod exactly when some container (regular, init or
 /// ephemeral) is privileged or names GPUs through the runtime's own channels, or the pod
 /// carries a CDI annotation; ordinary pods, GPU requests among them, are never sent.
 #[test]
 fn match_conditions_select_pods_that_may_reach_gpus() {
-    let docs = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
-    let condition = docs[0].value["webhooks"][0]["matchConditions"][0]["expression"]
-        .as_str()
-        .expect("expression")
-        .to_string();
+    let condition = may_reach_gpus();
     let cases = [
         (pod(json!({"containers": [container("a", None)]})), false),
         (
@@ -1130,12 +1130,13 @@ fn backstop_agrees_with_the_gpu_predicate() {
             ("namespaceObject", json!({"metadata": {"name": "team-a"}})),
             ("params", case.policy.clone()),
         ]);
-        let cel: BTreeSet<String> = with_variables(&backstop, &vars)["variables"]["offending"]
-            .as_array()
-            .expect("offending is a list")
-            .iter()
-            .map(|n| n.as_str().expect("a name").to_owned())
-            .collect();
+        let cel: BTreeSet<String> =
+            with_variables(&backstop.value, &vars)["variables"]["offending"]
+                .as_array()
+                .expect("offending is a list")
+                .iter()
+                .map(|n| n.as_str().expect("a name").to_owned())
+                .collect();
         let explain = || {
             format!(
                 "case {i}: predicate {predicate:?}, backstop {cel:?}\npod: {:#}\npolicy spec: {:#}",
@@ -1197,11 +1198,7 @@ fn the_exemption_condition_skips_only_pods_the_engine_leaves_unchanged() {
         "nvcr.io/nvidia/driver",
         "registry.example.com/team/tools:1.0",
     ];
-    let shipped = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
-    let may_reach = shipped[0].value["webhooks"][0]["matchConditions"][0]["expression"]
-        .as_str()
-        .expect("expression")
-        .to_owned();
+    let may_reach = may_reach_gpus();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6e6f_7465_7865_6d70);
     let (mut skipped, mut skipped_privileged, mut sent) = (0, 0, 0);
     for (i, case) in generated::cases(2400).into_iter().enumerate() {
@@ -1454,11 +1451,7 @@ fn api_server_policies_follow_the_engine() {
         "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
         "registry.example.com/team/tools:1.0",
     ];
-    let webhook = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
-    let may_reach = webhook[0].value["webhooks"][0]["matchConditions"][0]["expression"]
-        .as_str()
-        .expect("expression")
-        .to_owned();
+    let may_reach = may_reach_gpus();
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6d61_7073_6469_6666);
     let cases = generated::cases(2400);
     let total = cases.len();
@@ -1628,7 +1621,7 @@ fn api_server_policies_follow_the_engine() {
             ) {
                 continue;
             }
-            let vars = with_variables_of(&policy.object, &vars);
+            let vars = with_variables(&policy.object, &vars);
             let names: Vec<String> =
                 serde_json::from_value(vars["variables"]["voided"].clone()).expect("names");
             if !names.is_empty() {
@@ -1650,16 +1643,4 @@ fn api_server_policies_follow_the_engine() {
         by_policy >= 150 && by_both >= 15 && by_webhook >= 500 && audited >= 50 && denied >= 100,
         "{by_policy} {by_both} {by_webhook} {audited} {denied}"
     );
-}
-
-/// [`with_variables`] for a policy given as JSON.
-fn with_variables_of<'v>(
-    policy: &Value,
-    vars: &BTreeMap<&'v str, Value>,
-) -> BTreeMap<&'v str, Value> {
-    let document = Document {
-        source: String::new(),
-        value: policy.clone(),
-    };
-    with_variables(&document, vars)
 }
