@@ -103,13 +103,14 @@ pub fn render(
         let Some(conditions) = match_conditions(policy, &ordered[..at]) else {
             break;
         };
-        if !policy.spec.void_non_gpu_containers {
-            continue;
-        }
         match policy.spec.mode {
-            PolicyMode::Enforce => out.extend(mutating(policy, conditions, api)),
-            PolicyMode::Audit => out.extend(validating(policy, conditions)),
-            PolicyMode::Deny => {}
+            PolicyMode::Enforce => {
+                out.extend(mutating(policy, conditions, api).into_iter().flatten())
+            }
+            PolicyMode::Audit if policy.spec.void_non_gpu_containers => {
+                out.extend(validating(policy, conditions))
+            }
+            PolicyMode::Audit | PolicyMode::Deny => {}
         }
     }
     out
@@ -160,7 +161,7 @@ pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
 pub const DEVICE_LIST_MARK: &str = "nvidia-container-devices";
 
 /// CEL: `r` (a resource name) is a GPU resource under `policy` ([`crate::gpu::Rules`]).
-fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
+pub(crate) fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
     let mut names = vec![RESOURCE_GPU.to_owned(), RESOURCE_GPU_SHARED.to_owned()];
     let own = &policy.spec.gpu.resource_name;
     if !names.contains(own) {
@@ -180,7 +181,7 @@ fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
 
 /// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
 /// the entry exempts nothing (it names neither namespaces nor service accounts).
-fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
+pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
     if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
         return None;
     }
@@ -344,12 +345,33 @@ fn constraints() -> Value {
     })
 }
 
+/// The MutatingAdmissionPolicy of an Enforce policy and its binding: the privileged-GPU
+/// rewrite where CEL can do it ([`crate::admission_rewrite`]), then the void rule on the pod
+/// as the rewrite leaves it. `None` when it would do neither.
 fn mutating(
     policy: &GpuPolicy,
     conditions: Vec<(String, String)>,
     api: MutatingApi,
-) -> [Rendered; 2] {
+) -> Option<[Rendered; 2]> {
     let name = object_name(policy.metadata.name.as_deref().unwrap_or_default());
+    let patch = |expression: String| json!({"patchType": "JSONPatch", "jsonPatch": {"expression": expression}});
+    let mut variables = Vec::new();
+    let mut mutations = Vec::new();
+    if let Some((vars, expression)) =
+        crate::admission_rewrite::rewrite(policy, &gpu_resource(policy, "r"))
+    {
+        variables = (vars.into_iter())
+            .map(|(name, expression)| json!({"name": name, "expression": expression}))
+            .collect();
+        mutations.push(patch(expression));
+    }
+    // The mutations run in order, each on the pod as the one before left it.
+    if policy.spec.void_non_gpu_containers {
+        mutations.push(patch(void_patch_expression(policy)));
+    }
+    if mutations.is_empty() {
+        return None;
+    }
     let policy_object = json!({
         "apiVersion": api.api_version(),
         "kind": KIND_MUTATING,
@@ -361,10 +383,8 @@ fn mutating(
             "matchConditions": conditions_json(conditions),
             // Containers another webhook adds after this policy ran are voided too.
             "reinvocationPolicy": "IfNeeded",
-            "mutations": [{
-                "patchType": "JSONPatch",
-                "jsonPatch": {"expression": void_patch_expression(policy)},
-            }],
+            "variables": variables,
+            "mutations": mutations,
         },
     });
     let binding = json!({
@@ -376,7 +396,7 @@ fn mutating(
             "matchResources": match_resources(policy),
         },
     });
-    [
+    Some([
         Rendered {
             kind: KIND_MUTATING,
             name: name.clone(),
@@ -387,7 +407,7 @@ fn mutating(
             name,
             object: binding,
         },
-    ]
+    ])
 }
 
 fn validating(policy: &GpuPolicy, conditions: Vec<(String, String)>) -> [Rendered; 2] {
@@ -453,29 +473,51 @@ pub fn admission_condition(
             .any(|r| r.kind == kind && r.object["metadata"]["labels"][LABEL_POLICY] == name)
     };
     let object = object_name(name);
-    if !policy.spec.void_non_gpu_containers {
-        return ("False", "Disabled", "voidNonGpuContainers is false: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES".to_owned());
-    }
+    let void = policy.spec.void_non_gpu_containers;
+    let rewrites = crate::admission_rewrite::renders(policy);
     match (policy.spec.mode, api) {
         (PolicyMode::Deny, _) => (
             "False",
             "DenyMode",
-            "Deny mode rejects privileged GPU pods and changes none, so nothing is voided".to_owned(),
+            "Deny mode rejects privileged GPU pods and changes none: the API server rewrites and voids nothing".to_owned(),
         ),
         (PolicyMode::Audit, _) if mine(KIND_VALIDATING) => (
             "True",
             "Warning",
-            format!("ValidatingAdmissionPolicy {object} warns (and audits) where Enforce would set NVIDIA_VISIBLE_DEVICES=void"),
+            format!("ValidatingAdmissionPolicy {object} warns (and audits) where Enforce would set NVIDIA_VISIBLE_DEVICES=void; the webhook audits privileged GPU pods"),
+        ),
+        (PolicyMode::Audit, _) if !void => (
+            "False",
+            "Disabled",
+            "voidNonGpuContainers is false: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES; the webhook audits privileged GPU pods".to_owned(),
         ),
         (_, None) => (
             "False",
             "NotServed",
             "the API server does not serve MutatingAdmissionPolicy (admissionregistration.k8s.io/v1 from Kubernetes 1.36, v1beta1 with its feature gate in 1.34 and 1.35): containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES; the webhook still rewrites privileged GPU pods".to_owned(),
         ),
-        (_, Some(api)) if mine(KIND_MUTATING) => (
-            "True",
-            "Kept",
-            format!("MutatingAdmissionPolicy {object} ({}) sets NVIDIA_VISIBLE_DEVICES=void on containers that hold no GPU", api.api_version()),
+        (PolicyMode::Enforce, Some(api)) if mine(KIND_MUTATING) => {
+            let mut does = Vec::new();
+            if rewrites {
+                does.push("rewrites the privileged GPU pods its CEL can (the webhook the others)");
+            } else {
+                does.push("leaves privileged GPU pods to the webhook (gpu.requestAs: ResourceClaim needs the namespace's ResourceClaimTemplates)");
+            }
+            if void {
+                does.push("sets NVIDIA_VISIBLE_DEVICES=void on containers that hold no GPU");
+            } else {
+                does.push("voids nothing (voidNonGpuContainers is false)");
+            }
+            (
+                "True",
+                "Kept",
+                format!("MutatingAdmissionPolicy {object} ({}) {}", api.api_version(), does.join(" and ")),
+            )
+        }
+        (PolicyMode::Enforce, Some(_)) if !void && !rewrites => (
+            "False",
+            "Disabled",
+            "voidNonGpuContainers is false and gpu.requestAs: ResourceClaim needs the webhook: the API server does nothing for this policy".to_owned(),
         ),
         _ => (
             "False",
@@ -566,12 +608,28 @@ mod tests {
     }
 
     #[test]
-    fn deny_mode_and_the_field_turned_off_render_nothing() {
+    fn deny_mode_and_both_rules_turned_off_render_nothing() {
         let deny = named("deny", 0, PolicyMode::Deny);
         assert!(render(&[&deny], |_| true, MutatingApi::V1).is_empty());
         let mut off = named("off", 0, PolicyMode::Enforce);
         off.spec.void_non_gpu_containers = false;
+        // The rewrite alone is still the API server's.
+        let out = render(&[&off], |_| true, MutatingApi::V1);
+        assert_eq!(
+            out[0].object["spec"]["mutations"].as_array().unwrap().len(),
+            1
+        );
+        let (_, reason, message) = admission_condition(&off, Some(MutatingApi::V1), &out);
+        assert_eq!(reason, "Kept", "{message}");
+        assert!(message.contains("voids nothing"), "{message}");
+        off.spec.gpu.request_as = crate::policy::RequestAs::ResourceClaim;
         assert!(render(&[&off], |_| true, MutatingApi::V1).is_empty());
+        let (_, reason, _) = admission_condition(&off, Some(MutatingApi::V1), &[]);
+        assert_eq!(reason, "Disabled");
+        let mut audit = named("trial", 0, PolicyMode::Audit);
+        audit.spec.void_non_gpu_containers = false;
+        assert!(render(&[&audit], |_| true, MutatingApi::V1).is_empty());
+        assert_eq!(admission_condition(&audit, None, &[]).1, "Disabled");
     }
 
     #[test]

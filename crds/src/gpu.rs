@@ -26,6 +26,8 @@ use crate::{
 
 /// The environment variable the NVIDIA container runtime hands GPUs out by.
 pub const ENV_VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// Environment variable naming the driver capabilities (libraries) the runtime mounts.
+pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
 /// MIG configuration access (`/proc/driver/nvidia/capabilities/mig/config`).
 pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
 /// MIG monitoring access (`/proc/driver/nvidia/capabilities/mig/monitor`).
@@ -822,6 +824,15 @@ impl std::fmt::Display for CountFrom<'_> {
             }
         }
     }
+}
+
+/// Why a regular container gets no GPU when an earlier one names the same GPUs in
+/// `NVIDIA_VISIBLE_DEVICES` (`raw`, its own value): `first` holds them (docs/design.md, "GPU
+/// counts"). The engine's report and the API server's rewrite both write this text.
+pub fn shared_gpus_text(first: &str, raw: &str) -> String {
+    format!(
+        "names the same GPUs as container {first} ({ENV_VISIBLE_DEVICES}={raw}); an extended resource cannot be shared, so container {first} holds them and this one gets none (a DRA ResourceClaim that both containers reference would give both the same GPUs)"
+    )
 }
 
 /// The number a count annotation gives (`key` names it in the error): a whole number,

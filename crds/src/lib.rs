@@ -5,6 +5,7 @@
 //! types (`cargo run -p gpuwarden-crds --bin crdgen`) and a test fails when they drift.
 
 pub mod admission_policies;
+pub mod admission_rewrite;
 pub mod bounds;
 mod cel;
 pub mod claims;
@@ -16,6 +17,7 @@ pub mod gpu;
 pub mod manifests;
 pub mod match_conditions;
 pub mod node;
+pub mod pod_security;
 pub mod policy;
 pub mod selection;
 pub mod selector;

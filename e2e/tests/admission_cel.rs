@@ -63,6 +63,71 @@ fn range(_: &FunctionContext, This(_lists): This<Cel>, n: i64) -> Result<Cel, Ex
     Ok(Cel::List(Arc::new((0..n.max(0)).map(Cel::Int).collect())))
 }
 
+/// The lists extension's `sort()`, `distinct()` and `flatten()`, and the Kubernetes `sum()`.
+fn sort(ftx: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, ExecutionError> {
+    let mut items = list.to_vec();
+    let mut strings = Vec::with_capacity(items.len());
+    for item in &items {
+        match item {
+            Cel::String(s) => strings.push(s.clone()),
+            other => return Err(ftx.error(format!("sort of a non-string {other:?}"))),
+        }
+    }
+    strings.sort();
+    items = strings.into_iter().map(Cel::String).collect();
+    Ok(Cel::List(Arc::new(items)))
+}
+
+fn distinct(_: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, ExecutionError> {
+    let mut out: Vec<Cel> = Vec::new();
+    for item in list.iter() {
+        if !out.contains(item) {
+            out.push(item.clone());
+        }
+    }
+    Ok(Cel::List(Arc::new(out)))
+}
+
+fn flatten(ftx: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, ExecutionError> {
+    let mut out = Vec::new();
+    for item in list.iter() {
+        match item {
+            Cel::List(inner) => out.extend(inner.iter().cloned()),
+            other => return Err(ftx.error(format!("flatten of a non-list {other:?}"))),
+        }
+    }
+    Ok(Cel::List(Arc::new(out)))
+}
+
+fn sum(ftx: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, ExecutionError> {
+    let mut total = 0i64;
+    for item in list.iter() {
+        match item {
+            Cel::Int(n) => total += n,
+            other => return Err(ftx.error(format!("sum of a non-int {other:?}"))),
+        }
+    }
+    Ok(Cel::Int(total))
+}
+
+/// The strings extension's `trim()` (Unicode white space), `lowerAscii()` and `replace()`.
+fn trim(This(s): This<Arc<String>>) -> Arc<String> {
+    Arc::new(s.trim().to_owned())
+}
+
+fn lower_ascii(This(s): This<Arc<String>>) -> Arc<String> {
+    Arc::new(s.to_ascii_lowercase())
+}
+
+fn replace(This(s): This<Arc<String>>, from: Arc<String>, to: Arc<String>) -> Arc<String> {
+    Arc::new(s.replace(from.as_str(), to.as_str()))
+}
+
+/// `dyn(x)` only changes the type the checker sees.
+fn dynamic(_: &FunctionContext, This(value): This<Cel>) -> Result<Cel, ExecutionError> {
+    Ok(value)
+}
+
 /// The interpreter cannot build messages, so a message literal such as the
 /// MutatingAdmissionPolicy's `JSONPatch{op: ..., path: ..., value: ...}` is read as the map
 /// of its fields, which is what the API server turns it into.
@@ -152,15 +217,42 @@ fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
     ctx.add_function("join", join);
     ctx.add_function("split", split);
     ctx.add_function("range", range);
+    ctx.add_function("sort", sort);
+    ctx.add_function("distinct", distinct);
+    ctx.add_function("flatten", flatten);
+    ctx.add_function("sum", sum);
+    ctx.add_function("trim", trim);
+    ctx.add_function("lowerAscii", lower_ascii);
+    ctx.add_function("replace", replace);
+    ctx.add_function("dyn", dynamic);
     ctx.add_variable_from_value("lists", Cel::String(Arc::new("lists".to_owned())));
     for (name, value) in vars {
         ctx.add_variable(
             *name,
-            cel_interpreter::to_value(value).expect("JSON to CEL"),
+            signed(cel_interpreter::to_value(value).expect("JSON to CEL")),
         )
         .expect("variable");
     }
     Cel::resolve(&program, &ctx).unwrap_or_else(|e| panic!("{expression}: {e:?}"))
+}
+
+/// JSON numbers as CEL reads them from an object: `int`, not the `uint` the conversion makes
+/// of a positive one (a list index must be an `int`).
+fn signed(value: Cel) -> Cel {
+    match value {
+        Cel::UInt(n) => i64::try_from(n).map_or(Cel::UInt(n), Cel::Int),
+        Cel::List(items) => Cel::List(Arc::new(items.iter().cloned().map(signed).collect())),
+        Cel::Map(map) => {
+            let entries: std::collections::HashMap<cel_interpreter::objects::Key, Cel> =
+                (map.map.iter())
+                    .map(|(k, v)| (k.clone(), signed(v.clone())))
+                    .collect();
+            Cel::Map(cel_interpreter::objects::Map {
+                map: Arc::new(entries),
+            })
+        }
+        other => other,
+    }
 }
 
 fn eval_bool(expression: &str, vars: &BTreeMap<&str, Value>) -> bool {
@@ -1317,7 +1409,8 @@ fn api_server_mutates(
             let expression = mutation["jsonPatch"]["expression"]
                 .as_str()
                 .expect("jsonPatch");
-            let vars = admission_vars(pod, namespace, labels);
+            // Variables are evaluated on the pod as the mutations before left it.
+            let vars = with_variables(&policy.object, &admission_vars(pod, namespace, labels));
             let ops = to_json(&eval(expression, &vars));
             let patch: json_patch::Patch = serde_json::from_value(ops.clone())
                 .unwrap_or_else(|e| panic!("not a JSONPatch: {e}: {ops}"));
@@ -1424,6 +1517,16 @@ fn engine_answer(
 /// rendered ValidatingAdmissionPolicy names the containers the engine names.
 #[test]
 fn api_server_policies_follow_the_engine() {
+    // The rewrite's expressions nest deeply: the parser and the interpreter recurse on them.
+    std::thread::Builder::new()
+        .stack_size(256 << 20)
+        .spawn(policies_follow_the_engine)
+        .expect("a thread")
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+}
+
+fn policies_follow_the_engine() {
     use gpuwarden_crds::admission_policies::{
         KIND_VALIDATING, KIND_VALIDATING_BINDING, MutatingApi, render,
     };
@@ -1442,6 +1545,10 @@ fn api_server_policies_follow_the_engine() {
             "restricted",
             &[("pod-security.kubernetes.io/enforce", "restricted")],
         ),
+        (
+            "baseline",
+            &[("pod-security.kubernetes.io/enforce", "baseline")],
+        ),
         ("gpu-operator", &[]),
         ("kube-system", &[]),
     ];
@@ -1456,6 +1563,7 @@ fn api_server_policies_follow_the_engine() {
     let cases = generated::cases(2400);
     let total = cases.len();
     let (mut by_policy, mut by_both, mut by_webhook, mut denied, mut audited) = (0, 0, 0, 0, 0);
+    let mut rewritten_alone = 0;
     for (i, case) in cases.into_iter().enumerate() {
         let mut pod = case.pod;
         let (namespace, labels) = *NAMESPACES.choose(&mut rng).unwrap();
@@ -1501,6 +1609,11 @@ fn api_server_policies_follow_the_engine() {
                     c["resources"]["claims"] = json!([{"name": "nic"}]);
                 }
             }
+        }
+        // Privileged GPU pods as most are written, which the API server rewrites itself:
+        // each container privileged with its GPUs named plainly, or not privileged at all.
+        if !ordinary && rng.random_bool(0.8) {
+            plain_privileged(&mut pod, &mut rng);
         }
         if rng.random_bool(0.5) {
             pod["metadata"]["labels"] = json!({"app": "serve"});
@@ -1591,6 +1704,10 @@ fn api_server_policies_follow_the_engine() {
                 ctx()
             ),
         }
+        let rewritten = stored["metadata"]["annotations"]
+            .get(gpuwarden_crds::ANNOTATION_REWRITTEN)
+            .is_some();
+        rewritten_alone += usize::from(rewritten && !sent);
         match (first.is_empty(), sent) {
             (false, false) => by_policy += 1,
             (false, true) => by_both += 1,
@@ -1637,10 +1754,116 @@ fn api_server_policies_follow_the_engine() {
         );
     }
     eprintln!(
-        "{total} pods: {by_policy} changed by the API server's policies alone, {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit"
+        "{total} pods: {by_policy} changed by the API server's policies alone ({rewritten_alone} privileged GPU pods rewritten), {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit"
     );
     assert!(
-        by_policy >= 150 && by_both >= 15 && by_webhook >= 500 && audited >= 50 && denied >= 100,
-        "{by_policy} {by_both} {by_webhook} {audited} {denied}"
+        by_policy >= 150
+            && rewritten_alone >= 100
+            && by_both >= 15
+            && by_webhook >= 500
+            && audited >= 50
+            && denied >= 100,
+        "{by_policy} {rewritten_alone} {by_both} {by_webhook} {audited} {denied}"
     );
+}
+
+/// Makes `pod` a privileged GPU pod as most are written: no hostPath volumes, annotations,
+/// `envFrom`, claims or device-list mounts; each container privileged and naming its GPUs
+/// (a limit, a request, `NVIDIA_VISIBLE_DEVICES`), or not privileged and naming none. Some
+/// still fall outside what the API server rewrites (a zero limit, `none`, a lower-case
+/// capability, a shared request), which the webhook must then get.
+fn plain_privileged(pod: &mut Value, rng: &mut rand::rngs::StdRng) {
+    use rand::Rng;
+    use rand::seq::IndexedRandom;
+    const RESOURCES: &[&str] = &[
+        "nvidia.com/gpu",
+        "nvidia.com/gpu",
+        "example.com/accel",
+        "nvidia.com/mig-1g.10gb",
+        "nvidia.com/gpu.shared",
+    ];
+    const VISIBLE: &[&str] = &[
+        "0,1",
+        "1, 0",
+        "all",
+        "ALL",
+        "GPU-8f2c3b1a",
+        "0,0",
+        "none",
+        "0,1 ,2",
+        "3",
+    ];
+    const CAPS: &[&str] = &["IPC_LOCK", "NET_ADMIN", "SYS_ADMIN", "CHOWN", "SYS_PTRACE"];
+    let spec = pod["spec"].as_object_mut().expect("spec");
+    spec.remove("volumes");
+    if rng.random_bool(0.1) {
+        spec.insert("hostNetwork".into(), json!(true));
+    }
+    if let Some(meta) = pod["metadata"].as_object_mut() {
+        meta.remove("annotations");
+    }
+    for field in ["initContainers", "containers"] {
+        let init = field == "initContainers";
+        for c in pod["spec"]
+            .get_mut(field)
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            let c = c.as_object_mut().expect("container");
+            for key in ["envFrom", "volumeMounts", "resources", "securityContext"] {
+                c.remove(key);
+            }
+            let mut env: Vec<Value> = (c.remove("env").and_then(|e| e.as_array().cloned()))
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|e| !e["name"].as_str().unwrap_or("").starts_with("NVIDIA_"))
+                .collect();
+            if init || rng.random_bool(0.3) {
+                if rng.random_bool(0.3) {
+                    c.insert(
+                        "resources".into(),
+                        json!({"limits": {"nvidia.com/gpu": "1"}}),
+                    );
+                }
+            } else {
+                let mut context = json!({"privileged": true});
+                if rng.random_bool(0.5) {
+                    let mut add: Vec<&str> = CAPS.choose_multiple(rng, 2).copied().collect();
+                    if rng.random_bool(0.1) {
+                        add.push("cap_sys_admin");
+                    }
+                    context["capabilities"] = json!({"add": add});
+                    if rng.random_bool(0.3) {
+                        context["capabilities"]["drop"] = json!(["NET_RAW"]);
+                    }
+                }
+                c.insert("securityContext".into(), context);
+                let resource = *RESOURCES.choose(rng).expect("resources");
+                let count = *["1", "2", "1", "4", "0"].choose(rng).expect("counts");
+                match rng.random_range(0..4) {
+                    0 => {
+                        c.insert("resources".into(), json!({"limits": {resource: count}}));
+                    }
+                    1 => {
+                        c.insert("resources".into(), json!({"requests": {resource: count}}));
+                    }
+                    _ => {}
+                }
+                if rng.random_bool(0.7) {
+                    if rng.random_bool(0.3) {
+                        let value = *["compute,utility", "all"]
+                            .choose(rng)
+                            .expect("capabilities");
+                        env.push(json!({"name": "NVIDIA_DRIVER_CAPABILITIES", "value": value}));
+                    }
+                    let value = *VISIBLE.choose(rng).expect("values");
+                    env.push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": value}));
+                }
+            }
+            if !env.is_empty() {
+                c.insert("env".into(), Value::Array(env));
+            }
+        }
+    }
 }

@@ -49,8 +49,7 @@ pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
 pub use void::Voided;
 
-/// Environment variable naming the driver capabilities (libraries) the runtime mounts.
-pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
+pub use gpuwarden_crds::gpu::ENV_DRIVER_CAPABILITIES;
 /// The command a denial message points users to.
 pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
 /// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.

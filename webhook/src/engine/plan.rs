@@ -748,9 +748,9 @@ fn gpu_counts<'a>(
                 });
                 match (shared, first) {
                     (_, Some((_, at))) if claim_mode => counts.push(Count::Share(at)),
-                    (_, Some((first, _))) => counts.push(Count::Zero(format!(
-                        "names the same GPUs as container {first} ({ENV_VISIBLE_DEVICES}={}); an extended resource cannot be shared, so container {first} holds them and this one gets none (a DRA ResourceClaim that both containers reference would give both the same GPUs)",
-                        c.signals.visible_raw.unwrap_or("")
+                    (_, Some((first, _))) => counts.push(Count::Zero(gpu::shared_gpus_text(
+                        first,
+                        c.signals.visible_raw.unwrap_or(""),
                     ))),
                     (Some(key), None) => {
                         named.push((key, c.name, i));

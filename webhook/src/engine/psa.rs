@@ -8,25 +8,8 @@ use gpuwarden_crds::selector::Labels;
 use super::facts::PodFacts;
 use crate::pod::PodView;
 
-/// The namespace label that sets the enforced level.
-pub const LABEL_PSA_ENFORCE: &str = "pod-security.kubernetes.io/enforce";
-
-/// Capabilities `baseline` lets a container add.
-const BASELINE_CAPABILITIES: &[&str] = &[
-    "AUDIT_WRITE",
-    "CHOWN",
-    "DAC_OVERRIDE",
-    "FOWNER",
-    "FSETID",
-    "KILL",
-    "MKNOD",
-    "NET_BIND_SERVICE",
-    "SETFCAP",
-    "SETGID",
-    "SETPCAP",
-    "SETUID",
-    "SYS_CHROOT",
-];
+use gpuwarden_crds::pod_security::BASELINE_CAPABILITIES;
+pub use gpuwarden_crds::pod_security::LABEL_PSA_ENFORCE;
 
 /// A Pod Security Standards level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
