@@ -2270,3 +2270,305 @@ async fn nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node() {
     webhook.stop().await;
     real.stop().await;
 }
+
+/// Pods the API server's rewrite and the webhook both judge: privileged containers that
+/// name their GPUs plainly (IDs shared by two containers, a limit, a request, `all`), with a
+/// container and an init container that hold none; and two the API server leaves to the
+/// webhook (a device hostPath mount, a zero limit).
+fn both_paths_pods() -> Vec<(Value, bool)> {
+    let image = "registry.k8s.io/pause:3.10";
+    let pod = |name: &str, spec: Value| json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec});
+    let privileged = json!({"privileged": true});
+    vec![
+        (
+            pod(
+                "shared",
+                json!({"containers": [
+            {"name": "train", "image": image,
+             "securityContext": {"privileged": true, "capabilities": {"add": ["IPC_LOCK", "NET_ADMIN"]}},
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]},
+            {"name": "side", "image": image, "securityContext": privileged,
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "1, 0"}]},
+            {"name": "plain", "image": image}]}),
+            ),
+            true,
+        ),
+        (
+            pod(
+                "limit",
+                json!({"containers": [
+            {"name": "train", "image": image,
+             "securityContext": {"privileged": true, "capabilities": {"add": ["SYS_PTRACE"], "drop": ["NET_RAW"]}},
+             "resources": {"limits": {"nvidia.com/gpu": "1"}},
+             "env": [{"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "all"}]}]}),
+            ),
+            true,
+        ),
+        (
+            pod(
+                "request",
+                json!({"containers": [
+            {"name": "train", "image": image, "securityContext": privileged,
+             "resources": {"requests": {"nvidia.com/gpu": "2"}}}]}),
+            ),
+            true,
+        ),
+        (
+            pod(
+                "all",
+                json!({
+            "initContainers": [{"name": "setup", "image": image}],
+            "containers": [{"name": "train", "image": image, "securityContext": privileged,
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}),
+            ),
+            true,
+        ),
+        (
+            pod(
+                "device",
+                json!({
+            "volumes": [{"name": "gpu0", "hostPath": {"path": "/dev/nvidia0"}}],
+            "containers": [{"name": "train", "image": image, "securityContext": privileged,
+             "volumeMounts": [{"name": "gpu0", "mountPath": "/dev/nvidia0"}]}]}),
+            ),
+            false,
+        ),
+        (
+            pod(
+                "zero",
+                json!({"containers": [
+            {"name": "train", "image": image, "securityContext": privileged,
+             "resources": {"limits": {"nvidia.com/gpu": "0"}},
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}),
+            ),
+            false,
+        ),
+    ]
+}
+
+/// What admission decided of a stored pod: each container's security context, resources
+/// and env, and gpuwarden's annotations.
+fn admitted(pod: &Value) -> Value {
+    let containers = |field: &str| -> Vec<Value> {
+        (pod["spec"][field].as_array().into_iter().flatten())
+            .map(|c| {
+                json!({"name": c["name"], "securityContext": c["securityContext"],
+                    "resources": c["resources"], "env": c["env"]})
+            })
+            .collect()
+    };
+    let ours: BTreeMap<String, String> = annotations(pod)
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX))
+        .collect();
+    json!({"initContainers": containers("initContainers"),
+        "containers": containers("containers"), "annotations": ours})
+}
+
+/// The privileged-GPU rewrite in the API server: with no webhook registered, the
+/// MutatingAdmissionPolicy rendered from the default GpuPolicy stores privileged GPU pods
+/// rewritten (unprivileged, `drop: [ALL]`, the GPU limit, no NVIDIA_VISIBLE_DEVICES) and
+/// leaves the pods it cannot rewrite as they are; with the webhook registered too, the
+/// stored pods are those the webhook alone stores, field for field and report byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
+async fn api_server_rewrite_stores_what_the_webhook_stores() {
+    use gpuwarden_crds::admission_policies::{KIND_MUTATING, MutatingApi, render};
+    let env = Env::new().await;
+    let api = if env
+        .cluster
+        .serves(
+            "admissionregistration.k8s.io/v1",
+            "mutatingadmissionpolicies",
+        )
+        .await
+    {
+        MutatingApi::V1
+    } else if env
+        .cluster
+        .serves(
+            "admissionregistration.k8s.io/v1beta1",
+            "mutatingadmissionpolicies",
+        )
+        .await
+    {
+        MutatingApi::V1beta1
+    } else {
+        skip(
+            "api_server_rewrite_stores_what_the_webhook_stores",
+            "the server does not serve MutatingAdmissionPolicy",
+        );
+        return;
+    };
+    let webhooks: Api<MutatingWebhookConfiguration> = Api::all(env.client());
+    let registered = webhooks
+        .list(&Default::default())
+        .await
+        .expect("list webhooks");
+    assert!(
+        registered.items.is_empty(),
+        "this test needs a cluster with no mutating webhook registered: {:?}",
+        registered
+            .items
+            .iter()
+            .map(|w| w.name_any())
+            .collect::<Vec<_>>()
+    );
+    let alone = env.namespace("api-alone").await;
+    let chain = env.namespace("api-chain").await;
+    let hook = env.namespace("api-hook").await;
+
+    // The default policy's MutatingAdmissionPolicy, bound to the first two namespaces only.
+    let policy: GpuPolicy = Api::<GpuPolicy>::all(env.client())
+        .get(gpuwarden_crds::DEFAULT_POLICY_NAME)
+        .await
+        .expect("the default GpuPolicy");
+    let name = env.name("api-rewrite");
+    for mut rendered in render(&[&policy], |_| true, api) {
+        let object = &mut rendered.object;
+        object["metadata"]["name"] = json!(name);
+        if let Some(meta) = object["metadata"].as_object_mut() {
+            meta.remove("ownerReferences");
+        }
+        let plural = if rendered.kind == KIND_MUTATING {
+            object["spec"]["variables"]
+                .as_array()
+                .filter(|v| !v.is_empty())
+                .expect("the rewrite's variables");
+            "mutatingadmissionpolicies"
+        } else {
+            object["spec"]["policyName"] = json!(name);
+            object["spec"]["matchResources"]["namespaceSelector"] = json!({"matchExpressions": [{
+                "key": "kubernetes.io/metadata.name", "operator": "In", "values": [alone, chain]}]});
+            "mutatingadmissionpolicybindings"
+        };
+        let path = format!(
+            "/apis/admissionregistration.k8s.io/{}/{plural}",
+            api.version()
+        );
+        let r = env
+            .cluster
+            .raw(Method::POST, &path, "application/json", Some(object))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            r.status.is_success(),
+            "the server refused {plural}: {}",
+            r.message()
+        );
+        env.cleanup.own(
+            kube::discovery::ApiResource {
+                group: "admissionregistration.k8s.io".into(),
+                version: api.version().into(),
+                api_version: api.api_version().into(),
+                kind: rendered.kind.into(),
+                plural: plural.into(),
+            },
+            None,
+            &name,
+        );
+    }
+    let pods = both_paths_pods();
+    env.until_admission(&alone, &pods[0].0, "the API server's rewrite", rewritten)
+        .await;
+
+    // No webhook: the API server alone.
+    let mut stored_alone = BTreeMap::new();
+    for (pod, by_api_server) in &pods {
+        let r = env
+            .cluster
+            .create_pod(&alone, pod, false)
+            .await
+            .expect("create");
+        assert!(r.status.is_success(), "{}", r.message());
+        let name = r.body["metadata"]["name"].as_str().unwrap_or("").to_owned();
+        let containers = r.body["spec"]["containers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let train = containers
+            .iter()
+            .find(|c| c["name"] == "train")
+            .expect("train");
+        let gpu_limit = &train["resources"]["limits"]["nvidia.com/gpu"];
+        if !*by_api_server {
+            assert_eq!(
+                train["securityContext"]["privileged"], true,
+                "{name}: left to the webhook"
+            );
+            assert!(!annotations(&r.body).contains_key(gpuwarden_crds::ANNOTATION_REWRITTEN));
+            continue;
+        }
+        assert_eq!(train["securityContext"]["privileged"], false, "{name}");
+        assert_eq!(
+            train["securityContext"]["allowPrivilegeEscalation"], false,
+            "{name}"
+        );
+        assert_eq!(
+            train["securityContext"]["capabilities"]["drop"],
+            json!(["ALL"]),
+            "{name}"
+        );
+        assert!(gpu_limit.is_string(), "{name}: no GPU limit: {train}");
+        let visible = (train["env"].as_array().into_iter().flatten())
+            .any(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES");
+        assert!(!visible, "{name}: NVIDIA_VISIBLE_DEVICES kept: {train}");
+        assert!(rewritten(&r), "{name}: no report");
+        stored_alone.insert(name, admitted(&r.body));
+    }
+    assert_eq!(
+        stored_alone["shared"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "2"
+    );
+
+    // The webhook too: the API server's path (policy, then webhook where it still sends the
+    // pod) against the webhook alone.
+    let (webhook, _) = env.webhook().await;
+    env.until_admission(&hook, &pods[0].0, "the webhook", rewritten)
+        .await;
+    let mut chain_reviews = 0;
+    for (pod, by_api_server) in &pods {
+        let before = webhook.reviews();
+        let via_policy = env
+            .cluster
+            .create_pod(&chain, pod, false)
+            .await
+            .expect("create");
+        let reviewed = webhook.reviews() - before;
+        chain_reviews += reviewed;
+        let via_webhook = env
+            .cluster
+            .create_pod(&hook, pod, false)
+            .await
+            .expect("create");
+        let name = pod["metadata"]["name"].as_str().unwrap_or("");
+        assert!(
+            via_policy.status.is_success(),
+            "{name}: {}",
+            via_policy.message()
+        );
+        assert!(
+            via_webhook.status.is_success(),
+            "{name}: {}",
+            via_webhook.message()
+        );
+        assert_eq!(
+            admitted(&via_policy.body),
+            admitted(&via_webhook.body),
+            "{name}: the API server's path and the webhook store different pods"
+        );
+        if *by_api_server {
+            assert_eq!(
+                reviewed, 0,
+                "{name}: rewritten by the API server, yet sent to the webhook"
+            );
+            assert_eq!(stored_alone[name], admitted(&via_webhook.body), "{name}");
+        }
+    }
+    eprintln!(
+        "{} pods compared; the webhook reviewed {chain_reviews} on the API server's path",
+        pods.len()
+    );
+    webhook.stop().await;
+    env.cleanup.run().await;
+}
