@@ -18,7 +18,9 @@
 
 use serde_json::{Value, json};
 
-use crate::cel::{exemption_scope, glob_regex, list, literal, pod_exempt, selects};
+use crate::cel::{
+    SERVICE_ACCOUNT, exemption_scope, glob_regex, list, literal, pod_exempt, selects,
+};
 use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
 use crate::policy::{ContainerExemption, GpuPolicy, PolicyMode};
 use crate::{GROUP, RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VERSION};
@@ -209,6 +211,15 @@ pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
     Some(format!("({})", all.join(" && ")))
 }
 
+/// The name of the condition that leaves out pods exempt by namespace or service account.
+const POD_NOT_EXEMPT: &str = "pod-not-exempt";
+
+/// CEL: the pod's service account is not exempt (its namespace is left out by the binding).
+fn service_account_exempt(policy: &GpuPolicy) -> Option<String> {
+    let accounts = &policy.spec.exemptions.service_accounts;
+    (!accounts.is_empty()).then(|| format!("!({SERVICE_ACCOUNT} in {})", list(accounts)))
+}
+
 /// The match conditions of `policy`'s objects (name, CEL): pods that a policy in `higher`
 /// selects are theirs, a pod exempt by namespace or service account is left alone, and so
 /// are pods with a CDI annotation (the webhook's rewrite voids theirs), pods of a DaemonSet
@@ -233,7 +244,7 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
     let exempt = pod_exempt(&policy.spec.exemptions);
     if !exempt.is_empty() {
         conditions.push((
-            "pod-not-exempt".to_owned(),
+            POD_NOT_EXEMPT.to_owned(),
             format!("!({})", exempt.join(" || ")),
         ));
     }
@@ -322,9 +333,22 @@ fn conditions_json(conditions: Vec<(String, String)>) -> Value {
     )
 }
 
+/// The binding's selection: the policy's namespaces, less those it exempts (a label test the
+/// API server makes before it evaluates any CEL), and its pods.
 fn match_resources(policy: &GpuPolicy) -> Value {
+    let mut namespaces = policy.spec.namespace_selector.clone();
+    let exempt = &policy.spec.exemptions.namespaces;
+    if !exempt.is_empty() {
+        (namespaces.match_expressions.get_or_insert_with(Vec::new)).push(
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement {
+                key: crate::LABEL_NAMESPACE_NAME.to_owned(),
+                operator: "NotIn".to_owned(),
+                values: Some(exempt.clone()),
+            },
+        );
+    }
     let mut resources = json!({
-        "namespaceSelector": policy.spec.namespace_selector,
+        "namespaceSelector": namespaces,
     });
     if let Some(pods) = &policy.spec.pod_selector {
         resources["objectSelector"] = json!(pods);
@@ -356,22 +380,38 @@ fn mutating(
     let name = object_name(policy.metadata.name.as_deref().unwrap_or_default());
     let patch = |expression: String| json!({"patchType": "JSONPatch", "jsonPatch": {"expression": expression}});
     let mut variables = Vec::new();
-    let mut mutations = Vec::new();
+    let mut expressions = Vec::new();
     if let Some((vars, expression)) =
         crate::admission_rewrite::rewrite(policy, &gpu_resource(policy, "r"))
     {
         variables = (vars.into_iter())
             .map(|(name, expression)| json!({"name": name, "expression": expression}))
             .collect();
-        mutations.push(patch(expression));
+        expressions.push(expression);
     }
-    // The mutations run in order, each on the pod as the one before left it.
+    // One patch, applied once: the void rule holds for the pod as the rewrite leaves it,
+    // and the rewrite never touches a container the rule voids (one that is not privileged
+    // and names no GPU), so both read the pod as it came.
     if policy.spec.void_non_gpu_containers {
-        mutations.push(patch(void_patch_expression(policy)));
+        expressions.push(format!("({})", void_patch_expression(policy)));
     }
-    if mutations.is_empty() {
+    if expressions.is_empty() {
         return None;
     }
+    // The match conditions are the first variable rather than matchConditions: the API
+    // server evaluates matchConditions in an activation of their own, and again on every
+    // reinvocation of the admission chain, which costs more than the conditions themselves.
+    // Exempt namespaces are left out by the binding's selector instead.
+    let scope: Vec<String> = (conditions.iter())
+        .filter(|(name, _)| name != POD_NOT_EXEMPT)
+        .map(|(_, expression)| format!("({expression})"))
+        .chain(service_account_exempt(policy))
+        .collect();
+    variables.insert(
+        0,
+        json!({"name": "scope", "expression": scope.join(" && ")}),
+    );
+    let expression = format!("!variables.scope ? [] : {}", expressions.join(" + "));
     let policy_object = json!({
         "apiVersion": api.api_version(),
         "kind": KIND_MUTATING,
@@ -380,11 +420,13 @@ fn mutating(
             // A failure leaves the pod as it is: the API server's policy never blocks a pod.
             "failurePolicy": "Ignore",
             "matchConstraints": constraints(),
-            "matchConditions": conditions_json(conditions),
-            // Containers another webhook adds after this policy ran are voided too.
-            "reinvocationPolicy": "IfNeeded",
+            // Run once. Re-running after a later webhook changed the pod would double the
+            // policy's cost for every pod; gpuwarden's webhook, which runs after it and again
+            // when the pod changes, still rewrites any privileged or leaking container a later
+            // webhook adds.
+            "reinvocationPolicy": "Never",
             "variables": variables,
-            "mutations": mutations,
+            "mutations": [patch(expression)],
         },
     });
     let binding = json!({
@@ -554,8 +596,21 @@ mod tests {
                 (KIND_MUTATING_BINDING, "gpuwarden-default"),
             ]
         );
-        let conditions = &out[2].object["spec"]["matchConditions"];
-        assert_eq!(conditions[0]["name"], "not-governed-by-trial");
+        let scope = &out[2].object["spec"]["variables"][0];
+        assert_eq!(scope["name"], "scope");
+        // The Audit policy above selects every namespace: nothing is left to this one.
+        assert!(
+            scope["expression"]
+                .as_str()
+                .unwrap()
+                .starts_with("(!(true))"),
+            "{scope}"
+        );
+        let selector = &out[3].object["spec"]["matchResources"]["namespaceSelector"];
+        assert_eq!(
+            selector["matchExpressions"][0]["operator"], "NotIn",
+            "{selector}"
+        );
         assert_eq!(
             out[2].object["apiVersion"],
             "admissionregistration.k8s.io/v1"
@@ -571,8 +626,11 @@ mod tests {
         let out = render(&[&high, &low], not_high, MutatingApi::V1beta1);
         assert_eq!(out.len(), 2);
         assert_eq!(out[0].name, "gpuwarden-low");
-        let conditions = &out[0].object["spec"]["matchConditions"];
-        assert_eq!(conditions[0]["name"], "not-governed-by-high");
+        // What the invalid policy above selects is left out.
+        let scope = out[0].object["spec"]["variables"][0]["expression"]
+            .as_str()
+            .unwrap();
+        assert!(scope.starts_with("(!("), "{scope}");
         // A malformed selector selects everything: nothing is left below it.
         high.spec.namespace_selector = serde_json::from_value(json!(
             {"matchExpressions": [{"key": "a", "operator": "Near"}]}

@@ -47,14 +47,26 @@ pub fn rewrite(policy: &GpuPolicy, gpu: &str) -> Option<(Variables, String)> {
         return None;
     }
     let r = Rewrite { policy, gpu };
+    // Each is evaluated once per pod, on first use: the pod's parts the rewrite reads more
+    // than once are variables (lists by container index), not repeated expressions.
     let variables = vec![
         ("psa", r.psa()),
+        ("visible", r.visible()),
+        ("ids", r.ids()),
+        ("all", r.all()),
+        ("gpuLimits", r.gpu_limits()),
+        ("gpuRequests", r.gpu_requests()),
+        ("shapes", r.shapes()),
         ("cases", r.cases()),
         ("keys", r.keys()),
         ("holders", r.holders()),
         ("eligible", r.eligible()),
         ("counts", r.counts()),
         ("rewrite", r.within_max_per_pod()),
+        ("kept", r.kept()),
+        ("added", r.added()),
+        ("first", r.first()),
+        ("anew", r.set_anew()),
         ("report", r.report()),
     ];
     Some((variables, r.patch()))
@@ -155,20 +167,15 @@ fn visible_entries(c: &str) -> String {
     )
 }
 
-/// Its last `NVIDIA_VISIBLE_DEVICES` entry (the kubelet's), when it has one.
-fn last_visible(c: &str) -> String {
-    let entries = visible_entries(c);
-    format!("{entries}[size({entries}) - 1]")
-}
-
 /// The IDs a value `v` names, trimmed.
 fn ids(v: &str) -> String {
     format!("{v}.split(',').map(s, s.trim()).filter(s, s != '')")
 }
 
-fn names_all(v: &str) -> String {
-    format!("{}.exists(s, s.lowerAscii() == 'all')", ids(v))
-}
+/// Per regular container `i`: it is left without GPUs (it names the GPUs an earlier one holds).
+const ZERO: &str = "(variables.cases[i] == 3 && variables.holders[i] >= 0)";
+/// Stands for "no plain value" in `variables.visible`: outside [`VISIBLE`].
+const NO_VALUE: &str = "?";
 
 impl Rewrite<'_> {
     fn gpu_keys(&self, c: &str, field: &str) -> String {
@@ -194,16 +201,6 @@ impl Rewrite<'_> {
         )
     }
 
-    /// The GPUs its `NVIDIA_VISIBLE_DEVICES` value `v` asks for (`all`: the default).
-    fn visible_count(&self, v: &str) -> String {
-        format!(
-            "({} ? {} : size({}.distinct()))",
-            names_all(v),
-            self.policy.spec.gpu.default_count,
-            ids(v)
-        )
-    }
-
     /// A privileged container the API server can rewrite, short of its GPU count.
     fn plain_privileged(&self, c: &str) -> String {
         format!(
@@ -218,25 +215,6 @@ impl Rewrite<'_> {
         )
     }
 
-    /// Its `NVIDIA_VISIBLE_DEVICES` names GPUs the rewrite can count: IDs (at most
-    /// `maxPerContainer` of them) or `all` where the policy counts it as its default.
-    fn visible_countable(&self, c: &str) -> String {
-        let spec = &self.policy.spec.gpu;
-        let last = last_visible(c);
-        let v = format!("{last}.value");
-        let all_ok = spec.visible_devices_all == VisibleDevicesAll::DefaultCount
-            && spec.default_count <= spec.max_per_container;
-        format!(
-            "(size({}) > 0 && has({v}) && !has({last}.valueFrom) && {v}.matches({}) && !({v}.trim().lowerAscii() in ['', 'none', 'void']) && size({}) > 0 && ({} ? {all_ok} : size({}.distinct()) <= {}))",
-            visible_entries(c),
-            literal(VISIBLE),
-            ids(&v),
-            names_all(&v),
-            ids(&v),
-            spec.max_per_container,
-        )
-    }
-
     /// The level the namespace's Pod Security label enforces (`privileged` without one).
     fn psa(&self) -> String {
         let label = literal(LABEL_PSA_ENFORCE);
@@ -245,30 +223,84 @@ impl Rewrite<'_> {
         )
     }
 
+    /// Per regular container: the value of its last `NVIDIA_VISIBLE_DEVICES` entry (the
+    /// kubelet's), or [`NO_VALUE`] without one that holds a value of its own.
+    fn visible(&self) -> String {
+        let last = "l[size(l) - 1]";
+        format!(
+            "{C}.map(c, {}).map(l, size(l) > 0 && has({last}.value) && !has({last}.valueFrom) ? {last}.value : {})",
+            visible_entries("c"),
+            literal(NO_VALUE)
+        )
+    }
+
+    /// Per regular container: the IDs its value names, trimmed.
+    fn ids(&self) -> String {
+        format!("variables.visible.map(v, {})", ids("v"))
+    }
+
+    /// Per regular container: whether its value names `all`.
+    fn all(&self) -> String {
+        "variables.ids.map(l, l.exists(s, s.lowerAscii() == 'all'))".to_owned()
+    }
+
+    /// Container `i`'s value names GPUs the rewrite can count: IDs (at most
+    /// `maxPerContainer` of them) or `all` where the policy counts it as its default.
+    fn visible_countable(&self) -> String {
+        let spec = &self.policy.spec.gpu;
+        let all_ok = spec.visible_devices_all == VisibleDevicesAll::DefaultCount
+            && spec.default_count <= spec.max_per_container;
+        format!(
+            "(variables.visible[i].matches({}) && !(variables.visible[i].trim().lowerAscii() in ['', 'none', 'void']) && size(variables.ids[i]) > 0 && (variables.all[i] ? {all_ok} : size(variables.ids[i].distinct()) <= {}))",
+            literal(VISIBLE),
+            spec.max_per_container,
+        )
+    }
+
+    /// Container `i`'s count from its value.
+    fn visible_count(&self) -> String {
+        format!(
+            "(variables.all[i] ? {} : size(variables.ids[i].distinct()))",
+            self.policy.spec.gpu.default_count
+        )
+    }
+
+    /// Per regular container: its GPU limits' names, and its GPU requests' names.
+    fn gpu_limits(&self) -> String {
+        format!("{C}.map(c, {})", self.limits("c"))
+    }
+
+    fn gpu_requests(&self) -> String {
+        format!("{C}.map(c, {})", self.requests("c"))
+    }
+
+    /// Per regular container: 0 the rewrite leaves it, 9 privileged and plain (its case is
+    /// read next), -1 the webhook's.
+    fn shapes(&self) -> String {
+        format!(
+            "{C}.map(c, {} ? 0 : {} ? 9 : -1)",
+            inert("c"),
+            self.plain_privileged("c")
+        )
+    }
+
     /// Per regular container: 0 the rewrite leaves it, 1 privileged with a GPU limit, 2 with
     /// one GPU request, 3 with GPUs named in `NVIDIA_VISIBLE_DEVICES`, -1 the webhook's.
     fn cases(&self) -> String {
-        let c = "c";
-        let requests = self.requests(c);
+        let requests = "variables.gpuRequests[i]";
         format!(
-            "{C}.map(c, {} ? 0 : !{} ? -1 : size({}) > 0 ? 1 : size({requests}) == 1 ? ({} && {requests}[0].matches({}) ? 2 : -1) : size({requests}) == 0 && {} ? 3 : -1)",
-            inert(c),
-            self.plain_privileged(c),
-            self.limits(c),
-            whole(&format!("{c}.resources.requests[{requests}[0]]")),
+            "lists.range(size({C})).map(i, variables.shapes[i] != 9 ? variables.shapes[i] : size(variables.gpuLimits[i]) > 0 ? 1 : size({requests}) == 1 ? ({} && {requests}[0].matches({}) ? 2 : -1) : size({requests}) == 0 && {} ? 3 : -1)",
+            whole(&format!("{C}[i].resources.requests[{requests}[0]]")),
             literal(RESOURCE),
-            self.visible_countable(c),
+            self.visible_countable(),
         )
     }
 
     /// Per regular container of case 3: the GPUs it names, as a key two containers naming the
     /// same GPUs share (the sorted distinct IDs, or `all`).
     fn keys(&self) -> String {
-        let v = format!("{}.value", last_visible(&format!("{C}[i]")));
         format!(
-            "lists.range(size({C})).map(i, variables.cases[i] == 3 ? ({} ? 'all' : {}.distinct().sort().join(',')) : '')",
-            names_all(&v),
-            ids(&v)
+            "lists.range(size({C})).map(i, variables.cases[i] == 3 ? (variables.all[i] ? 'all' : variables.ids[i].distinct().sort().join(',')) : '')"
         )
     }
 
@@ -310,9 +342,7 @@ impl Rewrite<'_> {
             "variables.psa in ['privileged', 'baseline']".to_owned(),
             "(variables.psa == 'privileged' || !((has(object.spec.hostNetwork) && object.spec.hostNetwork) || (has(object.spec.hostPID) && object.spec.hostPID) || (has(object.spec.hostIPC) && object.spec.hostIPC)))".to_owned(),
             format!(
-                "size({C}.filter(c, {}).map(c, c.name).distinct()) == size({C}.filter(c, {}))",
-                privileged("c"),
-                privileged("c")
+                "size(lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {C}[i].name).distinct()) == size(variables.cases.filter(x, x > 0))"
             ),
         ];
         let exempt: Vec<String> = (policy.exemptions.containers.iter())
@@ -329,12 +359,10 @@ impl Rewrite<'_> {
     /// every quantity read is then a whole number).
     fn counts(&self) -> String {
         let c = format!("{C}[i]");
-        let requested = format!("{c}.resources.requests[{}[0]]", self.requests(&c));
-        let v = format!("{}.value", last_visible(&c));
+        let requested = format!("{c}.resources.requests[variables.gpuRequests[i][0]]");
         format!(
-            "variables.eligible ? lists.range(size({C})).map(i, variables.cases[i] == 2 ? int(string({requested})) : variables.cases[i] == 3 ? (variables.holders[i] >= 0 ? 0 : {}) : {}) : []",
-            self.visible_count(&v),
-            self.limited(&c),
+            "variables.eligible ? lists.range(size({C})).map(i, variables.cases[i] == 2 ? int(string({requested})) : variables.cases[i] == 3 ? (variables.holders[i] >= 0 ? 0 : {}) : ([0] + variables.gpuLimits[i].map(r, int(string({c}.resources.limits[r])))).sum()) : []",
+            self.visible_count(),
         )
     }
 
@@ -350,14 +378,14 @@ impl Rewrite<'_> {
         )
     }
 
-    /// The capabilities container `c` keeps before Pod Security is applied: the policy's
-    /// defaults, then those it asked for that the policy allows, each once.
-    fn kept(&self, c: &str) -> String {
+    /// Per regular container, the capabilities it keeps before Pod Security is applied: the
+    /// policy's defaults, then those it asked for that the policy allows, each once.
+    fn kept(&self) -> String {
         let caps = &self.policy.spec.capabilities;
         format!(
-            "({} + {}.filter(x, x in {})).distinct()",
+            "{C}.map(c, ({} + {}.filter(x, x in {})).distinct())",
             list(&caps.default),
-            asked(c),
+            asked("c"),
             list(&caps.allowed)
         )
     }
@@ -370,33 +398,33 @@ impl Rewrite<'_> {
         list(&caps)
     }
 
-    fn added(&self, c: &str) -> String {
+    /// Per regular container, the capabilities added: those kept that Pod Security allows.
+    fn added(&self) -> String {
         format!(
-            "{}.filter(a, variables.psa != 'baseline' || a in {})",
-            self.kept(c),
+            "variables.kept.map(k, k.filter(a, variables.psa != 'baseline' || a in {}))",
             self.baseline()
         )
     }
 
-    fn withheld(&self, c: &str) -> String {
+    /// Container `i`'s kept capabilities that Pod Security withholds.
+    fn withheld(&self) -> String {
         format!(
-            "{}.filter(a, variables.psa == 'baseline' && !(a in {}))",
-            self.kept(c),
+            "variables.kept[i].filter(a, variables.psa == 'baseline' && !(a in {}))",
             self.baseline()
         )
     }
 
-    fn refused(&self, c: &str) -> String {
+    /// Container `i`'s asked capabilities that the policy refuses, sorted, each once.
+    fn refused(&self) -> String {
         format!(
-            "{}.filter(a, !(a in {})).distinct().sort()",
-            asked(c),
-            self.kept(c)
+            "{}.filter(a, !(a in variables.kept[i])).distinct().sort()",
+            asked(&format!("{C}[i]"))
         )
     }
 
-    /// `securityContext.capabilities` once rewritten.
+    /// Container `c`'s `securityContext.capabilities` once rewritten.
     fn capabilities(&self, c: &str) -> String {
-        let added = self.added(c);
+        let added = "variables.added[i]";
         if self.policy.spec.capabilities.drop_all {
             return format!(
                 "(size({added}) > 0 ? {{'add': dyn({added}), 'drop': dyn(['ALL'])}} : {{'drop': dyn(['ALL'])}})"
@@ -409,18 +437,18 @@ impl Rewrite<'_> {
         )
     }
 
-    /// The GPU resource and quantity (CEL strings) the limit added to container `c` holds,
+    /// The GPU resource and quantity (CEL strings) of the limit added to container `C[i]`,
     /// for case 2 and case 3.
-    fn limit(&self, c: &str, case: u8) -> (String, String) {
+    fn limit(&self, case: u8) -> (String, String) {
+        let c = format!("{C}[i]");
         if case == 2 {
-            let r = format!("{}[0]", self.requests(c));
+            let r = "variables.gpuRequests[i][0]".to_owned();
             let q = format!("string({c}.resources.requests[{r}])");
             (r, q)
         } else {
-            let v = format!("{}.value", last_visible(c));
             (
                 literal(&self.policy.spec.gpu.resource_name),
-                format!("string({})", self.visible_count(&v)),
+                "string(variables.counts[i])".to_owned(),
             )
         }
     }
@@ -432,52 +460,56 @@ impl Rewrite<'_> {
         )
     }
 
-    /// The pair the rewrite sets in the env of a GPU container (the driver capabilities),
-    /// or of one left without GPUs (`void`).
-    fn env_pair(&self, gpu: bool) -> Option<(&'static str, String)> {
-        let caps = &self.policy.spec.driver_capabilities;
-        match gpu {
-            true if caps.is_empty() => None,
-            true => Some((crate::gpu::ENV_DRIVER_CAPABILITIES, caps.join(","))),
-            false => Some((
-                ENV_VISIBLE_DEVICES,
-                crate::admission_policies::VOID.to_owned(),
-            )),
-        }
+    /// The env pair set on container `i` (CEL strings): the driver capabilities on a GPU
+    /// container, `NVIDIA_VISIBLE_DEVICES=void` on one left without GPUs. `None` for a GPU
+    /// container when the policy names no driver capabilities.
+    fn pair(&self) -> (String, String, bool) {
+        let caps = self.policy.spec.driver_capabilities.join(",");
+        let has_caps = !self.policy.spec.driver_capabilities.is_empty();
+        (
+            format!(
+                "({ZERO} ? {} : {})",
+                literal(ENV_VISIBLE_DEVICES),
+                literal(crate::gpu::ENV_DRIVER_CAPABILITIES)
+            ),
+            format!(
+                "({ZERO} ? {} : {})",
+                literal(crate::admission_policies::VOID),
+                literal(&caps)
+            ),
+            has_caps,
+        )
     }
 
-    /// The env edit of container `c` at `base` (JSONPatch list) and whether the pair is set
-    /// anew (CEL bool), as the engine's: a GPU container loses its `NVIDIA_VISIBLE_DEVICES`
-    /// entries; the pair's first entry that already holds it stays, its other entries go,
-    /// and it is appended when none held it.
-    fn env_edit(&self, c: &str, base: &str, gpu: bool) -> (String, String) {
-        let e = env(c);
-        let visible = literal(ENV_VISIBLE_DEVICES);
-        let removes_visible = if gpu {
-            format!("{e}[j].name == {visible}")
-        } else {
-            "false".to_owned()
-        };
-        let Some((key, value)) = self.env_pair(gpu) else {
-            let ops = format!(
-                "lists.range(size({e})).map(k, size({e}) - 1 - k).filter(j, {removes_visible}).map(j, JSONPatch{{op: 'remove', path: {base} + '/env/' + string(j)}})"
-            );
-            return (ops, "false".to_owned());
-        };
-        let (key, value) = (literal(key), literal(&value));
-        let first = format!(
+    /// Per regular container rewritten: the index of the env entry that already holds its
+    /// pair (it stays), -1 when none does (the pair is appended), -2 when it has no pair.
+    fn first(&self) -> String {
+        let (key, value, has_caps) = self.pair();
+        let e = env(&format!("{C}[i]"));
+        let holding = format!(
             "lists.range(size({e})).filter(j, {e}[j].name == {key} && has({e}[j].value) && {e}[j].value == {value} && !has({e}[j].valueFrom))"
         );
-        let other = format!("{e}[j].name == {key} && (size({first}) == 0 || j != {first}[0])");
-        let entry = format!("{{'name': {key}, 'value': {value}}}");
-        let ops = format!(
-            "lists.range(size({e})).map(k, size({e}) - 1 - k).filter(j, {removes_visible} || ({other})).map(j, JSONPatch{{op: 'remove', path: {base} + '/env/' + string(j)}}) + (size({first}) > 0 ? [] : [has({c}.env) ? JSONPatch{{op: 'add', path: {base} + '/env/-', value: {entry}}} : JSONPatch{{op: 'add', path: {base} + '/env', value: [{entry}]}}])"
-        );
-        let set = format!("(size({first}) == 0 || lists.range(size({e})).exists(j, {other}))");
-        (ops, set)
+        let no_pair = if has_caps {
+            "false".to_owned()
+        } else {
+            format!("!{ZERO}")
+        };
+        format!(
+            "lists.range(size({C})).map(i, variables.cases[i] <= 0 || {no_pair} ? -2 : size({holding}) > 0 ? {holding}[0] : -1)"
+        )
     }
 
-    /// Container `C[i]`'s edit, by its case: a list of JSONPatch operations.
+    /// Per regular container rewritten: whether its pair is set anew (appended, or other
+    /// entries of its name removed).
+    fn set_anew(&self) -> String {
+        let (key, _, _) = self.pair();
+        let e = env(&format!("{C}[i]"));
+        format!(
+            "lists.range(size({C})).map(i, variables.first[i] == -1 || (variables.first[i] >= 0 && lists.range(size({e})).exists(j, {e}[j].name == {key} && j != variables.first[i])))"
+        )
+    }
+
+    /// Container `C[i]`'s edit: a list of JSONPatch operations.
     fn container_ops(&self) -> String {
         let c = format!("{C}[i]");
         let base = "('/spec/containers/' + string(i))";
@@ -485,12 +517,22 @@ impl Rewrite<'_> {
             "[JSONPatch{{op: 'add', path: {base} + '/securityContext/privileged', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/allowPrivilegeEscalation', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/capabilities', value: {}}}]",
             self.capabilities(&c)
         );
-        let (gpu_env, _) = self.env_edit(&c, base, true);
-        let (zero_env, _) = self.env_edit(&c, base, false);
-        let requested = Self::limit_ops(&c, base, &self.limit(&c, 2));
-        let visible = Self::limit_ops(&c, base, &self.limit(&c, 3));
+        let requested = Self::limit_ops(&c, base, &self.limit(2));
+        let visible = Self::limit_ops(&c, base, &self.limit(3));
+        let (key, value, _) = self.pair();
+        let e = env(&c);
+        let visible_name = literal(ENV_VISIBLE_DEVICES);
+        // A GPU container loses its NVIDIA_VISIBLE_DEVICES entries; the pair's other entries
+        // go; the pair is appended when no entry held it. One operation sets the whole list:
+        // each operation costs the API server a conversion of its value.
+        let kept = format!(
+            "lists.range(size({e})).filter(j, !((!{ZERO} && {e}[j].name == {visible_name}) || (variables.first[i] != -2 && {e}[j].name == {key} && j != variables.first[i])))"
+        );
+        let env_ops = format!(
+            "(size({kept}) < size({e}) || variables.first[i] == -1 ? [JSONPatch{{op: 'add', path: {base} + '/env', value: dyn({kept}.map(j, dyn({e}[j]))) + (variables.first[i] == -1 ? [dyn({{'name': {key}, 'value': {value}}})] : [])}}] : [])"
+        );
         format!(
-            "{security} + (variables.cases[i] == 2 ? {requested} + {gpu_env} : variables.cases[i] == 3 && variables.holders[i] >= 0 ? {zero_env} : variables.cases[i] == 3 ? {visible} + {gpu_env} : {gpu_env})"
+            "{security} + (variables.cases[i] == 2 ? {requested} : variables.cases[i] == 3 && !{ZERO} ? {visible} : []) + {env_ops}"
         )
     }
 
@@ -501,7 +543,7 @@ impl Rewrite<'_> {
         let json_list = |name: &str, items: String| {
             format!("(size({items}) > 0 ? ',\"{name}\":[\"' + {items}.join('\",\"') + '\"]' : '')")
         };
-        let raw = format!("{}.value", last_visible(&c));
+        let raw = "variables.visible[i]";
         let text = |s: &str| {
             // Inside a JSON string: the fixed texts need no escaping beyond this.
             let quoted = serde_json::to_string(s).unwrap_or_default();
@@ -527,27 +569,14 @@ impl Rewrite<'_> {
                 .collect();
             parts.join(&format!(" + {holder} + "))
         };
-        let v = raw.clone();
         let counted = format!(
-            "(variables.cases[i] == 2 ? {} + ',\"gpuCountFrom\":\"' + {from_request} + '\"' : variables.cases[i] == 3 && variables.holders[i] < 0 ? {} + ',\"gpuCountFrom\":\"' + ({} ? {from_all} : {from_ids}) + '\"' : variables.cases[i] == 3 ? ',\"noGpu\":\"' + {no_gpu} + '\"' : '')",
-            limit_json(self.limit(&c, 2)),
-            limit_json(self.limit(&c, 3)),
-            names_all(&v),
+            "(variables.cases[i] == 2 ? {} + ',\"gpuCountFrom\":\"' + {from_request} + '\"' : variables.cases[i] == 3 && !{ZERO} ? {} + ',\"gpuCountFrom\":\"' + (variables.all[i] ? {from_all} : {from_ids}) + '\"' : variables.cases[i] == 3 ? ',\"noGpu\":\"' + {no_gpu} + '\"' : '')",
+            limit_json(self.limit(2)),
+            limit_json(self.limit(3)),
         );
-        let zero = "(variables.cases[i] == 3 && variables.holders[i] >= 0)";
-        let env_set = |gpu: bool| {
-            let (_, set) = self.env_edit(&c, "''", gpu);
-            match self.env_pair(gpu) {
-                Some((k, v)) => format!(
-                    "({set} ? ',\"envSet\":{{\"' + {} + '\":\"' + {} + '\"}}' : '')",
-                    text(k),
-                    text(&v)
-                ),
-                None => "''".to_owned(),
-            }
-        };
+        let (key, value, _) = self.pair();
         let visible_removed = format!(
-            "({}.exists(e, has(e.name) && e.name == {}) ? ',\"envRemoved\":[\"' + {} + '\"]' : '')",
+            "(!{ZERO} && {}.exists(e, e.name == {}) ? ',\"envRemoved\":[\"' + {} + '\"]' : '')",
             env(&c),
             literal(ENV_VISIBLE_DEVICES),
             text(ENV_VISIBLE_DEVICES),
@@ -558,13 +587,11 @@ impl Rewrite<'_> {
             ""
         };
         let entry = format!(
-            "'\"' + {c}.name + '\":{{\"privileged\":false,\"gpu\":' + ({zero} ? 'false' : 'true') + {} + {} + {} + {} + {counted} + ({zero} ? {} : {visible_removed} + {}) + '}}'",
-            json_list("capabilitiesAdded", self.added(&c)),
+            "'\"' + {c}.name + '\":{{\"privileged\":false,\"gpu\":' + ({ZERO} ? 'false' : 'true') + {} + {} + {} + {} + {counted} + {visible_removed} + (variables.anew[i] ? ',\"envSet\":{{\"' + {key} + '\":\"' + {value} + '\"}}' : '') + '}}'",
+            json_list("capabilitiesAdded", "variables.added[i]".to_owned()),
             literal(dropped),
-            json_list("capabilitiesRefused", self.refused(&c)),
-            json_list("capabilitiesWithheld", self.withheld(&c)),
-            env_set(false),
-            env_set(true),
+            json_list("capabilitiesRefused", self.refused()),
+            json_list("capabilitiesWithheld", self.withheld()),
         );
         format!(
             "'{{\"containers\":{{' + lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {entry}).sort().join(',') + '}}}}'"
@@ -572,7 +599,7 @@ impl Rewrite<'_> {
     }
 
     /// The whole JSONPatch: every rewritten container's edit, then the report and the
-    /// policy reference.
+    /// policy reference; nothing unless the pod is one the API server rewrites.
     fn patch(&self) -> String {
         let reference = literal(&self.policy.reference());
         let key = |k: &str| {
@@ -589,7 +616,7 @@ impl Rewrite<'_> {
             literal(ANNOTATION_POLICY),
         );
         format!(
-            "variables.rewrite ? lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {}).flatten() + {annotations} : []",
+            "(variables.rewrite ? lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {}).flatten() + {annotations} : [])",
             self.container_ops()
         )
     }

@@ -195,6 +195,10 @@ fn messages_as_maps(expr: &mut IdedExpr) {
 }
 
 fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
+    try_eval(expression, vars).unwrap_or_else(|e| panic!("{expression}: {e:?}"))
+}
+
+fn try_eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Result<Cel, ExecutionError> {
     thread_local! {
         /// Parsed expressions: the generated-pod tests evaluate each thousands of times.
         static PROGRAMS: std::cell::RefCell<BTreeMap<String, std::rc::Rc<IdedExpr>>> =
@@ -233,7 +237,7 @@ fn eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Cel {
         )
         .expect("variable");
     }
-    Cel::resolve(&program, &ctx).unwrap_or_else(|e| panic!("{expression}: {e:?}"))
+    Cel::resolve(&program, &ctx)
 }
 
 /// JSON numbers as CEL reads them from an object: `int`, not the `uint` the conversion makes
@@ -283,15 +287,18 @@ fn to_json(value: &Cel) -> Value {
 }
 
 /// The values of an admission policy's `variables` (the policy as JSON) for one request,
-/// each seeing the ones before it, as `vars` plus `variables`.
+/// each seeing the ones before it, as `vars` plus `variables`. The API server evaluates a
+/// variable when an expression first reads it; here each is evaluated up front, and one that
+/// fails is left out, so that an expression that does read it fails.
 fn with_variables<'v>(policy: &Value, vars: &BTreeMap<&'v str, Value>) -> BTreeMap<&'v str, Value> {
     let mut vars = vars.clone();
     let mut variables = serde_json::Map::new();
     for variable in policy["spec"]["variables"].as_array().into_iter().flatten() {
         vars.insert("variables", Value::Object(variables.clone()));
         let name = variable["name"].as_str().expect("name");
-        let value = eval(variable["expression"].as_str().expect("expression"), &vars);
-        variables.insert(name.to_string(), to_json(&value));
+        if let Ok(value) = try_eval(variable["expression"].as_str().expect("expression"), &vars) {
+            variables.insert(name.to_string(), to_json(&value));
+        }
     }
     vars.insert("variables", Value::Object(variables));
     vars
@@ -1512,8 +1519,8 @@ fn engine_answer(
 
 /// One source of truth: on thousands of generated pods under generated policies, the API
 /// server's path (the rendered MutatingAdmissionPolicies, then the webhook where its
-/// matchConditions still send the pod, then the policies again where the webhook changed
-/// it) stores exactly the pod the engine alone writes, or both deny it. In Audit mode the
+/// matchConditions still send the pod, then the policies that ask to be reinvoked where the
+/// webhook changed it) stores exactly the pod the engine alone writes, or both deny it. In Audit mode the
 /// rendered ValidatingAdmissionPolicy names the containers the engine names.
 #[test]
 fn api_server_policies_follow_the_engine() {
@@ -1681,10 +1688,18 @@ fn policies_follow_the_engine() {
         let sent = eval_bool(&may_reach, &vars) && eval_bool(&not_exempt, &vars);
         let chain = if sent {
             match engine_answer(&stored, namespace, &source).0 {
-                Ok(after) if after != stored => {
-                    let mut again = after;
-                    api_server_mutates(&rendered, &mut again, namespace, &labels);
-                    Ok(again)
+                // A policy that asks to be reinvoked runs again on what the webhook wrote.
+                Ok(mut after) if after != stored => {
+                    let again: Vec<&str> = (rendered.iter())
+                        .filter(|r| r.object["spec"]["reinvocationPolicy"] == "IfNeeded")
+                        .map(|r| r.name.as_str())
+                        .collect();
+                    let reinvoked: Vec<_> = (rendered.iter())
+                        .filter(|r| again.contains(&r.name.as_str()))
+                        .cloned()
+                        .collect();
+                    api_server_mutates(&reinvoked, &mut after, namespace, &labels);
+                    Ok(after)
                 }
                 other => other,
             }
