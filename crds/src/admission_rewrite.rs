@@ -615,8 +615,10 @@ impl Rewrite<'_> {
             literal(ANNOTATION_REWRITTEN),
             literal(ANNOTATION_POLICY),
         );
+        // A pod without a privileged container, most pods, reads none of the variables.
         format!(
-            "(variables.rewrite ? lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {}).flatten() + {annotations} : [])",
+            "({C}.exists(c, {}) && variables.rewrite ? lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {}).flatten() + {annotations} : [])",
+            privileged("c"),
             self.container_ops()
         )
     }
