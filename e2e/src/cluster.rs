@@ -8,6 +8,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use gpuwarden_crds::admission_policies::{
+    ADMISSION_GROUP, KIND_MUTATING, KIND_MUTATING_BINDING, MutatingApi, Rendered,
+};
+use gpuwarden_webhook::admission::{PolicySource, StaticSource};
 use gpuwarden_webhook::cache::{ReflectorCache, SyncFlag};
 use gpuwarden_webhook::metrics::Metrics;
 use gpuwarden_webhook::server::{EngineReviewer, Limits, ShutdownTrigger, Webhook};
@@ -108,6 +112,76 @@ impl Cluster {
                 .any(|r| r["name"] == resource),
             Err(_) => false,
         }
+    }
+
+    /// The version of `admissionregistration.k8s.io` that serves MutatingAdmissionPolicy, if
+    /// any.
+    pub async fn mutating_policy_api(&self) -> Option<MutatingApi> {
+        for api in [MutatingApi::V1, MutatingApi::V1beta1] {
+            if self
+                .serves(api.api_version(), "mutatingadmissionpolicies")
+                .await
+            {
+                return Some(api);
+            }
+        }
+        None
+    }
+
+    /// Creates the MutatingAdmissionPolicy and binding in `rendered` under `name`, the
+    /// binding selecting only `namespaces` and the policy owned by nothing (so only `cleanup`
+    /// deletes them). Returns the policy as created.
+    pub async fn install_mutating_policy(
+        &self,
+        rendered: Vec<Rendered>,
+        api: MutatingApi,
+        name: &str,
+        namespaces: &[&str],
+        cleanup: &Cleanup,
+    ) -> Result<Value, ClusterError> {
+        let mut policy = Value::Null;
+        for mut rendered in rendered {
+            let object = &mut rendered.object;
+            object["metadata"]["name"] = Value::from(name);
+            if let Some(meta) = object["metadata"].as_object_mut() {
+                meta.remove("ownerReferences");
+            }
+            let plural = if rendered.kind == KIND_MUTATING_BINDING {
+                object["spec"]["policyName"] = Value::from(name);
+                object["spec"]["matchResources"]["namespaceSelector"] = serde_json::json!({
+                    "matchExpressions": [{"key": "kubernetes.io/metadata.name",
+                        "operator": "In", "values": namespaces}]});
+                "mutatingadmissionpolicybindings"
+            } else {
+                "mutatingadmissionpolicies"
+            };
+            let path = format!("/apis/{}/{plural}", api.api_version());
+            let what = format!("create {plural} {name}");
+            let r = self
+                .raw(Method::POST, &path, "application/json", Some(object))
+                .await?;
+            if !r.status.is_success() {
+                return Err(ClusterError::Body {
+                    what,
+                    message: r.message().to_owned(),
+                });
+            }
+            cleanup.own(
+                ApiResource {
+                    group: ADMISSION_GROUP.into(),
+                    version: api.version().into(),
+                    api_version: api.api_version().into(),
+                    kind: rendered.kind.into(),
+                    plural: plural.into(),
+                },
+                None,
+                name,
+            );
+            if rendered.kind == KIND_MUTATING {
+                policy = r.body;
+            }
+        }
+        Ok(policy)
     }
 
     /// Sends a request with a JSON body and returns the status, the JSON answer and the
@@ -390,6 +464,28 @@ impl LocalWebhook {
     /// Starts the webhook on an ephemeral port (`$GPUWARDEN_E2E_WEBHOOK_PORT` to pick one),
     /// listening on every address unless the host is loopback.
     pub async fn start(client: Client) -> Result<Self, ClusterError> {
+        let (trigger, shutdown) = gpuwarden_webhook::server::shutdown_channel();
+        let metrics = Arc::new(Metrics::new());
+        let synced = SyncFlag::new();
+        let cache =
+            ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown.clone());
+        Self::serve(Arc::new(cache), metrics, synced, (trigger, shutdown)).await
+    }
+
+    /// [`LocalWebhook::start`] answering from fixed policies and namespace labels, with no
+    /// cluster to watch.
+    pub async fn start_static(source: StaticSource) -> Result<Self, ClusterError> {
+        let channel = gpuwarden_webhook::server::shutdown_channel();
+        let metrics = Arc::new(Metrics::new());
+        Self::serve(Arc::new(source), metrics, SyncFlag::raised(), channel).await
+    }
+
+    async fn serve(
+        source: Arc<dyn PolicySource>,
+        metrics: Arc<Metrics>,
+        synced: SyncFlag,
+        (trigger, shutdown): (ShutdownTrigger, gpuwarden_webhook::server::Shutdown),
+    ) -> Result<Self, ClusterError> {
         let host = webhook_host();
         let err = |e: &dyn std::fmt::Display| ClusterError::Webhook(e.to_string());
         let (ca_pem, cert_pem, key_pem) = certificate_for(&host).map_err(|e| err(&e))?;
@@ -423,13 +519,8 @@ impl LocalWebhook {
             _ => host.clone(),
         };
 
-        let (trigger, shutdown) = gpuwarden_webhook::server::shutdown_channel();
-        let metrics = Arc::new(Metrics::new());
-        let synced = SyncFlag::new();
-        let cache =
-            ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown.clone());
         let webhook = Webhook::new(
-            Arc::new(EngineReviewer::new(Arc::new(cache))),
+            Arc::new(EngineReviewer::new(source)),
             certs,
             synced.clone(),
             metrics.clone(),

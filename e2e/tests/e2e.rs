@@ -2373,27 +2373,9 @@ fn admitted(pod: &Value) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn api_server_rewrite_stores_what_the_webhook_stores() {
-    use gpuwarden_crds::admission_policies::{KIND_MUTATING, MutatingApi, render};
+    use gpuwarden_crds::admission_policies::render;
     let env = Env::new().await;
-    let api = if env
-        .cluster
-        .serves(
-            "admissionregistration.k8s.io/v1",
-            "mutatingadmissionpolicies",
-        )
-        .await
-    {
-        MutatingApi::V1
-    } else if env
-        .cluster
-        .serves(
-            "admissionregistration.k8s.io/v1beta1",
-            "mutatingadmissionpolicies",
-        )
-        .await
-    {
-        MutatingApi::V1beta1
-    } else {
+    let Some(api) = env.cluster.mutating_policy_api().await else {
         skip(
             "api_server_rewrite_stores_what_the_webhook_stores",
             "the server does not serve MutatingAdmissionPolicy",
@@ -2423,51 +2405,23 @@ async fn api_server_rewrite_stores_what_the_webhook_stores() {
         .get(gpuwarden_crds::DEFAULT_POLICY_NAME)
         .await
         .expect("the default GpuPolicy");
-    let name = env.name("api-rewrite");
-    for mut rendered in render(&[&policy], |_| true, api) {
-        let object = &mut rendered.object;
-        object["metadata"]["name"] = json!(name);
-        if let Some(meta) = object["metadata"].as_object_mut() {
-            meta.remove("ownerReferences");
-        }
-        let plural = if rendered.kind == KIND_MUTATING {
-            object["spec"]["variables"]
-                .as_array()
-                .filter(|v| !v.is_empty())
-                .expect("the rewrite's variables");
-            "mutatingadmissionpolicies"
-        } else {
-            object["spec"]["policyName"] = json!(name);
-            object["spec"]["matchResources"]["namespaceSelector"] = json!({"matchExpressions": [{
-                "key": "kubernetes.io/metadata.name", "operator": "In", "values": [alone, chain]}]});
-            "mutatingadmissionpolicybindings"
-        };
-        let path = format!(
-            "/apis/admissionregistration.k8s.io/{}/{plural}",
-            api.version()
-        );
-        let r = env
-            .cluster
-            .raw(Method::POST, &path, "application/json", Some(object))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(
-            r.status.is_success(),
-            "the server refused {plural}: {}",
-            r.message()
-        );
-        env.cleanup.own(
-            kube::discovery::ApiResource {
-                group: "admissionregistration.k8s.io".into(),
-                version: api.version().into(),
-                api_version: api.api_version().into(),
-                kind: rendered.kind.into(),
-                plural: plural.into(),
-            },
-            None,
-            &name,
-        );
-    }
+    let created = env
+        .cluster
+        .install_mutating_policy(
+            render(&[&policy], |_| true, api),
+            api,
+            &env.name("api-rewrite"),
+            &[&alone, &chain],
+            &env.cleanup,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        created["spec"]["variables"]
+            .as_array()
+            .is_some_and(|v| !v.is_empty()),
+        "the rewrite's variables: {created}"
+    );
     let pods = both_paths_pods();
     env.until_admission(&alone, &pods[0].0, "the API server's rewrite", rewritten)
         .await;

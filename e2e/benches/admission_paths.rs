@@ -1,0 +1,192 @@
+//! The added create latency of a privileged GPU pod through each admission path on a real API
+//! server: the MutatingAdmissionPolicy rendered from the default GpuPolicy, with no webhook,
+//! and gpuwarden's webhook (in this process, over TLS), with no policy. Each is interleaved
+//! with creates in a namespace that neither touches, in rotating order, as server-side
+//! dry-run creates over one client; the stored pods of both paths are compared.
+//!
+//! ```sh
+//! KUBECONFIG=... cargo bench -p gpuwarden-e2e --bench admission_paths [-- ROUNDS]
+//! ```
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::admission_policies::render;
+use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, base64};
+use gpuwarden_e2e::manifests::load_file;
+use gpuwarden_webhook::admission::StaticSource;
+use http::Method;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, PostParams};
+use serde_json::{Value, json};
+
+/// The pod: one privileged container that takes GPUs 0 and 1 by environment variable.
+fn pod(i: usize) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("bench-{i}")},
+        "spec": {"containers": [{"name": "train", "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+            "securityContext": {"privileged": true, "capabilities": {"add": ["IPC_LOCK"]}},
+            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]}]}})
+}
+
+/// What admission decided: the containers (less the service-account token mount, whose name
+/// is random) and gpuwarden's annotations.
+fn admitted(pod: &Value) -> Value {
+    let mut containers = pod["spec"]["containers"].clone();
+    for c in containers.as_array_mut().into_iter().flatten() {
+        c.as_object_mut().map(|c| c.remove("volumeMounts"));
+    }
+    let ours: BTreeMap<&String, &Value> = (pod["metadata"]["annotations"].as_object())
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX))
+        .collect();
+    json!({"containers": containers, "annotations": ours})
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let at = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
+    sorted.get(at).copied().unwrap_or(f64::NAN)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> ExitCode {
+    let rounds: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(1000);
+    match run(rounds).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("admission_paths: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(rounds: usize) -> Result<(), String> {
+    let cluster = Cluster::connect().await.map_err(|e| e.to_string())?;
+    let api = (cluster.mutating_policy_api().await)
+        .ok_or("the API server does not serve MutatingAdmissionPolicy")?;
+    let cleanup = Cleanup::new(cluster.client.clone());
+    let name = |suffix: &str| format!("gpuwarden-bench-{}-{suffix}", cluster.run_id);
+    let (policy_ns, webhook_ns, plain_ns) = (name("policy"), name("webhook"), name("plain"));
+    let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
+    for ns in [&policy_ns, &webhook_ns, &plain_ns] {
+        let object: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": ns}})).map_err(|e| e.to_string())?;
+        (namespaces.create(&PostParams::default(), &object).await)
+            .map_err(|e| format!("create namespace {ns}: {e}"))?;
+        cleanup.own_typed::<Namespace>(None, ns);
+    }
+
+    let mut policy = GpuPolicy::default_policy();
+    policy.metadata.name = Some(gpuwarden_crds::DEFAULT_POLICY_NAME.to_owned());
+    let rendered = render(&[&policy], |_| true, api);
+    (cluster.install_mutating_policy(rendered, api, &name("policy"), &[&policy_ns], &cleanup))
+        .await
+        .map_err(|e| e.to_string())?;
+
+    let mut source = StaticSource::new([policy]);
+    source.namespaces.insert(
+        webhook_ns.clone(),
+        BTreeMap::from([(
+            gpuwarden_crds::LABEL_NAMESPACE_NAME.to_owned(),
+            webhook_ns.clone(),
+        )]),
+    );
+    let webhook = LocalWebhook::start_static(source)
+        .await
+        .map_err(|e| e.to_string())?;
+    let shipped = load_file("deploy/admission/mutating-webhook.yaml").map_err(|e| e.to_string())?;
+    let mut mwc = shipped[0].value.clone();
+    mwc["metadata"] = json!({"name": name("webhook")});
+    mwc["webhooks"][0]["clientConfig"] =
+        json!({"url": webhook.url, "caBundle": base64(webhook.ca_pem.as_bytes())});
+    mwc["webhooks"][0]["namespaceSelector"] =
+        json!({"matchLabels": {gpuwarden_crds::LABEL_NAMESPACE_NAME: webhook_ns}});
+    let mwc: MutatingWebhookConfiguration =
+        serde_json::from_value(mwc).map_err(|e| e.to_string())?;
+    (Api::<MutatingWebhookConfiguration>::all(cluster.client.clone()))
+        .create(&PostParams::default(), &mwc)
+        .await
+        .map_err(|e| format!("register the webhook: {e}"))?;
+    cleanup.own_typed::<MutatingWebhookConfiguration>(None, &name("webhook"));
+
+    let result = measure(&cluster, rounds, [&policy_ns, &webhook_ns, &plain_ns]).await;
+    webhook.stop().await;
+    cleanup.run().await;
+    result
+}
+
+async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> Result<(), String> {
+    let create = |ns: &str, i: usize| {
+        let body = pod(i);
+        let ns = ns.to_owned();
+        async move {
+            let path = format!("/api/v1/namespaces/{ns}/pods?dryRun=All");
+            let start = std::time::Instant::now();
+            let r = cluster
+                .raw(Method::POST, &path, "application/json", Some(&body))
+                .await
+                .map_err(|e| e.to_string())?;
+            let ms = start.elapsed().as_secs_f64() * 1000.0;
+            if !r.status.is_success() {
+                return Err(format!("create in {ns}: {}", r.message()));
+            }
+            Ok::<_, String>((ms, r.body))
+        }
+    };
+    // Both paths must rewrite before anything is timed (the API server loads policies and
+    // webhook configurations a moment after they are created).
+    let rewritten =
+        |pod: &Value| pod["spec"]["containers"][0]["securityContext"]["privileged"] == false;
+    for attempt in 0.. {
+        let (_, by_policy) = create(namespaces[0], 0).await?;
+        let (_, by_webhook) = create(namespaces[1], 0).await?;
+        if rewritten(&by_policy) && rewritten(&by_webhook) {
+            if admitted(&by_policy) != admitted(&by_webhook) {
+                return Err(format!(
+                    "the paths store different pods:\n{}\n{}",
+                    admitted(&by_policy),
+                    admitted(&by_webhook)
+                ));
+            }
+            break;
+        }
+        if attempt == 60 {
+            return Err("the policy or the webhook never rewrote the pod".into());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    let labels = ["API server's policy", "webhook", "untouched"];
+    let mut times: [Vec<f64>; 3] = Default::default();
+    let warmup = 50;
+    for i in 0..rounds + warmup {
+        for k in 0..3 {
+            let path = (i + k) % 3;
+            let (ms, stored) = create(namespaces[path], i).await?;
+            if path < 2 && !rewritten(&stored) {
+                return Err(format!("{} did not rewrite pod {i}", labels[path]));
+            }
+            if i >= warmup {
+                times[path].push(ms);
+            }
+        }
+    }
+    for t in &mut times {
+        t.sort_by(f64::total_cmp);
+    }
+    let (base50, base95) = (quantile(&times[2], 0.5), quantile(&times[2], 0.95));
+    println!("{rounds} rounds of server-side dry-run creates, interleaved");
+    for (label, t) in labels.iter().zip(&times) {
+        let (p50, p95) = (quantile(t, 0.5), quantile(t, 0.95));
+        println!(
+            "{label:20} p50 {p50:.3} ms  p95 {p95:.3} ms  added p50 {:+.3} ms  p95 {:+.3} ms",
+            p50 - base50,
+            p95 - base95
+        );
+    }
+    Ok(())
+}
