@@ -1,8 +1,10 @@
 //! The added create latency of a privileged GPU pod through each admission path on a real API
 //! server: the MutatingAdmissionPolicy rendered from the default GpuPolicy, with no webhook,
-//! and gpuwarden's webhook (in this process, over TLS), with no policy. Each is interleaved
-//! with creates in a namespace that neither touches, in rotating order, as server-side
-//! dry-run creates over one client; the stored pods of both paths are compared.
+//! and gpuwarden's webhook (in this process, over TLS), with no policy; and of a pod without
+//! privilege through the policy (the void rule; the webhook is not sent such a pod). Each is
+//! interleaved with the same create in a namespace that nothing touches, in rotating order,
+//! as server-side dry-run creates over one client; the stored pods of both paths are
+//! compared.
 //!
 //! ```sh
 //! KUBECONFIG=... cargo bench -p gpuwarden-e2e --bench admission_paths [-- ROUNDS]
@@ -28,6 +30,14 @@ fn pod(i: usize) -> Value {
         "spec": {"containers": [{"name": "train", "image": "nvcr.io/nvidia/pytorch:24.05-py3",
             "securityContext": {"privileged": true, "capabilities": {"add": ["IPC_LOCK"]}},
             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]}]}})
+}
+
+/// A pod without privilege, two containers holding no GPU: what the void rule is for.
+fn ordinary(i: usize) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("plain-{i}")},
+        "spec": {"containers": [
+            {"name": "app", "image": "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"},
+            {"name": "side", "image": "busybox"}]}})
 }
 
 /// What admission decided: the containers (less the service-account token mount, whose name
@@ -121,8 +131,7 @@ async fn run(rounds: usize) -> Result<(), String> {
 }
 
 async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> Result<(), String> {
-    let create = |ns: &str, i: usize| {
-        let body = pod(i);
+    let create = |ns: &str, body: Value| {
         let ns = ns.to_owned();
         async move {
             let path = format!("/api/v1/namespaces/{ns}/pods?dryRun=All");
@@ -143,8 +152,8 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> 
     let rewritten =
         |pod: &Value| pod["spec"]["containers"][0]["securityContext"]["privileged"] == false;
     for attempt in 0.. {
-        let (_, by_policy) = create(namespaces[0], 0).await?;
-        let (_, by_webhook) = create(namespaces[1], 0).await?;
+        let (_, by_policy) = create(namespaces[0], pod(0)).await?;
+        let (_, by_webhook) = create(namespaces[1], pod(0)).await?;
         if rewritten(&by_policy) && rewritten(&by_webhook) {
             if admitted(&by_policy) != admitted(&by_webhook) {
                 return Err(format!(
@@ -160,32 +169,55 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> 
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
-    let labels = ["API server's policy", "webhook", "untouched"];
-    let mut times: [Vec<f64>; 3] = Default::default();
+    // (label, namespace, privileged pod or not), timed against the untouched namespace's
+    // create of the same pod.
+    let series = [
+        (
+            "privileged GPU pod, API server's policy",
+            namespaces[0],
+            true,
+        ),
+        ("privileged GPU pod, webhook", namespaces[1], true),
+        ("privileged GPU pod, untouched", namespaces[2], true),
+        (
+            "pod without privilege, API server's policy",
+            namespaces[0],
+            false,
+        ),
+        ("pod without privilege, untouched", namespaces[2], false),
+    ];
+    let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); series.len()];
     let warmup = 50;
     for i in 0..rounds + warmup {
-        for k in 0..3 {
-            let path = (i + k) % 3;
-            let (ms, stored) = create(namespaces[path], i).await?;
-            if path < 2 && !rewritten(&stored) {
-                return Err(format!("{} did not rewrite pod {i}", labels[path]));
+        for k in 0..series.len() {
+            let at = (i + k) % series.len();
+            let (label, ns, privileged) = series[at];
+            let body = if privileged { pod(i) } else { ordinary(i) };
+            let (ms, stored) = create(ns, body).await?;
+            let touched = ns != namespaces[2];
+            if privileged && touched && !rewritten(&stored) {
+                return Err(format!("{label}: pod {i} not rewritten"));
+            }
+            let voided = stored["spec"]["containers"][0]["env"][0]["value"] == "void";
+            if !privileged && touched != voided {
+                return Err(format!("{label}: pod {i} voided: {voided}"));
             }
             if i >= warmup {
-                times[path].push(ms);
+                times[at].push(ms);
             }
         }
     }
     for t in &mut times {
         t.sort_by(f64::total_cmp);
     }
-    let (base50, base95) = (quantile(&times[2], 0.5), quantile(&times[2], 0.95));
     println!("{rounds} rounds of server-side dry-run creates, interleaved");
-    for (label, t) in labels.iter().zip(&times) {
-        let (p50, p95) = (quantile(t, 0.5), quantile(t, 0.95));
+    for (at, (label, _, privileged)) in series.iter().enumerate() {
+        let base = &times[if *privileged { 2 } else { 4 }];
+        let (p50, p95) = (quantile(&times[at], 0.5), quantile(&times[at], 0.95));
         println!(
-            "{label:20} p50 {p50:.3} ms  p95 {p95:.3} ms  added p50 {:+.3} ms  p95 {:+.3} ms",
-            p50 - base50,
-            p95 - base95
+            "{label:44} p50 {p50:.3} ms  p95 {p95:.3} ms  added p50 {:+.3} ms  p95 {:+.3} ms",
+            p50 - quantile(base, 0.5),
+            p95 - quantile(base, 0.95)
         );
     }
     Ok(())

@@ -47,7 +47,8 @@ struct RunArgs {
     #[arg(long, env = "GPUWARDEN_TAINT_UNHEALTHY_NODES", default_value_t = false)]
     taint_unhealthy_nodes: bool,
 
-    /// Keep a MutatingAdmissionPolicy per GpuPolicy in Enforce mode that sets
+    /// Keep a MutatingAdmissionPolicy per GpuPolicy in Enforce mode that rewrites the
+    /// privileged GPU pods its CEL can (the webhook rewrites the others) and sets
     /// NVIDIA_VISIBLE_DEVICES=void on containers that hold no GPU (a warning
     /// ValidatingAdmissionPolicy in Audit mode), where the API server serves
     /// MutatingAdmissionPolicy. Turned off, the operator writes none and deletes none: remove
