@@ -261,6 +261,17 @@ async fn install_and_uninstall(variant: Variant) {
         managers[0].1
     );
 
+    // Where the API server serves MutatingAdmissionPolicy, the operator keeps the default
+    // policy's, which the uninstall must remove too.
+    let api = cluster.mutating_policy_api().await;
+    if let Some(api) = api {
+        let kept = wait_for(Duration::from_secs(60), || rendered_policies(&cluster, api)).await;
+        assert!(
+            kept.is_some(),
+            "the operator never kept the default policy's MutatingAdmissionPolicy"
+        );
+    }
+
     let _ = stop.send(());
     match operator.await {
         Ok(Ok(())) => {}
@@ -293,6 +304,41 @@ async fn install_and_uninstall(variant: Variant) {
             "CRD {name} left behind"
         );
     }
+    if let Some(api) = api {
+        let left = rendered_policies(&cluster, api).await;
+        assert!(left.is_none(), "left behind after uninstall: {left:?}");
+    }
+}
+
+/// The names of the MutatingAdmissionPolicies and bindings the operator keeps, when there
+/// are any.
+async fn rendered_policies(
+    cluster: &Cluster,
+    api: gpuwarden_crds::admission_policies::MutatingApi,
+) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for plural in [
+        "mutatingadmissionpolicies",
+        "mutatingadmissionpolicybindings",
+    ] {
+        let path = format!(
+            "/apis/{}/{plural}?labelSelector={}%3D{}",
+            api.api_version(),
+            gpuwarden_crds::admission_policies::LABEL_MANAGED_BY,
+            gpuwarden_crds::admission_policies::MANAGED_BY
+        );
+        let r = (cluster.raw(http::Method::GET, &path, "application/json", None))
+            .await
+            .expect("list the admission policies");
+        assert!(r.status.is_success(), "{plural}: {}", r.message());
+        for item in r.body["items"].as_array().into_iter().flatten() {
+            names.push(format!(
+                "{plural}/{}",
+                item["metadata"]["name"].as_str().unwrap_or("")
+            ));
+        }
+    }
+    (!names.is_empty()).then_some(names)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
