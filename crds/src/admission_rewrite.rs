@@ -41,7 +41,8 @@ const RESOURCE: &str = "^[A-Za-z0-9._/-]+$";
 /// The rewrite's variables and its JSONPatch expression for `policy`, whose GPU resource test
 /// is `gpu` (a CEL expression of `r`); `None` when the policy asks for what CEL cannot do
 /// (`gpu.requestAs: ResourceClaim`, which needs the namespace's ResourceClaimTemplates) or
-/// names capabilities the report could not write as they are.
+/// names capabilities, a resource or driver capabilities the report could not write as they
+/// are.
 pub fn rewrite(policy: &GpuPolicy, gpu: &str) -> Option<(Variables, String)> {
     if !renders(policy) {
         return None;
@@ -84,9 +85,16 @@ pub fn renders(policy: &GpuPolicy) -> bool {
                 && c.as_bytes()[0].is_ascii_uppercase()
         })
     };
+    // The report writes the resource name and the driver capabilities as they are.
+    let resource =
+        (spec.gpu.resource_name.bytes()).all(|b| b.is_ascii_alphanumeric() || b"._/-".contains(&b));
+    let driver = (spec.driver_capabilities.iter())
+        .all(|c| c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'));
     spec.gpu.request_as != RequestAs::ResourceClaim
         && plain(&spec.capabilities.default)
         && plain(&spec.capabilities.allowed)
+        && resource
+        && driver
 }
 
 /// CEL for one policy. Container fragments take the container as a CEL expression `c`.
@@ -636,6 +644,9 @@ mod tests {
         assert!(rewrite(&policy, "true").is_none());
         let mut policy = GpuPolicy::default_policy();
         policy.spec.capabilities.default = vec!["cap_net_raw".into()];
+        assert!(rewrite(&policy, "true").is_none());
+        let mut policy = GpuPolicy::default_policy();
+        policy.spec.driver_capabilities = vec!["compute\"".into()];
         assert!(rewrite(&policy, "true").is_none());
     }
 
