@@ -851,13 +851,37 @@ fn readme_install_in_cluster_on_a_real_node() {
             .is_none(),
         "{stored:#}"
     );
+    // Where the operator keeps the default policy's MutatingAdmissionPolicy, the API server
+    // rewrites a plain privileged GPU pod itself, webhook or not; one it leaves to the
+    // webhook (a device hostPath) waits for the webhook.
+    let in_api_server = !gone("mutatingadmissionpolicy", "gpuwarden-default", None);
+    let waits = if in_api_server {
+        let rewritten = kubectl_stdin(
+            &["create", "--dry-run=server", "-f", "-", "-o", "json"],
+            &privileged_gpu_pod(&ns, "outage"),
+        );
+        assert!(
+            rewritten.ok,
+            "the API server did not admit the pod it rewrites itself while the webhook was down: {}",
+            rewritten.stderr
+        );
+        assert_rewritten(&serde_json::from_str(&rewritten.stdout).expect("the stored pod"));
+        let mut pod: Value =
+            serde_json::from_str(&privileged_gpu_pod(&ns, "outage")).expect("the pod");
+        pod["spec"]["volumes"] = json!([{"name": "gpu0", "hostPath": {"path": "/dev/nvidia0"}}]);
+        pod["spec"]["containers"][0]["volumeMounts"] =
+            json!([{"name": "gpu0", "mountPath": "/dev/nvidia0"}]);
+        pod.to_string()
+    } else {
+        privileged_gpu_pod(&ns, "outage")
+    };
     let refused = kubectl_stdin(
         &["create", "--dry-run=server", "-f", "-", "-o", "json"],
-        &privileged_gpu_pod(&ns, "outage"),
+        &waits,
     );
     assert!(
         !refused.ok,
-        "a privileged GPU pod was admitted with no webhook replica: {}",
+        "a privileged GPU pod the webhook judges was admitted with no webhook replica: {}",
         refused.stdout
     );
     assert!(
