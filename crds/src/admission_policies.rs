@@ -2,19 +2,21 @@
 //! (docs/design.md, "Inside the API server"). The operator keeps these objects; this module
 //! only writes them.
 //!
-//! For each GpuPolicy in Enforce mode with `voidNonGpuContainers`, a MutatingAdmissionPolicy
-//! and its binding set `NVIDIA_VISIBLE_DEVICES=void` on every container that holds no GPU
-//! (the void rule, [`void_rule`]). In Audit mode a ValidatingAdmissionPolicy bound with
+//! For each GpuPolicy in Enforce mode, a MutatingAdmissionPolicy and its binding rewrite the
+//! privileged GPU pods CEL can ([`crate::admission_rewrite`]) and, with
+//! `voidNonGpuContainers`, set `NVIDIA_VISIBLE_DEVICES=void` on every container that holds no
+//! GPU (the void rule, [`void_rule`]). In Audit mode a ValidatingAdmissionPolicy bound with
 //! `[Warn, Audit]` names those containers instead. A pod that the API server sends to no
-//! webhook still gets it, and nothing here can block a pod: the policies fail open, and the
+//! webhook still gets them, and nothing here can block a pod: the policies fail open, and the
 //! webhook's own fail-closed scope does not change.
 //!
 //! Which policy governs a pod is the engine's rule ([`crate::selection::select_policy`]):
-//! the binding selects the policy's namespaces and pods, and a match condition leaves out
-//! pods that a policy of higher precedence selects. A policy that is invalid governs what it
-//! selects and fails closed in the webhook, so it is not rendered (and where its selector is
-//! malformed it selects every pod, so nothing it outranks is either). The differential test
-//! in `e2e/tests/admission_cel.rs` holds the CEL to the engine.
+//! the binding selects the policy's namespaces (less those it exempts) and pods, and the
+//! policy's scope leaves out pods that a policy of higher precedence selects. A policy that
+//! is invalid governs what it selects and fails closed in the webhook, so it is not rendered
+//! (and where its selector is malformed it selects every pod, so nothing it outranks is
+//! either). The differential test in `e2e/tests/admission_cel.rs` holds the CEL to the
+//! engine.
 
 use serde_json::{Value, json};
 
