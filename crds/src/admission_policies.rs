@@ -21,7 +21,8 @@
 use serde_json::{Value, json};
 
 use crate::cel::{
-    SERVICE_ACCOUNT, exemption_scope, glob_regex, list, literal, pod_exempt, selects,
+    device_list_mount, exemption_scope, glob_regex, has_env, list, literal, pod_exempt, privileged,
+    scope_terms, selects,
 };
 use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
 use crate::policy::{ContainerExemption, GpuPolicy, PolicyMode};
@@ -133,23 +134,23 @@ pub fn object_name(policy: &str) -> String {
 /// The engine's `engine::void` applies the same rule to the same fields.
 pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
     let gpu = gpu_resource(policy, "r");
-    let env_names = list(&[
-        crate::gpu::ENV_VISIBLE_DEVICES.to_owned(),
-        ENV_MIG_CONFIG_DEVICES.to_owned(),
-        ENV_MIG_MONITOR_DEVICES.to_owned(),
-    ]);
-    let device_list = literal(DEVICE_LIST_MARK);
     let mut all = vec![
+        format!("!{}", privileged(c)),
         format!(
-            "!(has({c}.securityContext) && has({c}.securityContext.privileged) && {c}.securityContext.privileged == true)"
+            "!{}",
+            has_env(
+                c,
+                &[
+                    crate::gpu::ENV_VISIBLE_DEVICES,
+                    ENV_MIG_CONFIG_DEVICES,
+                    ENV_MIG_MONITOR_DEVICES
+                ]
+            )
         ),
-        format!("!(has({c}.env) && {c}.env.exists(e, has(e.name) && e.name in {env_names}))"),
         format!(
             "!(has({c}.resources) && ((has({c}.resources.limits) && {c}.resources.limits.exists(r, {gpu})) || (has({c}.resources.requests) && {c}.resources.requests.exists(r, {gpu})) || (has({c}.resources.claims) && size({c}.resources.claims) > 0)))"
         ),
-        format!(
-            "!(has({c}.volumeMounts) && {c}.volumeMounts.exists(m, has(m.mountPath) && m.mountPath.contains({device_list})))"
-        ),
+        format!("!{}", device_list_mount(c)),
     ];
     let exempt: Vec<String> = (policy.spec.exemptions.containers.iter())
         .filter_map(|entry| covers(entry, c))
@@ -219,7 +220,7 @@ const POD_NOT_EXEMPT: &str = "pod-not-exempt";
 /// CEL: the pod's service account is not exempt (its namespace is left out by the binding).
 fn service_account_exempt(policy: &GpuPolicy) -> Option<String> {
     let accounts = &policy.spec.exemptions.service_accounts;
-    (!accounts.is_empty()).then(|| format!("!({SERVICE_ACCOUNT} in {})", list(accounts)))
+    (scope_terms(&[], accounts).pop()).map(|term| format!("!({term})"))
 }
 
 /// The match conditions of `policy`'s objects (name, CEL): pods that a policy in `higher`

@@ -13,7 +13,7 @@
 //!
 //! The differential test in `e2e/tests/admission_cel.rs` holds this CEL to the engine.
 
-use crate::cel::{list, literal};
+use crate::cel::{device_list_mount, env, has_env, list, literal, privileged};
 use crate::gpu::{
     CountFrom, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
     shared_gpus_text,
@@ -108,32 +108,6 @@ struct Rewrite<'p> {
 const C: &str = "object.spec.containers";
 /// The init containers, or none.
 const I: &str = "(has(object.spec.initContainers) ? object.spec.initContainers : [])";
-
-fn privileged(c: &str) -> String {
-    format!(
-        "(has({c}.securityContext) && has({c}.securityContext.privileged) && {c}.securityContext.privileged == true)"
-    )
-}
-
-fn env(c: &str) -> String {
-    format!("(has({c}.env) ? {c}.env : [])")
-}
-
-fn has_env(c: &str, names: &[&str]) -> String {
-    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-    format!(
-        "{}.exists(e, has(e.name) && e.name in {})",
-        env(c),
-        list(&names)
-    )
-}
-
-fn device_list_mount(c: &str) -> String {
-    format!(
-        "(has({c}.volumeMounts) && {c}.volumeMounts.exists(m, has(m.mountPath) && m.mountPath.contains({})))",
-        literal(crate::admission_policies::DEVICE_LIST_MARK)
-    )
-}
 
 fn claims(c: &str) -> String {
     format!("(has({c}.resources) && has({c}.resources.claims) && size({c}.resources.claims) > 0)")
@@ -330,13 +304,12 @@ impl Rewrite<'_> {
             "variables.cases.exists(x, x > 0)".to_owned(),
             "!variables.cases.exists(x, x < 0)".to_owned(),
             format!("{I}.all(c, {})", inert("c")),
-            every(&|c| {
-                format!(
-                    "{}.all(r, {})",
-                    self.limits(c),
-                    whole(&format!("{c}.resources.limits[r]"))
-                )
-            }),
+            format!(
+                "lists.range(size({C})).all(i, variables.gpuLimits[i].all(r, {})) && {I}.all(c, {}.all(r, {}))",
+                whole(&format!("{C}[i].resources.limits[r]")),
+                self.limits("c"),
+                whole("c.resources.limits[r]"),
+            ),
             every(&|c| format!("!{}", claims(c))),
             "!(has(object.spec.ephemeralContainers) && size(object.spec.ephemeralContainers) > 0)"
                 .to_owned(),

@@ -8,39 +8,30 @@ use crate::policy::{ContainerExemption, Exemptions};
 /// The pod's service account as `namespace/name`, as the API server fills it in.
 pub(crate) const SERVICE_ACCOUNT: &str = "(request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default'))";
 
+/// CEL terms: the pod's namespace is among `namespaces`, its service account among
+/// `service_accounts`; one term for each list that names something.
+pub(crate) fn scope_terms(namespaces: &[String], service_accounts: &[String]) -> Vec<String> {
+    let mut terms = Vec::new();
+    if !namespaces.is_empty() {
+        terms.push(format!("request.namespace in {}", list(namespaces)));
+    }
+    if !service_accounts.is_empty() {
+        terms.push(format!("{SERVICE_ACCOUNT} in {}", list(service_accounts)));
+    }
+    terms
+}
+
 /// CEL terms, any of which exempts the whole pod: its namespace or its service account is
 /// listed ([`Exemptions::pod_exemption`]).
 pub(crate) fn pod_exempt(exemptions: &Exemptions) -> Vec<String> {
-    let mut any = Vec::new();
-    if !exemptions.namespaces.is_empty() {
-        any.push(format!(
-            "request.namespace in {}",
-            list(&exemptions.namespaces)
-        ));
-    }
-    if !exemptions.service_accounts.is_empty() {
-        any.push(format!(
-            "{SERVICE_ACCOUNT} in {}",
-            list(&exemptions.service_accounts)
-        ));
-    }
-    any
+    scope_terms(&exemptions.namespaces, &exemptions.service_accounts)
 }
 
 /// CEL terms, all of which a container exemption's scope needs: the pod's namespace and
 /// service account among those listed, and, where digests are listed, `image` (a CEL
 /// expression) pinned to one of them ([`ContainerExemption::covers`]).
 pub(crate) fn exemption_scope(entry: &ContainerExemption, image: &str) -> Vec<String> {
-    let mut all = Vec::new();
-    if !entry.namespaces.is_empty() {
-        all.push(format!("request.namespace in {}", list(&entry.namespaces)));
-    }
-    if !entry.service_accounts.is_empty() {
-        all.push(format!(
-            "{SERVICE_ACCOUNT} in {}",
-            list(&entry.service_accounts)
-        ));
-    }
+    let mut all = scope_terms(&entry.namespaces, &entry.service_accounts);
     if !entry.digests.is_empty() {
         all.push(format!(
             "{}.exists(d, {image}.endsWith('@' + d))",
@@ -48,6 +39,39 @@ pub(crate) fn exemption_scope(entry: &ContainerExemption, image: &str) -> Vec<St
         ));
     }
     all
+}
+
+// Container fragments: `c` is a CEL expression of one container of the pod.
+
+/// CEL: container `c` is privileged.
+pub(crate) fn privileged(c: &str) -> String {
+    format!(
+        "(has({c}.securityContext) && has({c}.securityContext.privileged) && {c}.securityContext.privileged == true)"
+    )
+}
+
+/// CEL: container `c`'s env entries, or none.
+pub(crate) fn env(c: &str) -> String {
+    format!("(has({c}.env) ? {c}.env : [])")
+}
+
+/// CEL: container `c` has an env entry of one of `names`.
+pub(crate) fn has_env(c: &str, names: &[&str]) -> String {
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    format!(
+        "{}.exists(e, has(e.name) && e.name in {})",
+        env(c),
+        list(&names)
+    )
+}
+
+/// CEL: container `c` mounts something at a path that names the toolkit's device-list
+/// directory (the raw text: CEL cannot clean a path).
+pub(crate) fn device_list_mount(c: &str) -> String {
+    format!(
+        "(has({c}.volumeMounts) && {c}.volumeMounts.exists(m, has(m.mountPath) && m.mountPath.contains({})))",
+        literal(crate::admission_policies::DEVICE_LIST_MARK)
+    )
 }
 
 /// A CEL string literal.

@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::admission_policies::render;
-use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, base64};
+use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, admitted, base64};
 use gpuwarden_e2e::manifests::load_file;
 use gpuwarden_webhook::admission::StaticSource;
 use http::Method;
@@ -38,21 +38,6 @@ fn ordinary(i: usize) -> Value {
         "spec": {"containers": [
             {"name": "app", "image": "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"},
             {"name": "side", "image": "busybox"}]}})
-}
-
-/// What admission decided: the containers (less the service-account token mount, whose name
-/// is random) and gpuwarden's annotations.
-fn admitted(pod: &Value) -> Value {
-    let mut containers = pod["spec"]["containers"].clone();
-    for c in containers.as_array_mut().into_iter().flatten() {
-        c.as_object_mut().map(|c| c.remove("volumeMounts"));
-    }
-    let ours: BTreeMap<&String, &Value> = (pod["metadata"]["annotations"].as_object())
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX))
-        .collect();
-    json!({"containers": containers, "annotations": ours})
 }
 
 fn quantile(sorted: &[f64], q: f64) -> f64 {

@@ -279,6 +279,29 @@ impl Cluster {
     }
 }
 
+/// What admission decided of a stored pod, for comparing two admission paths: its init and
+/// regular containers less their volume mounts (the service-account token's volume has a
+/// random name), and gpuwarden's annotations.
+pub fn admitted(pod: &Value) -> Value {
+    let containers = |field: &str| -> Vec<Value> {
+        (pod["spec"][field].as_array().into_iter().flatten())
+            .map(|c| {
+                let mut c = c.clone();
+                c.as_object_mut().map(|c| c.remove("volumeMounts"));
+                c
+            })
+            .collect()
+    };
+    let ours: serde_json::Map<String, Value> = (pod["metadata"]["annotations"].as_object())
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    serde_json::json!({"initContainers": containers("initContainers"),
+        "containers": containers("containers"), "annotations": ours})
+}
+
 /// The text of a `Warning` header (`299 - "text"`).
 pub fn warning_text(header: &str) -> String {
     let rest = header

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
 use gpuwarden_e2e::cluster::{
-    Cleanup, Cluster, LocalWebhook, RawResponse, base64, skip, visible_in_log, wait_for,
+    Cleanup, Cluster, LocalWebhook, RawResponse, admitted, base64, skip, visible_in_log, wait_for,
 };
 use gpuwarden_e2e::manifests::load_file;
 use http::Method;
@@ -2344,25 +2344,6 @@ fn both_paths_pods() -> Vec<(Value, bool)> {
             false,
         ),
     ]
-}
-
-/// What admission decided of a stored pod: each container's security context, resources
-/// and env, and gpuwarden's annotations.
-fn admitted(pod: &Value) -> Value {
-    let containers = |field: &str| -> Vec<Value> {
-        (pod["spec"][field].as_array().into_iter().flatten())
-            .map(|c| {
-                json!({"name": c["name"], "securityContext": c["securityContext"],
-                    "resources": c["resources"], "env": c["env"]})
-            })
-            .collect()
-    };
-    let ours: BTreeMap<String, String> = annotations(pod)
-        .into_iter()
-        .filter(|(k, _)| k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX))
-        .collect();
-    json!({"initContainers": containers("initContainers"),
-        "containers": containers("containers"), "annotations": ours})
 }
 
 /// The privileged-GPU rewrite in the API server: with no webhook registered, the
