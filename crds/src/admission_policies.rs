@@ -21,7 +21,7 @@
 use serde_json::{Value, json};
 
 use crate::cel::{
-    device_list_mount, exemption_scope, glob_regex, has_env, list, literal, pod_exempt, privileged,
+    device_list_mount, digests, glob_regex, has_env, list, literal, pod_exempt, privileged,
     scope_terms, selects,
 };
 use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
@@ -190,6 +190,15 @@ pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
     if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
         return None;
     }
+    // The scope before the patterns: outside it none is tried.
+    let mut all = scope_terms(&entry.namespaces, &entry.service_accounts);
+    all.push(image_matches(entry, c));
+    Some(format!("({})", all.join(" && ")))
+}
+
+/// CEL: container `c`'s image is one `entry` names (its patterns, and its digests where it
+/// lists any), whatever the pod's namespace and service account.
+pub(crate) fn image_matches(entry: &ContainerExemption, c: &str) -> String {
     let image = format!("{c}.image");
     // An image with neither tag nor digest is also tried as `<image>:latest`. Each pattern is
     // a literal, which the API server compiles once with the policy.
@@ -203,15 +212,14 @@ pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
             )
         })
         .unzip();
-    // The scope before the patterns: outside it none is tried.
     let mut all = vec![format!("has({image}) && {image} != ''")];
-    all.extend(exemption_scope(entry, &image));
+    all.extend(digests(entry, &image));
     all.push(format!(
         "({} || ({untagged} && ({})))",
         exact.join(" || "),
         latest.join(" || ")
     ));
-    Some(format!("({})", all.join(" && ")))
+    format!("({})", all.join(" && "))
 }
 
 /// The name of the condition that leaves out pods exempt by namespace or service account.

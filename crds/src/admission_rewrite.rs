@@ -3,17 +3,24 @@
 //!
 //! The API server rewrites a pod itself only where CEL gives exactly the engine's answer,
 //! byte for byte in the `gpuwarden.io/rewritten` report: every privileged container names its
-//! GPUs plainly (a GPU limit, one GPU request, or `NVIDIA_VISIBLE_DEVICES` with a list of IDs
-//! or `all`), nothing else in the pod reaches GPUs around the kubelet, and no rule that needs
-//! more than the pod and its namespace's labels applies (hostPath volumes, ResourceClaims,
-//! count annotations, exempt images, `restricted` Pod Security, a denial). Every other pod is
+//! GPUs plainly (a GPU limit, one GPU request, or `NVIDIA_VISIBLE_DEVICES` with a list of IDs,
+//! none empty and none with a space inside, or `all`), nothing else in the pod reaches GPUs
+//! around the kubelet, and no rule that needs more than the pod and its namespace's labels
+//! applies (hostPath volumes, ResourceClaims, count annotations, exempt images, `restricted`
+//! Pod Security, a denial). Every other pod is
 //! left as it is by this mutation, and the webhook, whose matchConditions still send any
 //! privileged pod, rewrites or denies it. A pod the API server rewrote is no longer
 //! privileged and names no GPU through the runtime, so the webhook is not called for it.
 //!
+//! The API server's cost is per evaluated node, path resolved from `object` and comprehension
+//! (docs/design.md, "Inside the API server"): each container is read once, through the
+//! comprehension's own variable (`transformList`, never `object.spec.containers[i]`), what
+//! only some pods need is read only for them, and a pod without a privileged container reads
+//! none of it.
+//!
 //! The differential test in `e2e/tests/admission_cel.rs` holds this CEL to the engine.
 
-use crate::cel::{device_list_mount, env, has_env, list, literal, privileged};
+use crate::cel::{device_list_mount, env, has_env, list, literal, privileged, scope_terms};
 use crate::gpu::{
     CountFrom, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
     shared_gpus_text,
@@ -31,10 +38,13 @@ pub type Variables = Vec<(&'static str, String)>;
 const WHOLE: &str = "^[1-9][0-9]{0,3}$";
 /// Container names the report writes as they are (a DNS label).
 const NAME: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
-/// Capability names the rewrite reads as they are: already upper case, without `CAP_`.
-const CAPABILITY: &str = "^[A-Z][A-Z0-9_]*$";
-/// `NVIDIA_VISIBLE_DEVICES` values the report writes as they are.
-const VISIBLE: &str = "^[A-Za-z0-9,._:/ -]*$";
+/// The capabilities a container asks for, joined by commas, that the rewrite reads as they
+/// are: each already upper case (`CAP_` is refused apart).
+const CAPABILITIES: &str = "^[A-Z][A-Z0-9_]*(,[A-Z][A-Z0-9_]*)*$";
+/// `NVIDIA_VISIBLE_DEVICES` values the rewrite reads and the report writes as they are: IDs
+/// without spaces in them, none empty, separated by commas with spaces at most around them,
+/// so that removing the spaces trims each ID as the engine does.
+const VISIBLE: &str = "^ *[A-Za-z0-9._:/-]+( *, *[A-Za-z0-9._:/-]+)* *$";
 /// GPU resource names the report writes as they are.
 const RESOURCE: &str = "^[A-Za-z0-9._/-]+$";
 
@@ -48,26 +58,26 @@ pub fn rewrite(policy: &GpuPolicy, gpu: &str) -> Option<(Variables, String)> {
         return None;
     }
     let r = Rewrite { policy, gpu };
-    // Each is evaluated once per pod, on first use: the pod's parts the rewrite reads more
-    // than once are variables (lists by container index), not repeated expressions.
+    // Each is evaluated once per pod, on first use, and the API server's cost is per
+    // evaluated node and comprehension: a container's facts are read in one pass, what only
+    // some pods need (the shared-GPU rule, an env entry that already holds the pair) is read
+    // only for them, and a pod without a privileged container reads none of them.
     let variables = vec![
         ("psa", r.psa()),
         ("visible", r.visible()),
-        ("ids", r.ids()),
-        ("all", r.all()),
-        ("gpuLimits", r.gpu_limits()),
-        ("gpuRequests", r.gpu_requests()),
-        ("shapes", r.shapes()),
         ("cases", r.cases()),
+        ("eligible", r.eligible()),
+        (
+            "multi",
+            "size(variables.cases.filter(x, x == 3)) > 1".to_owned(),
+        ),
         ("keys", r.keys()),
         ("holders", r.holders()),
-        ("eligible", r.eligible()),
         ("counts", r.counts()),
         ("rewrite", r.within_max_per_pod()),
         ("kept", r.kept()),
         ("added", r.added()),
         ("first", r.first()),
-        ("anew", r.set_anew()),
         ("report", r.report()),
     ];
     Some((variables, r.patch()))
@@ -128,71 +138,79 @@ fn inert(c: &str) -> String {
     format!(
         "(!{} && !{} && !{})",
         privileged(c),
-        has_env(
-            c,
-            &[
-                ENV_VISIBLE_DEVICES,
-                ENV_MIG_CONFIG_DEVICES,
-                ENV_MIG_MONITOR_DEVICES
-            ]
-        ),
+        reaches_gpus(c),
         device_list_mount(c)
     )
 }
 
-/// Its `NVIDIA_VISIBLE_DEVICES` entries.
-fn visible_entries(c: &str) -> String {
-    format!(
-        "{}.filter(e, has(e.name) && e.name == {})",
-        env(c),
-        literal(ENV_VISIBLE_DEVICES)
+/// Container `c` has an env entry that names GPUs for the runtime.
+fn reaches_gpus(c: &str) -> String {
+    has_env(
+        c,
+        &[
+            ENV_VISIBLE_DEVICES,
+            ENV_MIG_CONFIG_DEVICES,
+            ENV_MIG_MONITOR_DEVICES,
+        ],
     )
 }
 
-/// The IDs a value `v` names, trimmed.
-fn ids(v: &str) -> String {
-    format!("{v}.split(',').map(s, s.trim()).filter(s, s != '')")
+/// The IDs value `v` names, trimmed.
+fn split(v: &str) -> String {
+    format!("{v}.replace(' ', '').split(',')")
+}
+
+/// Value `v` names `all`.
+fn names_all(v: &str) -> String {
+    format!("('all' in {v}.lowerAscii().replace(' ', '').split(','))")
+}
+
+/// The number of distinct IDs value `v` names.
+fn distinct_ids(v: &str) -> String {
+    format!("size({}.distinct())", split(v))
 }
 
 /// Per regular container `i`: it is left without GPUs (it names the GPUs an earlier one holds).
-const ZERO: &str = "(variables.cases[i] == 3 && variables.holders[i] >= 0)";
+/// (Only a container of case 3 has a holder.)
+const ZERO: &str = "(variables.multi && variables.holders[i] >= 0)";
+/// Container `i`'s value of `NVIDIA_VISIBLE_DEVICES`.
+const V: &str = "variables.visible[i]";
 /// Stands for "no plain value" in `variables.visible`: outside [`VISIBLE`].
 const NO_VALUE: &str = "?";
 
 impl Rewrite<'_> {
-    fn gpu_keys(&self, c: &str, field: &str) -> String {
+    /// CEL: container `c` has a GPU limit for which `test` (of `r`) holds.
+    fn gpu_limit(&self, c: &str, test: &str) -> String {
         format!(
-            "(has({c}.resources) && has({c}.resources.{field}) ? {c}.resources.{field}.filter(r, {}) : [])",
+            "(has({c}.resources) && has({c}.resources.limits) && {c}.resources.limits.exists(r, {} && {test}))",
             self.gpu
         )
     }
 
-    fn limits(&self, c: &str) -> String {
-        self.gpu_keys(c, "limits")
+    /// Container `c`'s GPU resources among its `field` (limits or requests), there.
+    fn gpu_keys(&self, c: &str, field: &str) -> String {
+        format!("{c}.resources.{field}.filter(r, {})", self.gpu)
     }
 
-    fn requests(&self, c: &str) -> String {
-        self.gpu_keys(c, "requests")
-    }
-
-    /// The sum of its GPU limits (each a whole number, see `eligible`).
+    /// The sum of its GPU limits (each a whole number, see `cases`).
     fn limited(&self, c: &str) -> String {
         format!(
-            "([0] + {}.map(r, int(string({c}.resources.limits[r])))).sum()",
-            self.limits(c)
+            "(has({c}.resources) && has({c}.resources.limits) ? ([0] + {}.map(r, int(string({c}.resources.limits[r])))).sum() : 0)",
+            self.gpu_keys(c, "limits")
         )
     }
 
     /// A privileged container the API server can rewrite, short of its GPU count.
     fn plain_privileged(&self, c: &str) -> String {
+        let add = format!("{c}.securityContext.capabilities.add");
         format!(
-            "({} && !(has({c}.envFrom) && size({c}.envFrom) > 0) && !{} && {}.all(e, has(e.name)) && !{} && {}.all(a, a.matches({}) && !a.startsWith('CAP_')) && has({c}.name) && {c}.name.matches({}))",
-            privileged(c),
+            "(!(has({c}.envFrom) && size({c}.envFrom) > 0) && !{} && (!has({c}.env) || {c}.env.all(e, has(e.name) && !(e.name in {}))) && (!has({c}.securityContext.capabilities) || !has({add}) || size({add}) == 0 || ({add}.join(',').matches({}) && !(',' + {add}.join(',')).contains(',CAP_'))) && has({c}.name) && {c}.name.matches({}))",
             device_list_mount(c),
-            env(c),
-            has_env(c, &[ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES]),
-            asked(c),
-            literal(CAPABILITY),
+            list(&[
+                ENV_MIG_CONFIG_DEVICES.to_owned(),
+                ENV_MIG_MONITOR_DEVICES.to_owned()
+            ]),
+            literal(CAPABILITIES),
             literal(NAME),
         )
     }
@@ -205,25 +223,15 @@ impl Rewrite<'_> {
         )
     }
 
-    /// Per regular container: the value of its last `NVIDIA_VISIBLE_DEVICES` entry (the
-    /// kubelet's), or [`NO_VALUE`] without one that holds a value of its own.
+    /// Per regular container: the value of a privileged one's last `NVIDIA_VISIBLE_DEVICES`
+    /// entry (the kubelet's), or [`NO_VALUE`] without one that holds a value of its own.
     fn visible(&self) -> String {
-        let last = "l[size(l) - 1]";
+        let no = literal(NO_VALUE);
         format!(
-            "{C}.map(c, {}).map(l, size(l) > 0 && has({last}.value) && !has({last}.valueFrom) ? {last}.value : {})",
-            visible_entries("c"),
-            literal(NO_VALUE)
+            "{C}.map(c, {} && has(c.env) ? ([{no}] + c.env.filter(e, has(e.name) && e.name == {}).map(e, has(e.value) && !has(e.valueFrom) ? e.value : {no})).reverse()[0] : {no})",
+            privileged("c"),
+            literal(ENV_VISIBLE_DEVICES),
         )
-    }
-
-    /// Per regular container: the IDs its value names, trimmed.
-    fn ids(&self) -> String {
-        format!("variables.visible.map(v, {})", ids("v"))
-    }
-
-    /// Per regular container: whether its value names `all`.
-    fn all(&self) -> String {
-        "variables.ids.map(l, l.exists(s, s.lowerAscii() == 'all'))".to_owned()
     }
 
     /// Container `i`'s value names GPUs the rewrite can count: IDs (at most
@@ -233,8 +241,10 @@ impl Rewrite<'_> {
         let all_ok = spec.visible_devices_all == VisibleDevicesAll::DefaultCount
             && spec.default_count <= spec.max_per_container;
         format!(
-            "(variables.visible[i].matches({}) && !(variables.visible[i].trim().lowerAscii() in ['', 'none', 'void']) && size(variables.ids[i]) > 0 && (variables.all[i] ? {all_ok} : size(variables.ids[i].distinct()) <= {}))",
+            "({V}.matches({}) && !({V}.replace(' ', '').lowerAscii() in ['none', 'void']) && ({} ? {all_ok} : {} <= {}))",
             literal(VISIBLE),
+            names_all(V),
+            distinct_ids(V),
             spec.max_per_container,
         )
     }
@@ -242,75 +252,69 @@ impl Rewrite<'_> {
     /// Container `i`'s count from its value.
     fn visible_count(&self) -> String {
         format!(
-            "(variables.all[i] ? {} : size(variables.ids[i].distinct()))",
-            self.policy.spec.gpu.default_count
-        )
-    }
-
-    /// Per regular container: its GPU limits' names, and its GPU requests' names.
-    fn gpu_limits(&self) -> String {
-        format!("{C}.map(c, {})", self.limits("c"))
-    }
-
-    fn gpu_requests(&self) -> String {
-        format!("{C}.map(c, {})", self.requests("c"))
-    }
-
-    /// Per regular container: 0 the rewrite leaves it, 9 privileged and plain (its case is
-    /// read next), -1 the webhook's.
-    fn shapes(&self) -> String {
-        format!(
-            "{C}.map(c, {} ? 0 : {} ? 9 : -1)",
-            inert("c"),
-            self.plain_privileged("c")
+            "({} ? {} : {})",
+            names_all(V),
+            self.policy.spec.gpu.default_count,
+            distinct_ids(V)
         )
     }
 
     /// Per regular container: 0 the rewrite leaves it, 1 privileged with a GPU limit, 2 with
-    /// one GPU request, 3 with GPUs named in `NVIDIA_VISIBLE_DEVICES`, -1 the webhook's.
+    /// one GPU request, 3 with GPUs named in `NVIDIA_VISIBLE_DEVICES`, -1 the webhook's (a
+    /// resource claim, a GPU limit that is not a plain whole number, or a shape the rewrite
+    /// does not read).
     fn cases(&self) -> String {
-        let requests = "variables.gpuRequests[i]";
+        let c = "c";
+        let requests = self.gpu_keys(c, "requests");
         format!(
-            "lists.range(size({C})).map(i, variables.shapes[i] != 9 ? variables.shapes[i] : size(variables.gpuLimits[i]) > 0 ? 1 : size({requests}) == 1 ? ({} && {requests}[0].matches({}) ? 2 : -1) : size({requests}) == 0 && {} ? 3 : -1)",
-            whole(&format!("{C}[i].resources.requests[{requests}[0]]")),
+            "{C}.transformList(i, c, {} || {} ? -1 : !{} ? ({} || {} ? -1 : 0) : !{} ? -1 : {} ? 1 : !has({c}.resources) || !has({c}.resources.requests) ? ({} ? 3 : -1) : [{requests}].map(q, size(q) == 1 ? ({} && q[0].matches({}) ? 2 : -1) : size(q) == 0 && {} ? 3 : -1)[0])",
+            claims(c),
+            self.gpu_limit(
+                c,
+                &format!("!{}", whole(&format!("{c}.resources.limits[r]")))
+            ),
+            privileged(c),
+            reaches_gpus(c),
+            device_list_mount(c),
+            self.plain_privileged(c),
+            self.gpu_limit(c, "true"),
+            self.visible_countable(),
+            whole(&format!("{c}.resources.requests[q[0]]")),
             literal(RESOURCE),
             self.visible_countable(),
         )
     }
 
-    /// Per regular container of case 3: the GPUs it names, as a key two containers naming the
-    /// same GPUs share (the sorted distinct IDs, or `all`).
+    /// Per regular container of case 3, when two or more are: the GPUs it names, as a key two
+    /// containers naming the same GPUs share (the sorted distinct IDs, or `all`).
     fn keys(&self) -> String {
         format!(
-            "lists.range(size({C})).map(i, variables.cases[i] == 3 ? (variables.all[i] ? 'all' : variables.ids[i].distinct().sort().join(',')) : '')"
+            "variables.multi ? lists.range(size({C})).map(i, variables.cases[i] == 3 ? ({} ? 'all' : {}.distinct().sort().join(',')) : '') : []",
+            names_all(V),
+            split(V)
         )
     }
 
-    /// Per regular container of case 3: the earlier one that holds the same GPUs, or -1.
+    /// Per regular container of case 3, when two or more are: the earlier one that holds the
+    /// same GPUs, or -1.
     fn holders(&self) -> String {
         let same = "lists.range(i).filter(k, variables.cases[k] == 3 && variables.keys[k] == variables.keys[i])";
         format!(
-            "lists.range(size({C})).map(i, variables.cases[i] == 3 && size({same}) > 0 ? {same}[0] : -1)"
+            "variables.multi ? lists.range(size({C})).map(i, variables.cases[i] == 3 && size({same}) > 0 ? {same}[0] : -1) : []"
         )
     }
 
     /// Whether the pod is one the API server rewrites, short of `maxPerPod`.
     fn eligible(&self) -> String {
-        let every = |test: &dyn Fn(&str) -> String| {
-            format!("{C}.all(c, {}) && {I}.all(c, {})", test("c"), test("c"))
-        };
         let policy = &self.policy.spec;
         let mut all = vec![
-            "variables.cases.exists(x, x > 0)".to_owned(),
-            "!variables.cases.exists(x, x < 0)".to_owned(),
-            format!("{I}.all(c, {})", inert("c")),
+            "!(-1 in variables.cases) && (1 in variables.cases || 2 in variables.cases || 3 in variables.cases)".to_owned(),
             format!(
-                "lists.range(size({C})).all(i, variables.gpuLimits[i].all(r, {})) && {I}.all(c, {}.all(r, {}))",
-                whole(&format!("{C}[i].resources.limits[r]")),
-                self.limits("c"),
-                whole("c.resources.limits[r]"),
+                "(!has(object.spec.initContainers) || object.spec.initContainers.all(c, {} && !{} && !{}))",
+                inert("c"),
+                claims("c"),
+                self.gpu_limit("c", &format!("!{}", whole("c.resources.limits[r]"))),
             ),
-            every(&|c| format!("!{}", claims(c))),
             "!(has(object.spec.ephemeralContainers) && size(object.spec.ephemeralContainers) > 0)"
                 .to_owned(),
             "!(has(object.spec.resourceClaims) && size(object.spec.resourceClaims) > 0)".to_owned(),
@@ -323,15 +327,21 @@ impl Rewrite<'_> {
             "variables.psa in ['privileged', 'baseline']".to_owned(),
             "(variables.psa == 'privileged' || !((has(object.spec.hostNetwork) && object.spec.hostNetwork) || (has(object.spec.hostPID) && object.spec.hostPID) || (has(object.spec.hostIPC) && object.spec.hostIPC)))".to_owned(),
             format!(
-                "size(lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {C}[i].name).distinct()) == size(variables.cases.filter(x, x > 0))"
+                "(size({C}) == 1 || size({C}.transformList(i, c, variables.cases[i] > 0, c.name).distinct()) == size(variables.cases.filter(x, x > 0)))"
             ),
         ];
-        let exempt: Vec<String> = (policy.exemptions.containers.iter())
-            .filter_map(|entry| crate::admission_policies::covers(entry, "c"))
-            .collect();
-        if !exempt.is_empty() {
-            let any = exempt.join(" || ");
-            all.push(format!("!{C}.exists(c, {any}) && !{I}.exists(c, {any})"));
+        // An exemption's namespaces and service accounts first: outside them no image is read.
+        for entry in &policy.exemptions.containers {
+            if crate::admission_policies::covers(entry, "c").is_none() {
+                continue;
+            }
+            let scope = scope_terms(&entry.namespaces, &entry.service_accounts).join(" && ");
+            let image = |c: &str| crate::admission_policies::image_matches(entry, c);
+            all.push(format!(
+                "!({scope} && ({C}.exists(c, {}) || {I}.exists(c, {})))",
+                image("c"),
+                image("c")
+            ));
         }
         all.join(" && ")
     }
@@ -339,11 +349,14 @@ impl Rewrite<'_> {
     /// Per regular container, the GPUs it holds once rewritten (only for an eligible pod:
     /// every quantity read is then a whole number).
     fn counts(&self) -> String {
-        let c = format!("{C}[i]");
-        let requested = format!("{c}.resources.requests[variables.gpuRequests[i][0]]");
+        let requested = format!(
+            "c.resources.requests[{}[0]]",
+            self.gpu_keys("c", "requests")
+        );
         format!(
-            "variables.eligible ? lists.range(size({C})).map(i, variables.cases[i] == 2 ? int(string({requested})) : variables.cases[i] == 3 ? (variables.holders[i] >= 0 ? 0 : {}) : ([0] + variables.gpuLimits[i].map(r, int(string({c}.resources.limits[r])))).sum()) : []",
+            "variables.eligible ? {C}.transformList(i, c, variables.cases[i] == 2 ? int(string({requested})) : variables.cases[i] == 3 ? ({ZERO} ? 0 : {}) : {}) : []",
             self.visible_count(),
+            self.limited("c"),
         )
     }
 
@@ -353,7 +366,7 @@ impl Rewrite<'_> {
         let max = self.policy.spec.gpu.max_per_pod;
         let sidecar = "has(c.restartPolicy) && c.restartPolicy == 'Always'";
         format!(
-            "variables.eligible && ([0] + variables.counts).sum() + ([0] + {I}.filter(c, {sidecar}).map(c, {})).sum() <= {max} && {I}.filter(c, !({sidecar})).all(c, {} <= {max})",
+            "variables.eligible && ([0] + variables.counts).sum() <= {max} && (!has(object.spec.initContainers) || (([0] + object.spec.initContainers.filter(c, {sidecar}).map(c, {})).sum() + ([0] + variables.counts).sum() <= {max} && object.spec.initContainers.filter(c, !({sidecar})).all(c, {} <= {max})))",
             self.limited("c"),
             self.limited("c"),
         )
@@ -363,9 +376,12 @@ impl Rewrite<'_> {
     /// policy's defaults, then those it asked for that the policy allows, each once.
     fn kept(&self) -> String {
         let caps = &self.policy.spec.capabilities;
+        let defaults = list(&caps.default);
+        if caps.allowed.is_empty() {
+            return format!("{C}.map(c, {defaults}.distinct())");
+        }
         format!(
-            "{C}.map(c, ({} + {}.filter(x, x in {})).distinct())",
-            list(&caps.default),
+            "{C}.map(c, ({defaults} + {}.filter(x, x in {})).distinct())",
             asked("c"),
             list(&caps.allowed)
         )
@@ -382,7 +398,7 @@ impl Rewrite<'_> {
     /// Per regular container, the capabilities added: those kept that Pod Security allows.
     fn added(&self) -> String {
         format!(
-            "variables.kept.map(k, k.filter(a, variables.psa != 'baseline' || a in {}))",
+            "variables.psa == 'baseline' ? variables.kept.map(k, k.filter(a, a in {})) : variables.kept",
             self.baseline()
         )
     }
@@ -390,16 +406,8 @@ impl Rewrite<'_> {
     /// Container `i`'s kept capabilities that Pod Security withholds.
     fn withheld(&self) -> String {
         format!(
-            "variables.kept[i].filter(a, variables.psa == 'baseline' && !(a in {}))",
+            "(variables.psa == 'baseline' ? variables.kept[i].filter(a, !(a in {})) : [])",
             self.baseline()
-        )
-    }
-
-    /// Container `i`'s asked capabilities that the policy refuses, sorted, each once.
-    fn refused(&self) -> String {
-        format!(
-            "{}.filter(a, !(a in variables.kept[i])).distinct().sort()",
-            asked(&format!("{C}[i]"))
         )
     }
 
@@ -418,13 +426,12 @@ impl Rewrite<'_> {
         )
     }
 
-    /// The GPU resource and quantity (CEL strings) of the limit added to container `C[i]`,
-    /// for case 2 and case 3.
+    /// The GPU resource and quantity (CEL strings) of the limit added to container `c`, for
+    /// case 2 and case 3.
     fn limit(&self, case: u8) -> (String, String) {
-        let c = format!("{C}[i]");
         if case == 2 {
-            let r = "variables.gpuRequests[i][0]".to_owned();
-            let q = format!("string({c}.resources.requests[{r}])");
+            let r = format!("{}[0]", self.gpu_keys("c", "requests"));
+            let q = format!("string(c.resources.requests[{r}])");
             (r, q)
         } else {
             (
@@ -442,8 +449,8 @@ impl Rewrite<'_> {
     }
 
     /// The env pair set on container `i` (CEL strings): the driver capabilities on a GPU
-    /// container, `NVIDIA_VISIBLE_DEVICES=void` on one left without GPUs. `None` for a GPU
-    /// container when the policy names no driver capabilities.
+    /// container, `NVIDIA_VISIBLE_DEVICES=void` on one left without GPUs; and whether a GPU
+    /// container has one (the policy names driver capabilities).
     fn pair(&self) -> (String, String, bool) {
         let caps = self.policy.spec.driver_capabilities.join(",");
         let has_caps = !self.policy.spec.driver_capabilities.is_empty();
@@ -466,7 +473,7 @@ impl Rewrite<'_> {
     /// pair (it stays), -1 when none does (the pair is appended), -2 when it has no pair.
     fn first(&self) -> String {
         let (key, value, has_caps) = self.pair();
-        let e = env(&format!("{C}[i]"));
+        let e = env("c");
         let holding = format!(
             "lists.range(size({e})).filter(j, {e}[j].name == {key} && has({e}[j].value) && {e}[j].value == {value} && !has({e}[j].valueFrom))"
         );
@@ -476,41 +483,52 @@ impl Rewrite<'_> {
             format!("!{ZERO}")
         };
         format!(
-            "lists.range(size({C})).map(i, variables.cases[i] <= 0 || {no_pair} ? -2 : size({holding}) > 0 ? {holding}[0] : -1)"
+            "{C}.transformList(i, c, variables.cases[i] <= 0 || {no_pair} ? -2 : !{e}.exists(e, e.name == {key}) ? -1 : size({holding}) > 0 ? {holding}[0] : -1)"
         )
     }
 
-    /// Per regular container rewritten: whether its pair is set anew (appended, or other
-    /// entries of its name removed).
+    /// Container `i`'s pair is set anew (appended, or other entries of its name removed).
     fn set_anew(&self) -> String {
         let (key, _, _) = self.pair();
-        let e = env(&format!("{C}[i]"));
+        let e = env("c");
         format!(
-            "lists.range(size({C})).map(i, variables.first[i] == -1 || (variables.first[i] >= 0 && lists.range(size({e})).exists(j, {e}[j].name == {key} && j != variables.first[i])))"
+            "(variables.first[i] == -1 || (variables.first[i] >= 0 && lists.range(size({e})).exists(j, {e}[j].name == {key} && j != variables.first[i])))"
         )
     }
 
-    /// Container `C[i]`'s edit: a list of JSONPatch operations.
+    /// Container `c`'s edit (its index `i`): a list of JSONPatch operations.
     fn container_ops(&self) -> String {
-        let c = format!("{C}[i]");
+        let c = "c";
         let base = "('/spec/containers/' + string(i))";
+        // One operation where the security context holds nothing else: each operation costs
+        // the API server a conversion of its value.
+        let set = ["privileged", "allowPrivilegeEscalation", "capabilities"];
         let security = format!(
-            "[JSONPatch{{op: 'add', path: {base} + '/securityContext/privileged', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/allowPrivilegeEscalation', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/capabilities', value: {}}}]",
-            self.capabilities(&c)
+            "({c}.securityContext.all(k, k in {}) ? [JSONPatch{{op: 'add', path: {base} + '/securityContext', value: {{'privileged': dyn(false), 'allowPrivilegeEscalation': dyn(false), 'capabilities': dyn({caps})}}}}] : [JSONPatch{{op: 'add', path: {base} + '/securityContext/privileged', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/allowPrivilegeEscalation', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/capabilities', value: {caps}}}])",
+            list(&set.map(str::to_owned)),
+            caps = self.capabilities(c)
         );
-        let requested = Self::limit_ops(&c, base, &self.limit(2));
-        let visible = Self::limit_ops(&c, base, &self.limit(3));
+        let requested = Self::limit_ops(c, base, &self.limit(2));
+        let visible = Self::limit_ops(c, base, &self.limit(3));
         let (key, value, _) = self.pair();
-        let e = env(&c);
+        let e = env(c);
         let visible_name = literal(ENV_VISIBLE_DEVICES);
         // A GPU container loses its NVIDIA_VISIBLE_DEVICES entries; the pair's other entries
-        // go; the pair is appended when no entry held it. One operation sets the whole list:
-        // each operation costs the API server a conversion of its value.
-        let kept = format!(
-            "lists.range(size({e})).filter(j, !((!{ZERO} && {e}[j].name == {visible_name}) || (variables.first[i] != -2 && {e}[j].name == {key} && j != variables.first[i])))"
+        // go; the pair is appended when no entry held it. One operation sets the whole list.
+        let gone = format!("(!{ZERO} && e.name == {visible_name})");
+        let by_index = format!(
+            "lists.range(size({e})).filter(j, !((!{ZERO} && {e}[j].name == {visible_name}) || ({e}[j].name == {key} && j != variables.first[i]))).map(j, dyn({e}[j]))"
         );
+        let env_op = |entries: String| {
+            format!("[JSONPatch{{op: 'add', path: {base} + '/env', value: dyn({entries})}}]")
+        };
         let env_ops = format!(
-            "(size({kept}) < size({e}) || variables.first[i] == -1 ? [JSONPatch{{op: 'add', path: {base} + '/env', value: dyn({kept}.map(j, dyn({e}[j]))) + (variables.first[i] == -1 ? [dyn({{'name': {key}, 'value': {value}}})] : [])}}] : [])"
+            "(variables.first[i] == -1 ? {} : variables.first[i] >= 0 ? (size({by_index}) < size({e}) ? {} : []) : {e}.exists(e, {gone}) ? {} : [])",
+            env_op(format!(
+                "{e}.filter(e, !({gone} || e.name == {key})).map(e, dyn(e)) + [dyn({{'name': {key}, 'value': {value}}})]"
+            )),
+            env_op(by_index.clone()),
+            env_op(format!("{e}.filter(e, !{gone}).map(e, dyn(e))")),
         );
         format!(
             "{security} + (variables.cases[i] == 2 ? {requested} : variables.cases[i] == 3 && !{ZERO} ? {visible} : []) + {env_ops}"
@@ -520,11 +538,10 @@ impl Rewrite<'_> {
     /// The `gpuwarden.io/rewritten` report as the engine writes it (JSON, containers sorted
     /// by name).
     fn report(&self) -> String {
-        let c = format!("{C}[i]");
+        let c = "c";
         let json_list = |name: &str, items: String| {
             format!("(size({items}) > 0 ? ',\"{name}\":[\"' + {items}.join('\",\"') + '\"]' : '')")
         };
-        let raw = "variables.visible[i]";
         let text = |s: &str| {
             // Inside a JSON string: the fixed texts need no escaping beyond this.
             let quoted = serde_json::to_string(s).unwrap_or_default();
@@ -536,7 +553,7 @@ impl Rewrite<'_> {
         const RAW: &str = "\u{1}";
         let split_raw = |t: String| -> String {
             let parts: Vec<String> = t.split(RAW).map(text).collect();
-            parts.join(&format!(" + {raw} + "))
+            parts.join(&format!(" + {V} + "))
         };
         let from_request = text(&CountFrom::Request.to_string());
         let from_all = text(&CountFrom::VisibleAll.to_string());
@@ -551,14 +568,16 @@ impl Rewrite<'_> {
             parts.join(&format!(" + {holder} + "))
         };
         let counted = format!(
-            "(variables.cases[i] == 2 ? {} + ',\"gpuCountFrom\":\"' + {from_request} + '\"' : variables.cases[i] == 3 && !{ZERO} ? {} + ',\"gpuCountFrom\":\"' + (variables.all[i] ? {from_all} : {from_ids}) + '\"' : variables.cases[i] == 3 ? ',\"noGpu\":\"' + {no_gpu} + '\"' : '')",
+            "(variables.cases[i] == 2 ? {} + ',\"gpuCountFrom\":\"' + {from_request} + '\"' : variables.cases[i] == 3 && !{ZERO} ? {} + ',\"gpuCountFrom\":\"' + ({} ? {from_all} : {from_ids}) + '\"' : variables.cases[i] == 3 ? ',\"noGpu\":\"' + {no_gpu} + '\"' : '')",
             limit_json(self.limit(2)),
             limit_json(self.limit(3)),
+            names_all(V),
         );
         let (key, value, _) = self.pair();
+        // A container of case 3 has an entry; one of case 1 or 2 may.
         let visible_removed = format!(
-            "(!{ZERO} && {}.exists(e, e.name == {}) ? ',\"envRemoved\":[\"' + {} + '\"]' : '')",
-            env(&c),
+            "(!{ZERO} && (variables.cases[i] == 3 || {}.exists(e, e.name == {})) ? ',\"envRemoved\":[\"' + {} + '\"]' : '')",
+            env(c),
             literal(ENV_VISIBLE_DEVICES),
             text(ENV_VISIBLE_DEVICES),
         );
@@ -567,15 +586,19 @@ impl Rewrite<'_> {
         } else {
             ""
         };
+        let asked = asked(c);
+        let refused = format!(
+            "({asked}.all(a, a in variables.kept[i]) ? '' : ',\"capabilitiesRefused\":[\"' + {asked}.filter(a, !(a in variables.kept[i])).distinct().sort().join('\",\"') + '\"]')"
+        );
         let entry = format!(
-            "'\"' + {c}.name + '\":{{\"privileged\":false,\"gpu\":' + ({ZERO} ? 'false' : 'true') + {} + {} + {} + {} + {counted} + {visible_removed} + (variables.anew[i] ? ',\"envSet\":{{\"' + {key} + '\":\"' + {value} + '\"}}' : '') + '}}'",
+            "'\"' + {c}.name + '\":{{\"privileged\":false,\"gpu\":' + ({ZERO} ? 'false' : 'true') + {} + {} + {refused} + {} + {counted} + {visible_removed} + ({} ? ',\"envSet\":{{\"' + {key} + '\":\"' + {value} + '\"}}' : '') + '}}'",
             json_list("capabilitiesAdded", "variables.added[i]".to_owned()),
             literal(dropped),
-            json_list("capabilitiesRefused", self.refused()),
             json_list("capabilitiesWithheld", self.withheld()),
+            self.set_anew(),
         );
         format!(
-            "'{{\"containers\":{{' + lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {entry}).sort().join(',') + '}}}}'"
+            "'{{\"containers\":{{' + {C}.transformList(i, c, variables.cases[i] > 0, {entry}).sort().join(',') + '}}}}'"
         )
     }
 
@@ -598,7 +621,7 @@ impl Rewrite<'_> {
         );
         // A pod without a privileged container, most pods, reads none of the variables.
         format!(
-            "({C}.exists(c, {}) && variables.rewrite ? lists.range(size({C})).filter(i, variables.cases[i] > 0).map(i, {}).flatten() + {annotations} : [])",
+            "({C}.exists(c, {}) && variables.rewrite ? {C}.transformList(i, c, variables.cases[i] > 0, {}).flatten() + {annotations} : [])",
             privileged("c"),
             self.container_ops()
         )
@@ -621,6 +644,22 @@ mod tests {
         let mut policy = GpuPolicy::default_policy();
         policy.spec.driver_capabilities = vec!["compute\"".into()];
         assert!(rewrite(&policy, "true").is_none());
+    }
+
+    #[test]
+    fn containers_are_read_through_the_comprehension_not_by_index() {
+        // The API server resolves `object.spec.containers[i]` from the root at every use,
+        // several times the cost of the comprehension's own variable: only the shared-GPU
+        // text, for the rare second container naming the same GPUs, reads one by index (the
+        // container that holds them).
+        let (variables, patch) = rewrite(&GpuPolicy::default_policy(), "true").unwrap();
+        for expression in (variables.iter().map(|(_, e)| e.as_str())).chain([patch.as_str()]) {
+            let by_index = expression.matches("object.spec.containers[").count();
+            let holder = expression
+                .matches("object.spec.containers[variables.holders[i]].name")
+                .count();
+            assert_eq!(by_index, holder, "{expression}");
+        }
     }
 
     #[test]

@@ -32,13 +32,18 @@ pub(crate) fn pod_exempt(exemptions: &Exemptions) -> Vec<String> {
 /// expression) pinned to one of them ([`ContainerExemption::covers`]).
 pub(crate) fn exemption_scope(entry: &ContainerExemption, image: &str) -> Vec<String> {
     let mut all = scope_terms(&entry.namespaces, &entry.service_accounts);
-    if !entry.digests.is_empty() {
-        all.push(format!(
+    all.extend(digests(entry, image));
+    all
+}
+
+/// CEL: `image` is pinned to one of the digests `entry` lists; `None` where it lists none.
+pub(crate) fn digests(entry: &ContainerExemption, image: &str) -> Option<String> {
+    (!entry.digests.is_empty()).then(|| {
+        format!(
             "{}.exists(d, {image}.endsWith('@' + d))",
             list(&entry.digests)
-        ));
-    }
-    all
+        )
+    })
 }
 
 // Container fragments: `c` is a CEL expression of one container of the pod.

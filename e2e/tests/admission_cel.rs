@@ -88,6 +88,43 @@ fn distinct(_: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel,
     Ok(Cel::List(Arc::new(out)))
 }
 
+/// `list.transformList(i, x, [f,] e)`: `e` for each index `i` and element `x` (for which `f`
+/// holds).
+fn transform_list(
+    ftx: &FunctionContext,
+    This(list): This<Arc<Vec<Cel>>>,
+) -> Result<Cel, ExecutionError> {
+    let (index, item, filter, expr) = match ftx.args.as_slice() {
+        [index, item, expr] => (index, item, None, expr),
+        [index, item, filter, expr] => (index, item, Some(filter), expr),
+        _ => return Err(ftx.error("transformList takes an index, an element and expressions")),
+    };
+    let name = |e: &IdedExpr| match &e.expr {
+        cel_parser::ast::Expr::Ident(name) => Ok(name.clone()),
+        _ => Err(ftx.error("transformList binds identifiers")),
+    };
+    let (index, item) = (name(index)?, name(item)?);
+    let mut out = Vec::with_capacity(list.len());
+    for (at, value) in list.iter().enumerate() {
+        let mut ctx = ftx.ptx.new_inner_scope();
+        ctx.add_variable_from_value(index.as_str(), Cel::Int(at as i64));
+        ctx.add_variable_from_value(item.as_str(), value.clone());
+        if let Some(filter) = filter {
+            match ctx.resolve(filter)? {
+                Cel::Bool(true) => {}
+                Cel::Bool(false) => continue,
+                other => return Err(ftx.error(format!("transformList filter gave {other:?}"))),
+            }
+        }
+        out.push(ctx.resolve(expr)?);
+    }
+    Ok(Cel::List(Arc::new(out)))
+}
+
+fn reverse(_: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, ExecutionError> {
+    Ok(Cel::List(Arc::new(list.iter().rev().cloned().collect())))
+}
+
 fn flatten(ftx: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, ExecutionError> {
     let mut out = Vec::new();
     for item in list.iter() {
@@ -224,6 +261,8 @@ fn try_eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Result<Cel, Execu
     ctx.add_function("sort", sort);
     ctx.add_function("distinct", distinct);
     ctx.add_function("flatten", flatten);
+    ctx.add_function("reverse", reverse);
+    ctx.add_function("transformList", transform_list);
     ctx.add_function("sum", sum);
     ctx.add_function("trim", trim);
     ctx.add_function("lowerAscii", lower_ascii);
