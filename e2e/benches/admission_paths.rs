@@ -1,9 +1,11 @@
 //! The added create latency of a privileged GPU pod through each admission path on a real API
 //! server: the MutatingAdmissionPolicy rendered from the default GpuPolicy, with no webhook,
 //! and gpuwarden's webhook (in this process, over TLS), with no policy; and of a pod without
-//! privilege through the policy (the void rule; the webhook is not sent such a pod). Each is
-//! interleaved with the same create in a namespace that nothing touches, in rotating order,
-//! as server-side dry-run creates over one client; the stored pods of both paths are
+//! privilege through the policy (the void rule; the webhook is not sent such a pod). Beside
+//! them, the floor of the machine: the same privileged pod through a policy of two constant
+//! operations (privileged off, a GPU limit), the least a rewrite by the API server costs.
+//! Each is interleaved with the same create in a namespace that nothing touches, in rotating
+//! order, as server-side dry-run creates over one client; the stored pods of both paths are
 //! compared.
 //!
 //! ```sh
@@ -67,8 +69,9 @@ async fn run(rounds: usize) -> Result<(), String> {
     let cleanup = Cleanup::new(cluster.client.clone());
     let name = |suffix: &str| format!("gpuwarden-bench-{}-{suffix}", cluster.run_id);
     let (policy_ns, webhook_ns, plain_ns) = (name("policy"), name("webhook"), name("plain"));
+    let floor_ns = name("floor");
     let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
-    for ns in [&policy_ns, &webhook_ns, &plain_ns] {
+    for ns in [&policy_ns, &webhook_ns, &plain_ns, &floor_ns] {
         let object: Namespace =
             serde_json::from_value(json!({"metadata": {"name": ns}})).map_err(|e| e.to_string())?;
         (namespaces.create(&PostParams::default(), &object).await)
@@ -79,7 +82,14 @@ async fn run(rounds: usize) -> Result<(), String> {
     let mut policy = GpuPolicy::default_policy();
     policy.metadata.name = Some(gpuwarden_crds::DEFAULT_POLICY_NAME.to_owned());
     let rendered = render(&[&policy], |_| true, api);
+    let mut floor = rendered.clone();
+    floor[0].object["spec"]["variables"] = json!([]);
+    floor[0].object["spec"]["mutations"] = json!([{"patchType": "JSONPatch", "jsonPatch": {
+        "expression": "[JSONPatch{op: 'add', path: '/spec/containers/0/securityContext/privileged', value: false}, JSONPatch{op: 'add', path: '/spec/containers/0/resources', value: {'limits': {'nvidia.com/gpu': '2'}}}]"}}]);
     (cluster.install_mutating_policy(rendered, api, &name("policy"), &[&policy_ns], &cleanup))
+        .await
+        .map_err(|e| e.to_string())?;
+    (cluster.install_mutating_policy(floor, api, &name("floor"), &[&floor_ns], &cleanup))
         .await
         .map_err(|e| e.to_string())?;
 
@@ -109,13 +119,18 @@ async fn run(rounds: usize) -> Result<(), String> {
         .map_err(|e| format!("register the webhook: {e}"))?;
     cleanup.own_typed::<MutatingWebhookConfiguration>(None, &name("webhook"));
 
-    let result = measure(&cluster, rounds, [&policy_ns, &webhook_ns, &plain_ns]).await;
+    let result = measure(
+        &cluster,
+        rounds,
+        [&policy_ns, &webhook_ns, &plain_ns, &floor_ns],
+    )
+    .await;
     webhook.stop().await;
     cleanup.run().await;
     result
 }
 
-async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> Result<(), String> {
+async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 4]) -> Result<(), String> {
     let create = |ns: &str, body: Value| {
         let ns = ns.to_owned();
         async move {
@@ -132,14 +147,15 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> 
             Ok::<_, String>((ms, r.body))
         }
     };
-    // Both paths must rewrite before anything is timed (the API server loads policies and
+    // Every path must rewrite before anything is timed (the API server loads policies and
     // webhook configurations a moment after they are created).
     let rewritten =
         |pod: &Value| pod["spec"]["containers"][0]["securityContext"]["privileged"] == false;
     for attempt in 0.. {
         let (_, by_policy) = create(namespaces[0], pod(0)).await?;
         let (_, by_webhook) = create(namespaces[1], pod(0)).await?;
-        if rewritten(&by_policy) && rewritten(&by_webhook) {
+        let (_, by_floor) = create(namespaces[3], pod(0)).await?;
+        if rewritten(&by_policy) && rewritten(&by_webhook) && rewritten(&by_floor) {
             if admitted(&by_policy) != admitted(&by_webhook) {
                 return Err(format!(
                     "the paths store different pods:\n{}\n{}",
@@ -150,7 +166,7 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> 
             break;
         }
         if attempt == 60 {
-            return Err("the policy or the webhook never rewrote the pod".into());
+            return Err("a policy or the webhook never rewrote the pod".into());
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
@@ -164,6 +180,11 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> 
         ),
         ("privileged GPU pod, webhook", namespaces[1], true),
         ("privileged GPU pod, untouched", namespaces[2], true),
+        (
+            "privileged GPU pod, two-operation policy",
+            namespaces[3],
+            true,
+        ),
         (
             "pod without privilege, API server's policy",
             namespaces[0],
@@ -197,7 +218,7 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 3]) -> 
     }
     println!("{rounds} rounds of server-side dry-run creates, interleaved");
     for (at, (label, _, privileged)) in series.iter().enumerate() {
-        let base = &times[if *privileged { 2 } else { 4 }];
+        let base = &times[if *privileged { 2 } else { 5 }];
         let (p50, p95) = (quantile(&times[at], 0.5), quantile(&times[at], 0.95));
         println!(
             "{label:44} p50 {p50:.3} ms  p95 {p95:.3} ms  added p50 {:+.3} ms  p95 {:+.3} ms",
