@@ -2274,10 +2274,15 @@ async fn nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node() {
 /// Pods the API server's rewrite and the webhook both judge: privileged containers that
 /// name their GPUs plainly (IDs shared by two containers, a limit, a request, `all`), with a
 /// container and an init container that hold none; and two the API server leaves to the
-/// webhook (a device hostPath mount, a zero limit).
+/// webhook (a device hostPath mount, a zero limit). They are compared as stored and never
+/// run: a scheduling gate keeps them off every node (where no webhook is registered, the
+/// device pod is stored privileged, and on a real node it would create `/dev/nvidia0`).
 fn both_paths_pods() -> Vec<(Value, bool)> {
     let image = "registry.k8s.io/pause:3.10";
-    let pod = |name: &str, spec: Value| json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec});
+    let pod = |name: &str, mut spec: Value| {
+        spec["schedulingGates"] = json!([{"name": "gpuwarden.io/compared-not-run"}]);
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec})
+    };
     let privileged = json!({"privileged": true});
     vec![
         (
