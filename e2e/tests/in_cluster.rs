@@ -913,8 +913,13 @@ fn readme_install_in_cluster_on_a_real_node() {
         "deploy/gpuwarden-webhook",
         "--timeout=5m",
     ]);
+    let outage = if in_api_server {
+        "plain privileged GPU pod admitted rewritten by the API server; one with a device hostPath, left to the webhook,"
+    } else {
+        "privileged GPU pod"
+    };
     summary.push(format!(
-        "webhook at 0 replicas (no endpoint or pod after {:.1} s; matchConditions {}): {EXEMPT_NAMESPACE}/{exporter_name} ({EXEMPT_IMAGE}, privileged) admitted unchanged; privileged GPU pod in {ns} refused: {}; back at 2 replicas in {:.1} s",
+        "webhook at 0 replicas (no endpoint or pod after {:.1} s; matchConditions {}): {EXEMPT_NAMESPACE}/{exporter_name} ({EXEMPT_IMAGE}, privileged) admitted unchanged; {outage} in {ns} refused: {}; back at 2 replicas in {:.1} s",
         down_after.as_secs_f64(),
         names.unwrap_or_default().trim(),
         refused.stderr.lines().next().unwrap_or_default().trim(),
