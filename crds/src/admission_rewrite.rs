@@ -39,7 +39,7 @@ const WHOLE: &str = "^[1-9][0-9]{0,3}$";
 /// Container names the report writes as they are (a DNS label).
 const NAME: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// The capabilities a container asks for, joined by commas, that the rewrite reads as they
-/// are: each already upper case (`CAP_` is refused apart).
+/// are: each already upper case (a `CAP_` prefix is tested apart).
 const CAPABILITIES: &str = "^[A-Z][A-Z0-9_]*(,[A-Z][A-Z0-9_]*)*$";
 /// `NVIDIA_VISIBLE_DEVICES` values the rewrite reads and the report writes as they are: IDs
 /// without spaces in them, none empty, separated by commas with spaces at most around them,
