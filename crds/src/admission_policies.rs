@@ -187,13 +187,18 @@ pub(crate) fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
 /// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
 /// the entry exempts nothing (it names neither namespaces nor service accounts).
 pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
+    // The scope before the patterns: outside it none is tried.
+    let scope = exemption_applies(entry)?;
+    Some(format!("({scope} && {})", image_matches(entry, c)))
+}
+
+/// CEL: the pod is where `entry` applies (its namespaces and service accounts), or `None`
+/// when the entry exempts nothing (it names neither, or no image).
+pub(crate) fn exemption_applies(entry: &ContainerExemption) -> Option<String> {
     if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
         return None;
     }
-    // The scope before the patterns: outside it none is tried.
-    let mut all = scope_terms(&entry.namespaces, &entry.service_accounts);
-    all.push(image_matches(entry, c));
-    Some(format!("({})", all.join(" && ")))
+    Some(scope_terms(&entry.namespaces, &entry.service_accounts).join(" && "))
 }
 
 /// CEL: container `c`'s image is one `entry` names (its patterns, and its digests where it

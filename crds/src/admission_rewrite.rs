@@ -20,7 +20,7 @@
 //!
 //! The differential test in `e2e/tests/admission_cel.rs` holds this CEL to the engine.
 
-use crate::cel::{device_list_mount, env, has_env, list, literal, privileged, scope_terms};
+use crate::cel::{device_list_mount, env, has_env, list, literal, privileged};
 use crate::gpu::{
     CountFrom, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
     shared_gpus_text,
@@ -332,15 +332,12 @@ impl Rewrite<'_> {
         ];
         // An exemption's namespaces and service accounts first: outside them no image is read.
         for entry in &policy.exemptions.containers {
-            if crate::admission_policies::covers(entry, "c").is_none() {
+            let Some(scope) = crate::admission_policies::exemption_applies(entry) else {
                 continue;
-            }
-            let scope = scope_terms(&entry.namespaces, &entry.service_accounts).join(" && ");
-            let image = |c: &str| crate::admission_policies::image_matches(entry, c);
+            };
+            let image = crate::admission_policies::image_matches(entry, "c");
             all.push(format!(
-                "!({scope} && ({C}.exists(c, {}) || {I}.exists(c, {})))",
-                image("c"),
-                image("c")
+                "!({scope} && ({C}.exists(c, {image}) || {I}.exists(c, {image})))"
             ));
         }
         all.join(" && ")
@@ -366,7 +363,7 @@ impl Rewrite<'_> {
         let max = self.policy.spec.gpu.max_per_pod;
         let sidecar = "has(c.restartPolicy) && c.restartPolicy == 'Always'";
         format!(
-            "variables.eligible && ([0] + variables.counts).sum() <= {max} && (!has(object.spec.initContainers) || (([0] + object.spec.initContainers.filter(c, {sidecar}).map(c, {})).sum() + ([0] + variables.counts).sum() <= {max} && object.spec.initContainers.filter(c, !({sidecar})).all(c, {} <= {max})))",
+            "variables.eligible && ([0] + variables.counts).sum() + (has(object.spec.initContainers) ? ([0] + object.spec.initContainers.filter(c, {sidecar}).map(c, {})).sum() : 0) <= {max} && (!has(object.spec.initContainers) || object.spec.initContainers.filter(c, !({sidecar})).all(c, {} <= {max}))",
             self.limited("c"),
             self.limited("c"),
         )
