@@ -37,6 +37,17 @@ pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
 /// `<root>/<device>` hands `<device>` (an index, a UUID or `all`) to the container.
 pub const DEVICE_LIST_ROOT: &str = "/var/run/nvidia-container-devices";
 
+/// Part of every device-list path: a mount path that contains it is never voided, by the
+/// engine or the API server (CEL cannot clean a path, so both test the raw text).
+pub const DEVICE_LIST_MARK: &str = "nvidia-container-devices";
+
+/// The kind of workload that runs a pod on every node: a GPU count it did not write would
+/// take a GPU on each node, so neither path adds one.
+pub const KIND_DAEMON_SET: &str = "DaemonSet";
+
+/// The `NVIDIA_VISIBLE_DEVICES` value the void rule sets: the runtime hands out no GPU.
+pub const VOID: &str = "void";
+
 /// Whether a mount path (cleaned lexically) is at or under [`DEVICE_LIST_ROOT`], and the
 /// device it names: `Some(None)` for the root itself, `Some(Some(device))` below it.
 pub fn device_list_entry(path: &str) -> Option<Option<String>> {
@@ -1063,6 +1074,11 @@ fn describe<'p, C: ContainerSpec>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_device_list_path_holds_the_mark() {
+        assert!(DEVICE_LIST_ROOT.contains(DEVICE_LIST_MARK));
+    }
 
     #[test]
     fn visible_devices_parsing() {

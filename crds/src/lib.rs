@@ -4,10 +4,8 @@
 //! This crate does no I/O. The CRD YAML under `deploy/crds/` is generated from these
 //! types (`cargo run -p gpuwarden-crds --bin crdgen`) and a test fails when they drift.
 
-pub mod admission_policies;
-pub mod admission_rewrite;
+pub mod admission;
 pub mod bounds;
-mod cel;
 pub mod claims;
 pub mod conditions;
 pub mod duration;
@@ -15,7 +13,6 @@ mod error;
 pub mod exemptions;
 pub mod gpu;
 pub mod manifests;
-pub mod match_conditions;
 pub mod node;
 pub mod pod_security;
 pub mod policy;
@@ -23,6 +20,9 @@ pub mod selection;
 pub mod selector;
 pub mod validation;
 
+pub use admission::{
+    match_conditions, policies as admission_policies, rewrite as admission_rewrite,
+};
 pub use error::error_chain;
 pub use node::{
     Binding, BindingSource, DriverInfo, GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus,

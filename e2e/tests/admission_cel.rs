@@ -1770,15 +1770,14 @@ fn policies_follow_the_engine() {
         }
 
         // Audit: the warning policy names the containers the engine names.
-        let engine_names = warnings
-            .iter()
+        // The engine names containers without a claim and claim holders in two warnings.
+        let mut engine_names: Vec<&str> = (warnings.iter())
             .filter_map(|w| w.strip_prefix("gpuwarden audit: "))
-            .find_map(|w| {
-                w.strip_suffix(
-                    " would get NVIDIA_VISIBLE_DEVICES=void in Enforce: they hold no GPU",
-                )
-            })
-            .map(str::to_owned);
+            .filter_map(|w| w.split_once(" would get NVIDIA_VISIBLE_DEVICES=void in Enforce"))
+            .flat_map(|(names, _)| names.split(", "))
+            .collect();
+        engine_names.sort_unstable();
+        let engine_names = (!engine_names.is_empty()).then(|| engine_names.join(", "));
         let vars = admission_vars(&pod, namespace, &labels);
         let mut api_names = None;
         for policy in rendered.iter().filter(|r| r.kind == KIND_VALIDATING) {
@@ -1793,8 +1792,9 @@ fn policies_follow_the_engine() {
                 continue;
             }
             let vars = with_variables(&policy.object, &vars);
-            let names: Vec<String> =
+            let mut names: Vec<String> =
                 serde_json::from_value(vars["variables"]["voided"].clone()).expect("names");
+            names.sort_unstable();
             if !names.is_empty() {
                 api_names = Some(names.join(", "));
             }

@@ -680,7 +680,7 @@ impl Explainer {
             Verdict::Voided => (
                 "voided",
                 format!(
-                    "VOIDED by GpuPolicy {policy} (Enforce): containers that hold no GPU get NVIDIA_VISIBLE_DEVICES=void"
+                    "VOIDED by GpuPolicy {policy} (Enforce): containers without a GPU resource get NVIDIA_VISIBLE_DEVICES=void"
                 ),
             ),
             Verdict::Rewritten => (

@@ -1508,7 +1508,8 @@ fn resource_claims_of_gpu_device_classes_are_gpu_signals() {
             ],
             "containers": [
                 // A GPU through its claim, and the variable on top: the claim's GPUs stay, no
-                // limit is added, and the variable goes.
+                // limit is added, and the variable becomes `void`, as the DRA driver's CDI
+                // edits set it.
                 {"name": "train", "securityContext": {"privileged": true},
                  "resources": {"claims": [{"name": "nic"}, {"name": "gpu"}]},
                  "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
@@ -1531,16 +1532,18 @@ fn resource_claims_of_gpu_device_classes_are_gpu_signals() {
     let containers = &patched["spec"]["containers"];
     let limits = |i: usize| containers[i]["resources"]["limits"].clone();
     assert_eq!(limits(0), Value::Null, "no limit on top of a GPU claim");
-    assert_eq!(env_value(&containers[0], "NVIDIA_VISIBLE_DEVICES"), None);
-    assert_eq!(
-        env_value(&containers[0], "NVIDIA_DRIVER_CAPABILITIES"),
-        Some("compute,utility")
-    );
+    // The claim's GPUs come through CDI: the runtime reads no variable for them.
+    for i in [0, 1] {
+        assert_eq!(
+            env_value(&containers[i], "NVIDIA_VISIBLE_DEVICES"),
+            Some("void")
+        );
+        assert_eq!(
+            env_value(&containers[i], "NVIDIA_DRIVER_CAPABILITIES"),
+            None
+        );
+    }
     assert_eq!(limits(1), Value::Null);
-    assert_eq!(
-        env_value(&containers[1], "NVIDIA_DRIVER_CAPABILITIES"),
-        Some("compute,utility")
-    );
     assert_eq!(
         env_value(&containers[2], "NVIDIA_VISIBLE_DEVICES"),
         Some("void"),
@@ -1663,8 +1666,16 @@ fn the_resource_claim_mode_requests_gpus_from_templates_and_shares_them() {
         patched["spec"]["containers"][3]["resources"]["limits"],
         json!({"nvidia.com/gpu": "1"})
     );
-    for c in patched["spec"]["containers"].as_array().unwrap() {
-        assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), None, "{c}");
+    // Claims hand GPUs out through CDI and the limit through the device plugin: the pod's
+    // own variable is `void` in the first and gone from the second.
+    for (i, c) in patched["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        let expected = if i == 3 { None } else { Some("void") };
+        assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), expected, "{c}");
         assert_eq!(c["securityContext"]["privileged"], false);
     }
     let warnings = answer.warnings().join("\n");

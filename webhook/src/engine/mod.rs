@@ -202,6 +202,10 @@ pub struct Decision<'a> {
     reference: String,
     /// How the pod is named in messages.
     display_name: &'a str,
+    /// The pod's namespace.
+    namespace: &'a str,
+    /// The DaemonSet that runs the pod on every node, if any (the warnings name it).
+    daemon_set: Option<&'a str>,
     detail: Detail<'a>,
     /// The containers the void rule holds for (Enforce: set; Audit: reported).
     voided: Vec<Voided<'a>>,
@@ -279,10 +283,11 @@ pub struct Input<'a> {
     pub owner_kind: Option<&'a str>,
 }
 
-impl Input<'_> {
+impl<'a> Input<'a> {
     /// The name of the DaemonSet (of any API group) that puts this pod on every node: a GPU
-    /// request it did not write would take a GPU on each node.
-    pub(crate) fn daemon_set(&self) -> Option<&str> {
+    /// request it did not write would take a GPU on each node. Its owner reference is the
+    /// pod's own word, so it only ever narrows what the pod is given (a denial, a warning).
+    pub(crate) fn daemon_set(&self) -> Option<&'a str> {
         if self.owner_kind == Some(KIND_DAEMON_SET) {
             // Offline the pod is named after its workload, `namespace/name`.
             return Some(self.display_name.rsplit('/').next().unwrap_or_default());
@@ -293,8 +298,7 @@ impl Input<'_> {
     }
 }
 
-/// The kind of workload that runs a pod on every node.
-pub const KIND_DAEMON_SET: &str = "DaemonSet";
+pub use gpuwarden_crds::gpu::KIND_DAEMON_SET;
 
 /// Judges one pod: selects the policy, applies exemptions and the policy's mode.
 pub fn decide<'a>(input: &Input<'a>, policies: &'a [Arc<GpuPolicy>]) -> Decision<'a> {
@@ -352,7 +356,7 @@ fn decide_create<'a>(
             Decision::new(Verdict::Unchanged, Some(policy), reference, input)
         }
         .voiding(if voids {
-            void::void_targets(input, &facts, policy, None)
+            void::void_targets(&facts, policy, None)
         } else {
             Vec::new()
         });
@@ -364,8 +368,8 @@ fn decide_create<'a>(
     // the pod as it is, as the API server's warning does.
     let voided = match policy.spec.mode {
         _ if !voids => Vec::new(),
-        PolicyMode::Enforce => void::void_targets(input, &facts, policy, Some(&plan)),
-        _ => void::void_targets(input, &facts, policy, None),
+        PolicyMode::Enforce => void::void_targets(&facts, policy, Some(&plan)),
+        _ => void::void_targets(&facts, policy, None),
     };
     // The pod's own value of an annotation; a pass over a pod already rewritten finds the
     // report and the reference it set, and sets nothing again.
@@ -464,6 +468,8 @@ impl<'a> Decision<'a> {
             policy,
             reference,
             display_name: input.display_name,
+            namespace: input.namespace,
+            daemon_set: input.daemon_set(),
             detail: Detail::Plain,
             voided: Vec::new(),
         }
@@ -577,25 +583,67 @@ impl<'a> Decision<'a> {
             )),
             _ => {}
         }
-        if !self.voided.is_empty() {
-            let names: Vec<&str> = self.voided.iter().map(|v| v.name).collect();
-            let names = names.join(", ");
-            if self.sets_void() {
-                warnings.push(format!(
-                    "gpuwarden: {names}: NVIDIA_VISIBLE_DEVICES=void, as they hold no GPU (an image's own value would hand them every GPU of the node)"
-                ));
-            } else if self
-                .policy
-                .is_some_and(|p| p.spec.mode == PolicyMode::Audit)
-                && self.verdict != Verdict::Denied
-            {
-                warnings.push(format!(
-                    "gpuwarden audit: {names} would get NVIDIA_VISIBLE_DEVICES=void in Enforce: they hold no GPU"
-                ));
-            }
-        }
+        self.push_void_warnings(&mut warnings);
         warnings.iter_mut().for_each(render::clip);
         warnings
+    }
+
+    /// The void rule's warnings: which containers get (Enforce) or would get (Audit)
+    /// `NVIDIA_VISIBLE_DEVICES=void` and why; for a DaemonSet's pod, the exemption a node agent
+    /// that reads every GPU needs, since the rule holds whatever the pod's owner.
+    fn push_void_warnings(&self, warnings: &mut Vec<String>) {
+        let Some(policy) = self.policy else { return };
+        let enforce = self.sets_void();
+        if !enforce && (policy.spec.mode != PolicyMode::Audit || self.verdict == Verdict::Denied) {
+            return;
+        }
+        let names = |claims: Option<bool>| {
+            let names: Vec<&str> = (self.voided.iter())
+                .filter(|v| claims.is_none_or(|c| v.claims == c))
+                .map(|v| v.name)
+                .collect();
+            (!names.is_empty()).then(|| names.join(", "))
+        };
+        let (no_gpu, claims) = (names(Some(false)), names(Some(true)));
+        if let Some(names) = no_gpu {
+            warnings.push(if enforce {
+                format!(
+                    "gpuwarden: {names}: NVIDIA_VISIBLE_DEVICES=void, as they hold no GPU (an image's own value would hand them every GPU of the node)"
+                )
+            } else {
+                format!(
+                    "gpuwarden audit: {names} would get NVIDIA_VISIBLE_DEVICES=void in Enforce: they hold no GPU"
+                )
+            });
+        }
+        if let Some(names) = claims {
+            let how = "what their ResourceClaims hold comes through CDI, not this variable (NVIDIA's DRA driver sets it to void too)";
+            warnings.push(if enforce {
+                format!("gpuwarden: {names}: NVIDIA_VISIBLE_DEVICES=void; {how}")
+            } else {
+                format!(
+                    "gpuwarden audit: {names} would get NVIDIA_VISIBLE_DEVICES=void in Enforce; {how}"
+                )
+            });
+        }
+        if let Some(daemon_set) = self.daemon_set.filter(|_| !self.voided.is_empty()) {
+            let mut images: Vec<&str> = Vec::new();
+            for v in &self.voided {
+                if !images.contains(&v.image) {
+                    images.push(v.image);
+                }
+            }
+            let hint = plan::exemption_hint(policy, &images, self.namespace);
+            warnings.push(if enforce {
+                format!(
+                    "gpuwarden: DaemonSet {daemon_set} runs with NVIDIA_VISIBLE_DEVICES=void: if it reads the node's GPUs, {hint}"
+                )
+            } else {
+                format!(
+                    "gpuwarden audit: DaemonSet {daemon_set} would run with NVIDIA_VISIBLE_DEVICES=void in Enforce: if it reads the node's GPUs, {hint}"
+                )
+            });
+        }
     }
 
     /// Why the pod is rejected, when the verdict is [`Verdict::Denied`].
@@ -727,10 +775,7 @@ impl<'c> Iterator for Changes<'c> {
                         Some(Change::Env {
                             container: v.at,
                             remove: &[],
-                            append: Some((
-                                ENV_VISIBLE_DEVICES,
-                                gpuwarden_crds::admission_policies::VOID,
-                            )),
+                            append: Some((ENV_VISIBLE_DEVICES, gpuwarden_crds::gpu::VOID)),
                         }),
                     ),
                     None => (Step::PodClaims, None),

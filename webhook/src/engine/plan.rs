@@ -349,11 +349,17 @@ pub(super) fn plan_pod<'a>(
                     .map(|(name, why)| (*name, why.clone()))
                     .collect();
             }
+            // Only a GPU resource limit has the runtime read the container's GPUs from
+            // NVIDIA_VISIBLE_DEVICES (the device plugin sets it). One whose GPUs come from a
+            // claim gets them through the DRA driver's CDI edits, which set the variable to
+            // `void` themselves: the void rule holds for it as for a container without GPUs.
+            let through_runtime =
+                gpu && (c.signals.limit || c.signals.request.is_some() || p.limit.is_some());
             // `envFrom` may set NVIDIA_VISIBLE_DEVICES unseen. An `env` entry overrides it,
-            // so a container without GPUs is safe with `void`; a GPU container cannot be
-            // given one (it would override the allocation too).
+            // so a container that gets `void` is safe; a container whose GPUs the runtime
+            // reads from the variable cannot be given one (it would override the allocation).
             if c.signals.env_from {
-                if !gpu {
+                if !through_runtime {
                     p.env_from = Some("the void overrides whatever envFrom sets");
                 } else if spec.gpu.env_from == EnvFromGpu::Warn {
                     p.env_from = Some(
@@ -368,7 +374,7 @@ pub(super) fn plan_pod<'a>(
                 }
             }
             // Rule 4.
-            let (remove, set): (&[&'static str], _) = if gpu {
+            let (remove, set): (&[&'static str], _) = if through_runtime {
                 (
                     &[
                         ENV_VISIBLE_DEVICES,
@@ -383,7 +389,7 @@ pub(super) fn plan_pod<'a>(
                     (ENV_VISIBLE_DEVICES, EnvValue::Fixed("void")),
                 )
             };
-            let set = if gpu && spec.driver_capabilities.is_empty() {
+            let set = if through_runtime && spec.driver_capabilities.is_empty() {
                 None
             } else {
                 Some(set)
@@ -450,12 +456,11 @@ pub(super) fn plan_pod<'a>(
 }
 
 /// How to exempt a container in messages that point to an exemption.
-fn exemption_hint(c: &ContainerFacts<'_>, input: &Input<'_>, policy: &GpuPolicy) -> String {
+pub(super) fn exemption_hint(policy: &GpuPolicy, images: &[&str], namespace: &str) -> String {
     format!(
-        "exempt it in GpuPolicy {}: exemptions.containers with images [{}] and namespaces [{}]",
+        "exempt it in GpuPolicy {}: exemptions.containers with images [{}] and namespaces [{namespace}]",
         policy.metadata.name.as_deref().unwrap_or(""),
-        c.value.image.as_deref().unwrap_or(""),
-        input.namespace,
+        images.join(", "),
     )
 }
 
@@ -475,7 +480,11 @@ fn daemon_set_denial(
         c.name,
         limit.quantity,
         limit.from,
-        exemption_hint(c, input, policy),
+        exemption_hint(
+            policy,
+            &[c.value.image.as_deref().unwrap_or("")],
+            input.namespace
+        ),
         policy.spec.gpu.resource_name,
     )
 }
@@ -547,7 +556,11 @@ fn host_device_denial(
         };
         push_new(&mut ways, way);
     }
-    ways.push(exemption_hint(c, input, policy));
+    ways.push(exemption_hint(
+        policy,
+        &[c.value.image.as_deref().unwrap_or("")],
+        input.namespace,
+    ));
     Some(format!(
         "{} {} loses privilege, and an unprivileged container cannot open {}: the device cgroup admits only devices the kubelet allocated. To be admitted: {}",
         c.at.kind.noun(),

@@ -5,13 +5,13 @@
 //! fields, so that the rule never depends on what CEL cannot compute.
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::admission_policies::DEVICE_LIST_MARK;
+use gpuwarden_crds::gpu::DEVICE_LIST_MARK;
 use gpuwarden_crds::gpu::{ContainerSpec, Rules};
 
+use super::ENV_VISIBLE_DEVICES;
 use super::facts::PodFacts;
 use super::plan::Plan;
 use super::{ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
-use super::{ENV_VISIBLE_DEVICES, Input};
 use crate::pod::Container;
 
 /// A container the void rule holds for.
@@ -21,15 +21,20 @@ pub struct Voided<'a> {
     pub at: ContainerRef,
     /// Its name.
     pub name: &'a str,
+    /// Its image, as written.
+    pub image: &'a str,
+    /// It holds resource claims: what they give comes through CDI, not the variable.
+    pub claims: bool,
 }
 
 /// The containers of a pod that `policy` governs (not exempt as a whole) which the void rule
 /// holds for, in the pod as `plan` (the rewrite, if there is one) leaves it: the API server
-/// applies its policy again once the webhook has changed the pod. None for a pod of a
-/// DaemonSet, a pod holding a passthrough GPU or a pod with a CDI annotation left; no
-/// container the rewrite changes (it sets its own `NVIDIA_VISIBLE_DEVICES` or GPUs).
+/// applies its policy again once the webhook has changed the pod. None for a pod holding a
+/// passthrough GPU or a pod with a CDI annotation left; no container the rewrite changes (it
+/// sets its own `NVIDIA_VISIBLE_DEVICES` or GPUs). Whatever the pod's owner: a tenant writes
+/// its owner references, and a node agent that reads every GPU is exempted by the policy
+/// (docs/design.md, "Threat model").
 pub(super) fn void_targets<'a>(
-    input: &Input<'a>,
     facts: &PodFacts<'a>,
     policy: &GpuPolicy,
     plan: Option<&Plan<'_>>,
@@ -37,11 +42,7 @@ pub(super) fn void_targets<'a>(
     let removed = plan.map_or(&[][..], |p| &p.annotations_removed);
     let cdi = (facts.annotations.into_iter().flatten())
         .any(|(key, _)| gpuwarden_crds::is_cdi_annotation(key) && !removed.contains(&key.as_ref()));
-    if !policy.spec.void_non_gpu_containers
-        || input.daemon_set().is_some()
-        || facts.pod.holds_passthrough()
-        || cdi
-    {
+    if !policy.spec.void_non_gpu_containers || facts.pod.holds_passthrough() || cdi {
         return Vec::new();
     }
     let rules = Rules::of(policy);
@@ -62,6 +63,8 @@ pub(super) fn void_targets<'a>(
             out.push(Voided {
                 at: c.at,
                 name: c.name,
+                image: c.value.image.as_deref().unwrap_or_default(),
+                claims: c.value.claim_names().next().is_some(),
             });
         }
     }
@@ -69,8 +72,9 @@ pub(super) fn void_targets<'a>(
 }
 
 /// The rule's test of one container's own fields: not privileged, no GPU variable of its
-/// own, no GPU resource, no resource claim, no mount (of `mount_paths`) at a device-list
-/// path.
+/// own, no GPU resource, no mount (of `mount_paths`) at a device-list path. A resource claim
+/// holds no GPU through the variable: NVIDIA's DRA driver sets it in its own CDI edits,
+/// after the pod's env, and a claim on another device must not leave the image's value.
 fn holds_no_gpu<'m>(
     c: &Container<'_>,
     rules: &Rules<'_>,
@@ -84,8 +88,5 @@ fn holds_no_gpu<'m>(
     !c.is_privileged()
         && !c.env_entries().any(|e| OWN.contains(&e.name))
         && !(c.limit_names().chain(c.request_names())).any(|r| rules.is_gpu_resource(r))
-        && (c.resources.as_ref())
-            .and_then(|r| r.claims.as_ref())
-            .is_none_or(|claims| claims.is_empty())
         && !mount_paths.any(|path| path.contains(DEVICE_LIST_MARK))
 }

@@ -3,7 +3,7 @@
 //! only writes them.
 //!
 //! For each GpuPolicy in Enforce mode, a MutatingAdmissionPolicy and its binding rewrite the
-//! privileged GPU pods CEL can ([`crate::admission_rewrite`]) and, with
+//! privileged GPU pods CEL can ([`super::rewrite`]) and, with
 //! `voidNonGpuContainers`, set `NVIDIA_VISIBLE_DEVICES=void` on every container that holds no
 //! GPU (the void rule, [`void_rule`]). In Audit mode a ValidatingAdmissionPolicy bound with
 //! `[Warn, Audit]` names those containers instead. A pod that the API server sends to no
@@ -20,13 +20,13 @@
 
 use serde_json::{Value, json};
 
-use crate::cel::{
-    device_list_mount, digests, glob_regex, has_env, list, literal, pod_exempt, privileged,
-    scope_terms, selects,
+use super::cel::{
+    covers, device_list_mount, gpu_resource, has_env, literal, pod_exempt, privileged, scope_terms,
+    selects,
 };
-use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
-use crate::policy::{ContainerExemption, GpuPolicy, PolicyMode};
-use crate::{GROUP, RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX, VERSION};
+use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, VOID};
+use crate::policy::{GpuPolicy, PolicyMode};
+use crate::{GROUP, VERSION};
 
 /// The API group of admission policies.
 pub const ADMISSION_GROUP: &str = "admissionregistration.k8s.io";
@@ -44,8 +44,6 @@ pub const KIND_MUTATING_BINDING: &str = "MutatingAdmissionPolicyBinding";
 pub const KIND_VALIDATING: &str = "ValidatingAdmissionPolicy";
 /// Kind of its binding.
 pub const KIND_VALIDATING_BINDING: &str = "ValidatingAdmissionPolicyBinding";
-/// The value the void rule sets.
-pub const VOID: &str = "void";
 
 /// The version of `admissionregistration.k8s.io` the cluster serves MutatingAdmissionPolicy
 /// in: `v1` from Kubernetes 1.36, `v1beta1` in 1.34 and 1.35 where the
@@ -129,8 +127,10 @@ pub fn object_name(policy: &str) -> String {
 /// The void rule for container `c` (a CEL expression of one init or regular container of
 /// `object`) under `policy`, in CEL: the container is not privileged; has no
 /// `NVIDIA_VISIBLE_DEVICES`, `NVIDIA_MIG_CONFIG_DEVICES` or `NVIDIA_MIG_MONITOR_DEVICES`
-/// entry; no limit or request on a GPU resource (the policy's rules); no resource claim; no
-/// mount whose path names the toolkit's device-list directory; and its image is not exempt.
+/// entry; no limit or request on a GPU resource (the policy's rules); no mount whose path
+/// names the toolkit's device-list directory; and its image is not exempt. A resource claim
+/// does not stop it: NVIDIA's DRA driver hands GPUs out through CDI edits that set the
+/// variable themselves, after the pod's env, and a claim on another device holds no GPU.
 /// The engine's `engine::void` applies the same rule to the same fields.
 pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
     let gpu = gpu_resource(policy, "r");
@@ -148,7 +148,7 @@ pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
             )
         ),
         format!(
-            "!(has({c}.resources) && ((has({c}.resources.limits) && {c}.resources.limits.exists(r, {gpu})) || (has({c}.resources.requests) && {c}.resources.requests.exists(r, {gpu})) || (has({c}.resources.claims) && size({c}.resources.claims) > 0)))"
+            "!(has({c}.resources) && ((has({c}.resources.limits) && {c}.resources.limits.exists(r, {gpu})) || (has({c}.resources.requests) && {c}.resources.requests.exists(r, {gpu}))))"
         ),
         format!("!{}", device_list_mount(c)),
     ];
@@ -159,72 +159,6 @@ pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
         all.push(format!("!({})", exempt.join(" || ")));
     }
     all.join(" && ")
-}
-
-/// Part of every device-list path: a mount path that contains it is never voided, by the
-/// engine or the API server (CEL cannot clean a path, so both test the raw text).
-pub const DEVICE_LIST_MARK: &str = "nvidia-container-devices";
-
-/// CEL: `r` (a resource name) is a GPU resource under `policy` ([`crate::gpu::Rules`]).
-pub(crate) fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
-    let mut names = vec![RESOURCE_GPU.to_owned(), RESOURCE_GPU_SHARED.to_owned()];
-    let own = &policy.spec.gpu.resource_name;
-    if !names.contains(own) {
-        names.push(own.clone());
-    }
-    names.push(crate::gpu::RESOURCE_PASSTHROUGH_ALIAS.to_owned());
-    let mut any = vec![
-        format!("{r} in {}", list(&names)),
-        format!("{r}.startsWith({})", literal(RESOURCE_MIG_PREFIX)),
-        format!("{r}.matches('^nvidia[.]com/[A-Z]')"),
-    ];
-    for pattern in &policy.spec.match_.gpu_resources {
-        any.push(format!("{r}.matches({})", literal(&glob_regex(pattern))));
-    }
-    format!("({})", any.join(" || "))
-}
-
-/// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
-/// the entry exempts nothing (it names neither namespaces nor service accounts).
-pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
-    // The scope before the patterns: outside it none is tried.
-    let scope = exemption_applies(entry)?;
-    Some(format!("({scope} && {})", image_matches(entry, c)))
-}
-
-/// CEL: the pod is where `entry` applies (its namespaces and service accounts), or `None`
-/// when the entry exempts nothing (it names neither, or no image).
-pub(crate) fn exemption_applies(entry: &ContainerExemption) -> Option<String> {
-    if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
-        return None;
-    }
-    Some(scope_terms(&entry.namespaces, &entry.service_accounts).join(" && "))
-}
-
-/// CEL: container `c`'s image is one `entry` names (its patterns, and its digests where it
-/// lists any), whatever the pod's namespace and service account.
-pub(crate) fn image_matches(entry: &ContainerExemption, c: &str) -> String {
-    let image = format!("{c}.image");
-    // An image with neither tag nor digest is also tried as `<image>:latest`. Each pattern is
-    // a literal, which the API server compiles once with the policy.
-    let untagged = format!("!{image}.contains('@') && !{image}.matches(':[^/]*$')");
-    let (exact, latest): (Vec<String>, Vec<String>) = (entry.images.iter())
-        .map(|p| {
-            let p = literal(&glob_regex(p));
-            (
-                format!("{image}.matches({p})"),
-                format!("({image} + ':latest').matches({p})"),
-            )
-        })
-        .unzip();
-    let mut all = vec![format!("has({image}) && {image} != ''")];
-    all.extend(digests(entry, &image));
-    all.push(format!(
-        "({} || ({untagged} && ({})))",
-        exact.join(" || "),
-        latest.join(" || ")
-    ));
-    format!("({})", all.join(" && "))
 }
 
 /// The name of the condition that leaves out pods exempt by namespace or service account.
@@ -238,9 +172,10 @@ fn service_account_exempt(policy: &GpuPolicy) -> Option<String> {
 
 /// The match conditions of `policy`'s objects (name, CEL): pods that a policy in `higher`
 /// selects are theirs, a pod exempt by namespace or service account is left alone, and so
-/// are pods with a CDI annotation (the webhook's rewrite voids theirs), pods of a DaemonSet
-/// and pods holding a passthrough GPU. `None` when a selector in
-/// `higher` cannot be written (it is malformed, so that policy is invalid).
+/// are pods with a CDI annotation (the webhook's rewrite voids theirs) and pods holding a
+/// passthrough GPU (their GPU is read inside a VM). A pod's owner references decide nothing:
+/// a tenant writes them (docs/design.md, "Threat model"). `None` when a selector in `higher`
+/// cannot be written (it is malformed, so that policy is invalid).
 fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(String, String)>> {
     let mut conditions = Vec::new();
     for other in higher {
@@ -273,10 +208,6 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
             "!(has(object.metadata.annotations) && object.metadata.annotations.exists(k, {}))",
             cdi.join(" || ")
         ),
-    ));
-    conditions.push((
-        "not-a-daemonset-pod".to_owned(),
-        "!(has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(o, has(o.controller) && o.controller == true && o.kind == 'DaemonSet'))".to_owned(),
     ));
     let passthrough = "(r == 'nvidia.com/pgpu' || r.matches('^nvidia[.]com/[A-Z]'))";
     let holds = format!(
@@ -386,7 +317,7 @@ fn constraints() -> Value {
 }
 
 /// The MutatingAdmissionPolicy of an Enforce policy and its binding: the privileged-GPU
-/// rewrite where CEL can do it ([`crate::admission_rewrite`]), then the void rule on the pod
+/// rewrite where CEL can do it ([`super::rewrite`]), then the void rule on the pod
 /// as the rewrite leaves it. `None` when it would do neither.
 fn mutating(
     policy: &GpuPolicy,
@@ -397,9 +328,7 @@ fn mutating(
     let patch = |expression: String| json!({"patchType": "JSONPatch", "jsonPatch": {"expression": expression}});
     let mut variables = Vec::new();
     let mut expressions = Vec::new();
-    if let Some((vars, expression)) =
-        crate::admission_rewrite::rewrite(policy, &gpu_resource(policy, "r"))
-    {
+    if let Some((vars, expression)) = super::rewrite::rewrite(policy, &gpu_resource(policy, "r")) {
         variables = (vars.into_iter())
             .map(|(name, expression)| json!({"name": name, "expression": expression}))
             .collect();
@@ -532,7 +461,7 @@ pub fn admission_condition(
     };
     let object = object_name(name);
     let void = policy.spec.void_non_gpu_containers;
-    let rewrites = crate::admission_rewrite::renders(policy);
+    let rewrites = super::rewrite::renders(policy);
     match (policy.spec.mode, api) {
         (PolicyMode::Deny, _) => (
             "False",
@@ -704,21 +633,5 @@ mod tests {
         audit.spec.void_non_gpu_containers = false;
         assert!(render(&[&audit], |_| true, MutatingApi::V1).is_empty());
         assert_eq!(admission_condition(&audit, None, &[]).1, "Disabled");
-    }
-
-    #[test]
-    fn every_device_list_path_holds_the_mark() {
-        assert!(crate::gpu::DEVICE_LIST_ROOT.contains(DEVICE_LIST_MARK));
-    }
-
-    #[test]
-    fn an_exemption_that_names_no_scope_exempts_nothing() {
-        let entry = ContainerExemption {
-            images: vec!["busybox".into()],
-            namespaces: Vec::new(),
-            service_accounts: Vec::new(),
-            digests: Vec::new(),
-        };
-        assert_eq!(covers(&entry, "c"), None);
     }
 }

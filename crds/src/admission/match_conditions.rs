@@ -13,7 +13,7 @@
 //! and the webhook decides, so the condition only ever lets through pods the engine would
 //! leave unchanged.
 
-use crate::cel::{exemption_scope, literal, pod_exempt};
+use super::cel::{exemption_scope, literal, pod_exempt};
 use crate::{ContainerExemption, GpuPolicy};
 
 /// Name of the condition in the webhook configuration.

@@ -20,7 +20,7 @@
 //!
 //! The differential test in `e2e/tests/admission_cel.rs` holds this CEL to the engine.
 
-use crate::cel::{device_list_mount, env, has_env, list, literal, privileged};
+use super::cel::{device_list_mount, env, has_env, list, literal, privileged};
 use crate::gpu::{
     CountFrom, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
     shared_gpus_text,
@@ -318,6 +318,11 @@ impl Rewrite<'_> {
             "!(has(object.spec.ephemeralContainers) && size(object.spec.ephemeralContainers) > 0)"
                 .to_owned(),
             "!(has(object.spec.resourceClaims) && size(object.spec.resourceClaims) > 0)".to_owned(),
+            // A DaemonSet's pod is the webhook's: it denies a GPU count the pod did not write.
+            format!(
+                "!(has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(o, has(o.controller) && o.controller == true && o.kind == {}))",
+                literal(crate::gpu::KIND_DAEMON_SET)
+            ),
             "!(has(object.spec.volumes) && object.spec.volumes.exists(v, has(v.hostPath)))"
                 .to_owned(),
             format!(
@@ -332,10 +337,10 @@ impl Rewrite<'_> {
         ];
         // An exemption's namespaces and service accounts first: outside them no image is read.
         for entry in &policy.exemptions.containers {
-            let Some(scope) = crate::admission_policies::exemption_applies(entry) else {
+            let Some(scope) = super::cel::exemption_applies(entry) else {
                 continue;
             };
-            let image = crate::admission_policies::image_matches(entry, "c");
+            let image = super::cel::image_matches(entry, "c");
             all.push(format!(
                 "!({scope} && ({C}.exists(c, {image}) || {I}.exists(c, {image})))"
             ));
@@ -459,7 +464,7 @@ impl Rewrite<'_> {
             ),
             format!(
                 "({ZERO} ? {} : {})",
-                literal(crate::admission_policies::VOID),
+                literal(crate::gpu::VOID),
                 literal(&caps)
             ),
             has_caps,

@@ -1,9 +1,11 @@
-//! Writing CEL text: literals, lists and the label-selector and image-glob tests that the
-//! webhook's matchConditions and the rendered admission policies share.
+//! The pieces of CEL every writer in this folder shares: literals, lists, label-selector and
+//! image-glob tests, a container's fields, GPU resource names and exemption scopes. It imports
+//! nothing from the writers that use it.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
-use crate::policy::{ContainerExemption, Exemptions};
+use crate::policy::{ContainerExemption, Exemptions, GpuPolicy};
+use crate::{RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX};
 
 /// The pod's service account as `namespace/name`, as the API server fills it in.
 pub(crate) const SERVICE_ACCOUNT: &str = "(request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default'))";
@@ -75,8 +77,70 @@ pub(crate) fn has_env(c: &str, names: &[&str]) -> String {
 pub(crate) fn device_list_mount(c: &str) -> String {
     format!(
         "(has({c}.volumeMounts) && {c}.volumeMounts.exists(m, has(m.mountPath) && m.mountPath.contains({})))",
-        literal(crate::admission_policies::DEVICE_LIST_MARK)
+        literal(crate::gpu::DEVICE_LIST_MARK)
     )
+}
+
+/// CEL: `r` (a resource name) is a GPU resource under `policy` ([`crate::gpu::Rules`]).
+pub(crate) fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
+    let mut names = vec![RESOURCE_GPU.to_owned(), RESOURCE_GPU_SHARED.to_owned()];
+    let own = &policy.spec.gpu.resource_name;
+    if !names.contains(own) {
+        names.push(own.clone());
+    }
+    names.push(crate::gpu::RESOURCE_PASSTHROUGH_ALIAS.to_owned());
+    let mut any = vec![
+        format!("{r} in {}", list(&names)),
+        format!("{r}.startsWith({})", literal(RESOURCE_MIG_PREFIX)),
+        format!("{r}.matches('^nvidia[.]com/[A-Z]')"),
+    ];
+    for pattern in &policy.spec.match_.gpu_resources {
+        any.push(format!("{r}.matches({})", literal(&glob_regex(pattern))));
+    }
+    format!("({})", any.join(" || "))
+}
+
+/// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
+/// the entry exempts nothing (it names neither namespaces nor service accounts).
+pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
+    // The scope before the patterns: outside it none is tried.
+    let scope = exemption_applies(entry)?;
+    Some(format!("({scope} && {})", image_matches(entry, c)))
+}
+
+/// CEL: the pod is where `entry` applies (its namespaces and service accounts), or `None`
+/// when the entry exempts nothing (it names neither, or no image).
+pub(crate) fn exemption_applies(entry: &ContainerExemption) -> Option<String> {
+    if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
+        return None;
+    }
+    Some(scope_terms(&entry.namespaces, &entry.service_accounts).join(" && "))
+}
+
+/// CEL: container `c`'s image is one `entry` names (its patterns, and its digests where it
+/// lists any), whatever the pod's namespace and service account.
+pub(crate) fn image_matches(entry: &ContainerExemption, c: &str) -> String {
+    let image = format!("{c}.image");
+    // An image with neither tag nor digest is also tried as `<image>:latest`. Each pattern is
+    // a literal, which the API server compiles once with the policy.
+    let untagged = format!("!{image}.contains('@') && !{image}.matches(':[^/]*$')");
+    let (exact, latest): (Vec<String>, Vec<String>) = (entry.images.iter())
+        .map(|p| {
+            let p = literal(&glob_regex(p));
+            (
+                format!("{image}.matches({p})"),
+                format!("({image} + ':latest').matches({p})"),
+            )
+        })
+        .unzip();
+    let mut all = vec![format!("has({image}) && {image} != ''")];
+    all.extend(digests(entry, &image));
+    all.push(format!(
+        "({} || ({untagged} && ({})))",
+        exact.join(" || "),
+        latest.join(" || ")
+    ));
+    format!("({})", all.join(" && "))
 }
 
 /// A CEL string literal.
@@ -171,5 +235,16 @@ mod tests {
     fn globs_become_anchored_patterns_with_every_other_character_literal() {
         assert_eq!(glob_regex("nvcr.io/nvidia/*"), "^(?s)nvcr\\.io/nvidia/.*$");
         assert_eq!(glob_regex("a?b+[c]"), "^(?s)a.b\\+\\[c\\]$");
+    }
+
+    #[test]
+    fn an_exemption_that_names_no_scope_exempts_nothing() {
+        let entry = ContainerExemption {
+            images: vec!["busybox".into()],
+            namespaces: Vec::new(),
+            service_accounts: Vec::new(),
+            digests: Vec::new(),
+        };
+        assert_eq!(covers(&entry, "c"), None);
     }
 }
