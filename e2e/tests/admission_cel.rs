@@ -1434,7 +1434,30 @@ fn api_server_mutates(
     namespace: &str,
     labels: &BTreeMap<String, String>,
 ) -> Vec<String> {
+    api_server_mutates_update(rendered, pod, None, namespace, labels)
+}
+
+/// [`api_server_mutates`] for a create (`old` is `None`) or for an update of `old` into
+/// `pod` (`pods/ephemeralcontainers`).
+fn api_server_mutates_update(
+    rendered: &[gpuwarden_crds::admission_policies::Rendered],
+    pod: &mut Value,
+    old: Option<&Value>,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> Vec<String> {
     use gpuwarden_crds::admission_policies::{KIND_MUTATING, KIND_MUTATING_BINDING};
+    let admission_vars = |pod: &Value, namespace: &str, labels: &BTreeMap<String, String>| {
+        let mut vars = admission_vars(pod, namespace, labels);
+        if let Some(old) = old {
+            vars.insert("oldObject", old.clone());
+            if let Some(request) = vars.get_mut("request") {
+                request["operation"] = json!("UPDATE");
+                request["subResource"] = json!("ephemeralcontainers");
+            }
+        }
+        vars
+    };
     let mut changed = Vec::new();
     for policy in rendered.iter().filter(|r| r.kind == KIND_MUTATING) {
         let vars = admission_vars(pod, namespace, labels);
@@ -1554,6 +1577,122 @@ fn engine_answer(
         json_patch::patch(&mut out, &patch).expect("the engine's patch applies");
     }
     (Ok(out), warnings)
+}
+
+/// `kubectl debug` on a governed pod: for every ephemeral container an update adds (images
+/// exempt or not, in exempt and governed namespaces, with and without their own GPU
+/// variables or a device-list mount, next to ephemeral containers already there), the
+/// rendered MutatingAdmissionPolicy stores the pod the engine writes, or leaves to the
+/// webhook what it denies.
+#[test]
+fn api_server_voids_new_ephemeral_containers_as_the_engine_does() {
+    use gpuwarden_crds::GpuPolicy;
+    use gpuwarden_crds::admission_policies::{MutatingApi, render};
+    use gpuwarden_crds::selection::namespace_labels_or_default;
+    use gpuwarden_webhook::admission::{StaticSource, handle_review};
+
+    let mut policy = GpuPolicy::default_policy();
+    policy.metadata.uid = Some("u".into());
+    let rendered = render(&[&policy], |_| true, MutatingApi::V1);
+    let source = StaticSource::new([policy]);
+    let images = [
+        "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04",
+        "busybox",
+        "nvcr.io/nvidia/k8s/dcgm-exporter:3.3.5-3.4.0-ubuntu22.04",
+    ];
+    let envs = [
+        json!(null),
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]),
+        json!([{"name": "TERM", "value": "xterm"}]),
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
+    ];
+    let (mut voided, mut denied, mut total) = (0, 0, 0);
+    for namespace in ["ml", "gpu-operator"] {
+        let labels = namespace_labels_or_default(namespace, None);
+        for image in images {
+            for env in &envs {
+                for (before, device_list) in [(0, false), (1, false), (1, true)] {
+                    total += 1;
+                    let debugger = |name: &str, image: &str, env: &Value, mount: bool| {
+                        let mut c = json!({"name": name, "image": image,
+                            "securityContext": {"privileged": false}});
+                        if !env.is_null() {
+                            c["env"] = env.clone();
+                        }
+                        if mount {
+                            c["volumeMounts"] = json!([{"name": "list",
+                                "mountPath": "/var/run/nvidia-container-devices/all"}]);
+                        }
+                        c
+                    };
+                    let mut old = pod(json!({
+                        "containers": [container("app", None)],
+                        "volumes": [{"name": "list", "emptyDir": {}}]
+                    }));
+                    old["metadata"]["name"] = json!("p");
+                    if before > 0 {
+                        old["spec"]["ephemeralContainers"] =
+                            json!([debugger("debugger-old", images[0], &json!(null), false)]);
+                    }
+                    let mut new = old.clone();
+                    let added = debugger("debugger-new", image, env, device_list);
+                    match new["spec"]["ephemeralContainers"].as_array_mut() {
+                        Some(list) => list.push(added),
+                        None => new["spec"]["ephemeralContainers"] = json!([added]),
+                    }
+                    let review = json!({
+                        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                        "request": {
+                            "uid": "u", "namespace": namespace, "operation": "UPDATE",
+                            "subResource": "ephemeralcontainers",
+                            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                            "resource": {"group": "", "version": "v1", "resource": "pods"},
+                            "userInfo": {"username": "alice"},
+                            "object": new, "oldObject": old,
+                        }
+                    });
+                    let (bytes, _) = handle_review(review.to_string().as_bytes(), &source);
+                    let answer: Value = serde_json::from_slice(&bytes).expect("JSON");
+                    let ctx =
+                        || format!("{namespace} {image} {env} before {before} list {device_list}");
+                    let mut stored = new.clone();
+                    api_server_mutates_update(
+                        &rendered,
+                        &mut stored,
+                        Some(&old),
+                        namespace,
+                        &labels,
+                    );
+                    if answer["response"]["allowed"] != json!(true) {
+                        // The webhook denies it; the policy must not have made it look voided.
+                        denied += 1;
+                        assert_eq!(stored, new, "{}", ctx());
+                        continue;
+                    }
+                    let mut engine = new.clone();
+                    if let Some(patch) = answer["response"]["patch"].as_str() {
+                        let bytes = base64_simd::STANDARD.decode_to_vec(patch).expect("base64");
+                        let patch: json_patch::Patch =
+                            serde_json::from_slice(&bytes).expect("a patch");
+                        json_patch::patch(&mut engine, &patch).expect("applies");
+                    }
+                    assert_eq!(stored, engine, "{}", ctx());
+                    assert_eq!(
+                        stored["spec"]["ephemeralContainers"][before],
+                        engine["spec"]["ephemeralContainers"][before]
+                    );
+                    voided += usize::from(stored != new);
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{total} ephemeral additions: {voided} voided on both paths, {denied} denied by the webhook"
+    );
+    assert!(
+        voided >= 4 && denied >= 4,
+        "{voided} voided, {denied} denied"
+    );
 }
 
 /// One source of truth: on thousands of generated pods under generated policies, the API

@@ -940,6 +940,54 @@ fn privileged_ephemeral_containers_are_denied_in_enforce_and_deny() {
     );
 }
 
+/// `kubectl debug` with a CUDA image: a new unprivileged ephemeral container that names no GPU
+/// gets `NVIDIA_VISIBLE_DEVICES=void` in Enforce (its image's value would hand it every GPU),
+/// is named in Audit, and the ephemeral containers already there are left as they are (the API
+/// server refuses any change to them). An exempt image or namespace keeps its value.
+#[test]
+fn new_ephemeral_containers_get_the_void_rule() {
+    let old = pod_with_ephemeral(&[("debugger-old", false, "nvcr.io/nvidia/cuda:12.4.1-base")]);
+    let new = pod_with_ephemeral(&[
+        ("debugger-old", false, "nvcr.io/nvidia/cuda:12.4.1-base"),
+        ("debugger-x7k", false, "nvcr.io/nvidia/cuda:12.4.1-base"),
+    ]);
+    let answer = answer(&ephemeral_review(&old, &new, "ml"), &source());
+    assert!(answer.allowed());
+    assert_eq!(answer.summary.outcome, Outcome::Voided);
+    let patched = answer.apply(&new);
+    let ephemeral = &patched["spec"]["ephemeralContainers"];
+    assert_eq!(
+        env_value(&ephemeral[1], "NVIDIA_VISIBLE_DEVICES"),
+        Some("void")
+    );
+    assert_eq!(
+        ephemeral[0], new["spec"]["ephemeralContainers"][0],
+        "the old one as it was"
+    );
+    assert_eq!(patched["spec"]["containers"], new["spec"]["containers"]);
+    // A second pass over the patched pod changes nothing.
+    let again = self::answer(&ephemeral_review(&old, &patched, "ml"), &source());
+    assert!(again.patch.is_none(), "{:?}", again.patch);
+
+    let audit = StaticSource::new([policy("p", |p| p.spec.mode = PolicyMode::Audit)]);
+    let audited = self::answer(&ephemeral_review(&old, &new, "ml"), &audit);
+    assert!(audited.allowed() && audited.patch.is_none());
+    assert!(
+        (audited.warnings().iter())
+            .any(|w| w.contains("debugger-x7k would get NVIDIA_VISIBLE_DEVICES=void")),
+        "{:?}",
+        audited.warnings()
+    );
+    let exempt = pod_with_ephemeral(&[
+        ("debugger-old", false, "nvcr.io/nvidia/cuda:12.4.1-base"),
+        ("dcgm", false, "nvcr.io/nvidia/cloud-native/dcgm:3.3.5"),
+    ]);
+    let kept = self::answer(&ephemeral_review(&old, &exempt, "gpu-operator"), &source());
+    assert!(kept.allowed() && kept.patch.is_none());
+    let voided = self::answer(&ephemeral_review(&old, &exempt, "ml"), &source());
+    assert_eq!(voided.summary.outcome, Outcome::Voided);
+}
+
 /// Door 5: counts are the pod's. The pod annotation is the total of the containers that do
 /// not say their own; containers naming the same GPUs share them; an explicit 0 means no
 /// GPU; a pod over maxPerPod is denied.

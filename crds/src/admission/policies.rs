@@ -225,19 +225,33 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
 /// The JSONPatch expression of the void rule: for each init and regular container it holds
 /// for, add the entry (appending to `env`, or creating it).
 pub fn void_patch_expression(policy: &GpuPolicy) -> String {
-    let entry = format!("{{'name': 'NVIDIA_VISIBLE_DEVICES', 'value': '{VOID}'}}");
-    let per_list = |field: &str| {
-        let l = format!("object.spec.{field}");
-        let c = format!("{l}[i]");
-        let rule = void_rule(policy, &c);
-        format!(
-            "lists.range(size({l})).filter(i, {rule}).map(i, has({c}.env) ? JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env/-', value: {entry}}} : JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env', value: [{entry}]}})"
-        )
-    };
     format!(
         "(has(object.spec.initContainers) ? {} : []) + {}",
-        per_list("initContainers"),
-        per_list("containers")
+        void_ops(policy, "initContainers", ""),
+        void_ops(policy, "containers", "")
+    )
+}
+
+/// The JSONPatch expression of the void rule for `pods/ephemeralcontainers`: for each
+/// ephemeral container the update adds (one `oldObject` does not have) that the rule holds
+/// for, add the entry. Those already there cannot change, and got the rule when added.
+pub fn ephemeral_void_patch_expression(policy: &GpuPolicy) -> String {
+    let new = "!(object.spec.ephemeralContainers[i].name in (has(oldObject.spec.ephemeralContainers) ? oldObject.spec.ephemeralContainers.map(o, o.name) : [])) && ";
+    format!(
+        "(has(object.spec.ephemeralContainers) ? {} : [])",
+        void_ops(policy, "ephemeralContainers", new)
+    )
+}
+
+/// The void rule's operations on the containers in `field`, for those that pass `filter`
+/// (CEL of the index `i`, ending in `&&`, or empty) and the rule.
+fn void_ops(policy: &GpuPolicy, field: &str, filter: &str) -> String {
+    let entry = format!("{{'name': 'NVIDIA_VISIBLE_DEVICES', 'value': '{VOID}'}}");
+    let l = format!("object.spec.{field}");
+    let c = format!("{l}[i]");
+    let rule = void_rule(policy, &c);
+    format!(
+        "lists.range(size({l})).filter(i, {filter}{rule}).map(i, has({c}.env) ? JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env/-', value: {entry}}} : JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env', value: [{entry}]}})"
     )
 }
 
@@ -305,15 +319,25 @@ fn match_resources(policy: &GpuPolicy) -> Value {
 
 const POD_CREATE: &str = "pods";
 
-fn constraints() -> Value {
-    json!({
-        "resourceRules": [{
+/// The subresource `kubectl debug` adds ephemeral containers through.
+const POD_EPHEMERAL: &str = "pods/ephemeralcontainers";
+
+/// The requests a policy is called for: new pods and, with `ephemeral`, ephemeral containers
+/// added to running ones.
+fn constraints(ephemeral: bool) -> Value {
+    let rule = |operation: &str, resource: &str| {
+        json!({
             "apiGroups": [""],
             "apiVersions": ["v1"],
-            "operations": ["CREATE"],
-            "resources": [POD_CREATE],
-        }],
-    })
+            "operations": [operation],
+            "resources": [resource],
+        })
+    };
+    let mut rules = vec![rule("CREATE", POD_CREATE)];
+    if ephemeral {
+        rules.push(rule("UPDATE", POD_EPHEMERAL));
+    }
+    json!({ "resourceRules": rules })
 }
 
 /// The MutatingAdmissionPolicy of an Enforce policy and its binding: the privileged-GPU
@@ -356,7 +380,18 @@ fn mutating(
         0,
         json!({"name": "scope", "expression": scope.join(" && ")}),
     );
-    let expression = format!("!variables.scope ? [] : {}", expressions.join(" + "));
+    // An update is `pods/ephemeralcontainers` (the only one the constraints admit): only the
+    // containers it adds can change.
+    let void = policy.spec.void_non_gpu_containers;
+    let expression = if void {
+        format!(
+            "!variables.scope ? [] : request.operation == 'UPDATE' ? {} : {}",
+            ephemeral_void_patch_expression(policy),
+            expressions.join(" + ")
+        )
+    } else {
+        format!("!variables.scope ? [] : {}", expressions.join(" + "))
+    };
     let policy_object = json!({
         "apiVersion": api.api_version(),
         "kind": KIND_MUTATING,
@@ -364,7 +399,7 @@ fn mutating(
         "spec": {
             // A failure leaves the pod as it is: the API server's policy never blocks a pod.
             "failurePolicy": "Ignore",
-            "matchConstraints": constraints(),
+            "matchConstraints": constraints(void),
             // Run once. Re-running after a later webhook changed the pod would double the
             // policy's cost for every pod; gpuwarden's webhook, which runs after it and again
             // when the pod changes, still rewrites any privileged or leaking container a later
@@ -409,7 +444,7 @@ fn validating(policy: &GpuPolicy, conditions: Vec<(String, String)>) -> [Rendere
         "metadata": metadata(policy, &name),
         "spec": {
             "failurePolicy": "Ignore",
-            "matchConstraints": constraints(),
+            "matchConstraints": constraints(false),
             "matchConditions": conditions_json(conditions),
             "variables": [{"name": "voided", "expression": void_names_expression(policy)}],
             "validations": [{

@@ -431,13 +431,20 @@ fn decide_ephemeral<'a>(
         })
         .map(|c| c.name)
         .collect();
+    let mode = policy.spec.mode;
     if offending.is_empty() {
-        return new(Verdict::Unchanged);
+        // The void rule, as for a new pod: in Enforce the new containers get it, in Audit
+        // they are named.
+        let voids = matches!(mode, PolicyMode::Enforce | PolicyMode::Audit) && invalid.is_none();
+        return new(Verdict::Unchanged).voiding(if voids {
+            void::new_ephemeral_targets(&facts, policy, old)
+        } else {
+            Vec::new()
+        });
     }
     if let Some(why) = invalid {
         return new(Verdict::Denied).with(Detail::Invalid(why));
     }
-    let mode = policy.spec.mode;
     let verdict = if mode == PolicyMode::Audit {
         Verdict::Audited
     } else {

@@ -12,7 +12,7 @@ use super::ENV_VISIBLE_DEVICES;
 use super::facts::PodFacts;
 use super::plan::Plan;
 use super::{ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
-use crate::pod::Container;
+use crate::pod::{Container, PodView};
 
 /// A container the void rule holds for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +39,27 @@ pub(super) fn void_targets<'a>(
     policy: &GpuPolicy,
     plan: Option<&Plan<'_>>,
 ) -> Vec<Voided<'a>> {
+    targets(facts, policy, plan, None)
+}
+
+/// The ephemeral containers that `pods/ephemeralcontainers` adds to a pod `policy` governs
+/// (those not in `old`) which the void rule holds for: `kubectl debug` with a CUDA image
+/// would otherwise run with the image's `NVIDIA_VISIBLE_DEVICES`. The containers already
+/// there cannot be changed, and got the rule when they were added.
+pub(super) fn new_ephemeral_targets<'a>(
+    facts: &PodFacts<'a>,
+    policy: &GpuPolicy,
+    old: &PodView<'_>,
+) -> Vec<Voided<'a>> {
+    targets(facts, policy, None, Some(old))
+}
+
+fn targets<'a>(
+    facts: &PodFacts<'a>,
+    policy: &GpuPolicy,
+    plan: Option<&Plan<'_>>,
+    ephemeral_since: Option<&PodView<'_>>,
+) -> Vec<Voided<'a>> {
     let removed = plan.map_or(&[][..], |p| &p.annotations_removed);
     let cdi = (facts.annotations.into_iter().flatten())
         .any(|(key, _)| gpuwarden_crds::is_cdi_annotation(key) && !removed.contains(&key.as_ref()));
@@ -48,7 +69,15 @@ pub(super) fn void_targets<'a>(
     let rules = Rules::of(policy);
     let mut out = Vec::new();
     for c in &facts.containers {
-        if c.at.kind == ContainerKind::Ephemeral || c.image_exempt {
+        let wanted = match ephemeral_since {
+            None => c.at.kind != ContainerKind::Ephemeral,
+            Some(old) => {
+                c.at.kind == ContainerKind::Ephemeral
+                    && !(old.containers(ContainerKind::Ephemeral).iter())
+                        .any(|o| o.name.as_deref() == Some(c.name))
+            }
+        };
+        if !wanted || c.image_exempt {
             continue;
         }
         let planned = plan.and_then(|p| p.containers.iter().find(|p| p.at == c.at));
