@@ -492,3 +492,84 @@ fn denied_manifests_exit_1_from_the_binary_alone_and_together() {
         "expected {documents} objects and {denials} denied in the summary: {summary}\n{stderr}"
     );
 }
+
+/// The README's advice for node agents outside NVIDIA's namespaces, taken as written: with its
+/// container exemptions added to the default policy, dcgm-exporter from its own manifest and
+/// both nvidia_gpu_exporter DaemonSets in `monitoring` are left as they are (neither voided
+/// nor denied), and the same exporters in another namespace are not.
+#[test]
+fn the_readme_exemption_gives_third_party_exporters_their_gpus() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let advice = readme
+        .split_once("**A node agent that reads every GPU needs an exemption.**")
+        .and_then(|(_, rest)| rest.split_once("```yaml\n"))
+        .and_then(|(_, rest)| rest.split_once("\n```"))
+        .expect("the README's exemption block")
+        .0;
+    // Its entries under `containers:`, two spaces less indented, as the default policy's are.
+    let entries: Vec<&str> = (advice.lines())
+        .skip_while(|l| l.trim() != "containers:")
+        .skip(1)
+        .map(|l| l.strip_prefix("  ").unwrap_or(l))
+        .collect();
+    assert!(entries.len() >= 4, "{advice}");
+    let default =
+        std::fs::read_to_string(root.join("deploy/policies/default.yaml")).expect("policy");
+    let policy = default.replacen(
+        "    containers:\n",
+        &format!("    containers:\n{}\n", entries.join("\n")),
+        1,
+    );
+    assert_ne!(policy, default);
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let policy_file = dir.path().join("policy.yaml");
+    std::fs::write(&policy_file, policy).expect("write the policy");
+    let real = |name: &str| real_dir().join(name);
+    let manifests = [
+        real("dcgm-exporter-standalone.yaml"),
+        real("nvidia-gpu-exporter-runtime-injected.yaml"),
+        real("nvidia-gpu-exporter-legacy-privileged.yaml"),
+    ];
+    let mut args = vec![
+        "--policy".to_owned(),
+        policy_file.display().to_string(),
+        "-n".to_owned(),
+        "monitoring".to_owned(),
+        "-o".to_owned(),
+        "diff".to_owned(),
+    ];
+    for m in &manifests {
+        args.extend(["-f".to_owned(), m.display().to_string()]);
+    }
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    let run = mutate(&argv);
+    assert_eq!(run.code, EXIT_ADMITTED, "{}", run.stderr);
+    assert!(
+        !run.stderr.contains("VOIDED") && !run.stderr.contains("DENIED"),
+        "{}",
+        run.stderr
+    );
+    assert_eq!(
+        run.stderr.matches("DaemonSet monitoring/").count(),
+        3,
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stdout.trim().is_empty(),
+        "nothing changes:\n{}",
+        run.stdout
+    );
+    // Without the advice, the same three are voided or denied.
+    let argv: Vec<&str> = (argv.iter().copied())
+        .filter(|a| *a != "--policy" && *a != policy_file.to_str().unwrap_or_default())
+        .collect();
+    let bare = mutate(&argv);
+    assert_eq!(
+        bare.stderr.matches("VOIDED").count() + bare.stderr.matches("DENIED").count(),
+        3,
+        "{}",
+        bare.stderr
+    );
+}
