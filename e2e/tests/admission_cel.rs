@@ -1748,6 +1748,7 @@ fn policies_follow_the_engine() {
     let cases = generated::cases(2400);
     let total = cases.len();
     let (mut by_policy, mut by_both, mut by_webhook, mut denied, mut audited) = (0, 0, 0, 0, 0);
+    let mut daemon_set_warnings = 0;
     let mut rewritten_alone = 0;
     for (i, case) in cases.into_iter().enumerate() {
         let mut pod = case.pod;
@@ -1919,7 +1920,13 @@ fn policies_follow_the_engine() {
         let engine_names = (!engine_names.is_empty()).then(|| engine_names.join(", "));
         let vars = admission_vars(&pod, namespace, &labels);
         let mut api_names = None;
-        for policy in rendered.iter().filter(|r| r.kind == KIND_VALIDATING) {
+        let for_daemon_sets = |r: &&gpuwarden_crds::admission_policies::Rendered| {
+            r.object["spec"]["matchConstraints"]["resourceRules"][0]["resources"][0] == "daemonsets"
+        };
+        for policy in (rendered.iter())
+            .filter(|r| r.kind == KIND_VALIDATING)
+            .filter(|r| !for_daemon_sets(r))
+        {
             if !selected_and_matched(
                 &rendered,
                 KIND_VALIDATING_BINDING,
@@ -1945,9 +1952,73 @@ fn policies_follow_the_engine() {
             "Audit: the warning policy and the engine name other containers\n{}",
             ctx()
         );
+
+        // Audit, for the pod as a DaemonSet's template: the DaemonSet warning says what the
+        // engine says of the DaemonSet's pod, word for word.
+        let owner = json!([{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent",
+            "uid": "1", "controller": true}]);
+        let mut ds_pod = pod.clone();
+        ds_pod["metadata"]["ownerReferences"] = owner;
+        let (_, ds_warnings) = engine_answer(&ds_pod, namespace, &source);
+        let engine_says = (ds_warnings.iter())
+            .find(|w| w.starts_with("gpuwarden audit: DaemonSet "))
+            .cloned();
+        let mut template_meta = json!({});
+        for key in ["labels", "annotations"] {
+            if let Some(v) = pod["metadata"].get(key) {
+                template_meta[key] = v.clone();
+            }
+        }
+        let daemon_set = json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "agent", "namespace": namespace},
+            "spec": {"selector": {"matchLabels": {"app": "agent"}},
+                     "template": {"metadata": template_meta, "spec": pod["spec"].clone()}}});
+        let vars = admission_vars(&daemon_set, namespace, &labels);
+        let mut api_says = None;
+        for policy in (rendered.iter())
+            .filter(|r| r.kind == KIND_VALIDATING)
+            .filter(for_daemon_sets)
+        {
+            if !selected_and_matched(
+                &rendered,
+                KIND_VALIDATING_BINDING,
+                &policy.object,
+                &daemon_set,
+                &labels,
+                &vars,
+            ) {
+                continue;
+            }
+            let vars = with_variables(&policy.object, &vars);
+            let validation = &policy.object["spec"]["validations"][0];
+            if eval_bool(
+                validation["expression"].as_str().expect("expression"),
+                &vars,
+            ) {
+                continue;
+            }
+            let message = eval(
+                validation["messageExpression"].as_str().expect("message"),
+                &vars,
+            );
+            api_says = Some(to_json(&message).as_str().expect("a string").to_owned());
+        }
+        // The engine clips its warnings to what Kubernetes keeps.
+        let clipped = match (&api_says, &engine_says) {
+            (Some(api), Some(engine)) if engine.ends_with("...") && api != engine => {
+                api.starts_with(engine.trim_end_matches("..."))
+            }
+            _ => api_says == engine_says,
+        };
+        assert!(
+            clipped,
+            "Audit: the DaemonSet warning says {api_says:?}, the engine {engine_says:?}\n{}",
+            ctx()
+        );
+        daemon_set_warnings += usize::from(api_says.is_some());
     }
     eprintln!(
-        "{total} pods: {by_policy} changed by the API server's policies alone ({rewritten_alone} privileged GPU pods rewritten), {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit"
+        "{total} pods: {by_policy} changed by the API server's policies alone ({rewritten_alone} privileged GPU pods rewritten), {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit, {daemon_set_warnings} of them for DaemonSets"
     );
     assert!(
         by_policy >= 150
@@ -1955,8 +2026,9 @@ fn policies_follow_the_engine() {
             && by_both >= 15
             && by_webhook >= 500
             && audited >= 50
+            && daemon_set_warnings >= 50
             && denied >= 100,
-        "{by_policy} {rewritten_alone} {by_both} {by_webhook} {audited} {denied}"
+        "{by_policy} {rewritten_alone} {by_both} {by_webhook} {audited} {daemon_set_warnings} {denied}"
     );
 }
 

@@ -7,33 +7,70 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use crate::policy::{ContainerExemption, Exemptions, GpuPolicy};
 use crate::{RESOURCE_GPU, RESOURCE_GPU_SHARED, RESOURCE_MIG_PREFIX};
 
-/// The pod's service account as `namespace/name`, as the API server fills it in.
-pub(crate) const SERVICE_ACCOUNT: &str = "(request.namespace + '/' + (has(object.spec.serviceAccountName) && object.spec.serviceAccountName != '' ? object.spec.serviceAccountName : 'default'))";
+/// Where an admission request holds the pod it judges: a Pod itself, or the pod template of
+/// a workload. Every piece that reads the pod's own fields takes one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Pod {
+    /// CEL of the pod's spec.
+    pub(crate) spec: &'static str,
+    /// CEL of the pod's metadata.
+    pub(crate) meta: &'static str,
+}
+
+/// A Pod request: `object` is the pod.
+pub(crate) const POD: Pod = Pod {
+    spec: "object.spec",
+    meta: "object.metadata",
+};
+
+/// A DaemonSet request: the pod is its template.
+pub(crate) const DAEMON_SET_POD: Pod = Pod {
+    spec: "object.spec.template.spec",
+    meta: "object.spec.template.metadata",
+};
+
+impl Pod {
+    /// CEL: the pod's service account as `namespace/name`, as the API server fills it in.
+    pub(crate) fn service_account(self) -> String {
+        let s = self.spec;
+        format!(
+            "(request.namespace + '/' + (has({s}.serviceAccountName) && {s}.serviceAccountName != '' ? {s}.serviceAccountName : 'default'))"
+        )
+    }
+}
 
 /// CEL terms: the pod's namespace is among `namespaces`, its service account among
 /// `service_accounts`; one term for each list that names something.
-pub(crate) fn scope_terms(namespaces: &[String], service_accounts: &[String]) -> Vec<String> {
+pub(crate) fn scope_terms(
+    pod: Pod,
+    namespaces: &[String],
+    service_accounts: &[String],
+) -> Vec<String> {
     let mut terms = Vec::new();
     if !namespaces.is_empty() {
         terms.push(format!("request.namespace in {}", list(namespaces)));
     }
     if !service_accounts.is_empty() {
-        terms.push(format!("{SERVICE_ACCOUNT} in {}", list(service_accounts)));
+        terms.push(format!(
+            "{} in {}",
+            pod.service_account(),
+            list(service_accounts)
+        ));
     }
     terms
 }
 
 /// CEL terms, any of which exempts the whole pod: its namespace or its service account is
 /// listed ([`Exemptions::pod_exemption`]).
-pub(crate) fn pod_exempt(exemptions: &Exemptions) -> Vec<String> {
-    scope_terms(&exemptions.namespaces, &exemptions.service_accounts)
+pub(crate) fn pod_exempt(pod: Pod, exemptions: &Exemptions) -> Vec<String> {
+    scope_terms(pod, &exemptions.namespaces, &exemptions.service_accounts)
 }
 
 /// CEL terms, all of which a container exemption's scope needs: the pod's namespace and
 /// service account among those listed, and, where digests are listed, `image` (a CEL
 /// expression) pinned to one of them ([`ContainerExemption::covers`]).
-pub(crate) fn exemption_scope(entry: &ContainerExemption, image: &str) -> Vec<String> {
-    let mut all = scope_terms(&entry.namespaces, &entry.service_accounts);
+pub(crate) fn exemption_scope(pod: Pod, entry: &ContainerExemption, image: &str) -> Vec<String> {
+    let mut all = scope_terms(pod, &entry.namespaces, &entry.service_accounts);
     all.extend(digests(entry, image));
     all
 }
@@ -102,19 +139,19 @@ pub(crate) fn gpu_resource(policy: &GpuPolicy, r: &str) -> String {
 
 /// CEL: container `c` is covered by `entry` ([`ContainerExemption::covers`]), or `None` when
 /// the entry exempts nothing (it names neither namespaces nor service accounts).
-pub(crate) fn covers(entry: &ContainerExemption, c: &str) -> Option<String> {
+pub(crate) fn covers(pod: Pod, entry: &ContainerExemption, c: &str) -> Option<String> {
     // The scope before the patterns: outside it none is tried.
-    let scope = exemption_applies(entry)?;
+    let scope = exemption_applies(pod, entry)?;
     Some(format!("({scope} && {})", image_matches(entry, c)))
 }
 
 /// CEL: the pod is where `entry` applies (its namespaces and service accounts), or `None`
 /// when the entry exempts nothing (it names neither, or no image).
-pub(crate) fn exemption_applies(entry: &ContainerExemption) -> Option<String> {
+pub(crate) fn exemption_applies(pod: Pod, entry: &ContainerExemption) -> Option<String> {
     if entry.namespaces.is_empty() && entry.service_accounts.is_empty() || entry.images.is_empty() {
         return None;
     }
-    Some(scope_terms(&entry.namespaces, &entry.service_accounts).join(" && "))
+    Some(scope_terms(pod, &entry.namespaces, &entry.service_accounts).join(" && "))
 }
 
 /// CEL: container `c`'s image is one `entry` names (its patterns, and its digests where it
@@ -245,6 +282,6 @@ mod tests {
             service_accounts: Vec::new(),
             digests: Vec::new(),
         };
-        assert_eq!(covers(&entry, "c"), None);
+        assert_eq!(covers(POD, &entry, "c"), None);
     }
 }

@@ -13,7 +13,7 @@
 //! and the webhook decides, so the condition only ever lets through pods the engine would
 //! leave unchanged.
 
-use super::cel::{exemption_scope, literal, pod_exempt};
+use super::cel::{POD, exemption_scope, literal, pod_exempt};
 use crate::{ContainerExemption, GpuPolicy};
 
 /// Name of the condition in the webhook configuration.
@@ -43,7 +43,7 @@ pub fn not_exempt_expression<'p>(
 /// The CEL that says a pod is exempt under `policy`, or `None` when nothing can be.
 fn exempt_under(policy: &GpuPolicy, images_hold: bool) -> Option<String> {
     let ex = &policy.spec.exemptions;
-    let mut any = pod_exempt(ex);
+    let mut any = pod_exempt(POD, ex);
     let entries: Vec<String> = if images_hold {
         ex.containers.iter().filter_map(entry_covers).collect()
     } else {
@@ -70,7 +70,7 @@ fn entry_covers(entry: &ContainerExemption) -> Option<String> {
         return None;
     }
     let mut all = vec![format!("({})", images.join(" || "))];
-    all.extend(exemption_scope(entry, "c.image"));
+    all.extend(exemption_scope(POD, entry, "c.image"));
     Some(format!("({})", all.join(" && ")))
 }
 

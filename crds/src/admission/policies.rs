@@ -21,8 +21,8 @@
 use serde_json::{Value, json};
 
 use super::cel::{
-    covers, device_list_mount, gpu_resource, has_env, literal, pod_exempt, privileged, scope_terms,
-    selects,
+    DAEMON_SET_POD, POD, Pod, covers, device_list_mount, gpu_resource, has_env, literal,
+    pod_exempt, privileged, scope_terms, selects,
 };
 use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, VOID};
 use crate::policy::{GpuPolicy, PolicyMode};
@@ -103,7 +103,7 @@ pub fn render(
             continue;
         }
         // A malformed selector above selects anything: that policy governs every pod.
-        let Some(conditions) = match_conditions(policy, &ordered[..at]) else {
+        let Some(conditions) = match_conditions(policy, &ordered[..at], POD) else {
             break;
         };
         match policy.spec.mode {
@@ -111,7 +111,11 @@ pub fn render(
                 out.extend(mutating(policy, conditions, api).into_iter().flatten())
             }
             PolicyMode::Audit if policy.spec.void_non_gpu_containers => {
-                out.extend(validating(policy, conditions))
+                out.extend(validating(policy, conditions));
+                // Written as the pods' conditions were, so it cannot fail here.
+                if let Some(conditions) = match_conditions(policy, &ordered[..at], DAEMON_SET_POD) {
+                    out.extend(validating_daemon_sets(policy, conditions));
+                }
             }
             PolicyMode::Audit | PolicyMode::Deny => {}
         }
@@ -132,7 +136,7 @@ pub fn object_name(policy: &str) -> String {
 /// does not stop it: NVIDIA's DRA driver hands GPUs out through CDI edits that set the
 /// variable themselves, after the pod's env, and a claim on another device holds no GPU.
 /// The engine's `engine::void` applies the same rule to the same fields.
-pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
+pub(crate) fn void_rule(policy: &GpuPolicy, pod: Pod, c: &str) -> String {
     let gpu = gpu_resource(policy, "r");
     let mut all = vec![
         format!("!{}", privileged(c)),
@@ -153,7 +157,7 @@ pub fn void_rule(policy: &GpuPolicy, c: &str) -> String {
         format!("!{}", device_list_mount(c)),
     ];
     let exempt: Vec<String> = (policy.spec.exemptions.containers.iter())
-        .filter_map(|entry| covers(entry, c))
+        .filter_map(|entry| covers(pod, entry, c))
         .collect();
     if !exempt.is_empty() {
         all.push(format!("!({})", exempt.join(" || ")));
@@ -167,7 +171,7 @@ const POD_NOT_EXEMPT: &str = "pod-not-exempt";
 /// CEL: the pod's service account is not exempt (its namespace is left out by the binding).
 fn service_account_exempt(policy: &GpuPolicy) -> Option<String> {
     let accounts = &policy.spec.exemptions.service_accounts;
-    (scope_terms(&[], accounts).pop()).map(|term| format!("!({term})"))
+    (scope_terms(POD, &[], accounts).pop()).map(|term| format!("!({term})"))
 }
 
 /// The match conditions of `policy`'s objects (name, CEL): pods that a policy in `higher`
@@ -176,7 +180,12 @@ fn service_account_exempt(policy: &GpuPolicy) -> Option<String> {
 /// passthrough GPU (their GPU is read inside a VM). A pod's owner references decide nothing:
 /// a tenant writes them (docs/design.md, "Threat model"). `None` when a selector in `higher`
 /// cannot be written (it is malformed, so that policy is invalid).
-fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(String, String)>> {
+fn match_conditions(
+    policy: &GpuPolicy,
+    higher: &[&GpuPolicy],
+    pod: Pod,
+) -> Option<Vec<(String, String)>> {
+    let (spec, meta) = (pod.spec, pod.meta);
     let mut conditions = Vec::new();
     for other in higher {
         let name = other.metadata.name.as_deref().unwrap_or_default();
@@ -185,14 +194,14 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
             "namespaceObject.metadata.labels",
         )?];
         if let Some(pods) = &other.spec.pod_selector {
-            selected.push(selects(pods, "object.metadata.labels")?);
+            selected.push(selects(pods, &format!("{meta}.labels"))?);
         }
         conditions.push((
             format!("not-governed-by-{name}"),
             format!("!({})", selected.join(" && ")),
         ));
     }
-    let exempt = pod_exempt(&policy.spec.exemptions);
+    let exempt = pod_exempt(pod, &policy.spec.exemptions);
     if !exempt.is_empty() {
         conditions.push((
             POD_NOT_EXEMPT.to_owned(),
@@ -205,7 +214,7 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
     conditions.push((
         "no-cdi-annotation".to_owned(),
         format!(
-            "!(has(object.metadata.annotations) && object.metadata.annotations.exists(k, {}))",
+            "!(has({meta}.annotations) && {meta}.annotations.exists(k, {}))",
             cdi.join(" || ")
         ),
     ));
@@ -216,7 +225,7 @@ fn match_conditions(policy: &GpuPolicy, higher: &[&GpuPolicy]) -> Option<Vec<(St
     conditions.push((
         "no-passthrough-gpu".to_owned(),
         format!(
-            "!(object.spec.containers.exists({holds}) || (has(object.spec.initContainers) && object.spec.initContainers.exists({holds})))"
+            "!({spec}.containers.exists({holds}) || (has({spec}.initContainers) && {spec}.initContainers.exists({holds})))"
         ),
     ));
     Some(conditions)
@@ -249,17 +258,23 @@ fn void_ops(policy: &GpuPolicy, field: &str, filter: &str) -> String {
     let entry = format!("{{'name': 'NVIDIA_VISIBLE_DEVICES', 'value': '{VOID}'}}");
     let l = format!("object.spec.{field}");
     let c = format!("{l}[i]");
-    let rule = void_rule(policy, &c);
+    let rule = void_rule(policy, POD, &c);
     format!(
         "lists.range(size({l})).filter(i, {filter}{rule}).map(i, has({c}.env) ? JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env/-', value: {entry}}} : JSONPatch{{op: 'add', path: '/spec/{field}/' + string(i) + '/env', value: [{entry}]}})"
     )
 }
 
 /// The names of the containers the void rule holds for, as CEL (Audit mode's report).
-pub fn void_names_expression(policy: &GpuPolicy) -> String {
-    let rule = void_rule(policy, "c");
+pub(crate) fn void_names_expression(policy: &GpuPolicy) -> String {
+    format!("{}.map(c, c.name)", voided_containers(policy, POD))
+}
+
+/// The init and regular containers of `pod` the void rule holds for, as CEL.
+fn voided_containers(policy: &GpuPolicy, pod: Pod) -> String {
+    let rule = void_rule(policy, pod, "c");
+    let s = pod.spec;
     format!(
-        "(has(object.spec.initContainers) ? object.spec.initContainers.filter(c, {rule}).map(c, c.name) : []) + object.spec.containers.filter(c, {rule}).map(c, c.name)"
+        "((has({s}.initContainers) ? {s}.initContainers.filter(c, {rule}) : []) + {s}.containers.filter(c, {rule}))"
     )
 }
 
@@ -296,7 +311,7 @@ fn conditions_json(conditions: Vec<(String, String)>) -> Value {
 
 /// The binding's selection: the policy's namespaces, less those it exempts (a label test the
 /// API server makes before it evaluates any CEL), and its pods.
-fn match_resources(policy: &GpuPolicy) -> Value {
+fn match_resources(policy: &GpuPolicy, pod: Pod) -> Value {
     let mut namespaces = policy.spec.namespace_selector.clone();
     let exempt = &policy.spec.exemptions.namespaces;
     if !exempt.is_empty() {
@@ -311,7 +326,8 @@ fn match_resources(policy: &GpuPolicy) -> Value {
     let mut resources = json!({
         "namespaceSelector": namespaces,
     });
-    if let Some(pods) = &policy.spec.pod_selector {
+    // A workload's own labels are not its pods': there the conditions read the template's.
+    if let Some(pods) = policy.spec.pod_selector.as_ref().filter(|_| pod == POD) {
         resources["objectSelector"] = json!(pods);
     }
     resources
@@ -325,6 +341,20 @@ const POD_EPHEMERAL: &str = "pods/ephemeralcontainers";
 /// The requests a policy is called for: new pods and, with `ephemeral`, ephemeral containers
 /// added to running ones.
 fn constraints(ephemeral: bool) -> Value {
+    pod_constraints(ephemeral)
+}
+
+/// What the DaemonSet warning is called for: DaemonSets written or changed.
+fn daemon_set_constraints() -> Value {
+    json!({"resourceRules": [{
+        "apiGroups": ["apps"],
+        "apiVersions": ["v1"],
+        "operations": ["CREATE", "UPDATE"],
+        "resources": ["daemonsets"],
+    }]})
+}
+
+fn pod_constraints(ephemeral: bool) -> Value {
     let rule = |operation: &str, resource: &str| {
         json!({
             "apiGroups": [""],
@@ -415,7 +445,7 @@ fn mutating(
         "metadata": metadata(policy, &name),
         "spec": {
             "policyName": name,
-            "matchResources": match_resources(policy),
+            "matchResources": match_resources(policy, POD),
         },
     });
     Some([
@@ -461,7 +491,74 @@ fn validating(policy: &GpuPolicy, conditions: Vec<(String, String)>) -> [Rendere
         "spec": {
             "policyName": name,
             "validationActions": ["Warn", "Audit"],
-            "matchResources": match_resources(policy),
+            "matchResources": match_resources(policy, POD),
+        },
+    });
+    [
+        Rendered {
+            kind: KIND_VALIDATING,
+            name: name.clone(),
+            object: policy_object,
+        },
+        Rendered {
+            kind: KIND_VALIDATING_BINDING,
+            name,
+            object: binding,
+        },
+    ]
+}
+
+/// The name of the DaemonSet warning rendered for `policy`.
+pub fn daemon_set_object_name(policy: &str) -> String {
+    format!("{}-daemonsets", object_name(policy))
+}
+
+/// Audit mode's warning for a DaemonSet whose pods the void rule would hold for, with the
+/// container exemption a node agent that reads every GPU needs: the warning the engine gives
+/// its pods (`mutate` on the DaemonSet), word for word, to whoever writes the DaemonSet.
+/// The pods' own warnings go to the DaemonSet controller, where nobody reads them.
+fn validating_daemon_sets(
+    policy: &GpuPolicy,
+    mut conditions: Vec<(String, String)>,
+) -> [Rendered; 2] {
+    let policy_name = policy.metadata.name.as_deref().unwrap_or_default();
+    let name = daemon_set_object_name(policy_name);
+    if let Some(selector) = &policy.spec.pod_selector
+        && let Some(selected) = selects(selector, &format!("{}.labels", DAEMON_SET_POD.meta))
+    {
+        conditions.push(("pods-selected".to_owned(), selected));
+    }
+    let message = format!(
+        "'gpuwarden audit: DaemonSet ' + object.metadata.name + ' would run with NVIDIA_VISIBLE_DEVICES=void in Enforce: if it reads the node\\'s GPUs, exempt it in GpuPolicy ' + {} + ': exemptions.containers with images [' + variables.images.join(', ') + '] and namespaces [' + request.namespace + ']'",
+        literal(policy_name)
+    );
+    let policy_object = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": KIND_VALIDATING,
+        "metadata": metadata(policy, &name),
+        "spec": {
+            "failurePolicy": "Ignore",
+            "matchConstraints": daemon_set_constraints(),
+            "matchConditions": conditions_json(conditions),
+            "variables": [
+                {"name": "voided", "expression": voided_containers(policy, DAEMON_SET_POD)},
+                {"name": "images", "expression": "variables.voided.map(c, has(c.image) ? c.image : '').distinct()"},
+            ],
+            "validations": [{
+                "expression": "size(variables.voided) == 0",
+                "messageExpression": message,
+                "reason": "Invalid",
+            }],
+        },
+    });
+    let binding = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": KIND_VALIDATING_BINDING,
+        "metadata": metadata(policy, &name),
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Warn", "Audit"],
+            "matchResources": match_resources(policy, DAEMON_SET_POD),
         },
     });
     [
@@ -506,7 +603,7 @@ pub fn admission_condition(
         (PolicyMode::Audit, _) if mine(KIND_VALIDATING) => (
             "True",
             "Warning",
-            format!("ValidatingAdmissionPolicy {object} warns (and audits) where Enforce would set NVIDIA_VISIBLE_DEVICES=void; the webhook audits privileged GPU pods"),
+            format!("ValidatingAdmissionPolicy {object} warns (and audits) where Enforce would set NVIDIA_VISIBLE_DEVICES=void, and {} names each DaemonSet it would void with the exemption to add; the webhook audits privileged GPU pods", daemon_set_object_name(name)),
         ),
         (PolicyMode::Audit, _) if !void => (
             "False",
@@ -572,11 +669,13 @@ mod tests {
             [
                 (KIND_VALIDATING, "gpuwarden-trial"),
                 (KIND_VALIDATING_BINDING, "gpuwarden-trial"),
+                (KIND_VALIDATING, "gpuwarden-trial-daemonsets"),
+                (KIND_VALIDATING_BINDING, "gpuwarden-trial-daemonsets"),
                 (KIND_MUTATING, "gpuwarden-default"),
                 (KIND_MUTATING_BINDING, "gpuwarden-default"),
             ]
         );
-        let scope = &out[2].object["spec"]["variables"][0];
+        let scope = &out[4].object["spec"]["variables"][0];
         assert_eq!(scope["name"], "scope");
         // The Audit policy above selects every namespace: nothing is left to this one.
         assert!(
@@ -586,16 +685,36 @@ mod tests {
                 .starts_with("(!(true))"),
             "{scope}"
         );
-        let selector = &out[3].object["spec"]["matchResources"]["namespaceSelector"];
+        let selector = &out[5].object["spec"]["matchResources"]["namespaceSelector"];
         assert_eq!(
             selector["matchExpressions"][0]["operator"], "NotIn",
             "{selector}"
         );
         assert_eq!(
-            out[2].object["apiVersion"],
+            out[4].object["apiVersion"],
             "admissionregistration.k8s.io/v1"
         );
-        assert_eq!(out[3].object["spec"]["policyName"], "gpuwarden-default");
+        assert_eq!(out[5].object["spec"]["policyName"], "gpuwarden-default");
+        // The DaemonSet warning is called for DaemonSets and reads their pod template.
+        let daemon_sets = &out[2].object["spec"];
+        assert_eq!(
+            daemon_sets["matchConstraints"]["resourceRules"][0]["resources"],
+            json!(["daemonsets"])
+        );
+        let voided = daemon_sets["variables"][0]["expression"].as_str().unwrap();
+        assert!(
+            voided.contains("object.spec.template.spec.containers.filter"),
+            "{voided}"
+        );
+        assert!(!voided.contains("object.spec.containers"), "{voided}");
+        // The Enforce policy is also called for ephemeral containers.
+        let rules = &out[4].object["spec"]["matchConstraints"]["resourceRules"];
+        assert_eq!(
+            rules[1]["resources"],
+            json!(["pods/ephemeralcontainers"]),
+            "{rules}"
+        );
+        assert_eq!(rules[1]["operations"], json!(["UPDATE"]), "{rules}");
     }
 
     #[test]

@@ -337,7 +337,7 @@ impl Rewrite<'_> {
         ];
         // An exemption's namespaces and service accounts first: outside them no image is read.
         for entry in &policy.exemptions.containers {
-            let Some(scope) = super::cel::exemption_applies(entry) else {
+            let Some(scope) = super::cel::exemption_applies(super::cel::POD, entry) else {
                 continue;
             };
             let image = super::cel::image_matches(entry, "c");
