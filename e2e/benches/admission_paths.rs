@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::admission_policies::render;
+use gpuwarden_crds::admission::policies::render;
 use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, admitted, base64};
 use gpuwarden_e2e::manifests::load_file;
 use gpuwarden_webhook::admission::StaticSource;

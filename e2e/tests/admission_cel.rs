@@ -1308,14 +1308,14 @@ fn backstop_agrees_with_the_gpu_predicate() {
 }
 
 /// The exemption condition the operator writes into the webhook configuration
-/// (`gpuwarden_crds::match_conditions`) lets through, without a call, only pods the engine
+/// (`gpuwarden_crds::admission::match_conditions`) lets through, without a call, only pods the engine
 /// would leave unchanged under the same policies, and the backstop admits them: on
 /// generated pods in NVIDIA's, exempt and ordinary namespaces, with NVIDIA component images,
 /// under one or two policies (a second one with other exemptions, sometimes invalid).
 #[test]
 fn the_exemption_condition_skips_only_pods_the_engine_leaves_unchanged() {
     use gpuwarden_crds::GpuPolicy;
-    use gpuwarden_crds::match_conditions::not_exempt_expression;
+    use gpuwarden_crds::admission::match_conditions::not_exempt_expression;
     use gpuwarden_crds::validation::validate_policy;
     use gpuwarden_webhook::admission::{StaticSource, handle_review};
     use rand::seq::IndexedRandom;
@@ -1429,7 +1429,7 @@ fn the_exemption_condition_skips_only_pods_the_engine_leaves_unchanged() {
 /// selects the pod (namespace and object selectors) and whose matchConditions hold has its
 /// JSONPatch applied, in name order. Returns the names of those that changed the pod.
 fn api_server_mutates(
-    rendered: &[gpuwarden_crds::admission_policies::Rendered],
+    rendered: &[gpuwarden_crds::admission::policies::Rendered],
     pod: &mut Value,
     namespace: &str,
     labels: &BTreeMap<String, String>,
@@ -1440,13 +1440,13 @@ fn api_server_mutates(
 /// [`api_server_mutates`] for a create (`old` is `None`) or for an update of `old` into
 /// `pod` (`pods/ephemeralcontainers`).
 fn api_server_mutates_update(
-    rendered: &[gpuwarden_crds::admission_policies::Rendered],
+    rendered: &[gpuwarden_crds::admission::policies::Rendered],
     pod: &mut Value,
     old: Option<&Value>,
     namespace: &str,
     labels: &BTreeMap<String, String>,
 ) -> Vec<String> {
-    use gpuwarden_crds::admission_policies::{KIND_MUTATING, KIND_MUTATING_BINDING};
+    use gpuwarden_crds::admission::policies::{KIND_MUTATING, KIND_MUTATING_BINDING};
     let admission_vars = |pod: &Value, namespace: &str, labels: &BTreeMap<String, String>| {
         let mut vars = admission_vars(pod, namespace, labels);
         if let Some(old) = old {
@@ -1513,7 +1513,7 @@ fn admission_vars(
 
 /// Whether `policy`'s binding selects the pod and its matchConditions hold.
 fn selected_and_matched(
-    rendered: &[gpuwarden_crds::admission_policies::Rendered],
+    rendered: &[gpuwarden_crds::admission::policies::Rendered],
     binding_kind: &str,
     policy: &Value,
     pod: &Value,
@@ -1587,7 +1587,7 @@ fn engine_answer(
 #[test]
 fn api_server_voids_new_ephemeral_containers_as_the_engine_does() {
     use gpuwarden_crds::GpuPolicy;
-    use gpuwarden_crds::admission_policies::{MutatingApi, render};
+    use gpuwarden_crds::admission::policies::{MutatingApi, render};
     use gpuwarden_crds::selection::namespace_labels_or_default;
     use gpuwarden_webhook::admission::{StaticSource, handle_review};
 
@@ -1712,10 +1712,10 @@ fn api_server_policies_follow_the_engine() {
 }
 
 fn policies_follow_the_engine() {
-    use gpuwarden_crds::admission_policies::{
+    use gpuwarden_crds::admission::match_conditions::not_exempt_expression;
+    use gpuwarden_crds::admission::policies::{
         KIND_VALIDATING, KIND_VALIDATING_BINDING, MutatingApi, render,
     };
-    use gpuwarden_crds::match_conditions::not_exempt_expression;
     use gpuwarden_crds::selection::namespace_labels_or_default;
     use gpuwarden_crds::validation::validate_policy;
     use gpuwarden_crds::{GpuPolicy, PolicyMode};
@@ -1920,7 +1920,7 @@ fn policies_follow_the_engine() {
         let engine_names = (!engine_names.is_empty()).then(|| engine_names.join(", "));
         let vars = admission_vars(&pod, namespace, &labels);
         let mut api_names = None;
-        let for_daemon_sets = |r: &&gpuwarden_crds::admission_policies::Rendered| {
+        let for_daemon_sets = |r: &&gpuwarden_crds::admission::policies::Rendered| {
             r.object["spec"]["matchConstraints"]["resourceRules"][0]["resources"][0] == "daemonsets"
         };
         for policy in (rendered.iter())

@@ -1,5 +1,5 @@
 //! Keeps the admission policies rendered from the GpuPolicies
-//! ([`gpuwarden_crds::admission_policies`]; docs/design.md, "Inside the API server"): one
+//! ([`gpuwarden_crds::admission::policies`]; docs/design.md, "Inside the API server"): one
 //! keeper pass applies what is rendered with server-side apply and deletes what gpuwarden
 //! rendered before and no longer does. Whether the API server serves MutatingAdmissionPolicy
 //! is asked once at start. The GpuPolicy reconciler reads [`Keeping`] for each policy's
@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::admission_policies::{
+use gpuwarden_crds::admission::policies::{
     ADMISSION_GROUP, KIND_MUTATING, KIND_MUTATING_BINDING, KIND_VALIDATING,
     KIND_VALIDATING_BINDING, LABEL_MANAGED_BY, MANAGED_BY, MutatingApi, Rendered, render,
 };

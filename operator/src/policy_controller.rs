@@ -16,7 +16,7 @@ use serde_json::json;
 use tracing::{debug, info};
 
 use crate::admission_policies::{self, Keeping};
-use gpuwarden_crds::admission_policies::{CONDITION_ADMISSION_POLICIES, admission_condition};
+use gpuwarden_crds::admission::policies::{CONDITION_ADMISSION_POLICIES, admission_condition};
 
 use crate::metrics::Metrics;
 use crate::node_controller::synced;

@@ -1,5 +1,5 @@
 //! Keeps the webhook configuration's exemption condition in step with the GpuPolicies
-//! ([`gpuwarden_crds::match_conditions`]): a pod every policy exempts (NVIDIA's components in
+//! ([`gpuwarden_crds::admission::match_conditions`]): a pod every policy exempts (NVIDIA's components in
 //! their namespaces, anything in an exempt namespace) is admitted by the API server without
 //! a call, so it never waits for the webhook, even while the webhook is down.
 //!
@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
+use gpuwarden_crds::admission::match_conditions::{NOT_EXEMPT_CONDITION, not_exempt_expression};
 use gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION;
-use gpuwarden_crds::match_conditions::{NOT_EXEMPT_CONDITION, not_exempt_expression};
 use gpuwarden_crds::validation::validate_policy;
 use gpuwarden_crds::{FIELD_MANAGER_OPERATOR, GpuPolicy};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;

@@ -426,7 +426,7 @@ fn webhook_configuration() -> serde_json::Value {
             },
             "matchConditions": [
                 {"name": "may-reach-gpus", "expression": "true"},
-                {"name": gpuwarden_crds::match_conditions::NOT_EXEMPT_CONDITION, "expression": "true"},
+                {"name": gpuwarden_crds::admission::match_conditions::NOT_EXEMPT_CONDITION, "expression": "true"},
             ],
         })
     };
@@ -620,7 +620,9 @@ async fn only_the_leader_restores_the_ca_bundle() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_exemption_condition_follows_the_policies() {
     use gpuwarden_crds::GpuPolicy;
-    use gpuwarden_crds::match_conditions::{NOT_EXEMPT_CONDITION, not_exempt_expression};
+    use gpuwarden_crds::admission::match_conditions::{
+        NOT_EXEMPT_CONDITION, not_exempt_expression,
+    };
 
     let fake = Arc::new(FakeApi::default());
     let policy = GpuPolicy::default_policy();

@@ -1142,7 +1142,7 @@ async fn claim_templates_are_applied_where_missing_and_deleted_where_unwanted() 
 /// `AdmissionPolicies` condition to KeepFailed.
 #[tokio::test]
 async fn admission_policies_are_applied_stale_ones_deleted_and_a_failure_reported() {
-    use gpuwarden_crds::admission_policies::{CONDITION_ADMISSION_POLICIES, MutatingApi};
+    use gpuwarden_crds::admission::policies::{CONDITION_ADMISSION_POLICIES, MutatingApi};
     use gpuwarden_operator::admission_policies::{
         AdmissionContext, Keeping, reconcile_admission_policies,
     };

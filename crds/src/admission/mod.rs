@@ -4,7 +4,7 @@
 //! text, and nothing outside reads its internals.
 //!
 //! The modules form one line, each importing only those before it:
-//! - [`cel`]: the shared pieces (literals, selectors, a container's fields, exemption scopes);
+//! - `cel`: the shared pieces (literals, selectors, a container's fields, exemption scopes);
 //! - [`match_conditions`]: the webhook's `matchConditions`, which let exempt pods through;
 //! - [`rewrite`]: the privileged-GPU rewrite as JSONPatch CEL;
 //! - [`policies`]: the MutatingAdmissionPolicies and ValidatingAdmissionPolicies rendered

@@ -5,7 +5,7 @@
 //! For each GpuPolicy in Enforce mode, a MutatingAdmissionPolicy and its binding rewrite the
 //! privileged GPU pods CEL can ([`super::rewrite`]) and, with
 //! `voidNonGpuContainers`, set `NVIDIA_VISIBLE_DEVICES=void` on every container that holds no
-//! GPU (the void rule, [`void_rule`]). In Audit mode a ValidatingAdmissionPolicy bound with
+//! GPU (the void rule, `void_rule`). In Audit mode a ValidatingAdmissionPolicy bound with
 //! `[Warn, Audit]` names those containers instead. A pod that the API server sends to no
 //! webhook still gets them, and nothing here can block a pod: the policies fail open, and the
 //! webhook's own fail-closed scope does not change.

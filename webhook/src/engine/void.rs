@@ -1,7 +1,7 @@
 //! The void rule (docs/design.md, "Inside the API server"): in Enforce mode, every init and
 //! regular container that holds no GPU gets `NVIDIA_VISIBLE_DEVICES=void`, which overrides
 //! the image's own value. The API server applies the same rule by a MutatingAdmissionPolicy
-//! rendered from the policy ([`gpuwarden_crds::admission_policies`]); both read the same raw
+//! rendered from the policy ([`gpuwarden_crds::admission::policies`]); both read the same raw
 //! fields, so that the rule never depends on what CEL cannot compute.
 
 use gpuwarden_crds::GpuPolicy;
