@@ -529,7 +529,7 @@ fn validating_daemon_sets(
         conditions.push(("pods-selected".to_owned(), selected));
     }
     let message = format!(
-        "'gpuwarden audit: DaemonSet ' + object.metadata.name + ' would run with NVIDIA_VISIBLE_DEVICES=void in Enforce: if it reads the node\\'s GPUs, exempt it in GpuPolicy ' + {} + ': exemptions.containers with images [' + variables.images.join(', ') + '] and namespaces [' + request.namespace + ']'",
+        "'gpuwarden audit: DaemonSet ' + object.metadata.name + ' would run with NVIDIA_VISIBLE_DEVICES=void in Enforce; if it reads GPUs, add to GpuPolicy ' + {} + ' exemptions.containers: images [' + variables.images.join(', ') + '], namespaces [' + request.namespace + ']'",
         literal(policy_name)
     );
     let policy_object = json!({

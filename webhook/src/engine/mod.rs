@@ -640,14 +640,20 @@ impl<'a> Decision<'a> {
                     images.push(v.image);
                 }
             }
-            let hint = plan::exemption_hint(policy, &images, self.namespace);
+            // Kept under the warning's length: the exemption is what the reader needs.
+            let hint = format!(
+                "if it reads GPUs, add to GpuPolicy {} exemptions.containers: images [{}], namespaces [{}]",
+                policy.metadata.name.as_deref().unwrap_or_default(),
+                images.join(", "),
+                self.namespace
+            );
             warnings.push(if enforce {
                 format!(
-                    "gpuwarden: DaemonSet {daemon_set} runs with NVIDIA_VISIBLE_DEVICES=void: if it reads the node's GPUs, {hint}"
+                    "gpuwarden: DaemonSet {daemon_set} runs with NVIDIA_VISIBLE_DEVICES=void; {hint}"
                 )
             } else {
                 format!(
-                    "gpuwarden audit: DaemonSet {daemon_set} would run with NVIDIA_VISIBLE_DEVICES=void in Enforce: if it reads the node's GPUs, {hint}"
+                    "gpuwarden audit: DaemonSet {daemon_set} would run with NVIDIA_VISIBLE_DEVICES=void in Enforce; {hint}"
                 )
             });
         }
