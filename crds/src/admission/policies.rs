@@ -463,49 +463,21 @@ fn mutating(
 }
 
 fn validating(policy: &GpuPolicy, conditions: Vec<(String, String)>) -> [Rendered; 2] {
-    let name = object_name(policy.metadata.name.as_deref().unwrap_or_default());
     let policy_name = policy.metadata.name.as_deref().unwrap_or_default();
     let message = format!(
         "'GpuPolicy {policy_name} (Audit): in Enforce mode these containers would get NVIDIA_VISIBLE_DEVICES=void, because they hold no GPU and their image may set NVIDIA_VISIBLE_DEVICES: ' + variables.voided.join(', ')"
     );
-    let policy_object = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": KIND_VALIDATING,
-        "metadata": metadata(policy, &name),
-        "spec": {
-            "failurePolicy": "Ignore",
+    warning(
+        policy,
+        object_name(policy_name),
+        POD,
+        json!({
             "matchConstraints": constraints(false),
             "matchConditions": conditions_json(conditions),
             "variables": [{"name": "voided", "expression": void_names_expression(policy)}],
-            "validations": [{
-                "expression": "size(variables.voided) == 0",
-                "messageExpression": message,
-                "reason": "Invalid",
-            }],
-        },
-    });
-    let binding = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": KIND_VALIDATING_BINDING,
-        "metadata": metadata(policy, &name),
-        "spec": {
-            "policyName": name,
-            "validationActions": ["Warn", "Audit"],
-            "matchResources": match_resources(policy, POD),
-        },
-    });
-    [
-        Rendered {
-            kind: KIND_VALIDATING,
-            name: name.clone(),
-            object: policy_object,
-        },
-        Rendered {
-            kind: KIND_VALIDATING_BINDING,
-            name,
-            object: binding,
-        },
-    ]
+        }),
+        message,
+    )
 }
 
 /// The name of the DaemonSet warning rendered for `policy`.
@@ -522,7 +494,6 @@ fn validating_daemon_sets(
     mut conditions: Vec<(String, String)>,
 ) -> [Rendered; 2] {
     let policy_name = policy.metadata.name.as_deref().unwrap_or_default();
-    let name = daemon_set_object_name(policy_name);
     if let Some(selector) = &policy.spec.pod_selector
         && let Some(selected) = selects(selector, &format!("{}.labels", DAEMON_SET_POD.meta))
     {
@@ -532,24 +503,43 @@ fn validating_daemon_sets(
         "'gpuwarden audit: DaemonSet ' + object.metadata.name + ' would run with NVIDIA_VISIBLE_DEVICES=void in Enforce; if it reads GPUs, add to GpuPolicy ' + {} + ' exemptions.containers: images [' + variables.images.join(', ') + '], namespaces [' + request.namespace + ']'",
         literal(policy_name)
     );
-    let policy_object = json!({
-        "apiVersion": "admissionregistration.k8s.io/v1",
-        "kind": KIND_VALIDATING,
-        "metadata": metadata(policy, &name),
-        "spec": {
-            "failurePolicy": "Ignore",
+    warning(
+        policy,
+        daemon_set_object_name(policy_name),
+        DAEMON_SET_POD,
+        json!({
             "matchConstraints": daemon_set_constraints(),
             "matchConditions": conditions_json(conditions),
             "variables": [
                 {"name": "voided", "expression": voided_containers(policy, DAEMON_SET_POD)},
                 {"name": "images", "expression": "variables.voided.map(c, has(c.image) ? c.image : '').distinct()"},
             ],
-            "validations": [{
-                "expression": "size(variables.voided) == 0",
-                "messageExpression": message,
-                "reason": "Invalid",
-            }],
-        },
+        }),
+        message,
+    )
+}
+
+/// An Audit-mode ValidatingAdmissionPolicy named `name` and its `[Warn, Audit]` binding: the
+/// `spec` given (what it matches and its variables, `voided` among them) warns with
+/// `message` (CEL) where `variables.voided` is not empty, and never refuses.
+fn warning(
+    policy: &GpuPolicy,
+    name: String,
+    pod: Pod,
+    mut spec: Value,
+    message: String,
+) -> [Rendered; 2] {
+    spec["failurePolicy"] = json!("Ignore");
+    spec["validations"] = json!([{
+        "expression": "size(variables.voided) == 0",
+        "messageExpression": message,
+        "reason": "Invalid",
+    }]);
+    let policy_object = json!({
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": KIND_VALIDATING,
+        "metadata": metadata(policy, &name),
+        "spec": spec,
     });
     let binding = json!({
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -558,7 +548,7 @@ fn validating_daemon_sets(
         "spec": {
             "policyName": name,
             "validationActions": ["Warn", "Audit"],
-            "matchResources": match_resources(policy, DAEMON_SET_POD),
+            "matchResources": match_resources(policy, pod),
         },
     });
     [
