@@ -8,7 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use gpuwarden_crds::admission_policies::{
+use gpuwarden_crds::admission::policies::{
     ADMISSION_GROUP, KIND_MUTATING, KIND_MUTATING_BINDING, MutatingApi, Rendered,
 };
 use gpuwarden_webhook::admission::{PolicySource, StaticSource};
@@ -18,7 +18,7 @@ use gpuwarden_webhook::server::{EngineReviewer, Limits, ShutdownTrigger, Webhook
 use gpuwarden_webhook::tls::{CertStore, TlsPaths};
 use http::{Method, Request, StatusCode};
 use http_body_util::BodyExt;
-use kube::api::{ApiResource, DeleteParams, DynamicObject};
+use kube::api::{ApiResource, DeleteParams, DynamicObject, Patch, PatchParams};
 use kube::{Api, Client};
 use serde_json::Value;
 
@@ -94,6 +94,30 @@ impl Cluster {
         })
     }
 
+    /// The same cluster, every request sent as ServiceAccount `name` of `namespace`
+    /// (impersonated, with the groups a ServiceAccount's token carries): the API server's
+    /// own authorization decides what it may do.
+    pub async fn as_service_account(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Self, ClusterError> {
+        let mut config = kube::Config::infer()
+            .await
+            .map_err(|e| ClusterError::Client(kube::Error::InferConfig(e)))?;
+        config.auth_info.impersonate = Some(format!("system:serviceaccount:{namespace}:{name}"));
+        config.auth_info.impersonate_groups = Some(vec![
+            "system:serviceaccounts".into(),
+            format!("system:serviceaccounts:{namespace}"),
+            "system:authenticated".into(),
+        ]);
+        let client = Client::try_from(config).map_err(ClusterError::Client)?;
+        Ok(Self {
+            client,
+            ..self.clone()
+        })
+    }
+
     /// Whether `group_version` (e.g. `admissionregistration.k8s.io/v1`) serves `resource`.
     pub async fn serves(&self, group_version: &str, resource: &str) -> bool {
         let path = if group_version == "v1" {
@@ -148,9 +172,8 @@ impl Cluster {
             }
             let plural = if rendered.kind == KIND_MUTATING_BINDING {
                 object["spec"]["policyName"] = Value::from(name);
-                object["spec"]["matchResources"]["namespaceSelector"] = serde_json::json!({
-                    "matchExpressions": [{"key": "kubernetes.io/metadata.name",
-                        "operator": "In", "values": namespaces}]});
+                object["spec"]["matchResources"]["namespaceSelector"] =
+                    namespaces_named(namespaces);
                 "mutatingadmissionpolicybindings"
             } else {
                 "mutatingadmissionpolicies"
@@ -277,6 +300,12 @@ impl Cluster {
         )
         .await
     }
+}
+
+/// The namespace selector of the namespaces named `names`.
+pub fn namespaces_named(names: &[&str]) -> Value {
+    serde_json::json!({"matchExpressions": [{"key": gpuwarden_crds::LABEL_NAMESPACE_NAME,
+        "operator": "In", "values": names}]})
 }
 
 /// What admission decided of a stored pod, for comparing two admission paths: its init and
@@ -444,6 +473,47 @@ where
     loop {
         if let Some(v) = check().await {
             return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Waits up to `timeout` while `name` is being deleted (a previous test removed what it
+/// made, and the server is not done): `Some` of what is there then (`None` for nothing),
+/// `None` when it is still being deleted.
+///
+/// A CustomResourceDefinition deleted just after it was created can fail its cleanup while
+/// its storage reinitializes ("storage is (re)initializing"); the API server then retries
+/// with a backoff that soon grows to minutes. Every 10 s of waiting, its metadata is touched
+/// (an annotation), which requeues that cleanup at once.
+pub async fn settled<K>(api: &Api<K>, name: &str, timeout: Duration) -> Option<Option<K>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let crd = api.resource_url().ends_with("/customresourcedefinitions");
+    let deadline = Instant::now() + timeout;
+    let mut touched = Instant::now();
+    let mut requeues = 0u32;
+    loop {
+        match api.get_opt(name).await {
+            Ok(Some(o)) if o.meta().deletion_timestamp.is_some() => {
+                if crd && touched.elapsed() >= Duration::from_secs(10) {
+                    touched = Instant::now();
+                    requeues += 1;
+                    let requeue = serde_json::json!({"metadata": {"annotations": {
+                        "gpuwarden.io/e2e-requeue": requeues.to_string()}}});
+                    let _ = api
+                        .patch(name, &PatchParams::default(), &Patch::Merge(&requeue))
+                        .await;
+                }
+            }
+            Ok(current) => return Some(current),
+            // Its type is not served (a CRD's kind, once the CRD is gone): nothing is there.
+            Err(kube::Error::Api(e)) if e.code == 404 => return Some(None),
+            Err(_) => {}
         }
         if Instant::now() >= deadline {
             return None;

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// Errors building the image.
 #[derive(Debug, thiserror::Error)]
@@ -189,34 +189,48 @@ pub fn write_oci_layout(
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         "history": [{"created_by": "gpuwarden-e2e write_oci_layout"}],
     });
-    let config_file = work.join("config.json");
-    write(&config_file, config.to_string().as_bytes())?;
-    let (config_digest, config_size) = blob(&layout, &config_file)?;
-
     let manifest = json!({
         "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {
-            "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": config_digest,
-            "size": config_size,
-        },
+        "mediaType": MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json"},
         "layers": [{
             "mediaType": "application/vnd.oci.image.layer.v1.tar",
             "digest": layer_digest,
             "size": layer_size,
         }],
     });
+    finish_layout(work, &layout, out, name, &config, manifest)
+}
+
+/// The OCI image manifest's media type.
+const MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+
+/// Writes `config` and `manifest` (its config descriptor completed here) into `layout`,
+/// whose blobs hold the manifest's layers, an index naming the image `name`, and the layout
+/// as a tar at `out`. Returns the manifest's digest.
+fn finish_layout(
+    work: &Path,
+    layout: &Path,
+    out: &Path,
+    name: &str,
+    config: &Value,
+    mut manifest: Value,
+) -> Result<String, ImageError> {
+    let config_file = work.join("config.json");
+    write(&config_file, config.to_string().as_bytes())?;
+    let (config_digest, config_size) = blob(layout, &config_file)?;
+    manifest["config"]["digest"] = json!(config_digest);
+    manifest["config"]["size"] = json!(config_size);
     let manifest_file = work.join("manifest.json");
     write(&manifest_file, manifest.to_string().as_bytes())?;
-    let (manifest_digest, manifest_size) = blob(&layout, &manifest_file)?;
+    let (manifest_digest, manifest_size) = blob(layout, &manifest_file)?;
 
     let tag = name.rsplit_once(':').map_or("latest", |(_, t)| t);
     let index = json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.index.v1+json",
         "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "mediaType": manifest.get("mediaType").cloned().unwrap_or_else(|| json!(MANIFEST)),
             "digest": manifest_digest,
             "size": manifest_size,
             "platform": {"architecture": "amd64", "os": "linux"},
@@ -231,6 +245,96 @@ pub fn write_oci_layout(
         &layout.join("oci-layout"),
         br#"{"imageLayoutVersion":"1.0.0"}"#,
     )?;
-    tar(&layout, out, &["oci-layout", "index.json", "blobs"])?;
+    tar(layout, out, &["oci-layout", "index.json", "blobs"])?;
     Ok(manifest_digest)
+}
+
+/// Reads a JSON blob of an extracted layout.
+fn read_blob(layout: &Path, digest: &str) -> Result<Value, ImageError> {
+    let path = layout
+        .join("blobs/sha256")
+        .join(digest.trim_start_matches("sha256:"));
+    let text = std::fs::read(&path).map_err(io("read", &path))?;
+    serde_json::from_slice(&text).map_err(|e| ImageError::Io {
+        what: "parse",
+        path: path.display().to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+    })
+}
+
+/// Writes an OCI image layout tar at `out`, named `name`, of the image in `base` (an
+/// archive `ctr images export` wrote, for linux/amd64) with `env` (`NAME=value`) set in its
+/// config, replacing the base's values of those names: what a CUDA base image's
+/// `ENV NVIDIA_VISIBLE_DEVICES=all` does, around any small image. Its layers are the
+/// base's. `work` is a scratch directory. Returns the manifest's digest.
+pub fn derive_with_env(
+    work: &Path,
+    base: &Path,
+    out: &Path,
+    name: &str,
+    env: &[&str],
+) -> Result<String, ImageError> {
+    let extracted = work.join("base");
+    std::fs::create_dir_all(&extracted).map_err(io("create", &extracted))?;
+    run(Command::new("tar")
+        .arg("-xf")
+        .arg(base)
+        .arg("-C")
+        .arg(&extracted))?;
+    let index_path = extracted.join("index.json");
+    let index = std::fs::read(&index_path).map_err(io("read", &index_path))?;
+    let mut node: Value = serde_json::from_slice(&index).map_err(|e| ImageError::Io {
+        what: "parse",
+        path: index_path.display().to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+    })?;
+    // Down the index (and any nested one, for a multi-platform image) to linux/amd64.
+    let manifest = loop {
+        let entries = node["manifests"].as_array().cloned().unwrap_or_default();
+        let entry = (entries.iter())
+            .find(|m| m["platform"]["architecture"] == "amd64")
+            .or(entries.first())
+            .ok_or_else(|| ImageError::Tool {
+                command: format!("read {}", base.display()),
+                message: "the archive's index lists no manifest".into(),
+            })?;
+        let digest = entry["digest"].as_str().unwrap_or_default();
+        let next = read_blob(&extracted, digest)?;
+        if next.get("manifests").is_some() {
+            node = next;
+        } else {
+            break next;
+        }
+    };
+    let mut config = read_blob(
+        &extracted,
+        manifest["config"]["digest"].as_str().unwrap_or(""),
+    )?;
+    let names: Vec<&str> = env
+        .iter()
+        .filter_map(|e| e.split_once('='))
+        .map(|(n, _)| n)
+        .collect();
+    let mut vars: Vec<Value> = (config["config"]["Env"].as_array().into_iter().flatten())
+        .filter(|v| {
+            let name = v.as_str().and_then(|v| v.split_once('=')).map(|(n, _)| n);
+            !name.is_some_and(|n| names.contains(&n))
+        })
+        .cloned()
+        .collect();
+    vars.extend(env.iter().map(|e| json!(e)));
+    config["config"]["Env"] = Value::Array(vars);
+
+    let layout = work.join("layout");
+    let blobs = layout.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).map_err(io("create", &blobs))?;
+    for layer in manifest["layers"].as_array().into_iter().flatten() {
+        let hex = layer["digest"]
+            .as_str()
+            .unwrap_or("")
+            .trim_start_matches("sha256:");
+        let from = extracted.join("blobs/sha256").join(hex);
+        std::fs::copy(&from, blobs.join(hex)).map_err(io("copy", &from))?;
+    }
+    finish_layout(work, &layout, out, name, &config, manifest)
 }

@@ -1,7 +1,10 @@
 //! Helpers for gpuwarden's install tests: loading the manifests under `deploy/` as typed
-//! documents, and (for the ignored end-to-end tests) driving a real cluster.
+//! documents, and (for the ignored end-to-end tests) driving a real cluster and its node.
 
 pub mod cluster;
+pub mod env;
 pub mod image;
+pub mod install;
 pub mod manifests;
+pub mod node;
 pub mod readme;

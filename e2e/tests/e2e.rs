@@ -10,281 +10,23 @@
 //! the webhook at `https://$GPUWARDEN_E2E_WEBHOOK_HOST:<port>/mutate` (default host
 //! 127.0.0.1). Every test installs the CRDs and the default policy if they are missing and
 //! deletes everything it created, also when it fails. Features the server lacks
-//! (ValidatingAdmissionPolicy, matchConditions) are skipped with a message.
+//! (ValidatingAdmissionPolicy, matchConditions) are skipped with a message, and so are the
+//! tests on a real node where no Ready node has two allocatable `nvidia.com/gpu`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
-use gpuwarden_e2e::cluster::{
-    Cleanup, Cluster, LocalWebhook, RawResponse, admitted, base64, skip, visible_in_log, wait_for,
-};
-use gpuwarden_e2e::manifests::load_file;
+use gpuwarden_e2e::cluster::{RawResponse, admitted, skip, visible_in_log, wait_for};
+use gpuwarden_e2e::env::{Env, LABEL_RUN, SHORT};
+use gpuwarden_e2e::node::{NEEDS_GPU_NODE, busybox, gpu_node};
 use http::Method;
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
-};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::{CustomResourceExt, ResourceExt};
 use serde_json::{Value, json};
-
-const LABEL_RUN: &str = "gpuwarden.io/e2e";
-const SHORT: Duration = Duration::from_secs(30);
-
-/// A test's cluster handle and cleanup guard.
-struct Env {
-    cluster: Cluster,
-    cleanup: Cleanup,
-}
-
-impl Env {
-    /// Connects (KUBECONFIG must be set) and installs the CRDs and the default policy when
-    /// they are missing.
-    async fn new() -> Env {
-        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
-        let cleanup = Cleanup::new(cluster.client.clone());
-        let env = Env { cluster, cleanup };
-        env.ensure_api().await;
-        env
-    }
-
-    fn client(&self) -> kube::Client {
-        self.cluster.client.clone()
-    }
-
-    fn name(&self, suffix: &str) -> String {
-        format!("gpuwarden-e2e-{}-{suffix}", self.cluster.run_id)
-    }
-
-    async fn ensure_api(&self) {
-        let crds: Api<CustomResourceDefinition> = Api::all(self.client());
-        for crd in [GpuPolicy::crd(), GpuNode::crd()] {
-            let name = crd.name_any();
-            // A previous test may have removed the CRD it installed: let that finish.
-            let settled = wait_for(Duration::from_secs(90), || {
-                let crds = crds.clone();
-                let name = name.clone();
-                async move {
-                    match crds.get_opt(&name).await {
-                        Ok(Some(c)) if c.metadata.deletion_timestamp.is_some() => None,
-                        Ok(current) => Some(current),
-                        Err(_) => None,
-                    }
-                }
-            })
-            .await
-            .unwrap_or_else(|| panic!("CRD {name} is stuck terminating"));
-            if settled.is_none() {
-                eprintln!("installing CRD {name}");
-                crds.create(&PostParams::default(), &crd)
-                    .await
-                    .unwrap_or_else(|e| panic!("failed to create CRD {name}: {e}"));
-                self.cleanup
-                    .own_typed::<CustomResourceDefinition>(None, &name);
-            }
-            let established = wait_for(SHORT, || {
-                let crds = crds.clone();
-                let name = name.clone();
-                async move {
-                    let crd = crds.get(&name).await.ok()?;
-                    crd.status?
-                        .conditions?
-                        .iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                        .then_some(())
-                }
-            })
-            .await;
-            assert!(established.is_some(), "CRD {name} is not Established");
-        }
-        let policies: Api<GpuPolicy> = Api::all(self.client());
-        if policies
-            .get_opt(gpuwarden_crds::DEFAULT_POLICY_NAME)
-            .await
-            .expect("read the default GpuPolicy")
-            .is_none()
-        {
-            eprintln!("installing the default GpuPolicy");
-            let manifest = gpuwarden_crds::manifests::default_policy_manifest();
-            let policy: GpuPolicy = serde_json::from_value(manifest).expect("default policy");
-            policies
-                .create(&PostParams::default(), &policy)
-                .await
-                .expect("create the default GpuPolicy");
-            self.cleanup
-                .own_typed::<GpuPolicy>(None, gpuwarden_crds::DEFAULT_POLICY_NAME);
-        }
-    }
-
-    /// A fresh namespace labelled with this run's id (the e2e webhook configuration only
-    /// selects such namespaces).
-    async fn namespace(&self, suffix: &str) -> String {
-        // Privileged pods are what the tests create: Pod Security must not refuse them first.
-        self.namespace_at(suffix, "privileged").await
-    }
-
-    /// A namespace of this run whose Pod Security Admission enforces `level`.
-    async fn namespace_at(&self, suffix: &str, level: &str) -> String {
-        let name = self.name(suffix);
-        let ns: Namespace = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {
-                LABEL_RUN: self.cluster.run_id,
-                "pod-security.kubernetes.io/enforce": level,
-            }}
-        }))
-        .expect("namespace");
-        Api::<Namespace>::all(self.client())
-            .create(&PostParams::default(), &ns)
-            .await
-            .unwrap_or_else(|e| panic!("failed to create namespace {name}: {e}"));
-        self.cleanup.own_typed::<Namespace>(None, &name);
-        // Pods need the namespace's default ServiceAccount, which kube-controller-manager
-        // creates shortly; on a bare API server nobody does, so create it after a wait.
-        let accounts: Api<ServiceAccount> = Api::namespaced(self.client(), &name);
-        let exists = wait_for(Duration::from_secs(5), || {
-            let accounts = accounts.clone();
-            async move { accounts.get_opt("default").await.ok().flatten() }
-        })
-        .await;
-        if exists.is_none() {
-            let sa: ServiceAccount =
-                serde_json::from_value(json!({"metadata": {"name": "default"}})).expect("sa");
-            match accounts.create(&PostParams::default(), &sa).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 409 => {}
-                Err(e) => panic!("failed to create the default ServiceAccount in {name}: {e}"),
-            }
-        }
-        name
-    }
-
-    /// Makes sure `gpuwarden-system` exists (agent Leases live there).
-    async fn system_namespace(&self) {
-        let api: Api<Namespace> = Api::all(self.client());
-        // A previous test may have removed the namespace it created: let that finish.
-        let current = wait_for(Duration::from_secs(120), || {
-            let api = api.clone();
-            async move {
-                match api.get_opt(gpuwarden_crds::SYSTEM_NAMESPACE).await {
-                    Ok(Some(ns)) if ns.metadata.deletion_timestamp.is_some() => None,
-                    Ok(current) => Some(current),
-                    Err(_) => None,
-                }
-            }
-        })
-        .await
-        .expect("namespace gpuwarden-system is stuck terminating");
-        if current.is_none() {
-            let ns: Namespace = serde_json::from_value(json!({
-                "metadata": {"name": gpuwarden_crds::SYSTEM_NAMESPACE}
-            }))
-            .expect("namespace");
-            api.create(&PostParams::default(), &ns)
-                .await
-                .expect("create gpuwarden-system");
-            self.cleanup
-                .own_typed::<Namespace>(None, gpuwarden_crds::SYSTEM_NAMESPACE);
-        }
-    }
-
-    /// A temporary policy that outranks the default one in namespace `ns`.
-    async fn policy_for(&self, ns: &str, mode: PolicyMode, exempt_namespace: bool) -> String {
-        let name = format!("{ns}-{}", format!("{mode:?}").to_lowercase());
-        let mut policy = GpuPolicy::default_policy();
-        policy.metadata = kube::api::ObjectMeta {
-            name: Some(name.clone()),
-            ..Default::default()
-        };
-        policy.status = None;
-        policy.spec.priority = 1000;
-        policy.spec.mode = mode;
-        policy.spec.namespace_selector =
-            serde_json::from_value(json!({"matchLabels": {"kubernetes.io/metadata.name": ns}}))
-                .expect("selector");
-        if exempt_namespace {
-            policy.spec.exemptions.namespaces = vec![ns.to_string()];
-        }
-        Api::<GpuPolicy>::all(self.client())
-            .create(&PostParams::default(), &policy)
-            .await
-            .unwrap_or_else(|e| panic!("failed to create GpuPolicy {name}: {e}"));
-        self.cleanup.own_typed::<GpuPolicy>(None, &name);
-        name
-    }
-
-    /// Starts the local webhook and registers a MutatingWebhookConfiguration built from
-    /// deploy/admission/mutating-webhook.yaml (same rules, matchConditions, policies and
-    /// timeouts) that calls it by URL and selects only this run's namespaces.
-    async fn webhook(&self) -> (LocalWebhook, bool) {
-        let webhook = LocalWebhook::start(self.client())
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(
-            webhook.wait_synced(SHORT).await,
-            "the webhook's policy and namespace caches did not sync"
-        );
-        let shipped = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
-        let mut mwc = shipped[0].value.clone();
-        let name = self.name("webhook");
-        mwc["metadata"] = json!({"name": name});
-        let hook = &mut mwc["webhooks"][0];
-        hook["clientConfig"] = json!({
-            "url": webhook.url,
-            "caBundle": base64(webhook.ca_pem.as_bytes()),
-        });
-        hook["namespaceSelector"] = json!({"matchLabels": {LABEL_RUN: self.cluster.run_id}});
-        let mwc: MutatingWebhookConfiguration =
-            serde_json::from_value(mwc).expect("MutatingWebhookConfiguration");
-        let api: Api<MutatingWebhookConfiguration> = Api::all(self.client());
-        let created = api
-            .create(&PostParams::default(), &mwc)
-            .await
-            .unwrap_or_else(|e| panic!("failed to register the webhook configuration: {e}"));
-        self.cleanup
-            .own_typed::<MutatingWebhookConfiguration>(None, &name);
-        let match_conditions = created
-            .webhooks
-            .iter()
-            .flatten()
-            .all(|w| w.match_conditions.as_ref().is_some_and(|m| !m.is_empty()));
-        if !match_conditions {
-            skip(
-                "matchConditions",
-                "the server dropped them (Kubernetes before 1.28, or the feature is off): every pod in the selected namespaces is sent",
-            );
-        }
-        eprintln!("webhook at {}", webhook.url);
-        (webhook, match_conditions)
-    }
-
-    /// Waits until a dry-run create of `pod` in `ns` satisfies `ready` (the webhook
-    /// configuration and the webhook's policy cache take a moment to catch up).
-    async fn until_admission(
-        &self,
-        ns: &str,
-        pod: &Value,
-        what: &str,
-        ready: impl Fn(&RawResponse) -> bool,
-    ) -> RawResponse {
-        let mut last = None;
-        for _ in 0..60 {
-            let r = self
-                .cluster
-                .create_pod(ns, pod, true)
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-            if ready(&r) {
-                return r;
-            }
-            last = Some(r);
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-        panic!("{what}: admission never reached the expected state; last answer: {last:?}");
-    }
-}
 
 /// A pod with one privileged container that takes GPUs 0 and 1 by environment variable.
 fn privileged_gpu_pod(name: &str) -> Value {
@@ -1150,55 +892,6 @@ async fn deleting_a_node_removes_its_gpunode() {
     }
 }
 
-/// Creates a renamed copy of the admission policy and binding in `file`, bound to this
-/// run's namespaces, and returns the policy as the server stored it once type-checked.
-async fn install_policy(
-    env: &Env,
-    file: &str,
-    suffix: &str,
-    bind_to_run: bool,
-) -> ValidatingAdmissionPolicy {
-    let docs = load_file(file).expect("manifest");
-    let name = env.name(suffix);
-    let policy_api: Api<ValidatingAdmissionPolicy> = Api::all(env.client());
-    let binding_api: Api<ValidatingAdmissionPolicyBinding> = Api::all(env.client());
-    let mut policy = docs[0].value.clone();
-    policy["metadata"] = json!({"name": name});
-    let policy: ValidatingAdmissionPolicy = serde_json::from_value(policy).expect("policy");
-    policy_api
-        .create(&PostParams::default(), &policy)
-        .await
-        .unwrap_or_else(|e| panic!("the server refused {file}: {e}"));
-    env.cleanup
-        .own_typed::<ValidatingAdmissionPolicy>(None, &name);
-    let mut binding = docs[1].value.clone();
-    binding["metadata"] = json!({"name": name});
-    binding["spec"]["policyName"] = json!(name);
-    if bind_to_run {
-        binding["spec"]["matchResources"] =
-            json!({"namespaceSelector": {"matchLabels": {LABEL_RUN: env.cluster.run_id}}});
-    }
-    let binding: ValidatingAdmissionPolicyBinding =
-        serde_json::from_value(binding).expect("binding");
-    binding_api
-        .create(&PostParams::default(), &binding)
-        .await
-        .unwrap_or_else(|e| panic!("the server refused the binding in {file}: {e}"));
-    env.cleanup
-        .own_typed::<ValidatingAdmissionPolicyBinding>(None, &name);
-    wait_for(SHORT, || {
-        let api = policy_api.clone();
-        let name = name.clone();
-        async move {
-            let p = api.get(&name).await.ok()?;
-            let checked = p.status.as_ref()?.observed_generation == p.metadata.generation;
-            checked.then_some(p)
-        }
-    })
-    .await
-    .unwrap_or_else(|| panic!("{file}: the server never type-checked the policy"))
-}
-
 /// The ValidatingAdmissionPolicies under deploy/admission compile on a real server with no
 /// type-checking warning, and the backstop rejects a privileged GPU pod that reaches the
 /// API server unrewritten (no webhook here) while admitting a privileged pod without GPU
@@ -1230,7 +923,8 @@ async fn admission_policies_compile_and_the_backstop_rejects() {
         ),
         ("deploy/admission/backstop-policy.yaml", "backstop", true),
     ] {
-        let policy = install_policy(&env, file, suffix, bind).await;
+        let selector = bind.then(|| env.run_selector());
+        let policy = env.install_policy(file, suffix, selector).await;
         let warnings = policy
             .status
             .and_then(|s| s.type_checking)
@@ -1349,11 +1043,10 @@ async fn agent_policy_pins_status_writes_to_the_agents_node() {
         );
         return;
     }
-    install_policy(
-        &env,
+    env.install_policy(
         "deploy/admission/agent-own-node.yaml",
         "agent-own-node",
-        false,
+        None,
     )
     .await;
 
@@ -1812,38 +1505,13 @@ async fn resource_claim_mode_on_a_real_server() {
 // the busybox image must be on the node (`$GPUWARDEN_E2E_BUSYBOX`, default
 // docker.io/library/busybox:latest, never pulled).
 
-fn busybox() -> String {
-    std::env::var("GPUWARDEN_E2E_BUSYBOX")
-        .unwrap_or_else(|_| "docker.io/library/busybox:latest".into())
-}
-
-/// The real node with at least two allocatable GPUs (`$GPUWARDEN_E2E_NODE` to pick one).
-async fn real_gpu_node(env: &Env) -> String {
-    let nodes: Api<Node> = Api::all(env.client());
-    let chosen = std::env::var("GPUWARDEN_E2E_NODE").ok();
-    let list = nodes.list(&Default::default()).await.expect("list nodes");
-    list.items
-        .into_iter()
-        .filter(|n| chosen.as_deref().is_none_or(|c| n.name_any() == c))
-        .find(|n| {
-            let gpus = (n.status.as_ref())
-                .and_then(|s| s.allocatable.as_ref())
-                .and_then(|a| a.get(gpuwarden_crds::RESOURCE_GPU))
-                .and_then(|q| q.0.parse::<u32>().ok())
-                .unwrap_or(0);
-            let ready = (n.status.as_ref().and_then(|s| s.conditions.as_ref()))
-                .into_iter()
-                .flatten()
-                .any(|c| c.type_ == "Ready" && c.status == "True");
-            gpus >= 2 && ready
-        })
-        .map(|n| n.name_any())
-        .unwrap_or_else(|| {
-            panic!(
-                "no Ready node with 2 allocatable {} (GPUWARDEN_E2E_NODE={chosen:?})",
-                gpuwarden_crds::RESOURCE_GPU
-            )
-        })
+/// The real node with at least two allocatable GPUs ([`gpu_node`]), `None` where the
+/// cluster has none.
+async fn real_gpu_node(env: &Env) -> Option<String> {
+    let node = gpu_node(&env.cluster)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))?;
+    Some(node["metadata"]["name"].as_str()?.to_owned())
 }
 
 /// The operator and the node agent, in-process, for the real GPU node.
@@ -1858,21 +1526,25 @@ struct RealNode {
 }
 
 impl RealNode {
-    /// Picks the node ([`real_gpu_node`]) and starts the operator and its agent.
-    async fn start(env: &Env) -> Self {
+    /// Picks the node ([`real_gpu_node`]) and starts the operator and its agent; `None`,
+    /// with a `SKIPPED` line for `test`, where the cluster has no such node.
+    async fn start(env: &Env, test: &str) -> Option<Self> {
+        let Some(name) = real_gpu_node(env).await else {
+            skip(test, NEEDS_GPU_NODE);
+            return None;
+        };
         env.system_namespace().await;
-        let name = real_gpu_node(env).await;
         env.cleanup.own_typed::<GpuNode>(None, &name);
         let (stop_operator, operator) = start_operator(env);
         let (stop_agent, agent, metrics) = start_real_agent(env, &name);
-        Self {
+        Some(Self {
             name,
             metrics,
             stop_operator,
             operator,
             stop_agent,
             agent,
-        }
+        })
     }
 
     async fn stop(self) {
@@ -1933,7 +1605,14 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
 #[ignore = "needs a node: a kubelet with NVIDIA's device plugin, NVML for the agent (LD_LIBRARY_PATH), KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
     let env = Env::new().await;
-    let real = RealNode::start(&env).await;
+    let Some(real) = RealNode::start(
+        &env,
+        "privileged_pod_runs_with_exactly_its_gpus_on_a_real_node",
+    )
+    .await
+    else {
+        return;
+    };
     let (node, metrics) = (real.name.clone(), real.metrics);
     let ns = env.namespace("node").await;
     let (webhook, _) = env.webhook().await;
@@ -2099,7 +1778,14 @@ async fn fixed_namespace(env: &Env, name: &str) {
 #[ignore = "needs a node: a kubelet with NVIDIA's device plugin, NVML for the agent (LD_LIBRARY_PATH), KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node() {
     let env = Env::new().await;
-    let real = RealNode::start(&env).await;
+    let Some(real) = RealNode::start(
+        &env,
+        "nvidia_components_and_node_agents_hold_no_gpu_on_a_real_node",
+    )
+    .await
+    else {
+        return;
+    };
     let node = real.name.clone();
     let (webhook, _) = env.webhook().await;
     for ns in ["nvidia-device-plugin", "monitoring"] {
@@ -2359,7 +2045,7 @@ fn both_paths_pods() -> Vec<(Value, bool)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a cluster: KUBECONFIG=... cargo test -p gpuwarden-e2e -- --ignored --test-threads=1"]
 async fn api_server_rewrite_stores_what_the_webhook_stores() {
-    use gpuwarden_crds::admission_policies::render;
+    use gpuwarden_crds::admission::policies::render;
     let env = Env::new().await;
     let Some(api) = env.cluster.mutating_policy_api().await else {
         skip(

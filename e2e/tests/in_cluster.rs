@@ -25,7 +25,10 @@
 //! at least two allocatable `nvidia.com/gpu`, and `kubectl`, `ctr`, `tar`, `sha256sum` and
 //! `ldd` on `PATH`. It labels the node `nvidia.com/gpu.present=true` where GPU feature
 //! discovery has not (and removes the label after). Everything it creates is deleted, also
-//! when it fails; it refuses to run where gpuwarden is installed.
+//! when it fails. Where it cannot run (no such node, a node that is not this machine, not
+//! root, no `ctr` reaching containerd, a tool missing) it prints `SKIPPED` and why; it waits
+//! (up to 120 s) for a `gpuwarden-system` that a test before it is deleting, and refuses to
+//! run where gpuwarden is installed (an object of the install other than the namespace).
 //!
 //! ```sh
 //! GPUWARDEN_E2E_DRIVER_ROOT=<driver root> KUBECONFIG=... \
@@ -36,17 +39,20 @@
 //! `GPUWARDEN_E2E_BINARIES=<dir>` uses prebuilt ones instead.
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpuwarden_crds::admission::match_conditions::NOT_EXEMPT_CONDITION;
 use gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION;
-use gpuwarden_crds::match_conditions::NOT_EXEMPT_CONDITION;
 use gpuwarden_crds::{LABEL_GPU_PRESENT, RESOURCE_GPU, SYSTEM_NAMESPACE};
-use gpuwarden_e2e::cluster::visible_in_log;
+use gpuwarden_e2e::cluster::{Cluster, skip, visible_in_log};
 use gpuwarden_e2e::image::{IMAGE_USER, write_oci_layout};
+use gpuwarden_e2e::install::installed;
 use gpuwarden_e2e::manifests::{parse_documents, repo_root};
+use gpuwarden_e2e::node::{
+    NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs, local_node_problem,
+};
 use gpuwarden_e2e::readme::readme_block;
 use serde_json::{Value, json};
 
@@ -75,41 +81,6 @@ fn image() -> String {
     format!("{IMAGE_NAME}:{IMAGE_TAG}")
 }
 
-fn busybox() -> String {
-    std::env::var("GPUWARDEN_E2E_BUSYBOX")
-        .unwrap_or_else(|_| "docker.io/library/busybox:latest".into())
-}
-
-/// What a command printed.
-struct Out {
-    ok: bool,
-    stdout: String,
-    stderr: String,
-}
-
-fn exec(command: &mut Command, stdin: Option<&str>) -> Out {
-    command
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command
-        .spawn()
-        .unwrap_or_else(|e| panic!("failed to start {command:?}: {e}"));
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        let _ = pipe.write_all(input.as_bytes());
-    }
-    let output = child.wait_with_output().expect("wait for a command");
-    Out {
-        ok: output.status.success(),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    }
-}
-
 fn kubectl(args: &[&str]) -> Out {
     exec(Command::new("kubectl").args(args), None)
 }
@@ -123,10 +94,6 @@ fn must(args: &[&str]) -> String {
     let out = kubectl(args);
     assert!(out.ok, "kubectl {} failed: {}", args.join(" "), out.stderr);
     out.stdout
-}
-
-fn ctr(args: &[&str]) -> Out {
-    exec(Command::new("ctr").args(["-n", "k8s.io"]).args(args), None)
 }
 
 /// `kubectl get ARGS -o json`, or None when it fails (not found).
@@ -193,15 +160,6 @@ fn statements(lines: &[String]) -> Vec<String> {
         }
     }
     out
-}
-
-/// The image references in containerd's `k8s.io` namespace.
-fn image_refs() -> BTreeSet<String> {
-    ctr(&["images", "ls", "-q"])
-        .stdout
-        .lines()
-        .map(str::to_owned)
-        .collect()
 }
 
 /// What the test made, deleted on drop (also when the test fails).
@@ -476,32 +434,6 @@ fn watched_paths(overlay: &str) -> BTreeSet<PathBuf> {
     paths
 }
 
-/// The Ready node with at least two allocatable GPUs (`GPUWARDEN_E2E_NODE` names one).
-fn gpu_node() -> (String, bool) {
-    let nodes = get_json(&["nodes"]).expect("list nodes");
-    let wanted = std::env::var("GPUWARDEN_E2E_NODE").ok();
-    for node in nodes["items"].as_array().into_iter().flatten() {
-        let name = node["metadata"]["name"].as_str().unwrap_or_default();
-        if wanted.as_deref().is_some_and(|w| w != name) {
-            continue;
-        }
-        let ready = (node["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten())
-        .any(|c| c["type"] == "Ready" && c["status"] == "True");
-        let gpus: u32 = node["status"]["allocatable"][RESOURCE_GPU]
-            .as_str()
-            .and_then(|g| g.parse().ok())
-            .unwrap_or(0);
-        if ready && gpus >= 2 {
-            let labelled = node["metadata"]["labels"][LABEL_GPU_PRESENT] == "true";
-            return (name.to_owned(), labelled);
-        }
-    }
-    panic!("no Ready node with two allocatable {RESOURCE_GPU} (GPUWARDEN_E2E_NODE={wanted:?})");
-}
-
 /// A privileged busybox pod naming GPUs 0 and 1, as users write them.
 fn privileged_gpu_pod(ns: &str, name: &str) -> String {
     json!({
@@ -593,19 +525,31 @@ fn readme_install_in_cluster_on_a_real_node() {
         std::env::var_os("KUBECONFIG").is_some(),
         "KUBECONFIG is not set: this test installs and uninstalls gpuwarden, so point it at a disposable cluster"
     );
-    for (kind, name) in [
-        ("namespace", SYSTEM_NAMESPACE),
-        ("crd", "gpupolicies.gpuwarden.io"),
-        ("crd", "gpunodes.gpuwarden.io"),
-        (
-            "mutatingwebhookconfiguration",
-            MUTATING_WEBHOOK_CONFIGURATION,
+    let test = "readme_install_in_cluster_on_a_real_node";
+    let Some(gpu_node) = gpu_node_in(&get_json(&["nodes"]).expect("list nodes")).cloned() else {
+        skip(test, NEEDS_GPU_NODE);
+        return;
+    };
+    if let Some(why) = local_node_problem(&gpu_node, &["kubectl", "tar", "sha256sum", "ldd"]) {
+        skip(test, &why);
+        return;
+    }
+    // A test before this one may have left gpuwarden-system Terminating: wait for it.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let installed = runtime.block_on(async {
+        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+        installed(&cluster, Duration::from_secs(120)).await
+    });
+    match installed {
+        Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
+        Ok(objects) if !objects.is_empty() => panic!(
+            "gpuwarden is installed here ({}); this test would delete it: uninstall it first",
+            objects.join(", ")
         ),
-    ] {
-        assert!(
-            gone(kind, name, None),
-            "gpuwarden is installed here ({kind} {name}); this test would delete it: uninstall it first"
-        );
+        Ok(_) => {}
     }
     let mut summary = Vec::new();
     let mut cleanup = Cleanup::default();
@@ -653,7 +597,11 @@ fn readme_install_in_cluster_on_a_real_node() {
     std::fs::create_dir_all(&overlay_dir).expect("overlay directory");
     let (overlay, notes) = write_overlay(&overlay_dir);
     summary.extend(notes.into_iter().map(|n| format!("test overlay: {n}")));
-    let (node, labelled) = gpu_node();
+    let node = gpu_node["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let labelled = gpu_node["metadata"]["labels"][LABEL_GPU_PRESENT] == "true";
     if !labelled {
         must(&["label", "node", &node, &format!("{LABEL_GPU_PRESENT}=true")]);
         cleanup.labelled_node = Some(node.clone());

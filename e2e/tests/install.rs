@@ -16,19 +16,21 @@
 //! KUBECONFIG=... cargo test -p gpuwarden-e2e --test install -- --ignored --test-threads=1
 //! ```
 //!
-//! They refuse to run where gpuwarden is already installed: they would delete it.
+//! They refuse to run (`SKIPPED`) where gpuwarden is already installed: they would delete
+//! it. A `gpuwarden-system` that a test before them is deleting is waited for (up to 120 s).
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, OPERATOR_NAME, WEBHOOK_TLS_SECRET};
 use gpuwarden_e2e::cluster::{Cluster, skip, wait_for};
-use gpuwarden_e2e::manifests::{Document, load_file, repo_root};
+use gpuwarden_e2e::install::{install_objects, installed, present};
+use gpuwarden_e2e::manifests::repo_root;
 use gpuwarden_e2e::readme::readme_block;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::api::Api;
 
 /// Which of the README's two install commands to run.
 #[derive(Clone, Copy, Debug)]
@@ -88,34 +90,6 @@ fn run(command: &str) -> String {
     stdout.into_owned()
 }
 
-/// Every object the install creates.
-fn install_objects() -> Vec<Document> {
-    load_file("deploy/install.yaml").expect("deploy/install.yaml")
-}
-
-fn api_for(cluster: &Cluster, doc: &Document) -> Api<DynamicObject> {
-    let (group, version) = match doc.api_version().split_once('/') {
-        Some((g, v)) => (g, v),
-        None => ("", doc.api_version()),
-    };
-    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, doc.kind()));
-    match doc.namespace() {
-        Some(ns) => Api::namespaced_with(cluster.client.clone(), ns, &resource),
-        None => Api::all_with(cluster.client.clone(), &resource),
-    }
-}
-
-/// The objects of the install that exist now.
-async fn present(cluster: &Cluster) -> Vec<String> {
-    let mut out = Vec::new();
-    for doc in install_objects() {
-        if let Ok(Some(_)) = api_for(cluster, &doc).get_opt(doc.name()).await {
-            out.push(doc.id());
-        }
-    }
-    out
-}
-
 /// Whether every webhook of the configuration trusts the CA in the webhook's Secret.
 async fn ca_bundle_written(cluster: &Cluster) -> Option<()> {
     let secrets: Api<Secret> =
@@ -136,24 +110,13 @@ async fn ca_bundle_written(cluster: &Cluster) -> Option<()> {
     .then_some(())
 }
 
-/// A client that acts as the operator's ServiceAccount.
-async fn operator_client() -> kube::Client {
-    let mut config = kube::Config::infer().await.expect("KUBECONFIG");
-    let namespace = gpuwarden_crds::SYSTEM_NAMESPACE;
-    config.auth_info.impersonate =
-        Some(format!("system:serviceaccount:{namespace}:{OPERATOR_NAME}"));
-    config.auth_info.impersonate_groups = Some(vec![
-        "system:serviceaccounts".into(),
-        format!("system:serviceaccounts:{namespace}"),
-        "system:authenticated".into(),
-    ]);
-    kube::Client::try_from(config).expect("impersonating client")
-}
-
 async fn install_and_uninstall(variant: Variant) {
     let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
     let crds: Api<CustomResourceDefinition> = Api::all(cluster.client.clone());
-    let already = present(&cluster).await;
+    // A test before this one may have left gpuwarden-system Terminating: wait for it.
+    let already = installed(&cluster, Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|why| panic!("cannot tell whether gpuwarden is installed: {why}"));
     if !already.is_empty() {
         skip(
             "the README install",
@@ -183,7 +146,11 @@ async fn install_and_uninstall(variant: Variant) {
     let mut config = gpuwarden_operator::Config::new(gpuwarden_crds::SYSTEM_NAMESPACE);
     config.health_listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let client = operator_client().await;
+    let client = cluster
+        .as_service_account(gpuwarden_crds::SYSTEM_NAMESPACE, OPERATOR_NAME)
+        .await
+        .expect("a client acting as the operator")
+        .client;
     let operator = tokio::spawn(async move {
         let shutdown = async move {
             let _ = stopped.await;
@@ -314,7 +281,7 @@ async fn install_and_uninstall(variant: Variant) {
 /// are any.
 async fn rendered_policies(
     cluster: &Cluster,
-    api: gpuwarden_crds::admission_policies::MutatingApi,
+    api: gpuwarden_crds::admission::policies::MutatingApi,
 ) -> Option<Vec<String>> {
     let mut names = Vec::new();
     for plural in [
@@ -324,8 +291,8 @@ async fn rendered_policies(
         let path = format!(
             "/apis/{}/{plural}?labelSelector={}%3D{}",
             api.api_version(),
-            gpuwarden_crds::admission_policies::LABEL_MANAGED_BY,
-            gpuwarden_crds::admission_policies::MANAGED_BY
+            gpuwarden_crds::admission::policies::LABEL_MANAGED_BY,
+            gpuwarden_crds::admission::policies::MANAGED_BY
         );
         let r = (cluster.raw(http::Method::GET, &path, "application/json", None))
             .await

@@ -1,0 +1,355 @@
+//! A test's cluster handle for the end-to-end suites: the connection, the cleanup guard, the
+//! CRDs and default policy installed where missing, namespaces of this run, the in-process
+//! webhook registered as the shipped configuration registers it, and the shipped admission
+//! policies bound to chosen namespaces.
+
+use std::time::Duration;
+
+use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, PostParams};
+use kube::{CustomResourceExt, ResourceExt};
+use serde_json::{Value, json};
+
+use crate::cluster::{
+    Cleanup, Cluster, LocalWebhook, RawResponse, base64, settled, skip, wait_for,
+};
+use crate::manifests::load_file;
+
+/// The label every namespace of a run carries (its value: the run id).
+pub const LABEL_RUN: &str = "gpuwarden.io/e2e";
+/// How long a test waits for the server to catch up (caches, configurations).
+pub const SHORT: Duration = Duration::from_secs(30);
+
+/// A test's cluster handle and cleanup guard.
+pub struct Env {
+    /// The cluster.
+    pub cluster: Cluster,
+    /// Deletes what the test created, also when it fails.
+    pub cleanup: Cleanup,
+}
+
+impl Env {
+    /// Connects (KUBECONFIG must be set) and installs the CRDs and the default policy when
+    /// they are missing.
+    pub async fn new() -> Env {
+        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+        let cleanup = Cleanup::new(cluster.client.clone());
+        let env = Env { cluster, cleanup };
+        env.ensure_api().await;
+        env
+    }
+
+    /// The admin client.
+    pub fn client(&self) -> kube::Client {
+        self.cluster.client.clone()
+    }
+
+    /// A name of this run: `gpuwarden-e2e-<run id>-<suffix>`.
+    pub fn name(&self, suffix: &str) -> String {
+        format!("gpuwarden-e2e-{}-{suffix}", self.cluster.run_id)
+    }
+
+    /// The namespace selector of every namespace this run creates.
+    pub fn run_selector(&self) -> Value {
+        json!({"matchLabels": {LABEL_RUN: self.cluster.run_id}})
+    }
+
+    async fn ensure_api(&self) {
+        let crds: Api<CustomResourceDefinition> = Api::all(self.client());
+        for crd in [GpuPolicy::crd(), GpuNode::crd()] {
+            let name = crd.name_any();
+            // A previous test may have removed the CRD it installed: let that finish.
+            let current = settled(&crds, &name, Duration::from_secs(90))
+                .await
+                .unwrap_or_else(|| panic!("CRD {name} is stuck terminating"));
+            if current.is_none() {
+                eprintln!("installing CRD {name}");
+                crds.create(&PostParams::default(), &crd)
+                    .await
+                    .unwrap_or_else(|e| panic!("failed to create CRD {name}: {e}"));
+                self.cleanup
+                    .own_typed::<CustomResourceDefinition>(None, &name);
+            }
+            let established = wait_for(SHORT, || {
+                let crds = crds.clone();
+                let name = name.clone();
+                async move {
+                    let crd = crds.get(&name).await.ok()?;
+                    crd.status?
+                        .conditions?
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                        .then_some(())
+                }
+            })
+            .await;
+            assert!(established.is_some(), "CRD {name} is not Established");
+        }
+        let policies: Api<GpuPolicy> = Api::all(self.client());
+        if policies
+            .get_opt(gpuwarden_crds::DEFAULT_POLICY_NAME)
+            .await
+            .expect("read the default GpuPolicy")
+            .is_none()
+        {
+            eprintln!("installing the default GpuPolicy");
+            let manifest = gpuwarden_crds::manifests::default_policy_manifest();
+            let policy: GpuPolicy = serde_json::from_value(manifest).expect("default policy");
+            policies
+                .create(&PostParams::default(), &policy)
+                .await
+                .expect("create the default GpuPolicy");
+            self.cleanup
+                .own_typed::<GpuPolicy>(None, gpuwarden_crds::DEFAULT_POLICY_NAME);
+        }
+    }
+
+    /// A fresh namespace labelled with this run's id (the e2e webhook configuration only
+    /// selects such namespaces).
+    pub async fn namespace(&self, suffix: &str) -> String {
+        // Privileged pods are what the tests create: Pod Security must not refuse them first.
+        self.namespace_at(suffix, "privileged").await
+    }
+
+    /// A namespace of this run whose Pod Security Admission enforces `level`.
+    pub async fn namespace_at(&self, suffix: &str, level: &str) -> String {
+        let name = self.name(suffix);
+        let ns: Namespace = serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {
+                LABEL_RUN: self.cluster.run_id,
+                "pod-security.kubernetes.io/enforce": level,
+            }}
+        }))
+        .expect("namespace");
+        Api::<Namespace>::all(self.client())
+            .create(&PostParams::default(), &ns)
+            .await
+            .unwrap_or_else(|e| panic!("failed to create namespace {name}: {e}"));
+        self.cleanup.own_typed::<Namespace>(None, &name);
+        // Pods need the namespace's default ServiceAccount, which kube-controller-manager
+        // creates shortly; on a bare API server nobody does, so create it after a wait.
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client(), &name);
+        let exists = wait_for(Duration::from_secs(5), || {
+            let accounts = accounts.clone();
+            async move { accounts.get_opt("default").await.ok().flatten() }
+        })
+        .await;
+        if exists.is_none() {
+            let sa: ServiceAccount =
+                serde_json::from_value(json!({"metadata": {"name": "default"}})).expect("sa");
+            match accounts.create(&PostParams::default(), &sa).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => {}
+                Err(e) => panic!("failed to create the default ServiceAccount in {name}: {e}"),
+            }
+        }
+        name
+    }
+
+    /// Makes sure `gpuwarden-system` exists (agent Leases live there).
+    pub async fn system_namespace(&self) {
+        let api: Api<Namespace> = Api::all(self.client());
+        // A previous test may have removed the namespace it created: let that finish.
+        let current = settled(
+            &api,
+            gpuwarden_crds::SYSTEM_NAMESPACE,
+            Duration::from_secs(120),
+        )
+        .await
+        .expect("namespace gpuwarden-system is stuck terminating");
+        if current.is_none() {
+            let ns: Namespace = serde_json::from_value(json!({
+                "metadata": {"name": gpuwarden_crds::SYSTEM_NAMESPACE}
+            }))
+            .expect("namespace");
+            api.create(&PostParams::default(), &ns)
+                .await
+                .expect("create gpuwarden-system");
+            self.cleanup
+                .own_typed::<Namespace>(None, gpuwarden_crds::SYSTEM_NAMESPACE);
+        }
+    }
+
+    /// A temporary policy that outranks the default one in namespace `ns`.
+    pub async fn policy_for(&self, ns: &str, mode: PolicyMode, exempt_namespace: bool) -> String {
+        let name = format!("{ns}-{}", format!("{mode:?}").to_lowercase());
+        let mut policy = GpuPolicy::default_policy();
+        policy.metadata = kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            ..Default::default()
+        };
+        policy.status = None;
+        policy.spec.priority = 1000;
+        policy.spec.mode = mode;
+        policy.spec.namespace_selector =
+            serde_json::from_value(json!({"matchLabels": {"kubernetes.io/metadata.name": ns}}))
+                .expect("selector");
+        if exempt_namespace {
+            policy.spec.exemptions.namespaces = vec![ns.to_string()];
+        }
+        Api::<GpuPolicy>::all(self.client())
+            .create(&PostParams::default(), &policy)
+            .await
+            .unwrap_or_else(|e| panic!("failed to create GpuPolicy {name}: {e}"));
+        self.cleanup.own_typed::<GpuPolicy>(None, &name);
+        name
+    }
+
+    /// Starts the local webhook and registers it ([`Env::register_webhook`]) for this run's
+    /// namespaces. Returns it, and whether the server kept the matchConditions.
+    pub async fn webhook(&self) -> (LocalWebhook, bool) {
+        let webhook = self.started_webhook().await;
+        let match_conditions = self
+            .register_webhook(
+                &webhook.url,
+                &webhook.ca_pem,
+                self.run_selector(),
+                "webhook",
+            )
+            .await;
+        (webhook, match_conditions)
+    }
+
+    /// Starts the local webhook and waits for its caches; registers nothing.
+    pub async fn started_webhook(&self) -> LocalWebhook {
+        let webhook = LocalWebhook::start(self.client())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            webhook.wait_synced(SHORT).await,
+            "the webhook's policy and namespace caches did not sync"
+        );
+        eprintln!("webhook at {}", webhook.url);
+        webhook
+    }
+
+    /// Registers a MutatingWebhookConfiguration `<run>-<suffix>` built from
+    /// deploy/admission/mutating-webhook.yaml (same rules, matchConditions, failure policy
+    /// and timeouts) that calls `url`, trusting `ca_pem`, for the namespaces `selector`
+    /// selects. Returns whether the server kept the matchConditions.
+    pub async fn register_webhook(
+        &self,
+        url: &str,
+        ca_pem: &str,
+        selector: Value,
+        suffix: &str,
+    ) -> bool {
+        let shipped = load_file("deploy/admission/mutating-webhook.yaml").expect("manifest");
+        let mut mwc = shipped[0].value.clone();
+        let name = self.name(suffix);
+        mwc["metadata"] = json!({"name": name});
+        let hook = &mut mwc["webhooks"][0];
+        hook["clientConfig"] = json!({"url": url, "caBundle": base64(ca_pem.as_bytes())});
+        hook["namespaceSelector"] = selector;
+        let mwc: MutatingWebhookConfiguration =
+            serde_json::from_value(mwc).expect("MutatingWebhookConfiguration");
+        let api: Api<MutatingWebhookConfiguration> = Api::all(self.client());
+        let created = api
+            .create(&PostParams::default(), &mwc)
+            .await
+            .unwrap_or_else(|e| panic!("failed to register the webhook configuration: {e}"));
+        self.cleanup
+            .own_typed::<MutatingWebhookConfiguration>(None, &name);
+        let match_conditions = created
+            .webhooks
+            .iter()
+            .flatten()
+            .all(|w| w.match_conditions.as_ref().is_some_and(|m| !m.is_empty()));
+        if !match_conditions {
+            skip(
+                "matchConditions",
+                "the server dropped them (Kubernetes before 1.28, or the feature is off): every pod in the selected namespaces is sent",
+            );
+        }
+        match_conditions
+    }
+
+    /// Creates a renamed copy of the admission policy and binding in `file`, the binding
+    /// selecting the namespaces `selector` selects (`None`: as shipped), and returns the
+    /// policy as the server stored it once type-checked.
+    pub async fn install_policy(
+        &self,
+        file: &str,
+        suffix: &str,
+        selector: Option<Value>,
+    ) -> ValidatingAdmissionPolicy {
+        let docs = load_file(file).expect("manifest");
+        let name = self.name(suffix);
+        let policy_api: Api<ValidatingAdmissionPolicy> = Api::all(self.client());
+        let binding_api: Api<ValidatingAdmissionPolicyBinding> = Api::all(self.client());
+        let mut policy = docs[0].value.clone();
+        policy["metadata"] = json!({"name": name});
+        let policy: ValidatingAdmissionPolicy = serde_json::from_value(policy).expect("policy");
+        policy_api
+            .create(&PostParams::default(), &policy)
+            .await
+            .unwrap_or_else(|e| panic!("the server refused {file}: {e}"));
+        self.cleanup
+            .own_typed::<ValidatingAdmissionPolicy>(None, &name);
+        let mut binding = docs[1].value.clone();
+        binding["metadata"] = json!({"name": name});
+        binding["spec"]["policyName"] = json!(name);
+        if let Some(selector) = selector {
+            binding["spec"]["matchResources"] = json!({"namespaceSelector": selector});
+        }
+        let binding: ValidatingAdmissionPolicyBinding =
+            serde_json::from_value(binding).expect("binding");
+        binding_api
+            .create(&PostParams::default(), &binding)
+            .await
+            .unwrap_or_else(|e| panic!("the server refused the binding in {file}: {e}"));
+        self.cleanup
+            .own_typed::<ValidatingAdmissionPolicyBinding>(None, &name);
+        wait_for(SHORT, || {
+            let api = policy_api.clone();
+            let name = name.clone();
+            async move {
+                let p = api.get(&name).await.ok()?;
+                let checked = p.status.as_ref()?.observed_generation == p.metadata.generation;
+                checked.then_some(p)
+            }
+        })
+        .await
+        .unwrap_or_else(|| panic!("{file}: the server never type-checked the policy"))
+    }
+
+    /// Waits until a dry-run create of `pod` in `ns` satisfies `ready` (the webhook
+    /// configuration and the webhook's policy cache take a moment to catch up).
+    pub async fn until_admission(
+        &self,
+        ns: &str,
+        pod: &Value,
+        what: &str,
+        ready: impl Fn(&RawResponse) -> bool,
+    ) -> RawResponse {
+        until_admission(&self.cluster, ns, pod, what, ready).await
+    }
+}
+
+/// [`Env::until_admission`] as whoever `cluster` acts as.
+pub async fn until_admission(
+    cluster: &Cluster,
+    ns: &str,
+    pod: &Value,
+    what: &str,
+    ready: impl Fn(&RawResponse) -> bool,
+) -> RawResponse {
+    let mut last = None;
+    for _ in 0..60 {
+        let r = cluster
+            .create_pod(ns, pod, true)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if ready(&r) {
+            return r;
+        }
+        last = Some(r);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("{what}: admission never reached the expected state; last answer: {last:?}");
+}

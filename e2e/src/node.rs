@@ -1,0 +1,318 @@
+//! The node side of the end-to-end suites: the GPU node a test runs pods on, whether this
+//! machine is that node (for the tests that import images into its containerd and read its
+//! kubelet), the commands they run there, and what a container saw of its GPUs.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use http::Method;
+use serde_json::Value;
+
+use crate::cluster::{Cluster, ClusterError};
+
+/// What the node tests need, for their `SKIPPED` line where a cluster has none.
+pub const NEEDS_GPU_NODE: &str = "no Ready node with 2 allocatable nvidia.com/gpu (a kubelet with NVIDIA's device plugin, on GPUs or NVIDIA's mock NVML; GPUWARDEN_E2E_NODE names the node)";
+
+/// The busybox image the node tests run: `$GPUWARDEN_E2E_BUSYBOX`, default
+/// docker.io/library/busybox:latest. It is never pulled: import it where the node has no
+/// registry.
+pub fn busybox() -> String {
+    std::env::var("GPUWARDEN_E2E_BUSYBOX")
+        .unwrap_or_else(|_| "docker.io/library/busybox:latest".into())
+}
+
+/// Of a `NodeList` (JSON), the Ready node with at least two allocatable GPUs
+/// (`$GPUWARDEN_E2E_NODE` picks one by name).
+pub fn gpu_node_in(list: &Value) -> Option<&Value> {
+    let wanted = std::env::var("GPUWARDEN_E2E_NODE").ok();
+    list["items"].as_array()?.iter().find(|node| {
+        let name = node["metadata"]["name"].as_str().unwrap_or_default();
+        let ready = (node["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten())
+        .any(|c| c["type"] == "Ready" && c["status"] == "True");
+        let gpus: u32 = node["status"]["allocatable"][gpuwarden_crds::RESOURCE_GPU]
+            .as_str()
+            .and_then(|g| g.parse().ok())
+            .unwrap_or(0);
+        wanted.as_deref().is_none_or(|w| w == name) && ready && gpus >= 2
+    })
+}
+
+/// The GPU node of the cluster ([`gpu_node_in`]), `None` where it has none.
+pub async fn gpu_node(cluster: &Cluster) -> Result<Option<Value>, ClusterError> {
+    let list = cluster
+        .raw(Method::GET, "/api/v1/nodes", "application/json", None)
+        .await?;
+    if !list.status.is_success() {
+        return Err(ClusterError::Body {
+            what: "list nodes".into(),
+            message: list.message().to_owned(),
+        });
+    }
+    Ok(gpu_node_in(&list.body).cloned())
+}
+
+/// Why a test that works on `node` from this machine (importing images into its
+/// containerd with `ctr`, reading its kubelet's sockets) cannot run here, or `None` where it
+/// can: the node must be this machine, the test must run as root, and `tools` (with `ctr`
+/// first, answering) must be on `PATH`.
+pub fn local_node_problem(node: &Value, tools: &[&str]) -> Option<String> {
+    let name = node["metadata"]["name"].as_str().unwrap_or_default();
+    if !is_this_machine(node) {
+        return Some(format!(
+            "node {name} is not this machine (none of its addresses is local): the test imports images into the node's containerd"
+        ));
+    }
+    if !is_root() {
+        return Some("not running as root: `ctr` and the kubelet's sockets need it".into());
+    }
+    for tool in tools {
+        if Command::new(tool)
+            .arg("--help")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_err()
+        {
+            return Some(format!("no {tool} on PATH"));
+        }
+    }
+    let images = ctr(&["images", "ls", "-q"]);
+    if !images.ok {
+        return Some(format!(
+            "ctr cannot reach containerd's k8s.io namespace: {}",
+            images.stderr.trim()
+        ));
+    }
+    None
+}
+
+/// Whether the node is this machine: its name or `Hostname` address is this host's name, or
+/// one of its IP addresses can be bound here.
+fn is_this_machine(node: &Value) -> bool {
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let hostname = hostname.trim();
+    if node["metadata"]["name"] == hostname {
+        return true;
+    }
+    (node["status"]["addresses"].as_array().into_iter().flatten()).any(|a| {
+        let address = a["address"].as_str().unwrap_or_default();
+        match a["type"].as_str() {
+            Some("Hostname") => address == hostname,
+            _ => address
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| std::net::TcpListener::bind((ip, 0)).is_ok()),
+        }
+    })
+}
+
+/// Whether this process's effective user is root.
+fn is_root() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|ids| ids.split_whitespace().nth(1))
+        == Some("0")
+}
+
+/// What a command printed.
+pub struct Out {
+    /// It exited 0.
+    pub ok: bool,
+    /// Its standard output.
+    pub stdout: String,
+    /// Its standard error.
+    pub stderr: String,
+}
+
+/// Runs `command`, feeding it `stdin`; panics only where it cannot start.
+pub fn exec(command: &mut Command, stdin: Option<&str>) -> Out {
+    command
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("failed to start {command:?}: {e}"));
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        let _ = pipe.write_all(input.as_bytes());
+    }
+    let output = child.wait_with_output().expect("wait for a command");
+    Out {
+        ok: output.status.success(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+/// `ctr -n k8s.io ARGS`: containerd's namespace of the kubelet's images.
+pub fn ctr(args: &[&str]) -> Out {
+    exec(Command::new("ctr").args(["-n", "k8s.io"]).args(args), None)
+}
+
+/// The image references in containerd's `k8s.io` namespace.
+pub fn image_refs() -> BTreeSet<String> {
+    ctr(&["images", "ls", "-q"])
+        .stdout
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// What a container printed of itself: the environment (`env`), then its `/dev/nvidia*`
+/// entries, between the marks [`SEEN_COMMAND`] prints.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// `NVIDIA_VISIBLE_DEVICES`, where set.
+    pub visible: Option<String>,
+    /// The MIG access variables that are set, `NAME=value`.
+    pub mig: Vec<String>,
+    /// `/dev/nvidia<N>`: the GPU device nodes, sorted.
+    pub gpu_devices: Vec<String>,
+}
+
+/// The shell script a container runs to print what it sees, then stay (`sleep 3600`).
+pub const SEEN_COMMAND: &str =
+    "env; echo ==devices==; ls -d /dev/nvidia* 2>/dev/null; echo ==end==; sleep 3600";
+
+/// The same, ending instead of staying (for init containers and jobs).
+pub const SEEN_ONCE_COMMAND: &str =
+    "env; echo ==devices==; ls -d /dev/nvidia* 2>/dev/null; echo ==end==";
+
+impl Seen {
+    /// Reads a container's log; `None` until it printed the end mark.
+    pub fn parse(log: &str) -> Option<Seen> {
+        let (env, rest) = log.split_once("==devices==\n")?;
+        let (devices, _) = rest.split_once("==end==")?;
+        let mut seen = Seen::default();
+        for line in env.lines() {
+            if let Some(v) = line.strip_prefix("NVIDIA_VISIBLE_DEVICES=") {
+                seen.visible = Some(v.to_owned());
+            } else if line.starts_with("NVIDIA_MIG_CONFIG_DEVICES=")
+                || line.starts_with("NVIDIA_MIG_MONITOR_DEVICES=")
+            {
+                seen.mig.push(line.to_owned());
+            }
+        }
+        seen.gpu_devices = (devices.lines())
+            .map(str::trim)
+            .filter(|d| {
+                d.strip_prefix("/dev/nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .map(str::to_owned)
+            .collect();
+        seen.gpu_devices.sort();
+        Some(seen)
+    }
+
+    /// The GPUs `NVIDIA_VISIBLE_DEVICES` names, sorted: none for absent, empty, `void` or
+    /// `none`.
+    pub fn visible_ids(&self) -> Vec<String> {
+        let value = self.visible.as_deref().unwrap_or("").trim();
+        if value.is_empty() || value == "void" || value == "none" {
+            return Vec::new();
+        }
+        let mut ids: Vec<String> = value.split(',').map(|s| s.trim().to_owned()).collect();
+        ids.sort();
+        ids
+    }
+
+    /// Whether the container sees exactly the GPUs `allocated` (the kubelet's device IDs for
+    /// it): its `NVIDIA_VISIBLE_DEVICES` names them (none, where it got none), no MIG access
+    /// variable is set, and it has one GPU device node per allocated GPU. `Err` says what
+    /// it sees beyond that.
+    pub fn holds_exactly(&self, allocated: &[String]) -> Result<(), String> {
+        let mut allocated = allocated.to_vec();
+        allocated.sort();
+        let mut wrong = Vec::new();
+        if self.visible_ids() != allocated {
+            wrong.push(format!(
+                "NVIDIA_VISIBLE_DEVICES={} where the kubelet allocated {allocated:?}",
+                self.visible.as_deref().unwrap_or("(unset)")
+            ));
+        }
+        if !self.mig.is_empty() {
+            wrong.push(format!("MIG access variables {:?}", self.mig));
+        }
+        if self.gpu_devices.len() != allocated.len() {
+            wrong.push(format!(
+                "device nodes {:?} for {} allocated GPU(s)",
+                self.gpu_devices,
+                allocated.len()
+            ));
+        }
+        if wrong.is_empty() {
+            Ok(())
+        } else {
+            Err(wrong.join("; "))
+        }
+    }
+
+    /// `NVIDIA_VISIBLE_DEVICES=..., devices=[...]`, for a table.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "NVIDIA_VISIBLE_DEVICES={}, devices={:?}",
+            self.visible.as_deref().unwrap_or("(unset)"),
+            self.gpu_devices
+        );
+        if !self.mig.is_empty() {
+            s.push_str(&format!(", {}", self.mig.join(", ")));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_container_log_reads_as_what_it_sees() {
+        let log = "PATH=/bin\nNVIDIA_VISIBLE_DEVICES=GPU-b,GPU-a\nNVIDIA_MIG_CONFIG_DEVICES=all\n==devices==\n/dev/nvidia-caps\n/dev/nvidia1\n/dev/nvidiactl\n/dev/nvidia0\n==end==\n";
+        let seen = Seen::parse(log).expect("complete");
+        assert_eq!(seen.visible_ids(), ["GPU-a", "GPU-b"]);
+        assert_eq!(seen.gpu_devices, ["/dev/nvidia0", "/dev/nvidia1"]);
+        assert_eq!(seen.mig, ["NVIDIA_MIG_CONFIG_DEVICES=all"]);
+        let allocated = ["GPU-b".to_owned(), "GPU-a".to_owned()];
+        let err = seen
+            .holds_exactly(&allocated)
+            .expect_err("the MIG variable");
+        assert!(err.contains("MIG"), "{err}");
+        assert!(Seen::parse("PATH=/bin\n==devices==\n").is_none());
+
+        let void = Seen::parse("NVIDIA_VISIBLE_DEVICES=void\n==devices==\n==end==").expect("seen");
+        assert_eq!(void.holds_exactly(&[]), Ok(()));
+        let all = Seen::parse("NVIDIA_VISIBLE_DEVICES=all\n==devices==\n==end==").expect("seen");
+        assert!(all.holds_exactly(&[]).is_err());
+        let unset = Seen::parse("PATH=/bin\n==devices==\n/dev/nvidia3\n==end==").expect("seen");
+        assert!(unset.holds_exactly(&[]).is_err(), "a GPU device node");
+    }
+
+    #[test]
+    fn the_gpu_node_is_ready_with_two_gpus() {
+        let node = |name: &str, ready: &str, gpus: &str| {
+            json!({"metadata": {"name": name}, "status": {
+                "conditions": [{"type": "Ready", "status": ready}],
+                "allocatable": {"nvidia.com/gpu": gpus}}})
+        };
+        let list = json!({"items": [node("a", "True", "1"), node("b", "False", "8"),
+            node("c", "True", "2")]});
+        if std::env::var_os("GPUWARDEN_E2E_NODE").is_none() {
+            assert_eq!(
+                gpu_node_in(&list).map(|n| &n["metadata"]["name"]),
+                Some(&json!("c"))
+            );
+        }
+        assert!(gpu_node_in(&json!({"items": [node("a", "True", "0")]})).is_none());
+    }
+}

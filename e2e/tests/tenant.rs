@@ -1,0 +1,1639 @@
+//! The tenant attack suite, on a real node (docs/design.md, "Threat model"): a tenant with
+//! its namespace's `admin` role tries every door it can write to reach GPUs it was not
+//! allocated, and each attempt is judged by what its process sees on the node.
+//!
+//! The tenant is ServiceAccount `tenant` of a namespace that gpuwarden's default GpuPolicy
+//! governs (Enforce) and that enforces Pod Security `baseline`, as the README tells untrusted
+//! namespaces to; it is bound to the built-in `admin` ClusterRole (and, as clusters that
+//! allow `kubectl debug` grant it, to `pods/ephemeralcontainers`). Every tenant request is
+//! impersonated, so the API server's own authorization decides what it may write. Its
+//! containers run an image whose OCI config sets `NVIDIA_VISIBLE_DEVICES=all` (busybox from
+//! the node's containerd, re-tagged with that `ENV`, as every CUDA base image sets it) and
+//! print their environment and `/dev/nvidia*`. Each attempt must be denied at admission, or
+//! run with exactly the GPUs the kubelet allocated it (pod-resources), none where it asked
+//! for none: `NVIDIA_VISIBLE_DEVICES` unset, `void` or `none`, no MIG access variable, no
+//! `/dev/nvidia<N>`. As a node without the NVIDIA container runtime shows a process nothing
+//! the runtime would add, every stored pod is also read as the runtime would read it (CDI
+//! annotations, device-list mounts, device hostPaths, the image's variable left in force).
+//!
+//! The attempts run three ways: (1) the in-process webhook (registered as
+//! deploy/admission/mutating-webhook.yaml registers it) with the MutatingAdmissionPolicy
+//! rendered from the default policy; (2) the API server alone: the MutatingAdmissionPolicy
+//! and no webhook; (3) the webhook "scaled to 0": its configuration registered, calling a
+//! port where nothing listens, with the MutatingAdmissionPolicy. Each way also binds the
+//! shipped backstop ValidatingAdmissionPolicy to its namespace, as the install does. Ways
+//! (2) and (3) are skipped where the server does not serve MutatingAdmissionPolicy. In way
+//! (1) the offline engine (`gpuwarden-webhook mutate`'s entry, and the webhook's review for
+//! an ephemeral container) judges each attempt as submitted, and must agree with what the
+//! API server stored: the same containers' env, securityContext and resources, or a denial.
+//!
+//! It needs what `e2e.rs`'s node tests need (a Ready node with two allocatable
+//! `nvidia.com/gpu`, busybox on it), and that node must be this machine, as root, with `ctr`:
+//! it imports the image into the node's containerd and reads the kubelet's pod-resources
+//! socket (`$GPUWARDEN_E2E_POD_RESOURCES`, default
+//! /var/lib/kubelet/pod-resources/kubelet.sock). Elsewhere it prints `SKIPPED` and why.
+//! Everything it creates is deleted, also when it fails; it creates no host path.
+//!
+//! ```sh
+//! KUBECONFIG=... cargo test -p gpuwarden-e2e --test tenant -- --ignored --nocapture --test-threads=1
+//! ```
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpuwarden_crds::admission::policies::{MutatingApi, render};
+use gpuwarden_crds::{GpuPolicy, RESOURCE_GPU};
+use gpuwarden_e2e::cluster::{
+    Cluster, LocalWebhook, RawResponse, certificate_for, namespaces_named, skip, wait_for,
+};
+use gpuwarden_e2e::env::{Env, until_admission};
+use gpuwarden_e2e::image::derive_with_env;
+use gpuwarden_e2e::node::{
+    NEEDS_GPU_NODE, SEEN_COMMAND, SEEN_ONCE_COMMAND, Seen, busybox, ctr, gpu_node, image_refs,
+    local_node_problem,
+};
+use gpuwarden_node_agent::podresources::{DEFAULT_SOCKET, PodResourcesClient, Timeouts};
+use gpuwarden_webhook::admission::{StaticSource, handle_review};
+use gpuwarden_webhook::mutate::{EXIT_ADMITTED, EXIT_DENIED, MutateArgs, OutputFormat};
+use http::Method;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::api::{Api, ListParams, LogParams};
+use serde_json::{Value, json};
+
+const TEST: &str = "tenant_attacks_get_no_gpu_they_were_not_allocated_on_a_real_node";
+/// The label on every pod (and pod template) of an attempt: its name.
+const ATTEMPT: &str = "gpuwarden.io/e2e-attempt";
+/// The tenant's ServiceAccount.
+const TENANT: &str = "tenant";
+/// How long an attempt's pod may take to run.
+const RUN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How admission is set up for a way of running the suite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    /// The webhook and the MutatingAdmissionPolicy.
+    Webhook,
+    /// The MutatingAdmissionPolicy alone.
+    ApiServer,
+    /// The webhook's configuration calling nothing, and the MutatingAdmissionPolicy.
+    WebhookDown,
+}
+
+impl Way {
+    fn label(self) -> &'static str {
+        match self {
+            Way::Webhook => "1 webhook+MAP",
+            Way::ApiServer => "2 MAP alone",
+            Way::WebhookDown => "3 webhook down",
+        }
+    }
+
+    fn suffix(self) -> &'static str {
+        match self {
+            Way::Webhook => "tenant-webhook",
+            Way::ApiServer => "tenant-map",
+            Way::WebhookDown => "tenant-down",
+        }
+    }
+}
+
+/// What the tenant does once the object under test is stored.
+#[derive(Clone, Debug)]
+enum Then {
+    Nothing,
+    /// `kubectl create job --from=cronjob/<name>`.
+    JobFromCronJob,
+    /// `kubectl debug`: this ephemeral container, added once the pod runs.
+    Debug(Value),
+}
+
+/// One attempt: objects the tenant writes first, the object under test (a Pod, or a
+/// workload whose pods carry the [`ATTEMPT`] label), and what follows.
+#[derive(Clone, Debug)]
+struct Attempt {
+    name: &'static str,
+    setup: Vec<Value>,
+    object: Value,
+    then: Then,
+}
+
+/// What became of an attempt.
+#[derive(Debug)]
+enum Outcome {
+    /// Refused by the API server (admission or authorization).
+    Denied { stage: String, message: String },
+    /// Its pod ran: what each container saw, and the GPUs the kubelet allocated it.
+    Ran {
+        stored: Value,
+        seen: Vec<(String, Seen, Vec<String>)>,
+    },
+    /// Its pod was stored but did not run.
+    NotRun { stored: Value, why: String },
+}
+
+impl Outcome {
+    fn summary(&self) -> String {
+        match self {
+            Outcome::Denied { stage, message } => {
+                format!("denied ({stage}): {}", first_line(message, 150))
+            }
+            Outcome::Ran { seen, .. } => {
+                let each: Vec<String> = (seen.iter())
+                    .map(|(c, s, allocated)| {
+                        format!("{c}: {} (allocated {})", s.summary(), allocated.len())
+                    })
+                    .collect();
+                format!("ran: {}", each.join("; "))
+            }
+            Outcome::NotRun { stored, why } => {
+                let env: Vec<String> = all_containers(stored)
+                    .iter()
+                    .map(|(_, c)| {
+                        format!(
+                            "{}: NVIDIA_VISIBLE_DEVICES={}",
+                            c["name"].as_str().unwrap_or(""),
+                            last_visible(c).unwrap_or_else(|| "(unset)".into())
+                        )
+                    })
+                    .collect();
+                format!(
+                    "stored, not run ({}): {}",
+                    first_line(why, 100),
+                    env.join("; ")
+                )
+            }
+        }
+    }
+
+    fn stored(&self) -> Option<&Value> {
+        match self {
+            Outcome::Ran { stored, .. } | Outcome::NotRun { stored, .. } => Some(stored),
+            Outcome::Denied { .. } => None,
+        }
+    }
+}
+
+fn first_line(text: &str, max: usize) -> String {
+    let line = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let line = line.trim();
+    if line.chars().count() > max {
+        format!("{}…", line.chars().take(max).collect::<String>())
+    } else {
+        line.to_owned()
+    }
+}
+
+/// The attempts, their containers running `image`.
+fn attempts(image: &str, node: &str, device_class: Option<&str>) -> Vec<Attempt> {
+    let c = |name: &str| {
+        json!({"name": name, "image": image, "imagePullPolicy": "Never",
+            "command": ["sh", "-c", SEEN_COMMAND]})
+    };
+    let main = || c("main");
+    let with = |extra: Value| {
+        let mut container = main();
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            container[k] = v.clone();
+        }
+        container
+    };
+    let pod = |name: &'static str, spec: Value| -> Value {
+        let mut spec = spec;
+        spec["terminationGracePeriodSeconds"] = json!(1);
+        if spec.get("restartPolicy").is_none() {
+            spec["restartPolicy"] = json!("Never");
+        }
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {ATTEMPT: name}}, "spec": spec})
+    };
+    let of = |name: &'static str, object: Value| Attempt {
+        name,
+        setup: vec![],
+        object,
+        then: Then::Nothing,
+    };
+    let simple = |name: &'static str, container: Value| {
+        of(name, pod(name, json!({"containers": [container]})))
+    };
+    let template = |name: &str, spec: Value| {
+        let mut spec = spec;
+        spec["terminationGracePeriodSeconds"] = json!(1);
+        json!({"metadata": {"labels": {ATTEMPT: name}}, "spec": spec})
+    };
+    let config_map = |name: &str| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name},
+            "data": {"NVIDIA_VISIBLE_DEVICES": "all"}})
+    };
+    let owned_by = |name: &'static str, owner: Value| {
+        let mut object = pod(name, json!({"containers": [main()]}));
+        object["metadata"]["ownerReferences"] = json!([owner]);
+        object
+    };
+    let owned = |name: &'static str, kind: &str, mut spec: Value| {
+        let labels = json!({"owner": name});
+        spec["selector"] = json!({"matchLabels": labels});
+        spec["template"] = json!({"metadata": {"labels": labels}, "spec": {
+            "nodeSelector": {"gpuwarden.io/e2e-nowhere": "true"}, "containers": [main()]}});
+        Attempt {
+            name,
+            setup: vec![json!({"apiVersion": "apps/v1", "kind": kind,
+                "metadata": {"name": name}, "spec": spec})],
+            object: owned_by(
+                name,
+                json!({"apiVersion": "apps/v1", "kind": kind, "name": name, "uid": "",
+                    "controller": true}),
+            ),
+            then: Then::Nothing,
+        }
+    };
+    let mut out = vec![
+        simple("image-env", main()),
+        simple(
+            "env-all",
+            with(json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]})),
+        ),
+        Attempt {
+            name: "envfrom-configmap",
+            setup: vec![config_map("envfrom-configmap")],
+            object: pod(
+                "envfrom-configmap",
+                json!({"containers": [with(json!({"envFrom": [{"configMapRef": {"name": "envfrom-configmap"}}]}))]}),
+            ),
+            then: Then::Nothing,
+        },
+        Attempt {
+            name: "valuefrom-configmap",
+            setup: vec![config_map("valuefrom-configmap")],
+            object: pod(
+                "valuefrom-configmap",
+                json!({"containers": [with(json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+                    "valueFrom": {"configMapKeyRef": {"name": "valuefrom-configmap", "key": "NVIDIA_VISIBLE_DEVICES"}}}]}))]}),
+            ),
+            then: Then::Nothing,
+        },
+        simple(
+            "mig-variables",
+            with(json!({"env": [
+                {"name": "NVIDIA_MIG_CONFIG_DEVICES", "value": "all"},
+                {"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}]})),
+        ),
+    ];
+    for (name, prefix) in [
+        ("cdi-annotation", "cdi.k8s.io"),
+        ("nvidia-cdi-annotation", "nvidia.cdi.k8s.io"),
+    ] {
+        let mut object = pod(name, json!({"containers": [main()]}));
+        object["metadata"]["annotations"] = json!({format!("{prefix}/gpus"): "nvidia.com/gpu=all"});
+        out.push(of(name, object));
+    }
+    out.extend([
+        of("device-list-mount", pod(
+                "device-list-mount",
+                json!({"volumes": [{"name": "all", "emptyDir": {}}],
+                    "containers": [with(json!({"volumeMounts": [
+                        {"name": "all", "mountPath": "/var/run/nvidia-container-devices/all"}]}))]}),
+            )),
+        // CharDevice: the kubelet creates nothing on the host where /dev/nvidia0 is missing.
+        of("hostpath-dev-nvidia0", pod(
+                "hostpath-dev-nvidia0",
+                json!({"volumes": [{"name": "gpu0", "hostPath": {"path": "/dev/nvidia0", "type": "CharDevice"}}],
+                    "containers": [with(json!({"volumeMounts": [{"name": "gpu0", "mountPath": "/dev/nvidia0"}]}))]}),
+            )),
+        simple(
+            "privileged",
+            with(json!({"securityContext": {"privileged": true}})),
+        ),
+        simple(
+            "privileged-env-all",
+            with(json!({"securityContext": {"privileged": true},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]})),
+        ),
+        simple(
+            "cap-sys-admin",
+            with(json!({"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}})),
+        ),
+        simple(
+            "cap-all",
+            with(json!({"securityContext": {"capabilities": {"add": ["ALL"]}}})),
+        ),
+        of("runtimeclass-nvidia", pod(
+                "runtimeclass-nvidia",
+                json!({"runtimeClassName": "nvidia", "containers": [main()]}),
+            )),
+        // The tenant's own DaemonSet (on no node: its pods would be another attempt) and
+        // ReplicaSet (of no replica), each named as the controller of a bare pod.
+        owned("owner-daemonset", "DaemonSet", json!({})),
+        owned("owner-replicaset", "ReplicaSet", json!({"replicas": 0})),
+        of("owner-made-up-kind", owned_by(
+                "owner-made-up-kind",
+                json!({"apiVersion": "example.com/v1", "kind": "Trainer", "name": "trainer",
+                    "uid": "6f1c2a52-1d0e-4c43-9f3a-000000000001", "controller": true}),
+            )),
+        of("daemonset", json!({"apiVersion": "apps/v1", "kind": "DaemonSet",
+                "metadata": {"name": "daemonset"},
+                "spec": {"selector": {"matchLabels": {ATTEMPT: "daemonset"}},
+                    "template": template("daemonset", json!({
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [main()]}))}})),
+        of("job", json!({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "job"},
+                "spec": {"backoffLimit": 0, "template": template("job", json!({
+                    "restartPolicy": "Never", "containers": [main()]}))}})),
+        Attempt {
+            name: "cronjob",
+            setup: vec![],
+            object: json!({"apiVersion": "batch/v1", "kind": "CronJob",
+                "metadata": {"name": "cronjob"},
+                "spec": {"schedule": "* * * * *", "suspend": true,
+                    "jobTemplate": {"spec": {"backoffLimit": 0, "template": template("cronjob", json!({
+                        "restartPolicy": "Never", "containers": [main()]}))}}}}),
+            then: Then::JobFromCronJob,
+        },
+        of("init-container", pod(
+                "init-container",
+                json!({"initContainers": [{"name": "init", "image": image, "imagePullPolicy": "Never",
+                    "command": ["sh", "-c", SEEN_ONCE_COMMAND]}],
+                    "containers": [main()]}),
+            )),
+        of("sidecar", pod(
+                "sidecar",
+                json!({"initContainers": [{"name": "side", "image": image, "imagePullPolicy": "Never",
+                    "restartPolicy": "Always", "command": ["sh", "-c", SEEN_COMMAND]}],
+                    "containers": [main()]}),
+            )),
+        Attempt {
+            name: "ephemeral-debug",
+            setup: vec![],
+            object: pod("ephemeral-debug", json!({"containers": [main()]})),
+            then: Then::Debug(json!({"name": "debugger", "image": image,
+                "imagePullPolicy": "Never", "targetContainerName": "main",
+                "command": ["sh", "-c", SEEN_COMMAND]})),
+        },
+        of("node-name", pod(
+                "node-name",
+                json!({"nodeName": node, "containers": [main()]}),
+            )),
+    ]);
+    if let Some(class) = device_class {
+        out.push(Attempt {
+            name: "resource-claim-nic",
+            setup: vec![json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": "nic"},
+                "spec": {"devices": {"requests": [{"name": "nic", "exactly": {"deviceClassName": class}}]}}})],
+            object: pod(
+                "resource-claim-nic",
+                json!({"resourceClaims": [{"name": "nic", "resourceClaimName": "nic"}],
+                    "containers": [with(json!({"resources": {"claims": [{"name": "nic"}]}}))]}),
+            ),
+            then: Then::Nothing,
+        });
+    }
+    out
+}
+
+/// The collection path of an object of the tenant's namespace `ns`.
+fn collection(object: &Value, ns: &str) -> String {
+    let api_version = object["apiVersion"].as_str().unwrap_or("v1");
+    let plural = format!(
+        "{}s",
+        object["kind"].as_str().unwrap_or_default().to_lowercase()
+    );
+    let root = if api_version == "v1" {
+        "/api/v1".to_owned()
+    } else {
+        format!("/apis/{api_version}")
+    };
+    format!("{root}/namespaces/{ns}/{plural}")
+}
+
+fn name_of(object: &Value) -> &str {
+    object["metadata"]["name"].as_str().unwrap_or_default()
+}
+
+/// Every container of a pod (or pod template) with its list: init, regular, ephemeral.
+fn all_containers(pod: &Value) -> Vec<(&'static str, &Value)> {
+    ["initContainers", "containers", "ephemeralContainers"]
+        .into_iter()
+        .flat_map(|field| {
+            (pod["spec"][field].as_array().into_iter().flatten()).map(move |c| (field, c))
+        })
+        .collect()
+}
+
+/// The value of a container's last `NVIDIA_VISIBLE_DEVICES` entry (`valueFrom` for one set
+/// from elsewhere), if any.
+fn last_visible(c: &Value) -> Option<String> {
+    let entry = (c["env"].as_array().into_iter().flatten())
+        .rfind(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")?;
+    Some(match entry["value"].as_str() {
+        Some(v) => v.to_owned(),
+        None if entry.get("valueFrom").is_some() => "(valueFrom)".to_owned(),
+        None => String::new(),
+    })
+}
+
+fn names_none(value: &str) -> bool {
+    let v = value.trim();
+    v.is_empty() || v.eq_ignore_ascii_case("void") || v.eq_ignore_ascii_case("none")
+}
+
+/// What the NVIDIA runtime would hand the pod's containers beyond their allocation, read
+/// from the stored pod: an NVIDIA CDI annotation, a device-list mount, a device hostPath, a
+/// privileged container, `NVIDIA_VISIBLE_DEVICES` or a MIG variable naming devices (or set
+/// beside a GPU limit, which it would override), and, in a container of `image` (whose
+/// config sets `NVIDIA_VISIBLE_DEVICES=all`) without a GPU, the image's value left in force.
+fn stored_gives(pod: &Value, image: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (key, value) in pod["metadata"]["annotations"]
+        .as_object()
+        .into_iter()
+        .flatten()
+    {
+        let value = value.as_str().unwrap_or_default();
+        if gpuwarden_crds::is_cdi_annotation(key) && value.contains("nvidia.com/") {
+            out.push(format!("CDI annotation {key}: {value}"));
+        }
+    }
+    let volumes = pod["spec"]["volumes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    for (_, c) in all_containers(pod) {
+        let name = c["name"].as_str().unwrap_or_default();
+        if c["securityContext"]["privileged"] == true {
+            out.push(format!("{name}: privileged"));
+        }
+        let gpus = ["limits", "requests"].iter().any(|k| {
+            (c["resources"][k].as_object().into_iter().flatten()).any(|(r, q)| {
+                gpuwarden_crds::gpu::is_gpu_resource(r) && q.as_str().is_some_and(|q| q != "0")
+            })
+        });
+        match last_visible(c) {
+            Some(v) if gpus => out.push(format!(
+                "{name}: NVIDIA_VISIBLE_DEVICES={v} beside a GPU limit overrides the allocation"
+            )),
+            Some(v) if !names_none(&v) => out.push(format!("{name}: NVIDIA_VISIBLE_DEVICES={v}")),
+            None if !gpus && c["image"] == image => out.push(format!(
+                "{name}: no NVIDIA_VISIBLE_DEVICES entry: the image's NVIDIA_VISIBLE_DEVICES=all is in force"
+            )),
+            _ => {}
+        }
+        for e in c["env"].as_array().into_iter().flatten() {
+            let var = e["name"].as_str().unwrap_or_default();
+            if var.starts_with("NVIDIA_MIG_") && !e["value"].as_str().is_some_and(names_none) {
+                out.push(format!("{name}: {var} set"));
+            }
+        }
+        for m in c["volumeMounts"].as_array().into_iter().flatten() {
+            let path = m["mountPath"].as_str().unwrap_or_default();
+            if path.contains("nvidia-container-devices") {
+                out.push(format!("{name}: device-list mount {path}"));
+            }
+            let host = (volumes.iter())
+                .find(|v| v["name"] == m["name"])
+                .and_then(|v| v["hostPath"]["path"].as_str());
+            if let Some(host) = host
+                && (host == "/dev"
+                    || host.starts_with("/dev/nvidia")
+                    || host.starts_with("/dev/dri"))
+            {
+                out.push(format!("{name}: device hostPath {host}"));
+            }
+        }
+    }
+    out
+}
+
+/// A container's env, securityContext and resources, as the API server stores them: a
+/// limit without a request gets the request, and empty fields are no fields.
+fn judged_fields(pod: &Value) -> Value {
+    let mut out = serde_json::Map::new();
+    for (field, c) in all_containers(pod) {
+        let mut resources = c["resources"].clone();
+        if let Some(limits) = resources["limits"].as_object().cloned() {
+            for (k, v) in limits {
+                if resources["requests"].get(&k).is_none() {
+                    resources["requests"][&k] = v;
+                }
+            }
+        }
+        let mut fields = serde_json::Map::new();
+        for (key, value) in [
+            ("env", c["env"].clone()),
+            ("securityContext", c["securityContext"].clone()),
+            ("resources", resources),
+        ] {
+            let empty = value.is_null()
+                || value.as_object().is_some_and(|o| o.is_empty())
+                || value.as_array().is_some_and(|a| a.is_empty());
+            if !empty {
+                fields.insert(key.to_owned(), value);
+            }
+        }
+        let name = c["name"].as_str().unwrap_or_default();
+        out.insert(format!("{field}/{name}"), Value::Object(fields));
+    }
+    Value::Object(out)
+}
+
+/// The pod (template) inside a workload as the offline engine returns it.
+fn pod_of(object: &Value) -> Value {
+    match object["kind"].as_str() {
+        Some("Pod") => object.clone(),
+        Some("CronJob") => object["spec"]["jobTemplate"]["spec"]["template"].clone(),
+        _ => object["spec"]["template"].clone(),
+    }
+}
+
+/// What the offline engine makes of a submitted object.
+enum Offline {
+    Denied(String),
+    Admitted(Value),
+}
+
+/// `gpuwarden-webhook mutate` (its library entry) on `object` as submitted, in `namespace`
+/// (the Namespace object, for its labels), with the cluster's GpuPolicies in `policies` and
+/// the tenant's ResourceClaims in `claims`.
+fn offline(policies: &Path, namespace: &Value, claims: &[&Value], object: &Value) -> Offline {
+    let mut items = vec![namespace.clone()];
+    items.extend(claims.iter().map(|c| (*c).clone()));
+    items.push(object.clone());
+    let input = json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string();
+    let args = MutateArgs {
+        filenames: vec!["-".into()],
+        policies: vec![policies.to_path_buf()],
+        output: OutputFormat::Json,
+        namespace: Some(name_of(namespace).to_owned()),
+        namespace_labels: None,
+    };
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = gpuwarden_webhook::mutate::run(&args, &mut input.as_bytes(), &mut out, &mut err);
+    let stderr = String::from_utf8_lossy(&err).into_owned();
+    match code {
+        EXIT_DENIED => Offline::Denied(stderr),
+        EXIT_ADMITTED => {
+            let written: Value = serde_json::from_slice(&out).expect("mutate's JSON");
+            let found = if written["kind"] == "List" {
+                (written["items"].as_array().into_iter().flatten())
+                    .find(|i| i["kind"] == object["kind"] && name_of(i) == name_of(object))
+                    .cloned()
+            } else {
+                Some(written)
+            };
+            Offline::Admitted(found.expect("mutate printed the object"))
+        }
+        other => panic!("mutate exited {other}: {stderr}"),
+    }
+}
+
+/// The webhook's own review, offline, of `pods/ephemeralcontainers` adding what `new` has
+/// beyond `old`: the pod it would store, or its denial.
+fn offline_ephemeral(
+    policies: &[GpuPolicy],
+    namespace: &Value,
+    old: &Value,
+    new: &Value,
+) -> Offline {
+    let ns = name_of(namespace);
+    let labels: Vec<(&str, &str)> = (namespace["metadata"]["labels"]
+        .as_object()
+        .into_iter()
+        .flatten())
+    .filter_map(|(k, v)| Some((k.as_str(), v.as_str()?)))
+    .collect();
+    let source = StaticSource::new(policies.iter().cloned()).with_namespace(ns, &labels);
+    let review = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {"uid": "offline", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "ephemeralcontainers", "name": name_of(new), "namespace": ns,
+            "operation": "UPDATE", "object": new, "oldObject": old}});
+    let body = serde_json::to_vec(&review).expect("review");
+    let (answer, _) = handle_review(&body, &source);
+    let answer: Value = serde_json::from_slice(&answer).expect("the review's answer");
+    let response = &answer["response"];
+    if response["allowed"] != true {
+        return Offline::Denied(
+            response["status"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        );
+    }
+    let mut pod = new.clone();
+    if let Some(patch) = response["patch"].as_str() {
+        let bytes = base64_simd::STANDARD.decode_to_vec(patch).expect("base64");
+        let patch: json_patch::Patch = serde_json::from_slice(&bytes).expect("a JSON patch");
+        json_patch::patch(&mut pod, &patch).expect("the webhook's patch applies");
+    }
+    Offline::Admitted(pod)
+}
+
+/// What an attempt left to check in way (1): the object as submitted, with the setup
+/// objects, and for `kubectl debug` the pod before and the container added.
+struct Submitted {
+    object: Value,
+    claims: Vec<Value>,
+    debug: Option<(Value, Value)>,
+}
+
+/// One way's namespace, its tenant, and what the tenant may reach.
+struct Tenancy {
+    way: Way,
+    ns: String,
+    namespace: Value,
+    tenant: Cluster,
+}
+
+/// The context shared by the ways.
+struct Suite<'e> {
+    env: &'e Env,
+    image: String,
+    node: String,
+    device_class: Option<String>,
+    socket: PathBuf,
+    policies_file: PathBuf,
+    policies: Vec<GpuPolicy>,
+}
+
+/// One line of the table, and what failed.
+struct Row {
+    attempt: &'static str,
+    way: Way,
+    outcome: String,
+    engine: String,
+    problems: Vec<String>,
+}
+
+impl Row {
+    /// `| attempt | way | outcome | engine |`, and what failed (a leak, a disagreement).
+    fn line(&self) -> String {
+        let mut line = format!(
+            "| {} | {} | {} | {} |",
+            self.attempt,
+            self.way.label(),
+            self.outcome,
+            if self.engine.is_empty() {
+                "-"
+            } else {
+                &self.engine
+            }
+        );
+        if !self.problems.is_empty() {
+            line.push_str(&format!(" FAILED: {} |", self.problems.join("; ")));
+        }
+        line
+    }
+}
+
+impl Suite<'_> {
+    fn admin(&self) -> &Cluster {
+        &self.env.cluster
+    }
+
+    /// A namespace governed by the default policy and enforcing Pod Security baseline, its
+    /// tenant bound to `admin` (and to `pods/ephemeralcontainers`), acting as that tenant.
+    async fn tenancy(&self, way: Way) -> Tenancy {
+        let ns = self.env.namespace_at(way.suffix(), "baseline").await;
+        let admin = self.admin();
+        let post = |path: String, body: Value| async move {
+            let r = admin
+                .raw(Method::POST, &path, "application/json", Some(&body))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(r.status.is_success(), "POST {path}: {}", r.message());
+        };
+        post(
+            format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+            json!({"metadata": {"name": TENANT}}),
+        )
+        .await;
+        let subject = json!([{"kind": "ServiceAccount", "name": TENANT, "namespace": ns}]);
+        let rbac = format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}");
+        post(
+            format!("{rbac}/rolebindings"),
+            json!({"metadata": {"name": "tenant-admin"}, "subjects": subject,
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"}}),
+        )
+        .await;
+        post(
+            format!("{rbac}/roles"),
+            json!({"metadata": {"name": "tenant-debug"}, "rules": [{"apiGroups": [""],
+                "resources": ["pods/ephemeralcontainers"], "verbs": ["get", "patch", "update"]}]}),
+        )
+        .await;
+        post(
+            format!("{rbac}/rolebindings"),
+            json!({"metadata": {"name": "tenant-debug"}, "subjects": subject,
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant-debug"}}),
+        )
+        .await;
+        let tenant = admin
+            .as_service_account(&ns, TENANT)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let namespace = admin
+            .raw(
+                Method::GET,
+                &format!("/api/v1/namespaces/{ns}"),
+                "application/json",
+                None,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .body;
+        Tenancy {
+            way,
+            ns,
+            namespace,
+            tenant,
+        }
+    }
+
+    /// Runs every attempt in `t`'s namespace; in way (1) holds the offline engine to what
+    /// was stored.
+    async fn run_way(&self, t: &Tenancy) -> Vec<Row> {
+        let mut rows = Vec::new();
+        let device_class = self.device_class.as_deref();
+        for attempt in attempts(&self.image, &self.node, device_class) {
+            let started = Instant::now();
+            let (outcome, submitted) = self.attempt(t, &attempt).await;
+            let mut problems = Vec::new();
+            if let Some(stored) = outcome.stored() {
+                problems.extend(stored_gives(stored, &self.image));
+            }
+            if let Outcome::Ran { seen, .. } = &outcome {
+                for (container, seen, allocated) in seen {
+                    if let Err(why) = seen.holds_exactly(allocated) {
+                        problems.push(format!("{container} sees {why}"));
+                    }
+                }
+            }
+            let engine = if t.way == Way::Webhook {
+                match self.engine_agrees(t, &outcome, &submitted).await {
+                    Ok(text) => text,
+                    Err(why) => {
+                        problems.push(format!("the offline engine disagrees: {why}"));
+                        "DISAGREES".to_owned()
+                    }
+                }
+            } else {
+                String::new()
+            };
+            let held = self.remove(t, &attempt, &outcome).await;
+            let row = Row {
+                attempt: attempt.name,
+                way: t.way,
+                outcome: outcome.summary(),
+                engine,
+                problems,
+            };
+            eprintln!(
+                "{} {:.0} s{}",
+                row.line(),
+                started.elapsed().as_secs_f64(),
+                if held { ", GPUs released" } else { "" },
+            );
+            if !row.problems.is_empty() {
+                eprintln!(
+                    "  stored: {}",
+                    outcome
+                        .stored()
+                        .map_or_else(|| "(nothing)".to_owned(), |s| judged_fields(s).to_string())
+                );
+            }
+            rows.push(row);
+        }
+        rows
+    }
+
+    /// Creates an attempt's objects as the tenant and follows them to a process.
+    async fn attempt(&self, t: &Tenancy, attempt: &Attempt) -> (Outcome, Submitted) {
+        let mut submitted = Submitted {
+            object: attempt.object.clone(),
+            claims: Vec::new(),
+            debug: None,
+        };
+        let mut created = Vec::new();
+        for object in &attempt.setup {
+            let r = self.create(t, object).await;
+            if !r.status.is_success() {
+                let stage = format!(
+                    "setup {} {}",
+                    object["kind"].as_str().unwrap_or(""),
+                    name_of(object)
+                );
+                return (denied(stage, &r), submitted);
+            }
+            if object["kind"] == "ResourceClaim" {
+                submitted.claims.push(object.clone());
+            }
+            created.push(r.body);
+        }
+        // Owner references name the setup objects by uid.
+        for owner in (submitted.object["metadata"]["ownerReferences"].as_array_mut())
+            .into_iter()
+            .flatten()
+        {
+            if let Some(o) = created
+                .iter()
+                .find(|o| o["kind"] == owner["kind"] && o["metadata"]["name"] == owner["name"])
+            {
+                owner["uid"] = o["metadata"]["uid"].clone();
+            }
+        }
+        let r = self.create(t, &submitted.object).await;
+        if !r.status.is_success() {
+            let stage = submitted.object["kind"].as_str().unwrap_or("").to_owned();
+            return (denied(stage, &r), submitted);
+        }
+        if matches!(attempt.then, Then::JobFromCronJob) {
+            let cron = &r.body;
+            let job = json!({"apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": format!("{}-manual", attempt.name),
+                    "annotations": {"cronjob.kubernetes.io/instantiate": "manual"},
+                    "ownerReferences": [{"apiVersion": "batch/v1", "kind": "CronJob",
+                        "name": name_of(cron), "uid": cron["metadata"]["uid"], "controller": true}]},
+                "spec": cron["spec"]["jobTemplate"]["spec"]});
+            let r = self.create(t, &job).await;
+            if !r.status.is_success() {
+                return (denied("Job from the CronJob".into(), &r), submitted);
+            }
+        }
+        let pod = match self.pod_of_attempt(t, attempt.name).await {
+            Ok(pod) => pod,
+            Err(message) => {
+                let stage = format!(
+                    "the {} controller's pod",
+                    attempt.object["kind"].as_str().unwrap_or("")
+                );
+                return (Outcome::Denied { stage, message }, submitted);
+            }
+        };
+        let pod_name = name_of(&pod).to_owned();
+        let mut outcome = self.watch(t, &pod_name).await;
+        if let (Then::Debug(container), Outcome::Ran { stored, .. }) = (&attempt.then, &outcome) {
+            let before = stored.clone();
+            let mut after = before.clone();
+            after["spec"]["ephemeralContainers"] = json!([container]);
+            submitted.debug = Some((before, after));
+            let path = format!(
+                "/api/v1/namespaces/{}/pods/{pod_name}/ephemeralcontainers",
+                t.ns
+            );
+            let body = json!({"spec": {"ephemeralContainers": [container]}});
+            let r = t
+                .tenant
+                .raw(
+                    Method::PATCH,
+                    &path,
+                    "application/strategic-merge-patch+json",
+                    Some(&body),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            outcome = if r.status.is_success() {
+                self.watch(t, &pod_name).await
+            } else {
+                denied("ephemeral container".into(), &r)
+            };
+        }
+        (outcome, submitted)
+    }
+
+    async fn create(&self, t: &Tenancy, object: &Value) -> RawResponse {
+        t.tenant
+            .raw(
+                Method::POST,
+                &collection(object, &t.ns),
+                "application/json",
+                Some(object),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The pod of an attempt (labelled with its name), or why its controller made none
+    /// (its `FailedCreate` event: the API server refused the pod).
+    async fn pod_of_attempt(&self, t: &Tenancy, name: &str) -> Result<Value, String> {
+        let pods: Api<Pod> = Api::namespaced(self.env.client(), &t.ns);
+        let events: Api<Event> = Api::namespaced(self.env.client(), &t.ns);
+        let selector = format!("{ATTEMPT}={name}");
+        let found = wait_for(Duration::from_secs(60), || {
+            let (pods, events, selector) = (pods.clone(), events.clone(), selector.clone());
+            async move {
+                let list = pods
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .ok()?;
+                if let Some(pod) = list.items.into_iter().next() {
+                    return Some(Ok(serde_json::to_value(pod).expect("pod")));
+                }
+                let events = events.list(&ListParams::default()).await.ok()?;
+                events.items.into_iter().find_map(|e| {
+                    let about = e.involved_object.name.as_deref().unwrap_or("");
+                    (e.reason.as_deref() == Some("FailedCreate") && about.starts_with(name))
+                        .then(|| Err(e.message.unwrap_or_default()))
+                })
+            }
+        })
+        .await;
+        found.unwrap_or_else(|| {
+            Err(format!(
+                "no pod labelled {selector} and no FailedCreate event after 60 s"
+            ))
+        })
+    }
+
+    /// Follows a pod until every container printed what it sees: then what each saw and
+    /// what the kubelet allocated it; or why it did not run.
+    async fn watch(&self, t: &Tenancy, name: &str) -> Outcome {
+        let pods: Api<Pod> = Api::namespaced(self.env.client(), &t.ns);
+        let events: Api<Event> = Api::namespaced(self.env.client(), &t.ns);
+        let start = Instant::now();
+        let mut last = Value::Null;
+        loop {
+            let stored = match pods.get(name).await {
+                Ok(p) => serde_json::to_value(p).expect("pod"),
+                Err(e) => {
+                    let why = format!("the pod went away: {e}");
+                    return Outcome::NotRun { stored: last, why };
+                }
+            };
+            last = stored.clone();
+            let mut seen = Vec::new();
+            for (_, c) in all_containers(&stored) {
+                let container = c["name"].as_str().unwrap_or_default().to_owned();
+                let params = LogParams {
+                    container: Some(container.clone()),
+                    ..LogParams::default()
+                };
+                if let Some(s) = (pods.logs(name, &params).await.ok()).and_then(|l| Seen::parse(&l))
+                {
+                    seen.push((container, s));
+                }
+            }
+            if seen.len() == all_containers(&stored).len() {
+                let allocated = self.allocated(&t.ns, name).await;
+                let seen = (seen.into_iter())
+                    .map(|(c, s)| {
+                        let gpus = allocated
+                            .iter()
+                            .find(|(n, _)| *n == c)
+                            .map(|(_, g)| g.clone());
+                        (c, s, gpus.unwrap_or_default())
+                    })
+                    .collect();
+                return Outcome::Ran { stored, seen };
+            }
+            let unschedulable = (stored["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten())
+            .find(|c| c["type"] == "PodScheduled" && c["reason"] == "Unschedulable");
+            let stuck = (stored["status"]["containerStatuses"]
+                .as_array()
+                .into_iter()
+                .flatten())
+            .chain(
+                stored["status"]["initContainerStatuses"]
+                    .as_array()
+                    .into_iter()
+                    .flatten(),
+            )
+            .filter_map(|s| s["state"]["waiting"]["reason"].as_str().map(|r| (r, s)))
+            .find(|(r, _)| *r != "ContainerCreating" && *r != "PodInitializing");
+            let warning = if start.elapsed() > Duration::from_secs(15) {
+                let params = ListParams::default()
+                    .fields(&format!("involvedObject.name={name},type=Warning"));
+                (events.list(&params).await.ok())
+                    .and_then(|l| l.items.into_iter().next_back())
+                    .map(|e| {
+                        format!(
+                            "{}: {}",
+                            e.reason.unwrap_or_default(),
+                            e.message.unwrap_or_default()
+                        )
+                    })
+            } else {
+                None
+            };
+            let why = match (unschedulable, stuck, warning) {
+                (Some(c), _, _) if start.elapsed() > Duration::from_secs(5) => Some(format!(
+                    "unschedulable: {}",
+                    c["message"].as_str().unwrap_or("")
+                )),
+                (_, Some((reason, s)), _) if start.elapsed() > Duration::from_secs(10) => {
+                    Some(format!(
+                        "{reason}: {}",
+                        s["state"]["waiting"]["message"].as_str().unwrap_or("")
+                    ))
+                }
+                (_, _, Some(w)) => Some(w),
+                _ if start.elapsed() > RUN_TIMEOUT => Some(format!(
+                    "not running after {} s: phase {}",
+                    RUN_TIMEOUT.as_secs(),
+                    stored["status"]["phase"]
+                )),
+                _ => None,
+            };
+            if let Some(why) = why {
+                return Outcome::NotRun { stored, why };
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// The GPUs (device IDs, as the device plugin names them and writes them into
+    /// `NVIDIA_VISIBLE_DEVICES`) the kubelet allocated each container of a pod.
+    async fn allocated(&self, ns: &str, pod: &str) -> Vec<(String, Vec<String>)> {
+        let mut client = PodResourcesClient::connect(&self.socket, Timeouts::default())
+            .await
+            .unwrap_or_else(|e| panic!("the kubelet's pod-resources socket: {e}"));
+        let list = client
+            .list()
+            .await
+            .unwrap_or_else(|e| panic!("pod-resources List: {e}"));
+        (list.into_iter())
+            .filter(|p| p.namespace == ns && p.name == pod)
+            .flat_map(|p| p.containers)
+            .map(|c| {
+                let mut ids: Vec<String> = (c.devices.into_iter())
+                    .filter(|d| d.resource_name == RESOURCE_GPU)
+                    .flat_map(|d| d.device_ids)
+                    .collect();
+                ids.sort();
+                (c.name, ids)
+            })
+            .collect()
+    }
+
+    /// Way (1): the offline engine, on what the tenant submitted, against the API server.
+    async fn engine_agrees(
+        &self,
+        t: &Tenancy,
+        outcome: &Outcome,
+        submitted: &Submitted,
+    ) -> Result<String, String> {
+        let claims: Vec<&Value> = submitted.claims.iter().collect();
+        let mut engine = offline(
+            &self.policies_file,
+            &t.namespace,
+            &claims,
+            &submitted.object,
+        );
+        if let (Some((before, after)), Offline::Admitted(pod)) = (&submitted.debug, &engine) {
+            let base = pod.clone();
+            engine = match offline_ephemeral(&self.policies, &t.namespace, before, after) {
+                Offline::Admitted(debugged) => {
+                    let mut pod = base;
+                    pod["spec"]["ephemeralContainers"] =
+                        debugged["spec"]["ephemeralContainers"].clone();
+                    Offline::Admitted(pod)
+                }
+                denied => denied,
+            };
+        }
+        match (outcome, engine) {
+            (Outcome::Denied { message, .. }, Offline::Denied(why)) => {
+                if message.contains("pods.gpuwarden.io") {
+                    Ok("denies too".into())
+                } else {
+                    Err(format!(
+                        "the server denied ({}) what gpuwarden did not: engine: {}",
+                        first_line(message, 120),
+                        first_line(&why, 120)
+                    ))
+                }
+            }
+            (Outcome::Denied { message, .. }, Offline::Admitted(object)) => {
+                if message.contains("pods.gpuwarden.io") {
+                    return Err(format!(
+                        "the webhook denied ({}), the engine admits",
+                        first_line(message, 120)
+                    ));
+                }
+                // Refused after gpuwarden (Pod Security, the backstop): the engine's pod
+                // must be refused too.
+                let mut pod = pod_of(&object);
+                pod["apiVersion"] = json!("v1");
+                pod["kind"] = json!("Pod");
+                pod["metadata"]["name"] = json!(format!("engine-{}", name_of(&submitted.object)));
+                let r = t
+                    .tenant
+                    .create_pod(&t.ns, &pod, true)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                if r.status.is_success() {
+                    Err(format!(
+                        "the server denied ({}), the engine's pod is admitted",
+                        first_line(message, 120)
+                    ))
+                } else {
+                    Ok(format!(
+                        "admits; its pod is refused too: {}",
+                        first_line(r.message(), 60)
+                    ))
+                }
+            }
+            (
+                Outcome::Ran { stored, .. } | Outcome::NotRun { stored, .. },
+                Offline::Admitted(object),
+            ) => {
+                let (server, engine) = (judged_fields(stored), judged_fields(&pod_of(&object)));
+                if server == engine {
+                    Ok("same env/securityContext/resources".into())
+                } else {
+                    Err(format!("stored {server}, engine {engine}"))
+                }
+            }
+            (Outcome::Ran { .. } | Outcome::NotRun { .. }, Offline::Denied(why)) => Err(format!(
+                "stored, the engine denies: {}",
+                first_line(&why, 160)
+            )),
+        }
+    }
+
+    /// Deletes an attempt's objects; where its pod held GPUs, waits until it is gone so the
+    /// next attempt finds them free. Returns whether it held any.
+    async fn remove(&self, t: &Tenancy, attempt: &Attempt, outcome: &Outcome) -> bool {
+        let mut objects: Vec<Value> = attempt.setup.clone();
+        objects.push(attempt.object.clone());
+        if matches!(attempt.then, Then::JobFromCronJob) {
+            objects.push(json!({"apiVersion": "batch/v1", "kind": "Job",
+                "metadata": {"name": format!("{}-manual", attempt.name)}}));
+        }
+        let options = json!({"propagationPolicy": "Background", "gracePeriodSeconds": 0});
+        for object in objects.iter().rev() {
+            let path = format!("{}/{}", collection(object, &t.ns), name_of(object));
+            let _ = self
+                .admin()
+                .raw(Method::DELETE, &path, "application/json", Some(&options))
+                .await;
+        }
+        let held = matches!(outcome, Outcome::Ran { seen, .. } if seen.iter().any(|(_, _, g)| !g.is_empty()));
+        if held {
+            let pods: Api<Pod> = Api::namespaced(self.env.client(), &t.ns);
+            let selector = format!("{ATTEMPT}={}", attempt.name);
+            let gone = wait_for(Duration::from_secs(90), || {
+                let (pods, selector) = (pods.clone(), selector.clone());
+                async move {
+                    let list = pods
+                        .list(&ListParams::default().labels(&selector))
+                        .await
+                        .ok()?;
+                    list.items.is_empty().then_some(())
+                }
+            })
+            .await;
+            assert!(
+                gone.is_some(),
+                "{}: its pod outlived 90 s after deletion",
+                attempt.name
+            );
+        }
+        held
+    }
+}
+
+fn denied(stage: String, r: &RawResponse) -> Outcome {
+    Outcome::Denied {
+        stage,
+        message: format!("{} {}", r.status.as_u16(), r.message()),
+    }
+}
+
+/// containerd image references this test added, removed when it ends (also on failure).
+#[derive(Default)]
+struct Images {
+    before: Option<BTreeSet<String>>,
+}
+
+impl Drop for Images {
+    fn drop(&mut self) {
+        if let Some(before) = self.before.take() {
+            for image in image_refs().difference(&before) {
+                let _ = ctr(&["images", "rm", image]);
+            }
+        }
+    }
+}
+
+/// Builds the tenant's image (busybox with `ENV NVIDIA_VISIBLE_DEVICES=all`) and imports it
+/// into the node's containerd.
+fn import_image(name: &str, images: &mut Images) {
+    images.before = Some(image_refs());
+    let work = tempfile::tempdir().expect("a temporary directory");
+    let base = work.path().join("busybox.tar");
+    let export = ctr(&[
+        "images",
+        "export",
+        "--platform",
+        "linux/amd64",
+        &base.to_string_lossy(),
+        &busybox(),
+    ]);
+    assert!(
+        export.ok,
+        "ctr images export {}: {}",
+        busybox(),
+        export.stderr
+    );
+    let out = work.path().join("env-all.tar");
+    let digest = derive_with_env(
+        work.path(),
+        &base,
+        &out,
+        name,
+        &[
+            "NVIDIA_VISIBLE_DEVICES=all",
+            "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let import = ctr(&[
+        "images",
+        "import",
+        "--platform",
+        "linux/amd64",
+        &out.to_string_lossy(),
+    ]);
+    assert!(import.ok, "ctr images import: {}", import.stderr);
+    eprintln!(
+        "image {name} ({digest}): {} with NVIDIA_VISIBLE_DEVICES=all in its config",
+        busybox()
+    );
+}
+
+/// As cluster admin: an object the attempts need, created unless one of its name exists
+/// (then used as it is), deleted after only if created here.
+async fn cluster_object(env: &Env, path: &str, object: Value, gvk: (&str, &str, &str)) {
+    let name = name_of(&object).to_owned();
+    let admin = &env.cluster;
+    let exists = admin
+        .raw(
+            Method::GET,
+            &format!("{path}/{name}"),
+            "application/json",
+            None,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    if exists.status.is_success() {
+        eprintln!(
+            "{} {name} exists: used as it is",
+            object["kind"].as_str().unwrap_or("")
+        );
+        return;
+    }
+    let r = admin
+        .raw(Method::POST, path, "application/json", Some(&object))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        r.status.is_success(),
+        "create {path}/{name}: {}",
+        r.message()
+    );
+    let (group, version, kind) = gvk;
+    env.cleanup.own(
+        kube::api::ApiResource {
+            group: group.into(),
+            version: version.into(),
+            api_version: format!("{group}/{version}"),
+            kind: kind.into(),
+            plural: path.rsplit('/').next().unwrap_or_default().into(),
+        },
+        None,
+        &name,
+    );
+}
+
+/// The admission pieces of a way, bound to its namespace; waits until they are in force.
+async fn admission(
+    suite: &Suite<'_>,
+    t: &Tenancy,
+    map: Option<MutatingApi>,
+    backstop: bool,
+    webhook: Option<&LocalWebhook>,
+) {
+    let env = suite.env;
+    let only = namespaces_named(&[&t.ns]);
+    if let Some(api) = map {
+        let default: Vec<&GpuPolicy> = suite.policies.iter().collect();
+        env.cluster
+            .install_mutating_policy(
+                render(&default, |_| true, api),
+                api,
+                &env.name(t.way.suffix()),
+                &[&t.ns],
+                &env.cleanup,
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    if backstop {
+        env.install_policy(
+            "deploy/admission/backstop-policy.yaml",
+            &format!("{}-backstop", t.way.suffix()),
+            Some(only.clone()),
+        )
+        .await;
+    }
+    match (t.way, webhook) {
+        (Way::Webhook, Some(webhook)) => {
+            env.register_webhook(&webhook.url, &webhook.ca_pem, only, t.way.suffix())
+                .await;
+        }
+        (Way::WebhookDown, _) => {
+            // A port nothing listens on, with a CA nobody holds the key of.
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port();
+            let (ca, _, _) = certificate_for("127.0.0.1").expect("a CA");
+            let url = format!(
+                "https://127.0.0.1:{port}{}",
+                gpuwarden_crds::install::MUTATE_PATH
+            );
+            env.register_webhook(&url, &ca, only, t.way.suffix()).await;
+        }
+        _ => {}
+    }
+    // In force: the image's variable is voided, and a leak (an unprivileged
+    // NVIDIA_VISIBLE_DEVICES=all) is rewritten (1), refused by the backstop (2) or refused
+    // by the dead webhook (3).
+    let probe = |name: &str, env_all: bool| {
+        let mut c = json!({"name": "main", "image": suite.image, "imagePullPolicy": "Never",
+            "command": ["sh", "-c", "true"]});
+        if env_all {
+            c["env"] = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
+        }
+        json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"containers": [c]}})
+    };
+    if map.is_some() || webhook.is_some() {
+        until_admission(
+            &t.tenant,
+            &t.ns,
+            &probe("probe-void", false),
+            "the void rule",
+            |r| {
+                r.status.is_success()
+                    && last_visible(&r.body["spec"]["containers"][0]).as_deref() == Some("void")
+            },
+        )
+        .await;
+    }
+    let leak = probe("probe-leak", true);
+    match t.way {
+        Way::Webhook => {
+            until_admission(&t.tenant, &t.ns, &leak, "the webhook", |r| {
+                r.status.is_success()
+                    && r.body["metadata"]["annotations"][gpuwarden_crds::ANNOTATION_REWRITTEN]
+                        .is_string()
+            })
+            .await;
+        }
+        Way::ApiServer if backstop => {
+            until_admission(&t.tenant, &t.ns, &leak, "the backstop", |r| {
+                r.status.is_client_error()
+            })
+            .await;
+        }
+        Way::WebhookDown => {
+            until_admission(&t.tenant, &t.ns, &leak, "the dead webhook", |r| {
+                r.message().contains("failed calling webhook")
+            })
+            .await;
+        }
+        Way::ApiServer => {}
+    }
+}
+
+/// Every door a tenant with `admin` can write, three ways; see the module docs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a node: this machine as a Ready node with 2 allocatable nvidia.com/gpu (NVIDIA's device plugin), root, ctr, busybox imported; KUBECONFIG=... cargo test -p gpuwarden-e2e --test tenant -- --ignored --nocapture --test-threads=1"]
+async fn tenant_attacks_get_no_gpu_they_were_not_allocated_on_a_real_node() {
+    let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+    let Some(node) = gpu_node(&cluster).await.unwrap_or_else(|e| panic!("{e}")) else {
+        skip(TEST, NEEDS_GPU_NODE);
+        return;
+    };
+    if let Some(why) = local_node_problem(&node, &["tar", "sha256sum"]) {
+        skip(TEST, &why);
+        return;
+    }
+    let socket = std::env::var_os("GPUWARDEN_E2E_POD_RESOURCES")
+        .map_or_else(|| PathBuf::from(DEFAULT_SOCKET), PathBuf::from);
+    if !socket.exists() {
+        skip(
+            TEST,
+            &format!(
+                "no kubelet pod-resources socket at {} (GPUWARDEN_E2E_POD_RESOURCES names it)",
+                socket.display()
+            ),
+        );
+        return;
+    }
+    let node = node["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    // Declared before the Env, dropped after its cleanup: the pods go before their image.
+    let mut images = Images::default();
+    let env = Env::new().await;
+    let image = format!("localhost/gpuwarden-e2e/env-all:{}", env.cluster.run_id);
+    import_image(&image, &mut images);
+
+    let map = env.cluster.mutating_policy_api().await;
+    let backstop = env
+        .cluster
+        .serves(
+            "admissionregistration.k8s.io/v1",
+            "validatingadmissionpolicies",
+        )
+        .await;
+    if !backstop {
+        skip(
+            "the backstop",
+            "the server does not serve admissionregistration.k8s.io/v1 validatingadmissionpolicies",
+        );
+    }
+    cluster_object(
+        &env,
+        "/apis/node.k8s.io/v1/runtimeclasses",
+        json!({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+            "metadata": {"name": "nvidia"}, "handler": "runc"}),
+        ("node.k8s.io", "v1", "RuntimeClass"),
+    )
+    .await;
+    let device_class = if env
+        .cluster
+        .serves("resource.k8s.io/v1", "deviceclasses")
+        .await
+    {
+        let name = env.name("nic");
+        cluster_object(
+            &env,
+            "/apis/resource.k8s.io/v1/deviceclasses",
+            json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                "metadata": {"name": name},
+                "spec": {"selectors": [{"cel": {"expression": "device.driver == 'nic.example.com'"}}]}}),
+            ("resource.k8s.io", "v1", "DeviceClass"),
+        )
+        .await;
+        Some(name)
+    } else {
+        skip(
+            "resource-claim-nic",
+            "the server does not serve resource.k8s.io/v1 deviceclasses",
+        );
+        None
+    };
+
+    // The cluster's GpuPolicies, for the offline engine.
+    let policies: Vec<GpuPolicy> = Api::<GpuPolicy>::all(env.client())
+        .list(&ListParams::default())
+        .await
+        .expect("list GpuPolicies")
+        .items;
+    let work = tempfile::tempdir().expect("a temporary directory");
+    let policies_file = work.path().join("policies.json");
+    let items: Vec<Value> = (policies.iter())
+        .map(|p| {
+            let mut p = serde_json::to_value(p).expect("policy");
+            if let Some(meta) = p["metadata"].as_object_mut() {
+                meta.remove("managedFields");
+            }
+            p
+        })
+        .collect();
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+    std::fs::write(&policies_file, list.to_string()).expect("write the policies");
+    let suite = Suite {
+        env: &env,
+        image,
+        node,
+        device_class,
+        socket,
+        policies_file,
+        policies,
+    };
+
+    let mut rows = Vec::new();
+    for way in [Way::Webhook, Way::ApiServer, Way::WebhookDown] {
+        if way != Way::Webhook && map.is_none() {
+            skip(
+                &format!("{TEST} way {}", way.label()),
+                "the server does not serve MutatingAdmissionPolicy",
+            );
+            continue;
+        }
+        let t = suite.tenancy(way).await;
+        let webhook = match way {
+            Way::Webhook => Some(env.started_webhook().await),
+            _ => None,
+        };
+        admission(&suite, &t, map, backstop, webhook.as_ref()).await;
+        eprintln!(
+            "\nway {}: namespace {} (Pod Security baseline; default GpuPolicy, Enforce), as system:serviceaccount:{}:{TENANT}; MutatingAdmissionPolicy {}; backstop {}",
+            way.label(),
+            t.ns,
+            t.ns,
+            if map.is_some() { "bound" } else { "not served" },
+            if backstop { "bound" } else { "not served" },
+        );
+        eprintln!("| attempt | way | outcome | offline engine (way 1) | time");
+        rows.extend(suite.run_way(&t).await);
+        if let Some(webhook) = webhook {
+            webhook.stop().await;
+        }
+    }
+
+    eprintln!("\nSUMMARY: {} attempt runs", rows.len());
+    for row in &rows {
+        eprintln!("{}", row.line());
+    }
+    let failures: Vec<String> = (rows.iter())
+        .filter(|r| !r.problems.is_empty())
+        .map(|r| {
+            format!(
+                "{} ({}): {}",
+                r.attempt,
+                r.way.label(),
+                r.problems.join("; ")
+            )
+        })
+        .collect();
+    let held = rows.len() - failures.len();
+    let denied = (rows.iter())
+        .filter(|r| r.problems.is_empty() && r.outcome.starts_with("denied"))
+        .count();
+    eprintln!(
+        "{held} held ({denied} denied, {} ran or stored with exactly their GPUs), {} failed",
+        held - denied,
+        failures.len()
+    );
+    env.cleanup.run().await;
+    drop(images);
+    assert!(
+        failures.is_empty(),
+        "attempts that reach GPUs they were not allocated, or where the engine disagrees:\n{}",
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn a_stored_pod_is_read_as_the_nvidia_runtime_would_read_it() {
+    let image = "localhost/env-all";
+    let pod = json!({
+        "metadata": {"annotations": {"cdi.k8s.io/gpus": "nvidia.com/gpu=all",
+            "cdi.k8s.io/nic": "example.com/nic=a"}},
+        "spec": {
+            "volumes": [{"name": "dev", "hostPath": {"path": "/dev/nvidia0"}},
+                {"name": "list", "emptyDir": {}}],
+            "initContainers": [{"name": "init", "image": image}],
+            "containers": [
+                {"name": "voided", "image": image, "env": [
+                    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                    {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]},
+                {"name": "gpu", "image": image, "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+                {"name": "over", "image": image, "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                    "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]},
+                {"name": "from", "image": "busybox", "env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+                    "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]},
+                {"name": "mig", "image": "busybox",
+                    "env": [{"name": "NVIDIA_MIG_MONITOR_DEVICES", "value": "all"}]},
+                {"name": "mounts", "image": "busybox", "securityContext": {"privileged": true},
+                    "volumeMounts": [{"name": "dev", "mountPath": "/dev/nvidia0"},
+                        {"name": "list", "mountPath": "/var/run/nvidia-container-devices/all"}]},
+            ]
+        }
+    });
+    assert_eq!(
+        stored_gives(&pod, image),
+        [
+            "CDI annotation cdi.k8s.io/gpus: nvidia.com/gpu=all",
+            "init: no NVIDIA_VISIBLE_DEVICES entry: the image's NVIDIA_VISIBLE_DEVICES=all is in force",
+            "over: NVIDIA_VISIBLE_DEVICES=none beside a GPU limit overrides the allocation",
+            "from: NVIDIA_VISIBLE_DEVICES=(valueFrom)",
+            "mig: NVIDIA_MIG_MONITOR_DEVICES set",
+            "mounts: privileged",
+            "mounts: device hostPath /dev/nvidia0",
+            "mounts: device-list mount /var/run/nvidia-container-devices/all",
+        ]
+    );
+}
+
+#[test]
+fn stored_and_offline_containers_compare_as_the_api_server_defaults_them() {
+    let submitted = json!({"spec": {"containers": [{"name": "main", "env": [],
+        "resources": {"limits": {"nvidia.com/gpu": "1"}}, "securityContext": {}}]}});
+    let stored = json!({"spec": {"containers": [{"name": "main", "image": "x",
+        "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}}]}});
+    assert_eq!(judged_fields(&submitted), judged_fields(&stored));
+    let voided = json!({"spec": {"containers": [{"name": "main",
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+        "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}});
+    assert_ne!(judged_fields(&voided), judged_fields(&stored));
+}
