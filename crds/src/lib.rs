@@ -20,9 +20,6 @@ pub mod selection;
 pub mod selector;
 pub mod validation;
 
-pub use admission::{
-    match_conditions, policies as admission_policies, rewrite as admission_rewrite,
-};
 pub use error::error_chain;
 pub use node::{
     Binding, BindingSource, DriverInfo, GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus,
