@@ -5,13 +5,14 @@
 //! fields, so that the rule never depends on what CEL cannot compute.
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::DEVICE_LIST_MARK;
-use gpuwarden_crds::gpu::{ContainerSpec, Rules};
+use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules};
 
-use super::ENV_VISIBLE_DEVICES;
 use super::facts::PodFacts;
 use super::plan::Plan;
-use super::{ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES};
+use super::{
+    ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
+    ENV_VISIBLE_DEVICES,
+};
 use crate::pod::{Container, PodView};
 
 /// A container the void rule holds for.
