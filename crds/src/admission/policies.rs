@@ -338,12 +338,6 @@ const POD_CREATE: &str = "pods";
 /// The subresource `kubectl debug` adds ephemeral containers through.
 const POD_EPHEMERAL: &str = "pods/ephemeralcontainers";
 
-/// The requests a policy is called for: new pods and, with `ephemeral`, ephemeral containers
-/// added to running ones.
-fn constraints(ephemeral: bool) -> Value {
-    pod_constraints(ephemeral)
-}
-
 /// What the DaemonSet warning is called for: DaemonSets written or changed.
 fn daemon_set_constraints() -> Value {
     json!({"resourceRules": [{
@@ -354,7 +348,9 @@ fn daemon_set_constraints() -> Value {
     }]})
 }
 
-fn pod_constraints(ephemeral: bool) -> Value {
+/// The requests a policy is called for: new pods and, with `ephemeral`, ephemeral containers
+/// added to running ones.
+fn constraints(ephemeral: bool) -> Value {
     let rule = |operation: &str, resource: &str| {
         json!({
             "apiGroups": [""],

@@ -419,13 +419,10 @@ fn decide_ephemeral<'a>(
     }
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
     // request GPUs, so they cannot be rewritten.
-    let kind = ContainerKind::Ephemeral;
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
     let offending: Vec<&'a str> = (facts.containers.iter())
-        .filter(|c| c.at.kind == kind)
         .filter(|c| {
-            let existing = (old.containers(kind).iter()).any(|o| o.name.as_deref() == Some(c.name));
-            !existing
+            void::added_by_update(c, old)
                 && (c.privileged || c.signals.leaks())
                 && (invalid.is_some() || !c.image_exempt)
         })
@@ -604,14 +601,14 @@ impl<'a> Decision<'a> {
         if !enforce && (policy.spec.mode != PolicyMode::Audit || self.verdict == Verdict::Denied) {
             return;
         }
-        let names = |claims: Option<bool>| {
+        let names = |claims: bool| {
             let names: Vec<&str> = (self.voided.iter())
-                .filter(|v| claims.is_none_or(|c| v.claims == c))
+                .filter(|v| v.claims == claims)
                 .map(|v| v.name)
                 .collect();
             (!names.is_empty()).then(|| names.join(", "))
         };
-        let (no_gpu, claims) = (names(Some(false)), names(Some(true)));
+        let (no_gpu, claims) = (names(false), names(true));
         if let Some(names) = no_gpu {
             warnings.push(if enforce {
                 format!(

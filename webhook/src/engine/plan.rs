@@ -456,11 +456,12 @@ pub(super) fn plan_pod<'a>(
 }
 
 /// How to exempt a container in messages that point to an exemption.
-pub(super) fn exemption_hint(policy: &GpuPolicy, images: &[&str], namespace: &str) -> String {
+fn exemption_hint(c: &ContainerFacts<'_>, input: &Input<'_>, policy: &GpuPolicy) -> String {
     format!(
-        "exempt it in GpuPolicy {}: exemptions.containers with images [{}] and namespaces [{namespace}]",
+        "exempt it in GpuPolicy {}: exemptions.containers with images [{}] and namespaces [{}]",
         policy.metadata.name.as_deref().unwrap_or(""),
-        images.join(", "),
+        c.value.image.as_deref().unwrap_or(""),
+        input.namespace,
     )
 }
 
@@ -480,11 +481,7 @@ fn daemon_set_denial(
         c.name,
         limit.quantity,
         limit.from,
-        exemption_hint(
-            policy,
-            &[c.value.image.as_deref().unwrap_or("")],
-            input.namespace
-        ),
+        exemption_hint(c, input, policy),
         policy.spec.gpu.resource_name,
     )
 }
@@ -556,11 +553,7 @@ fn host_device_denial(
         };
         push_new(&mut ways, way);
     }
-    ways.push(exemption_hint(
-        policy,
-        &[c.value.image.as_deref().unwrap_or("")],
-        input.namespace,
-    ));
+    ways.push(exemption_hint(c, input, policy));
     Some(format!(
         "{} {} loses privilege, and an unprivileged container cannot open {}: the device cgroup admits only devices the kubelet allocated. To be admitted: {}",
         c.at.kind.noun(),

@@ -7,7 +7,7 @@
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules};
 
-use super::facts::PodFacts;
+use super::facts::{ContainerFacts, PodFacts};
 use super::plan::Plan;
 use super::{
     ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
@@ -72,11 +72,7 @@ fn targets<'a>(
     for c in &facts.containers {
         let wanted = match ephemeral_since {
             None => c.at.kind != ContainerKind::Ephemeral,
-            Some(old) => {
-                c.at.kind == ContainerKind::Ephemeral
-                    && !(old.containers(ContainerKind::Ephemeral).iter())
-                        .any(|o| o.name.as_deref() == Some(c.name))
-            }
+            Some(old) => added_by_update(c, old),
         };
         if !wanted || c.image_exempt {
             continue;
@@ -99,6 +95,14 @@ fn targets<'a>(
         }
     }
     out
+}
+
+/// Whether `c` is an ephemeral container that `pods/ephemeralcontainers` adds to `old`: the
+/// only ones the update can change.
+pub(super) fn added_by_update(c: &ContainerFacts<'_>, old: &PodView<'_>) -> bool {
+    c.at.kind == ContainerKind::Ephemeral
+        && !(old.containers(ContainerKind::Ephemeral).iter())
+            .any(|o| o.name.as_deref() == Some(c.name))
 }
 
 /// The rule's test of one container's own fields: not privileged, no GPU variable of its
