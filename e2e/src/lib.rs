@@ -4,6 +4,7 @@
 pub mod cluster;
 pub mod env;
 pub mod image;
+pub mod inproc;
 pub mod install;
 pub mod manifests;
 pub mod node;

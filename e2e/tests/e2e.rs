@@ -19,7 +19,8 @@ use std::time::Duration;
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
 use gpuwarden_e2e::cluster::{RawResponse, admitted, skip, visible_in_log, wait_for};
 use gpuwarden_e2e::env::{Env, LABEL_RUN, SHORT};
-use gpuwarden_e2e::node::{NEEDS_GPU_NODE, busybox, gpu_node};
+use gpuwarden_e2e::inproc::{RealNode, scrape, start_operator, stoppable};
+use gpuwarden_e2e::node::busybox;
 use http::Method;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -538,39 +539,6 @@ async fn agent_node(env: &Env, suffix: &str, gpus: u32) -> String {
         &gpuwarden_crds::agent_lease_name(&name),
     );
     name
-}
-
-/// Runs the operator in-process (no leader election, certificates left alone) until the
-/// returned sender fires.
-fn start_operator(
-    env: &Env,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
-    let mut config = gpuwarden_operator::Config::new(gpuwarden_crds::SYSTEM_NAMESPACE);
-    config.leader_election = false;
-    config.manage_webhook_certificates = false;
-    config.health_listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    let (tx, shutdown) = stoppable();
-    let client = env.client();
-    let task = tokio::spawn(async move {
-        if let Err(e) = gpuwarden_operator::run(config, client, shutdown).await {
-            eprintln!("operator stopped: {e}");
-        }
-    });
-    (tx, task)
-}
-
-/// A sender, and the shutdown future it resolves.
-fn stoppable() -> (
-    tokio::sync::oneshot::Sender<()>,
-    impl std::future::Future<Output = ()> + Send + 'static,
-) {
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    (tx, async move {
-        let _ = rx.await;
-    })
 }
 
 /// A fake GPU file in `dir`: H100s with these UUIDs, indices in order, on driver `version`.
@@ -1504,98 +1472,6 @@ async fn resource_claim_mode_on_a_real_server() {
 // plugin uses (`LD_LIBRARY_PATH` pointing at it where it is not installed system-wide), and
 // the busybox image must be on the node (`$GPUWARDEN_E2E_BUSYBOX`, default
 // docker.io/library/busybox:latest, never pulled).
-
-/// The real node with at least two allocatable GPUs ([`gpu_node`]), `None` where the
-/// cluster has none.
-async fn real_gpu_node(env: &Env) -> Option<String> {
-    let node = gpu_node(&env.cluster)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))?;
-    Some(node["metadata"]["name"].as_str()?.to_owned())
-}
-
-/// The operator and the node agent, in-process, for the real GPU node.
-struct RealNode {
-    name: String,
-    /// The agent's metrics address.
-    metrics: std::net::SocketAddr,
-    stop_operator: tokio::sync::oneshot::Sender<()>,
-    operator: tokio::task::JoinHandle<()>,
-    stop_agent: tokio::sync::oneshot::Sender<()>,
-    agent: tokio::task::JoinHandle<()>,
-}
-
-impl RealNode {
-    /// Picks the node ([`real_gpu_node`]) and starts the operator and its agent; `None`,
-    /// with a `SKIPPED` line for `test`, where the cluster has no such node.
-    async fn start(env: &Env, test: &str) -> Option<Self> {
-        let Some(name) = real_gpu_node(env).await else {
-            skip(test, NEEDS_GPU_NODE);
-            return None;
-        };
-        env.system_namespace().await;
-        env.cleanup.own_typed::<GpuNode>(None, &name);
-        let (stop_operator, operator) = start_operator(env);
-        let (stop_agent, agent, metrics) = start_real_agent(env, &name);
-        Some(Self {
-            name,
-            metrics,
-            stop_operator,
-            operator,
-            stop_agent,
-            agent,
-        })
-    }
-
-    async fn stop(self) {
-        let _ = self.stop_agent.send(());
-        let _ = self.agent.await;
-        let _ = self.stop_operator.send(());
-        let _ = self.operator.await;
-    }
-}
-
-/// Runs the node agent in-process for the real `node`: real NVML, the kubelet's own
-/// pod-resources socket, the host's /proc. Returns its metrics address.
-fn start_real_agent(
-    env: &Env,
-    node: &str,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-    std::net::SocketAddr,
-) {
-    // A free port for the metrics, known before the agent binds it.
-    let listen = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port");
-    let mut config = gpuwarden_node_agent::Config::new(node);
-    config.listen = listen;
-    config.poll_interval = Duration::from_secs(2);
-    let (stop, shutdown) = stoppable();
-    let client = env.client();
-    let task = tokio::spawn(async move {
-        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
-            eprintln!("node agent stopped: {e}");
-        }
-    });
-    (stop, task, listen)
-}
-
-/// `GET /metrics` of the agent, as text.
-async fn scrape(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return String::new();
-    };
-    let request = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return String::new();
-    }
-    let mut body = String::new();
-    let _ = stream.read_to_string(&mut body).await;
-    body
-}
 
 /// The privileged-pod path end to end: a privileged pod naming GPUs 0 and 1 is rewritten by
 /// the webhook, scheduled, allocated two GPUs by NVIDIA's device plugin and started; its

@@ -328,6 +328,8 @@ pub struct Allocation {
 pub struct DeviceMap {
     /// (GPU index, GPU UUID, MIG UUIDs in MIG index order).
     gpus: Vec<(u32, String, Vec<String>)>,
+    /// (minor number of `/dev/nvidia<N>`, GPU UUID), where NVML told it.
+    minors: Vec<(u32, String)>,
 }
 
 impl DeviceMap {
@@ -343,6 +345,10 @@ impl DeviceMap {
                         g.info.mig_devices.iter().map(|m| m.uuid.clone()).collect(),
                     )
                 })
+                .collect(),
+            minors: gpus
+                .iter()
+                .filter_map(|g| Some((g.info.minor_number?, g.info.uuid.clone())))
                 .collect(),
         }
     }
@@ -373,19 +379,24 @@ impl DeviceMap {
         None
     }
 
-    /// The GPU or MIG UUID a DRA device names: its device name (`gpu-3`, a UUID, an index)
-    /// or one of its CDI device names (`k8s.gpu.nvidia.com/device=gpu-3`). The NVIDIA
-    /// driver names a full GPU `gpu-<index>` and a MIG device `gpu-<index>-mig-...`; as the
-    /// name does not say which MIG UUID that is, a MIG device resolves to its GPU.
+    /// The GPU or MIG UUID a DRA device names: its device name (`gpu-3`, a UUID) or one of
+    /// its CDI device names (`k8s.gpu.nvidia.com/device=gpu-3`). NVIDIA's driver names a
+    /// full GPU `gpu-<minor>`, after its `/dev/nvidia<minor>`, and a MIG device
+    /// `gpu-<parent minor>-mig-...`; as that name does not say which MIG UUID it is, a MIG
+    /// device resolves to its GPU. Where NVML gave no minor numbers, `<minor>` is read as
+    /// the GPU's index, which it is on most machines.
     pub fn resolve_dra(&self, device_name: &str, cdi_names: &[&str]) -> Option<String> {
         let named = |name: &str| {
             self.resolve(name).or_else(|| {
-                let index = name.strip_prefix("gpu-")?;
-                let index = index.split_once("-mig-").map_or(index, |(gpu, _)| gpu);
-                index
-                    .parse::<u32>()
-                    .ok()
-                    .and_then(|i| self.resolve(&i.to_string()))
+                let minor = name.strip_prefix("gpu-")?;
+                let minor = minor.split_once("-mig-").map_or(minor, |(gpu, _)| gpu);
+                let minor = minor.parse::<u32>().ok()?;
+                if self.minors.is_empty() {
+                    return self.resolve(&minor.to_string());
+                }
+                (self.minors.iter())
+                    .find(|(m, _)| *m == minor)
+                    .map(|(_, uuid)| uuid.clone())
             })
         };
         named(device_name).or_else(|| {
@@ -595,6 +606,31 @@ mod tests {
         assert_eq!(a.device_uuids, ["GPU-a", "GPU-b"]);
         assert_eq!(map.resolve_dra("MIG-x", &[]).as_deref(), Some("MIG-x"));
         assert_eq!(map.resolve_dra("gpu-x", &[]), None);
+    }
+
+    #[test]
+    fn a_dra_device_name_is_the_minor_number_of_its_gpu() {
+        // GPU index 0 is /dev/nvidia2 and index 1 is /dev/nvidia0: NVML's order (PCI bus)
+        // need not be the driver's minor numbers.
+        let mut a = gpu(0, "GPU-a", &[]);
+        a.info.minor_number = Some(2);
+        let mut b = gpu(1, "GPU-b", &["MIG-x"]);
+        b.info.minor_number = Some(0);
+        let map = DeviceMap::new(&[a, b]);
+        assert_eq!(map.resolve_dra("gpu-0", &[]).as_deref(), Some("GPU-b"));
+        assert_eq!(map.resolve_dra("gpu-2", &[]).as_deref(), Some("GPU-a"));
+        assert_eq!(map.resolve_dra("gpu-1", &[]), None, "no GPU has minor 1");
+        assert_eq!(
+            map.resolve_dra("gpu-0-mig-1g.10gb-0-1", &[]).as_deref(),
+            Some("GPU-b")
+        );
+        assert_eq!(
+            map.resolve_dra("x", &["k8s.gpu.nvidia.com/device=gpu-2"])
+                .as_deref(),
+            Some("GPU-a")
+        );
+        // A device plugin ID is still its index.
+        assert_eq!(map.resolve("0").as_deref(), Some("GPU-a"));
     }
 
     /// The DRA messages carry the field numbers of the kubelet's `api.proto`

@@ -1,0 +1,140 @@
+//! gpuwarden's operator and node agent run inside the test process, against the cluster the
+//! tests drive: the operator without leader election or certificate management, the agent
+//! for one node.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::cluster::skip;
+use crate::env::Env;
+use crate::node::{NEEDS_GPU_NODE, gpu_node};
+
+/// A sender, and the shutdown future it resolves.
+pub fn stoppable() -> (
+    oneshot::Sender<()>,
+    impl Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = oneshot::channel::<()>();
+    (tx, async move {
+        let _ = rx.await;
+    })
+}
+
+/// Runs the operator in-process (no leader election, certificates left alone) until the
+/// returned sender fires.
+pub fn start_operator(env: &Env) -> (oneshot::Sender<()>, JoinHandle<()>) {
+    let mut config = gpuwarden_operator::Config::new(gpuwarden_crds::SYSTEM_NAMESPACE);
+    config.leader_election = false;
+    config.manage_webhook_certificates = false;
+    config.health_listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    let (tx, shutdown) = stoppable();
+    let client = env.client();
+    let task = tokio::spawn(async move {
+        if let Err(e) = gpuwarden_operator::run(config, client, shutdown).await {
+            eprintln!("operator stopped: {e}");
+        }
+    });
+    (tx, task)
+}
+
+/// Runs the node agent in-process for the real `node`: real NVML, the kubelet's own
+/// pod-resources socket, the host's /proc. Returns its metrics address.
+pub fn start_real_agent(
+    env: &Env,
+    node: &str,
+) -> (oneshot::Sender<()>, JoinHandle<()>, SocketAddr) {
+    // A free port for the metrics, known before the agent binds it.
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    let mut config = gpuwarden_node_agent::Config::new(node);
+    config.listen = listen;
+    config.poll_interval = Duration::from_secs(2);
+    let (stop, shutdown) = stoppable();
+    let client = env.client();
+    let task = tokio::spawn(async move {
+        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
+            eprintln!("node agent stopped: {e}");
+        }
+    });
+    (stop, task, listen)
+}
+
+/// The operator and the node agent, in-process, for a real GPU node.
+pub struct RealNode {
+    /// The node's name.
+    pub name: String,
+    /// The agent's metrics address.
+    pub metrics: SocketAddr,
+    stop_operator: oneshot::Sender<()>,
+    operator: JoinHandle<()>,
+    stop_agent: oneshot::Sender<()>,
+    agent: JoinHandle<()>,
+}
+
+impl RealNode {
+    /// Picks the node with two allocatable GPUs ([`gpu_node`]) and starts the operator and
+    /// its agent; `None`, with a `SKIPPED` line for `test`, where the cluster has no such
+    /// node.
+    pub async fn start(env: &Env, test: &str) -> Option<Self> {
+        let node = gpu_node(&env.cluster)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let Some(name) = node.and_then(|n| n["metadata"]["name"].as_str().map(str::to_owned))
+        else {
+            skip(test, NEEDS_GPU_NODE);
+            return None;
+        };
+        Some(Self::start_on(env, name).await)
+    }
+
+    /// Starts the operator and the agent of node `name`; its GpuNode is deleted with the
+    /// test's other objects.
+    pub async fn start_on(env: &Env, name: String) -> Self {
+        env.system_namespace().await;
+        env.cleanup
+            .own_typed::<gpuwarden_crds::GpuNode>(None, &name);
+        let (stop_operator, operator) = start_operator(env);
+        let (stop_agent, agent, metrics) = start_real_agent(env, &name);
+        Self {
+            name,
+            metrics,
+            stop_operator,
+            operator,
+            stop_agent,
+            agent,
+        }
+    }
+
+    /// `GET /metrics` of the agent, as text (empty while it does not answer).
+    pub async fn scrape(&self) -> String {
+        scrape(self.metrics).await
+    }
+
+    /// Stops the agent, then the operator.
+    pub async fn stop(self) {
+        let _ = self.stop_agent.send(());
+        let _ = self.agent.await;
+        let _ = self.stop_operator.send(());
+        let _ = self.operator.await;
+    }
+}
+
+/// `GET /metrics` of an agent at `addr`, as text (empty while it does not answer).
+pub async fn scrape(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let request = format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut body = String::new();
+    let _ = stream.read_to_string(&mut body).await;
+    body
+}
