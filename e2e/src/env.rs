@@ -177,7 +177,25 @@ impl Env {
 
     /// A temporary policy that outranks the default one in namespace `ns`.
     pub async fn policy_for(&self, ns: &str, mode: PolicyMode, exempt_namespace: bool) -> String {
-        let name = format!("{ns}-{}", format!("{mode:?}").to_lowercase());
+        let suffix = format!("{mode:?}").to_lowercase();
+        self.policy_with(ns, &suffix, |spec| {
+            spec.mode = mode;
+            if exempt_namespace {
+                spec.exemptions.namespaces = vec![ns.to_string()];
+            }
+        })
+        .await
+    }
+
+    /// A temporary policy `<ns>-<suffix>` that outranks the default one in namespace `ns`:
+    /// the default policy's spec, as `edit` changes it.
+    pub async fn policy_with(
+        &self,
+        ns: &str,
+        suffix: &str,
+        edit: impl FnOnce(&mut gpuwarden_crds::GpuPolicySpec),
+    ) -> String {
+        let name = format!("{ns}-{suffix}");
         let mut policy = GpuPolicy::default_policy();
         policy.metadata = kube::api::ObjectMeta {
             name: Some(name.clone()),
@@ -185,13 +203,10 @@ impl Env {
         };
         policy.status = None;
         policy.spec.priority = 1000;
-        policy.spec.mode = mode;
         policy.spec.namespace_selector =
             serde_json::from_value(json!({"matchLabels": {"kubernetes.io/metadata.name": ns}}))
                 .expect("selector");
-        if exempt_namespace {
-            policy.spec.exemptions.namespaces = vec![ns.to_string()];
-        }
+        edit(&mut policy.spec);
         Api::<GpuPolicy>::all(self.client())
             .create(&PostParams::default(), &policy)
             .await

@@ -2,6 +2,7 @@
 //! documents, and (for the ignored end-to-end tests) driving a real cluster and its node.
 
 pub mod cluster;
+pub mod dra;
 pub mod env;
 pub mod image;
 pub mod inproc;

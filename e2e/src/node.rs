@@ -10,6 +10,7 @@ use http::Method;
 use serde_json::Value;
 
 use crate::cluster::{Cluster, ClusterError};
+use crate::image::derive_with_env;
 
 /// What the node tests need, for their `SKIPPED` line where a cluster has none.
 pub const NEEDS_GPU_NODE: &str = "no Ready node with 2 allocatable nvidia.com/gpu (a kubelet with NVIDIA's device plugin, on GPUs or NVIDIA's mock NVML; GPUWARDEN_E2E_NODE names the node)";
@@ -28,17 +29,22 @@ pub fn gpu_node_in(list: &Value) -> Option<&Value> {
     let wanted = std::env::var("GPUWARDEN_E2E_NODE").ok();
     list["items"].as_array()?.iter().find(|node| {
         let name = node["metadata"]["name"].as_str().unwrap_or_default();
-        let ready = (node["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten())
-        .any(|c| c["type"] == "Ready" && c["status"] == "True");
+        let ready = is_ready(node);
         let gpus: u32 = node["status"]["allocatable"][gpuwarden_crds::RESOURCE_GPU]
             .as_str()
             .and_then(|g| g.parse().ok())
             .unwrap_or(0);
         wanted.as_deref().is_none_or(|w| w == name) && ready && gpus >= 2
     })
+}
+
+/// Whether a Node (JSON) is `Ready`.
+pub fn is_ready(node: &Value) -> bool {
+    (node["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .any(|c| c["type"] == "Ready" && c["status"] == "True")
 }
 
 /// The GPU node of the cluster ([`gpu_node_in`]), `None` where it has none.
@@ -268,6 +274,151 @@ impl Seen {
             s.push_str(&format!(", {}", self.mig.join(", ")));
         }
         s
+    }
+}
+
+/// containerd image references this test added, removed when it ends (also on failure).
+#[derive(Default)]
+pub struct Images {
+    before: Option<BTreeSet<String>>,
+}
+
+impl Drop for Images {
+    fn drop(&mut self) {
+        if let Some(before) = self.before.take() {
+            for image in image_refs().difference(&before) {
+                let _ = ctr(&["images", "rm", image]);
+            }
+        }
+    }
+}
+
+/// Builds an image like every CUDA base image (busybox with `ENV NVIDIA_VISIBLE_DEVICES=all`)
+/// named `name`, and imports it into the node's containerd; `images` removes it again.
+pub fn import_image(name: &str, images: &mut Images) {
+    images.before = Some(image_refs());
+    let work = tempfile::tempdir().expect("a temporary directory");
+    let base = work.path().join("busybox.tar");
+    let export = ctr(&[
+        "images",
+        "export",
+        "--platform",
+        "linux/amd64",
+        &base.to_string_lossy(),
+        &busybox(),
+    ]);
+    assert!(
+        export.ok,
+        "ctr images export {}: {}",
+        busybox(),
+        export.stderr
+    );
+    let out = work.path().join("env-all.tar");
+    let digest = derive_with_env(
+        work.path(),
+        &base,
+        &out,
+        name,
+        &[
+            "NVIDIA_VISIBLE_DEVICES=all",
+            "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
+        ],
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let import = ctr(&[
+        "images",
+        "import",
+        "--platform",
+        "linux/amd64",
+        &out.to_string_lossy(),
+    ]);
+    assert!(import.ok, "ctr images import: {}", import.stderr);
+    eprintln!(
+        "image {name} ({digest}): {} with NVIDIA_VISIBLE_DEVICES=all in its config",
+        busybox()
+    );
+}
+
+/// The value of a container's last `NVIDIA_VISIBLE_DEVICES` entry (`valueFrom` for one set
+/// from elsewhere), if any.
+pub fn last_visible(c: &Value) -> Option<String> {
+    let entry = (c["env"].as_array().into_iter().flatten())
+        .rfind(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")?;
+    Some(match entry["value"].as_str() {
+        Some(v) => v.to_owned(),
+        None if entry.get("valueFrom").is_some() => "(valueFrom)".to_owned(),
+        None => String::new(),
+    })
+}
+
+/// The host PIDs of a running container, by its cgroup: the processes whose
+/// `/proc/<pid>/cgroup` names `container_id` (a pod status's `containerID`, with or without
+/// its `containerd://` prefix). Needs this machine to be the node.
+pub fn container_host_pids(container_id: &str) -> Vec<u32> {
+    let id = container_id
+        .split_once("://")
+        .map_or(container_id, |(_, id)| id);
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+                .is_ok_and(|cgroup| !id.is_empty() && cgroup.contains(id))
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// Compute processes that NVIDIA's mock NVML reports, for as long as this lives: its
+/// runtime overrides file (`$MOCK_NVML_OVERRIDES`, or `overrides.yaml` beside
+/// `$MOCK_NVML_CONFIG`), which every NVML user of the node rereads within a second. Where
+/// the file existed it is put back when this is dropped, else removed.
+pub struct MockProcesses {
+    path: std::path::PathBuf,
+    before: Option<Vec<u8>>,
+}
+
+impl MockProcesses {
+    /// The overrides file of the mock NVML this process loads, `None` where
+    /// `$MOCK_NVML_CONFIG` is unset (real NVML).
+    pub fn open() -> Option<Self> {
+        let path = match std::env::var_os("MOCK_NVML_OVERRIDES") {
+            Some(p) => std::path::PathBuf::from(p),
+            None => std::path::Path::new(&std::env::var_os("MOCK_NVML_CONFIG")?)
+                .parent()?
+                .join("overrides.yaml"),
+        };
+        let before = std::fs::read(&path).ok();
+        Some(Self { path, before })
+    }
+
+    /// Reports `(GPU index, host PID)` as compute processes (1 GiB each), and nothing else.
+    pub fn set(&self, processes: &[(u32, u32)]) {
+        let mut devices = serde_json::Map::new();
+        for (index, pid) in processes {
+            let entry = devices
+                .entry(index.to_string())
+                .or_insert_with(|| serde_json::json!({"processes": []}));
+            if let Some(list) = entry["processes"].as_array_mut() {
+                list.push(serde_json::json!({"pid": pid, "type": "C", "used_memory_mib": 1024}));
+            }
+        }
+        let doc = serde_json::json!({"devices": devices});
+        std::fs::write(&self.path, doc.to_string())
+            .unwrap_or_else(|e| panic!("failed to write {}: {e}", self.path.display()));
+    }
+}
+
+impl Drop for MockProcesses {
+    fn drop(&mut self) {
+        let _ = match &self.before {
+            Some(bytes) => std::fs::write(&self.path, bytes),
+            None => std::fs::remove_file(&self.path),
+        };
     }
 }
 

@@ -38,7 +38,6 @@
 //! KUBECONFIG=... cargo test -p gpuwarden-e2e --test tenant -- --ignored --nocapture --test-threads=1
 //! ```
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -48,10 +47,9 @@ use gpuwarden_e2e::cluster::{
     Cluster, LocalWebhook, RawResponse, certificate_for, namespaces_named, skip, wait_for,
 };
 use gpuwarden_e2e::env::{Env, until_admission};
-use gpuwarden_e2e::image::derive_with_env;
 use gpuwarden_e2e::node::{
-    NEEDS_GPU_NODE, SEEN_COMMAND, SEEN_ONCE_COMMAND, Seen, busybox, ctr, gpu_node, image_refs,
-    local_node_problem,
+    Images, NEEDS_GPU_NODE, SEEN_COMMAND, SEEN_ONCE_COMMAND, Seen, gpu_node, import_image,
+    last_visible, local_node_problem,
 };
 use gpuwarden_node_agent::podresources::{DEFAULT_SOCKET, PodResourcesClient, Timeouts};
 use gpuwarden_webhook::admission::{StaticSource, handle_review};
@@ -418,18 +416,6 @@ fn all_containers(pod: &Value) -> Vec<(&'static str, &Value)> {
             (pod["spec"][field].as_array().into_iter().flatten()).map(move |c| (field, c))
         })
         .collect()
-}
-
-/// The value of a container's last `NVIDIA_VISIBLE_DEVICES` entry (`valueFrom` for one set
-/// from elsewhere), if any.
-fn last_visible(c: &Value) -> Option<String> {
-    let entry = (c["env"].as_array().into_iter().flatten())
-        .rfind(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")?;
-    Some(match entry["value"].as_str() {
-        Some(v) => v.to_owned(),
-        None if entry.get("valueFrom").is_some() => "(valueFrom)".to_owned(),
-        None => String::new(),
-    })
 }
 
 fn names_none(value: &str) -> bool {
@@ -1200,68 +1186,6 @@ fn denied(stage: String, r: &RawResponse) -> Outcome {
         stage,
         message: format!("{} {}", r.status.as_u16(), r.message()),
     }
-}
-
-/// containerd image references this test added, removed when it ends (also on failure).
-#[derive(Default)]
-struct Images {
-    before: Option<BTreeSet<String>>,
-}
-
-impl Drop for Images {
-    fn drop(&mut self) {
-        if let Some(before) = self.before.take() {
-            for image in image_refs().difference(&before) {
-                let _ = ctr(&["images", "rm", image]);
-            }
-        }
-    }
-}
-
-/// Builds the tenant's image (busybox with `ENV NVIDIA_VISIBLE_DEVICES=all`) and imports it
-/// into the node's containerd.
-fn import_image(name: &str, images: &mut Images) {
-    images.before = Some(image_refs());
-    let work = tempfile::tempdir().expect("a temporary directory");
-    let base = work.path().join("busybox.tar");
-    let export = ctr(&[
-        "images",
-        "export",
-        "--platform",
-        "linux/amd64",
-        &base.to_string_lossy(),
-        &busybox(),
-    ]);
-    assert!(
-        export.ok,
-        "ctr images export {}: {}",
-        busybox(),
-        export.stderr
-    );
-    let out = work.path().join("env-all.tar");
-    let digest = derive_with_env(
-        work.path(),
-        &base,
-        &out,
-        name,
-        &[
-            "NVIDIA_VISIBLE_DEVICES=all",
-            "NVIDIA_DRIVER_CAPABILITIES=compute,utility",
-        ],
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let import = ctr(&[
-        "images",
-        "import",
-        "--platform",
-        "linux/amd64",
-        &out.to_string_lossy(),
-    ]);
-    assert!(import.ok, "ctr images import: {}", import.stderr);
-    eprintln!(
-        "image {name} ({digest}): {} with NVIDIA_VISIBLE_DEVICES=all in its config",
-        busybox()
-    );
 }
 
 /// As cluster admin: an object the attempts need, created unless one of its name exists
