@@ -78,6 +78,24 @@ fn string_attribute(device: &Value, driver: &str, name: &str) -> Option<String> 
         .map(str::to_owned)
 }
 
+/// Every device the slices of `slices` (a `ResourceSliceList`, JSON) publish for node `name`.
+fn devices_of(slices: &[Value], name: &str) -> Vec<DraDevice> {
+    (slices.iter())
+        .filter(|s| s["spec"]["nodeName"] == name)
+        .flat_map(|s| {
+            let driver = s["spec"]["driver"].as_str().unwrap_or_default();
+            let pool = s["spec"]["pool"]["name"].as_str().unwrap_or_default();
+            (s["spec"]["devices"].as_array().into_iter().flatten()).map(move |d| DraDevice {
+                driver: driver.to_owned(),
+                pool: pool.to_owned(),
+                name: d["name"].as_str().unwrap_or_default().to_owned(),
+                kind: string_attribute(d, driver, "type"),
+                uuid: string_attribute(d, driver, "uuid"),
+            })
+        })
+        .collect()
+}
+
 /// Of a `NodeList` and a `ResourceSliceList` (JSON), the Ready node on which NVIDIA's driver
 /// publishes at least two GPUs (`$GPUWARDEN_E2E_NODE` picks one by name), with every
 /// device its node's slices publish.
@@ -88,27 +106,9 @@ pub fn dra_node_in(nodes: &Value, slices: &Value) -> Option<DraNode> {
         .filter(|n| is_ready(n))
         .filter_map(|n| n["metadata"]["name"].as_str())
         .filter(|name| wanted.as_deref().is_none_or(|w| w == *name))
-        .map(|name| {
-            let devices = (slices.iter())
-                .filter(|s| s["spec"]["nodeName"] == name)
-                .flat_map(|s| {
-                    let driver = s["spec"]["driver"].as_str().unwrap_or_default();
-                    let pool = s["spec"]["pool"]["name"].as_str().unwrap_or_default();
-                    (s["spec"]["devices"].as_array().into_iter().flatten()).map(move |d| {
-                        DraDevice {
-                            driver: driver.to_owned(),
-                            pool: pool.to_owned(),
-                            name: d["name"].as_str().unwrap_or_default().to_owned(),
-                            kind: string_attribute(d, driver, "type"),
-                            uuid: string_attribute(d, driver, "uuid"),
-                        }
-                    })
-                })
-                .collect();
-            DraNode {
-                name: name.to_owned(),
-                devices,
-            }
+        .map(|name| DraNode {
+            name: name.to_owned(),
+            devices: devices_of(slices, name),
         })
         .find(|n| n.gpus().count() >= 2)
 }
@@ -141,6 +141,25 @@ pub async fn dra_node(cluster: &Cluster) -> Result<Option<DraNode>, ClusterError
     )
     .await?;
     Ok(dra_node_in(&nodes, &slices))
+}
+
+/// Node `name` with whatever its ResourceSlices publish (nothing where the server does not
+/// serve `resource.k8s.io/v1`).
+pub async fn devices_on(cluster: &Cluster, name: &str) -> Result<DraNode, ClusterError> {
+    let mut node = DraNode {
+        name: name.to_owned(),
+        devices: Vec::new(),
+    };
+    if cluster.serves("resource.k8s.io/v1", "resourceslices").await {
+        let slices = get(
+            cluster,
+            "/apis/resource.k8s.io/v1/resourceslices",
+            "list ResourceSlices",
+        )
+        .await?;
+        node.devices = devices_of(slices["items"].as_array().map_or(&[], Vec::as_slice), name);
+    }
+    Ok(node)
 }
 
 /// The devices a ResourceClaim (JSON) was allocated: `(driver, pool, device)`, in the

@@ -809,14 +809,16 @@ async fn claim_allocated_processes_are_not_out_of_band() {
     real.stop().await;
 }
 
-/// NVIDIA's device plugin beside the DRA driver on one node: a pod with an `nvidia.com/gpu`
-/// limit and a pod with a GPU claim each see their own GPU; each binding names where its
-/// GPU came from (the resource name, or the driver and its claim); the GpuNode counts each
-/// GPU once.
+/// NVIDIA's device plugin beside the DRA driver on one node. The two allocators do not know
+/// of each other, so a pod that takes every GPU the device plugin offers shares one with a
+/// pod holding a GPU claim. Each pod sees what its own allocator gave it; each binding names
+/// where its GPUs came from (the resource name, or the driver and its claim); the GpuNode
+/// counts each GPU once, and `Isolated` turns False naming the GPU handed out twice and both
+/// holders, until one of them goes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a DRA node: NVIDIA's DRA driver publishing 2 GPUs beside NVIDIA's device plugin, NVML for the agent; KUBECONFIG=... cargo test -p gpuwarden-e2e --test dra -- --ignored --test-threads=1"]
-async fn the_device_plugin_beside_the_driver_counts_each_gpu_once() {
-    let test = "the_device_plugin_beside_the_driver_counts_each_gpu_once";
+async fn the_device_plugin_beside_the_driver_is_named_where_both_hand_out_a_gpu() {
+    let test = "the_device_plugin_beside_the_driver_is_named_where_both_hand_out_a_gpu";
     let env = Env::new().await;
     let Some(dra) = dra_node_for(&env, test).await else {
         return;
@@ -851,40 +853,46 @@ async fn the_device_plugin_beside_the_driver_counts_each_gpu_once() {
         &env,
         &pods,
         &pod(
-            "plugin",
-            json!({"containers": [seeing("main", &busybox(),
-                json!({"resources": {"limits": {RESOURCE_GPU: "1"}}}))]}),
-        ),
-    )
-    .await;
-    create(
-        &env,
-        &pods,
-        &pod(
             "claim",
             json!({"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
                 "containers": [seeing("main", &busybox(), json!({"resources": {"claims": [{"name": "gpu"}]}}))]}),
         ),
     )
     .await;
-    let (plugin_pod, plugin_seen) = run(&env, &ns, "plugin", &["main"]).await;
     let (claim_pod, claim_seen) = run(&env, &ns, "claim", &["main"]).await;
-    let gn = inventory(&env, &dra.name).await;
     let claim = allocated_claim(&env, &ns, "claim", Some("gpu")).await;
     let claimed = claim_uuids(&dra, &claim);
+    let gn = inventory(&env, &dra.name).await;
     assert_sees_exactly(&gn, "claim/main", &claim_seen[0], &claimed);
-    // The device plugin's allocation is the UUID it sets (envvar strategy) or the device
-    // node it passes.
-    let plugin_gpu = match plugin_seen[0].visible_ids() {
-        ids if ids.len() == 1 => ids,
-        _ => device_uuids(&gn, &plugin_seen[0]),
-    };
-    assert_eq!(plugin_gpu.len(), 1, "{}", plugin_seen[0].summary());
-    assert_eq!(device_uuids(&gn, &plugin_seen[0]), plugin_gpu);
+    create(
+        &env,
+        &pods,
+        &pod(
+            "plugin",
+            json!({"containers": [seeing("main", &busybox(),
+                json!({"resources": {"limits": {RESOURCE_GPU: plugin_gpus.to_string()}}}))]}),
+        ),
+    )
+    .await;
+    let (plugin_pod, plugin_seen) = run(&env, &ns, "plugin", &["main"]).await;
+    // The device plugin's allocation is the UUIDs it sets (envvar strategy) and the device
+    // nodes it passes.
+    let plugin_gave = plugin_seen[0].visible_ids();
+    assert_eq!(
+        plugin_gave.len(),
+        plugin_gpus as usize,
+        "{}",
+        plugin_seen[0].summary()
+    );
+    assert_eq!(device_uuids(&gn, &plugin_seen[0]), plugin_gave);
+    assert!(
+        plugin_gave.contains(&claimed[0]),
+        "every GPU of the device plugin, the claimed one among them: {plugin_gave:?}"
+    );
 
     let uid = |p: &Pod| p.metadata.uid.clone().unwrap_or_default();
     let from_plugin = binding(&env, &dra.name, &uid(&plugin_pod), "main", |b| {
-        b.gpu_uuids == plugin_gpu
+        b.gpu_uuids == plugin_gave
     })
     .await;
     assert_eq!(from_plugin.resource_name.as_deref(), Some(RESOURCE_GPU));
@@ -896,9 +904,9 @@ async fn the_device_plugin_beside_the_driver_counts_each_gpu_once() {
     assert_eq!(from_claim.resource_name.as_deref(), Some(GPU_DRIVER));
     assert_eq!(from_claim.claims, [claim_ref(&claim)]);
 
-    // Each GPU counts once in the summary, whoever allocated it.
+    // Each GPU counts once, and the GPU handed out twice is named with both holders.
     let api: Api<GpuNode> = Api::all(env.client());
-    let counted = wait_for(SHORT, || {
+    let named = wait_for(Duration::from_secs(60), || {
         let api = api.clone();
         let name = dra.name.clone();
         async move {
@@ -908,25 +916,50 @@ async fn the_device_plugin_beside_the_driver_counts_each_gpu_once() {
                 .flat_map(|b| b.gpu_uuids)
                 .collect();
             let allocated = status.summary?.allocated?;
-            (allocated as usize == held.len()).then_some((allocated, held))
+            let isolated = (status.conditions?.into_iter()).find(|c| c.type_ == ISOLATED)?;
+            (allocated as usize == held.len() && isolated.reason == "GpuAllocatedTwice")
+                .then_some((allocated, isolated))
         }
     })
     .await;
-    let (allocated, held) = counted.expect("the summary counts each bound GPU once");
+    let (allocated, isolated) =
+        named.expect("Isolated False with GpuAllocatedTwice, each GPU counted once");
+    assert_eq!(isolated.status, "False");
+    for needle in [
+        format!(
+            "{}: {ns}/plugin container main (nvidia.com/gpu)",
+            claimed[0]
+        ),
+        format!("{ns}/claim container main (claim {})", claim_ref(&claim)),
+    ] {
+        assert!(
+            isolated.message.contains(&needle),
+            "{needle} in {}",
+            isolated.message
+        );
+    }
+    let plugin_api: Api<Pod> = Api::namespaced(env.client(), &ns);
+    let _ = plugin_api.delete("plugin", &Default::default()).await;
+    let alone = wait_for(Duration::from_secs(90), || {
+        let api = api.clone();
+        let name = dra.name.clone();
+        async move {
+            let gn = api.get_opt(&name).await.ok().flatten()?;
+            let c = (gn.status?.conditions?.into_iter()).find(|c| c.type_ == ISOLATED)?;
+            (c.status == "True").then_some(c)
+        }
+    })
+    .await;
     assert!(
-        held.contains(&claimed[0]) && held.contains(&plugin_gpu[0]),
-        "{held:?}"
+        alone.is_some(),
+        "Isolated back to True once the device plugin's pod is gone"
     );
     eprintln!(
-        "{test}: device plugin gave {plugin_gpu:?} ({}), the driver gave {claimed:?} through {} ({}); {allocated} GPU(s) allocated{}",
-        plugin_seen[0].summary(),
+        "{test}: the driver gave {claimed:?} through {} ({}); the device plugin gave {plugin_gave:?}; {allocated} GPUs allocated; Isolated {}: {}",
         claim_ref(&claim),
         claim_seen[0].summary(),
-        if plugin_gpu == claimed {
-            " - the two allocators handed out the same GPU"
-        } else {
-            ""
-        }
+        isolated.reason,
+        isolated.message
     );
     real.stop().await;
 }

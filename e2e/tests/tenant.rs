@@ -46,6 +46,7 @@ use gpuwarden_crds::{GpuPolicy, RESOURCE_GPU};
 use gpuwarden_e2e::cluster::{
     Cluster, LocalWebhook, RawResponse, certificate_for, namespaces_named, skip, wait_for,
 };
+use gpuwarden_e2e::dra::devices_on;
 use gpuwarden_e2e::env::{Env, until_admission};
 use gpuwarden_e2e::node::{
     Images, NEEDS_GPU_NODE, SEEN_COMMAND, SEEN_ONCE_COMMAND, Seen, gpu_node, import_image,
@@ -1397,12 +1398,27 @@ async fn tenant_attacks_get_no_gpu_they_were_not_allocated_on_a_real_node() {
         .await
     {
         let name = env.name("nic");
+        // A DRA driver of another device on the node makes the claim's pod run (a NIC
+        // driver, Kubernetes' dra-test-driver); with none, the pod is stored and waits.
+        let on_node = devices_on(&env.cluster, &node)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let driver = match on_node.other_drivers().into_iter().next() {
+            Some(driver) => driver.to_owned(),
+            None => {
+                skip(
+                    "resource-claim-nic on the node",
+                    "no DRA driver of a non-GPU device publishes on the node: the claim's pod is judged as stored",
+                );
+                "nic.example.com".to_owned()
+            }
+        };
         cluster_object(
             &env,
             "/apis/resource.k8s.io/v1/deviceclasses",
             json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
                 "metadata": {"name": name},
-                "spec": {"selectors": [{"cel": {"expression": "device.driver == 'nic.example.com'"}}]}}),
+                "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{driver}'")}}]}}),
             ("resource.k8s.io", "v1", "DeviceClass"),
         )
         .await;

@@ -4,7 +4,7 @@
 //! Every function here is a function of the objects read from the caches and of `now`;
 //! the reconciler in [`crate::node_controller`] does the reading and writing.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use gpuwarden_crds::condition_types::{
@@ -12,8 +12,8 @@ use gpuwarden_crds::condition_types::{
 };
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{
-    GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState, LABEL_GPU_PRESENT, RESOURCE_GPU,
-    Truncated, gpu,
+    BindingSource, GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState, LABEL_GPU_PRESENT,
+    RESOURCE_GPU, Truncated, gpu,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -156,6 +156,66 @@ fn format_ts(ts: Timestamp) -> String {
     ts.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
+/// The GPUs a device plugin allocated to one container and a DRA driver to another
+/// (docs/design.md, "One allocator per GPU"), each as `GPU-x: ns/pod container c
+/// (nvidia.com/gpu) and ns/pod container d (claim ns/claim)`. The two never learn of each
+/// other's allocations, so where both serve a node they hand out the same GPU. A GPU and
+/// one of its MIG devices are the same GPU here; a container that holds GPUs both ways is
+/// left out, as its binding does not say which came from where.
+fn allocated_twice(status: &GpuNodeStatus) -> Vec<String> {
+    let gpus = status.gpus.as_deref().unwrap_or_default();
+    let physical = |uuid: &str| -> String {
+        (gpus.iter())
+            .find(|g| g.mig_devices.iter().any(|m| m.uuid == uuid))
+            .map_or_else(|| uuid.to_owned(), |g| g.uuid.clone())
+    };
+    // Per physical GPU: who holds it through a device plugin, and who through a claim.
+    let mut held: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
+    for b in status.bindings.iter().flatten() {
+        if b.source == BindingSource::Observed {
+            continue;
+        }
+        let from_claim = !b.claims.is_empty();
+        if from_claim && b.resource_name.as_deref().is_some_and(gpu::is_gpu_resource) {
+            continue;
+        }
+        let holder = if from_claim {
+            format!(
+                "{}/{} container {} (claim {})",
+                b.namespace,
+                b.pod,
+                b.container,
+                b.claims.join(", ")
+            )
+        } else {
+            format!(
+                "{}/{} container {} ({})",
+                b.namespace,
+                b.pod,
+                b.container,
+                b.resource_name.as_deref().unwrap_or("a device plugin")
+            )
+        };
+        for uuid in &b.gpu_uuids {
+            let entry = held.entry(physical(uuid)).or_default();
+            let list = if from_claim {
+                &mut entry.1
+            } else {
+                &mut entry.0
+            };
+            if !list.contains(&holder) {
+                list.push(holder.clone());
+            }
+        }
+    }
+    held.into_iter()
+        .filter(|(_, (plugin, claim))| !plugin.is_empty() && !claim.is_empty())
+        .map(|(gpu, (plugin, claim))| {
+            format!("{gpu}: {} and {}", plugin.join(", "), claim.join(", "))
+        })
+        .collect()
+}
+
 /// The five GpuNode conditions, computed from the agent's status and Lease.
 pub fn desired_conditions(
     status: Option<&GpuNodeStatus>,
@@ -254,6 +314,7 @@ pub fn desired_conditions(
                 .filter(|p| p.exempt.is_none())
                 .map(|p| format!("{}/{}", p.namespace, p.name))
                 .collect();
+            let twice = allocated_twice(s);
             if !out_of_band.is_empty() {
                 DesiredCondition::new(
                     ISOLATED,
@@ -262,6 +323,16 @@ pub fn desired_conditions(
                     format!(
                         "containers use GPUs the kubelet never allocated to them: {}",
                         list_limited(&out_of_band)
+                    ),
+                )
+            } else if !twice.is_empty() {
+                DesiredCondition::new(
+                    ISOLATED,
+                    false,
+                    "GpuAllocatedTwice",
+                    format!(
+                        "GPUs handed out both by a device plugin and by a DRA driver, which do not know of each other's allocations (run one of them per node, or give each its own GPUs): {}",
+                        list_limited(&twice)
                     ),
                 )
             } else if !privileged.is_empty() {
@@ -822,6 +893,48 @@ mod tests {
                 privileged_pods: Some(1)
             })
         );
+
+        // The device plugin and a DRA driver handing out the same GPU: both holders named.
+        status.bindings = Some(vec![
+            Binding {
+                pod_uid: "u4".into(),
+                container: "main".into(),
+                namespace: "ml".into(),
+                pod: "plugin-0".into(),
+                resource_name: Some("nvidia.com/gpu".into()),
+                claims: vec![],
+                gpu_uuids: vec!["GPU-0".into()],
+                source: BindingSource::Allocated,
+            },
+            Binding {
+                pod_uid: "u5".into(),
+                container: "main".into(),
+                namespace: "ml".into(),
+                pod: "claim-0".into(),
+                resource_name: Some("gpu.nvidia.com".into()),
+                claims: vec!["ml/claim-0-gpu-x7k2p".into()],
+                gpu_uuids: vec!["GPU-0".into()],
+                source: BindingSource::AllocatedAndObserved,
+            },
+        ]);
+        let i = desired_conditions(Some(&status), &live);
+        let i = find(&i, ISOLATED);
+        assert_eq!(
+            (i.status, i.reason.as_str()),
+            ("False", "GpuAllocatedTwice")
+        );
+        assert!(
+            i.message.contains(
+                "GPU-0: ml/plugin-0 container main (nvidia.com/gpu) and ml/claim-0 container main (claim ml/claim-0-gpu-x7k2p)"
+            ),
+            "{}",
+            i.message
+        );
+        assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(1));
+        // On different GPUs they are fine.
+        status.bindings.as_mut().unwrap()[1].gpu_uuids = vec!["GPU-1".into()];
+        let i = desired_conditions(Some(&status), &live);
+        assert_ne!(find(&i, ISOLATED).reason, "GpuAllocatedTwice");
 
         // Privileged pods alone break isolation too.
         status.bindings = Some(vec![]);
