@@ -354,11 +354,26 @@ impl DeviceMap {
     }
 
     /// The GPU or MIG UUID a device ID names: a UUID (`GPU-…`, `MIG-…`), an index (`3`),
-    /// a MIG index (`3:1`), each possibly with a time-slicing replica suffix (`::2`).
+    /// a MIG index (`3:1`), each possibly with a time-slicing replica suffix (`::2`), or a
+    /// UUID with HAMi's split suffix (`GPU-…-3`: HAMi's device plugin offers each GPU as
+    /// several devices named so).
     pub fn resolve(&self, device_id: &str) -> Option<String> {
         let id = device_id
             .split_once("::")
             .map_or(device_id, |(base, _)| base);
+        self.resolve_base(id).or_else(|| {
+            let (uuid, split) = id.rsplit_once('-')?;
+            let known = self
+                .gpus
+                .iter()
+                .any(|(_, gpu, migs)| gpu == uuid || migs.iter().any(|m| m == uuid));
+            (known && !split.is_empty() && split.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| uuid.to_owned())
+        })
+    }
+
+    /// [`DeviceMap::resolve`] of an ID without a replica or split suffix.
+    fn resolve_base(&self, id: &str) -> Option<String> {
         for (index, uuid, migs) in &self.gpus {
             if uuid == id {
                 return Some(uuid.clone());
@@ -606,6 +621,30 @@ mod tests {
         assert_eq!(a.device_uuids, ["GPU-a", "GPU-b"]);
         assert_eq!(map.resolve_dra("MIG-x", &[]).as_deref(), Some("MIG-x"));
         assert_eq!(map.resolve_dra("gpu-x", &[]), None);
+    }
+
+    #[test]
+    fn hamis_split_devices_name_their_gpu() {
+        let map = DeviceMap::new(&[
+            gpu(0, "GPU-01000100-0000-0000-0000-000000000000", &[]),
+            gpu(1, "GPU-b", &["MIG-x"]),
+        ]);
+        // A UUID whose last group is all digits is itself, not a split of something.
+        assert_eq!(
+            map.resolve("GPU-01000100-0000-0000-0000-000000000000")
+                .as_deref(),
+            Some("GPU-01000100-0000-0000-0000-000000000000")
+        );
+        assert_eq!(
+            map.resolve("GPU-01000100-0000-0000-0000-000000000000-7")
+                .as_deref(),
+            Some("GPU-01000100-0000-0000-0000-000000000000")
+        );
+        assert_eq!(map.resolve("GPU-b-0").as_deref(), Some("GPU-b"));
+        assert_eq!(map.resolve("MIG-x-2").as_deref(), Some("MIG-x"));
+        assert_eq!(map.resolve("GPU-c-1"), None, "no such GPU");
+        assert_eq!(map.resolve("GPU-b-x"), None, "not a split number");
+        assert_eq!(map.resolve("GPU-b-"), None);
     }
 
     #[test]
