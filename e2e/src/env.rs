@@ -333,6 +333,25 @@ impl Env {
         .unwrap_or_else(|| panic!("{file}: the server never type-checked the policy"))
     }
 
+    /// Creates `pod` in `ns` once a dry run satisfies `ready` ([`Env::until_admission`]), and
+    /// returns the server's answer, which must be a success.
+    pub async fn create_admitted(
+        &self,
+        ns: &str,
+        pod: &Value,
+        what: &str,
+        ready: impl Fn(&RawResponse) -> bool,
+    ) -> RawResponse {
+        self.until_admission(ns, pod, what, ready).await;
+        let created = self
+            .cluster
+            .create_pod(ns, pod, false)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(created.status.is_success(), "{what}: {created:?}");
+        created
+    }
+
     /// Waits until a dry-run create of `pod` in `ns` satisfies `ready` (the webhook
     /// configuration and the webhook's policy cache take a moment to catch up).
     pub async fn until_admission(

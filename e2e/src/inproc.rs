@@ -53,6 +53,16 @@ pub fn start_real_agent(
         .expect("a free port");
     let mut config = gpuwarden_node_agent::Config::new(node);
     config.listen = listen;
+    let (stop, task) = spawn_agent(env, config);
+    (stop, task, listen)
+}
+
+/// Runs the node agent in-process with `config` (polling every 2 seconds) until the
+/// returned sender fires.
+pub fn spawn_agent(
+    env: &Env,
+    mut config: gpuwarden_node_agent::Config,
+) -> (oneshot::Sender<()>, JoinHandle<()>) {
     config.poll_interval = Duration::from_secs(2);
     let (stop, shutdown) = stoppable();
     let client = env.client();
@@ -61,7 +71,7 @@ pub fn start_real_agent(
             eprintln!("node agent stopped: {e}");
         }
     });
-    (stop, task, listen)
+    (stop, task)
 }
 
 /// The operator and the node agent, in-process, for a real GPU node.

@@ -87,6 +87,28 @@ fn claim_template(name: &str, class: &str, count: u32) -> Value {
             "exactly": {"deviceClassName": class, "allocationMode": "ExactCount", "count": count}}]}}}})
 }
 
+/// In namespace `ns`: the template `one-gpu` (one GPU of NVIDIA's driver).
+async fn one_gpu_template(env: &Env, ns: &str) {
+    let templates = format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates");
+    create(env, &templates, &claim_template("one-gpu", GPU_DRIVER, 1)).await;
+}
+
+/// Creates pod `name` of `spec` in `ns` (its containers printing what they see).
+async fn create_seeing(env: &Env, ns: &str, name: &str, spec: Value) {
+    create(
+        env,
+        &format!("/api/v1/namespaces/{ns}/pods"),
+        &pod(name, spec),
+    )
+    .await;
+}
+
+/// A pod spec whose container `main` (busybox) holds a claim from the template `one-gpu`.
+fn one_gpu_holder() -> Value {
+    json!({"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+        "containers": [seeing("main", &busybox(), json!({"resources": {"claims": [{"name": "gpu"}]}}))]})
+}
+
 /// POSTs `object` to `path` as cluster admin; the test's cleanup deletes it (with its
 /// namespace, or by name where it is cluster-scoped).
 async fn create(env: &Env, path: &str, object: &Value) -> Value {
@@ -306,6 +328,30 @@ async fn holder_series(real: &RealNode, ns: &str, pod: &str, count: usize) -> Ve
     }
 }
 
+/// Waits for pod `train` of `ns` to run; its container `main` must see exactly the two GPUs
+/// its claim (the pod's `resourceClaims` entry `entry`, or for `None` the claim the scheduler
+/// made for its extended resource) was allocated, and the agent must bind them to that claim.
+/// Returns what it saw, the claim, its GPUs and the binding.
+async fn train_runs_with_two_claimed_gpus(
+    env: &Env,
+    dra: &DraNode,
+    ns: &str,
+    entry: Option<&str>,
+) -> (Seen, Value, Vec<String>, Binding) {
+    let (running, seen) = run(env, ns, "train", &["main"]).await;
+    let claim = allocated_claim(env, ns, "train", entry).await;
+    let claimed = claim_uuids(dra, &claim);
+    assert_eq!(claimed.len(), 2, "{claim:#}");
+    let gn = inventory(env, &dra.name).await;
+    assert_sees_exactly(&gn, "train/main", &seen[0], &claimed);
+    let pod_uid = running.metadata.uid.clone().unwrap_or_default();
+    let bound = binding(env, &dra.name, &pod_uid, "main", |b| b.gpu_uuids == claimed).await;
+    assert_eq!(bound.claims, [claim_ref(&claim)], "{bound:?}");
+    assert_eq!(bound.source, BindingSource::Allocated, "{bound:?}");
+    let seen = seen.into_iter().next().expect("main");
+    (seen, claim, claimed, bound)
+}
+
 /// The ResourceClaim path end to end: a privileged pod naming GPUs 0 and 1, in a namespace
 /// whose policy asks for `requestAs: ResourceClaim`, is rewritten into a claim from the
 /// operator's template; NVIDIA's driver allocates it two GPUs; the process sees exactly their
@@ -349,16 +395,11 @@ async fn resource_claim_mode_runs_with_exactly_the_claimed_gpus() {
             "securityContext": {"privileged": true},
             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]}))]}),
     );
-    env.until_admission(&ns, &privileged, "the claim rewrite", |r| {
-        r.status.is_success() && r.body["spec"]["resourceClaims"].is_array()
-    })
-    .await;
     let created = env
-        .cluster
-        .create_pod(&ns, &privileged, false)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(created.status.is_success(), "{created:?}");
+        .create_admitted(&ns, &privileged, "the claim rewrite", |r| {
+            r.status.is_success() && r.body["spec"]["resourceClaims"].is_array()
+        })
+        .await;
     let stored = &created.body["spec"];
     assert_eq!(
         stored["resourceClaims"],
@@ -371,20 +412,8 @@ async fn resource_claim_mode_runs_with_exactly_the_claimed_gpus() {
         json!([{"name": "gpuwarden-gpus-0"}])
     );
 
-    let (running, seen) = run(&env, &ns, "train", &["main"]).await;
-    let claim = allocated_claim(&env, &ns, "train", Some("gpuwarden-gpus-0")).await;
-    let claimed = claim_uuids(&dra, &claim);
-    assert_eq!(claimed.len(), 2, "{claim:#}");
-    let gn = inventory(&env, &dra.name).await;
-    assert_sees_exactly(&gn, "train/main", &seen[0], &claimed);
-
-    let pod_uid = running.metadata.uid.clone().unwrap_or_default();
-    let bound = binding(&env, &dra.name, &pod_uid, "main", |b| {
-        b.gpu_uuids == claimed
-    })
-    .await;
-    assert_eq!(bound.claims, [claim_ref(&claim)], "{bound:?}");
-    assert_eq!(bound.source, BindingSource::Allocated, "{bound:?}");
+    let (seen, claim, claimed, bound) =
+        train_runs_with_two_claimed_gpus(&env, &dra, &ns, Some("gpuwarden-gpus-0")).await;
     assert_eq!(
         bound.resource_name.as_deref(),
         Some(GPU_DRIVER),
@@ -402,7 +431,7 @@ async fn resource_claim_mode_runs_with_exactly_the_claimed_gpus() {
     eprintln!(
         "{test}: {ns}/train claim {} allocated {claimed:?}; the process sees {}; binding {:?} {:?}",
         claim_ref(&claim),
-        seen[0].summary(),
+        seen.summary(),
         bound.claims,
         bound.gpu_uuids
     );
@@ -467,36 +496,19 @@ async fn an_extended_resource_served_by_dra_runs_with_its_gpus() {
             "securityContext": {"privileged": true},
             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]}))]}),
     );
-    env.until_admission(&ns, &privileged, "the extended-resource rewrite", |r| {
-        r.status.is_success()
-            && r.body["spec"]["containers"][0]["resources"]["limits"][RESOURCE_GPU] == "2"
-    })
-    .await;
     let created = env
-        .cluster
-        .create_pod(&ns, &privileged, false)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(created.status.is_success(), "{created:?}");
+        .create_admitted(&ns, &privileged, "the extended-resource rewrite", |r| {
+            r.status.is_success()
+                && r.body["spec"]["containers"][0]["resources"]["limits"][RESOURCE_GPU] == "2"
+        })
+        .await;
     assert_eq!(created.body["spec"]["resourceClaims"], Value::Null);
 
-    let (running, seen) = run(&env, &ns, "train", &["main"]).await;
-    let claim = allocated_claim(&env, &ns, "train", None).await;
-    let claimed = claim_uuids(&dra, &claim);
-    assert_eq!(claimed.len(), 2, "{claim:#}");
-    let gn = inventory(&env, &dra.name).await;
-    assert_sees_exactly(&gn, "train/main", &seen[0], &claimed);
-    let pod_uid = running.metadata.uid.clone().unwrap_or_default();
-    let bound = binding(&env, &dra.name, &pod_uid, "main", |b| {
-        b.gpu_uuids == claimed
-    })
-    .await;
-    assert_eq!(bound.claims, [claim_ref(&claim)], "{bound:?}");
-    assert_eq!(bound.source, BindingSource::Allocated, "{bound:?}");
+    let (seen, claim, claimed, _) = train_runs_with_two_claimed_gpus(&env, &dra, &ns, None).await;
     eprintln!(
         "{test}: DeviceClass {class}; {ns}/train limit nvidia.com/gpu: 2 allocated {claimed:?} through claim {}; the process sees {}",
         claim_ref(&claim),
-        seen[0].summary()
+        seen.summary()
     );
     webhook.stop().await;
     real.stop().await;
@@ -586,8 +598,8 @@ async fn the_void_rule_holds_beside_claims_on_a_dra_node() {
                 None
             }
         };
+        one_gpu_template(&env, &ns).await;
         let templates = format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates");
-        create(&env, &templates, &claim_template("one-gpu", GPU_DRIVER, 1)).await;
         let mut claims = vec![json!({"name": "gpu", "resourceClaimTemplateName": "one-gpu"})];
         let mut containers = vec![
             seeing(
@@ -706,28 +718,10 @@ async fn claim_allocated_processes_are_not_out_of_band() {
     };
     let real = RealNode::start_on(&env, dra.name.clone()).await;
     let ns = env.namespace("dra-oob").await;
-    let templates = format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates");
-    create(&env, &templates, &claim_template("one-gpu", GPU_DRIVER, 1)).await;
-    let pods = format!("/api/v1/namespaces/{ns}/pods");
-    create(
-        &env,
-        &pods,
-        &pod(
-            "holder",
-            json!({"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
-                "containers": [seeing("main", &busybox(), json!({"resources": {"claims": [{"name": "gpu"}]}}))]}),
-        ),
-    )
-    .await;
-    create(
-        &env,
-        &pods,
-        &pod(
-            "rogue",
-            json!({"containers": [seeing("main", &busybox(), json!({}))]}),
-        ),
-    )
-    .await;
+    one_gpu_template(&env, &ns).await;
+    create_seeing(&env, &ns, "holder", one_gpu_holder()).await;
+    let plain = json!({"containers": [seeing("main", &busybox(), json!({}))]});
+    create_seeing(&env, &ns, "rogue", plain).await;
     let (holder, _) = run(&env, &ns, "holder", &["main"]).await;
     let (rogue, _) = run(&env, &ns, "rogue", &["main"]).await;
     let claim = allocated_claim(&env, &ns, "holder", Some("gpu")).await;
@@ -846,34 +840,16 @@ async fn the_device_plugin_beside_the_driver_is_named_where_both_hand_out_a_gpu(
     }
     let real = RealNode::start_on(&env, dra.name.clone()).await;
     let ns = env.namespace("dra-both").await;
-    let templates = format!("/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates");
-    create(&env, &templates, &claim_template("one-gpu", GPU_DRIVER, 1)).await;
-    let pods = format!("/api/v1/namespaces/{ns}/pods");
-    create(
-        &env,
-        &pods,
-        &pod(
-            "claim",
-            json!({"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
-                "containers": [seeing("main", &busybox(), json!({"resources": {"claims": [{"name": "gpu"}]}}))]}),
-        ),
-    )
-    .await;
+    one_gpu_template(&env, &ns).await;
+    create_seeing(&env, &ns, "claim", one_gpu_holder()).await;
     let (claim_pod, claim_seen) = run(&env, &ns, "claim", &["main"]).await;
     let claim = allocated_claim(&env, &ns, "claim", Some("gpu")).await;
     let claimed = claim_uuids(&dra, &claim);
     let gn = inventory(&env, &dra.name).await;
     assert_sees_exactly(&gn, "claim/main", &claim_seen[0], &claimed);
-    create(
-        &env,
-        &pods,
-        &pod(
-            "plugin",
-            json!({"containers": [seeing("main", &busybox(),
-                json!({"resources": {"limits": {RESOURCE_GPU: plugin_gpus.to_string()}}}))]}),
-        ),
-    )
-    .await;
+    let every_gpu = json!({"resources": {"limits": {RESOURCE_GPU: plugin_gpus.to_string()}}});
+    let plugin = json!({"containers": [seeing("main", &busybox(), every_gpu)]});
+    create_seeing(&env, &ns, "plugin", plugin).await;
     let (plugin_pod, plugin_seen) = run(&env, &ns, "plugin", &["main"]).await;
     // The device plugin's allocation is the UUIDs it sets (envvar strategy) and the device
     // nodes it passes.

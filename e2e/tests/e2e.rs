@@ -19,7 +19,7 @@ use std::time::Duration;
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
 use gpuwarden_e2e::cluster::{RawResponse, admitted, skip, visible_in_log, wait_for};
 use gpuwarden_e2e::env::{Env, LABEL_RUN, SHORT};
-use gpuwarden_e2e::inproc::{RealNode, scrape, start_operator, stoppable};
+use gpuwarden_e2e::inproc::{RealNode, scrape, spawn_agent, start_operator};
 use gpuwarden_e2e::node::busybox;
 use http::Method;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -574,15 +574,7 @@ fn start_agent(
     config.pod_resources_socket = socket.to_path_buf();
     config.host_root = dir.to_path_buf();
     config.listen = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
-    config.poll_interval = Duration::from_secs(2);
-    let (stop, shutdown) = stoppable();
-    let client = env.client();
-    let task = tokio::spawn(async move {
-        if let Err(e) = gpuwarden_node_agent::run(config, client, shutdown).await {
-            eprintln!("node agent stopped: {e}");
-        }
-    });
-    (stop, task)
+    spawn_agent(env, config)
 }
 
 async fn gpunode(env: &Env, name: &str, timeout: Duration) -> Option<GpuNode> {
