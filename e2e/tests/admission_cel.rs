@@ -470,6 +470,29 @@ fn match_conditions_select_pods_that_may_reach_gpus() {
         ),
         (
             pod(
+                json!({"containers": [{"name": "a", "resources": {"limits": {"cpu": "1"}},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}),
+            ),
+            false,
+        ),
+        // Unless another webhook (HAMi's) gave its container a GPU after the void: the entry
+        // would hide it, and the webhook removes it.
+        (
+            pod(json!({"containers": [{"name": "a",
+                "resources": {"limits": {"nvidia.com/gpumem": "3000", "nvidia.com/gpu": "1"}},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]})),
+            true,
+        ),
+        (
+            pod(
+                json!({"containers": [container("a", None)], "initContainers": [{"name": "i",
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}),
+            ),
+            true,
+        ),
+        (
+            pod(
                 json!({"containers": [{"name": "a", "env": [{"name": "NVIDIA_VISIBLE_DEVICES",
                 "value": "void", "valueFrom": {"configMapKeyRef": {"name": "g", "key": "k"}}}]}]}),
             ),

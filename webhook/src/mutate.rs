@@ -680,7 +680,7 @@ impl Explainer {
             Verdict::Voided => (
                 "voided",
                 format!(
-                    "VOIDED by GpuPolicy {policy} (Enforce): containers without a GPU resource get NVIDIA_VISIBLE_DEVICES=void"
+                    "VOIDED by GpuPolicy {policy} (Enforce): containers without a GPU resource get NVIDIA_VISIBLE_DEVICES=void, and those with one lose a void of their own"
                 ),
             ),
             Verdict::Rewritten => (

@@ -742,7 +742,7 @@ fn unprivileged_and_non_gpu_pods_pass_unchanged() {
     let mut pod = training_pod();
     pod["spec"]["containers"][0]["securityContext"] = json!({"privileged": false});
     pod["spec"]["containers"][0]["env"] =
-        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]);
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]);
     pod["spec"]["containers"][0]["resources"]["limits"] = json!({"nvidia.com/gpu": "1"});
     let answer = review_pod(&pod, "ml", &source());
     assert!(answer.allowed() && answer.patch.is_none());
@@ -753,6 +753,65 @@ fn unprivileged_and_non_gpu_pods_pass_unchanged() {
                                  "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}});
     let answer = review_pod(&pod, "ml", &source());
     assert!(answer.allowed() && answer.patch.is_none());
+}
+
+/// HAMi's webhook runs after gpuwarden's: a container that asks only for device memory
+/// (`nvidia.com/gpumem`) holds no GPU resource on gpuwarden's first pass and is voided, then
+/// HAMi adds `nvidia.com/gpu: 1`. Called again, gpuwarden removes its `void`, which would
+/// override the UUID HAMi's device plugin sets; a container that still holds no GPU keeps
+/// its `void`, and a zero limit is no GPU.
+#[test]
+fn a_void_beside_a_gpu_another_webhook_added_is_removed() {
+    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "vgpu"},
+        "spec": {"containers": [
+            {"name": "main", "image": "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04",
+             "resources": {"limits": {"nvidia.com/gpumem": "3000"}}},
+            {"name": "log", "image": "busybox"}]}});
+    let (first, voided) = rewrite(&pod, "ml", &source());
+    assert_eq!(first.summary.outcome, Outcome::Voided);
+    for c in voided["spec"]["containers"].as_array().expect("containers") {
+        assert_eq!(env_value(c, "NVIDIA_VISIBLE_DEVICES"), Some("void"), "{c}");
+    }
+
+    // HAMi's webhook, as it mutates such a pod (pkg/device/nvidia/device.go MutateAdmission).
+    let mut after_hami = voided.clone();
+    after_hami["spec"]["schedulerName"] = json!("hami-scheduler");
+    let limits = &mut after_hami["spec"]["containers"][0]["resources"]["limits"];
+    limits["nvidia.com/gpu"] = json!("1");
+    limits["nvidia.com/gpucores"] = json!("100");
+    let (again, out) = rewrite(&after_hami, "ml", &source());
+    assert_eq!(again.summary.outcome, Outcome::Voided);
+    let main = &out["spec"]["containers"][0];
+    assert_eq!(env_value(main, "NVIDIA_VISIBLE_DEVICES"), None, "{main}");
+    assert_eq!(
+        main["resources"],
+        after_hami["spec"]["containers"][0]["resources"]
+    );
+    let log = &out["spec"]["containers"][1];
+    assert_eq!(env_value(log, "NVIDIA_VISIBLE_DEVICES"), Some("void"));
+    assert_eq!(
+        again.warnings(),
+        [
+            "gpuwarden: main: NVIDIA_VISIBLE_DEVICES=void removed, as it holds nvidia.com/gpu: the entry would hide the GPUs the kubelet allocates"
+        ]
+    );
+    // A third pass changes nothing.
+    let third = review_pod(&out, "ml", &source());
+    assert!(
+        third.allowed() && third.patch.is_none(),
+        "{:?}",
+        third.warnings()
+    );
+
+    // Only `void`, only beside a GPU limit other than 0, only in Enforce.
+    let mut zero = after_hami.clone();
+    zero["spec"]["containers"][0]["resources"]["limits"] = json!({"nvidia.com/gpu": "0"});
+    assert!(review_pod(&zero, "ml", &source()).patch.is_none());
+    let audit = StaticSource::new([policy("default", |p| p.spec.mode = PolicyMode::Audit)]);
+    assert!(review_pod(&after_hami, "ml", &audit).patch.is_none());
+    let mut none = after_hami;
+    none["spec"]["containers"][0]["env"][0]["value"] = json!("none");
+    assert!(review_pod(&none, "ml", &source()).patch.is_none());
 }
 
 /// Door 1 of the leaks: an unprivileged container that names GPUs through the runtime's

@@ -47,7 +47,7 @@ pub use gpuwarden_crds::selection::{
 pub use gpuwarden_crds::selector::Labels;
 pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
-pub use void::Voided;
+pub use void::{Unvoided, Voided};
 
 pub use gpuwarden_crds::gpu::ENV_DRIVER_CAPABILITIES;
 /// The command a denial message points users to.
@@ -209,6 +209,8 @@ pub struct Decision<'a> {
     detail: Detail<'a>,
     /// The containers the void rule holds for (Enforce: set; Audit: reported).
     voided: Vec<Voided<'a>>,
+    /// Containers that hold a GPU resource and lose their `void` entries (Enforce).
+    unvoided: Vec<Unvoided<'a>>,
 }
 
 /// What an annotation the patch sets holds.
@@ -359,6 +361,10 @@ fn decide_create<'a>(
             void::void_targets(&facts, policy, None)
         } else {
             Vec::new()
+        })
+        .unvoiding(match policy.spec.mode {
+            PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, None),
+            _ => Vec::new(),
         });
     }
     let strip = plan::volumes_to_strip(&facts, policy);
@@ -402,9 +408,14 @@ fn decide_create<'a>(
         }
         PolicyMode::Deny => Verdict::Denied,
     };
+    let unvoided = match mode {
+        PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, Some(&plan)),
+        _ => Vec::new(),
+    };
     Decision::new(verdict, Some(policy), reference, input)
         .with(Detail::Create { plan, mode, set })
         .voiding(voided)
+        .unvoiding(unvoided)
 }
 
 fn decide_ephemeral<'a>(
@@ -476,6 +487,7 @@ impl<'a> Decision<'a> {
             daemon_set: input.daemon_set(),
             detail: Detail::Plain,
             voided: Vec::new(),
+            unvoided: Vec::new(),
         }
     }
 
@@ -490,6 +502,22 @@ impl<'a> Decision<'a> {
         }
         self.voided = voided;
         self
+    }
+
+    /// Sets the containers that hold a GPU resource and lose their `void` entries; an
+    /// unchanged pod is then [`Verdict::Voided`].
+    fn unvoiding(mut self, unvoided: Vec<Unvoided<'a>>) -> Self {
+        if self.verdict == Verdict::Unchanged && !unvoided.is_empty() {
+            self.verdict = Verdict::Voided;
+        }
+        self.unvoided = unvoided;
+        self
+    }
+
+    /// The containers that hold a GPU resource and lose their `NVIDIA_VISIBLE_DEVICES=void`
+    /// entries (Enforce).
+    pub fn unvoided(&self) -> &[Unvoided<'a>] {
+        &self.unvoided
     }
 
     /// The containers that get (Enforce) or would get (Audit) `NVIDIA_VISIBLE_DEVICES=void`.
@@ -559,6 +587,11 @@ impl<'a> Decision<'a> {
         Changes {
             plan: plan.filter(|_| self.verdict == Verdict::Rewritten),
             voided: if self.sets_void() { &self.voided } else { &[] },
+            unvoided: if self.sets_void() {
+                &self.unvoided
+            } else {
+                &[]
+            },
             set: set.map(|pair| pair.map(|(key, what)| (key, value(&what)))),
             step: Step::Container(0, 0),
         }
@@ -608,6 +641,14 @@ impl<'a> Decision<'a> {
                 .collect();
             (!names.is_empty()).then(|| names.join(", "))
         };
+        if enforce {
+            for u in &self.unvoided {
+                warnings.push(format!(
+                    "gpuwarden: {}: NVIDIA_VISIBLE_DEVICES=void removed, as it holds {}: the entry would hide the GPUs the kubelet allocates",
+                    u.name, u.resource
+                ));
+            }
+        }
         let (no_gpu, claims) = (names(false), names(true));
         if let Some(names) = no_gpu {
             warnings.push(if enforce {
@@ -745,6 +786,8 @@ pub struct Changes<'c> {
     plan: Option<&'c Plan<'c>>,
     /// The containers that get `NVIDIA_VISIBLE_DEVICES=void`.
     voided: &'c [Voided<'c>],
+    /// The containers that lose their `void` entries.
+    unvoided: &'c [Unvoided<'c>],
     set: [Option<(&'c str, AnnotationValue<'c>)>; 2],
     step: Step,
 }
@@ -754,6 +797,7 @@ pub struct Changes<'c> {
 enum Step {
     Container(usize, u8),
     Void(usize),
+    Unvoid(usize),
     PodClaims,
     Volumes,
     RemoveAnnotations,
@@ -786,6 +830,17 @@ impl<'c> Iterator for Changes<'c> {
                             container: v.at,
                             remove: &[],
                             append: Some((ENV_VISIBLE_DEVICES, gpuwarden_crds::gpu::VOID)),
+                        }),
+                    ),
+                    None => (Step::Unvoid(0), None),
+                },
+                Step::Unvoid(k) => match self.unvoided.get(k) {
+                    Some(u) => (
+                        Step::Unvoid(k + 1),
+                        Some(Change::Env {
+                            container: u.at,
+                            remove: &u.entries,
+                            append: None,
                         }),
                     ),
                     None => (Step::PodClaims, None),

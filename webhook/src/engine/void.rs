@@ -1,11 +1,13 @@
 //! The void rule (docs/design.md, "Inside the API server"): in Enforce mode, every init and
 //! regular container that holds no GPU gets `NVIDIA_VISIBLE_DEVICES=void`, which overrides
-//! the image's own value. The API server applies the same rule by a MutatingAdmissionPolicy
+//! the image's own value; and one that holds a GPU resource loses the `void` entries it has,
+//! which would hide the GPUs the kubelet allocates (another webhook gave it the resource
+//! after gpuwarden voided it: HAMi's, for a container that asked for `nvidia.com/gpumem`). The API server applies the same rule by a MutatingAdmissionPolicy
 //! rendered from the policy ([`gpuwarden_crds::admission::policies`]); both read the same raw
 //! fields, so that the rule never depends on what CEL cannot compute.
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules};
+use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules, VOID};
 
 use super::facts::{ContainerFacts, PodFacts};
 use super::plan::Plan;
@@ -13,7 +15,7 @@ use super::{
     ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
     ENV_VISIBLE_DEVICES,
 };
-use crate::pod::{Container, PodView};
+use crate::pod::{Container, PodView, Scalar};
 
 /// A container the void rule holds for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,6 +28,72 @@ pub struct Voided<'a> {
     pub image: &'a str,
     /// It holds resource claims: what they give comes through CDI, not the variable.
     pub claims: bool,
+}
+
+/// A container that holds a GPU resource and `NVIDIA_VISIBLE_DEVICES=void` entries, which the
+/// rule removes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unvoided<'a> {
+    /// Where it is.
+    pub at: ContainerRef,
+    /// Its name.
+    pub name: &'a str,
+    /// The GPU resource it holds.
+    pub resource: &'a str,
+    /// Indices of its `void` entries, ascending.
+    pub entries: Vec<usize>,
+}
+
+/// The init and regular containers of a pod that `policy` governs (not exempt as a whole)
+/// which hold a GPU resource (a limit other than `0`) beside `NVIDIA_VISIBLE_DEVICES=void`
+/// entries of their own, in the pod as `plan` leaves it (a container the rewrite changes
+/// is the rewrite's). The variable in the pod's env overrides what the device plugin sets,
+/// so `void` there hides the GPUs the kubelet allocated; removing it hands the container
+/// nothing beyond them. The API server's policy runs once, before other webhooks, so this is
+/// the webhook's: it runs again when another webhook changed the pod.
+pub(super) fn unvoid_targets<'a>(
+    facts: &PodFacts<'a>,
+    policy: &GpuPolicy,
+    plan: Option<&Plan<'_>>,
+) -> Vec<Unvoided<'a>> {
+    if !applies(facts, policy, plan) {
+        return Vec::new();
+    }
+    let rules = Rules::of(policy);
+    let mut out = Vec::new();
+    for c in &facts.containers {
+        if c.at.kind == ContainerKind::Ephemeral || c.image_exempt {
+            continue;
+        }
+        if plan.is_some() && c.changes() {
+            continue;
+        }
+        let limits = (c.value.resources.as_ref()).and_then(|r| r.limits.as_ref());
+        let held = (limits.into_iter().flat_map(|l| l.iter()))
+            .find(|(name, q)| rules.is_gpu_resource(name) && !zero(q));
+        let Some((resource, _)) = held else { continue };
+        let entries: Vec<usize> = (c.value.env_entries().enumerate())
+            .filter(|(_, e)| e.name == ENV_VISIBLE_DEVICES && e.value == Some(VOID))
+            .map(|(i, _)| i)
+            .collect();
+        if !entries.is_empty() {
+            out.push(Unvoided {
+                at: c.at,
+                name: c.name,
+                resource: resource.as_ref(),
+                entries,
+            });
+        }
+    }
+    out
+}
+
+/// Whether a quantity is written as zero (`"0"`, or the number 0).
+fn zero(quantity: &Scalar<'_>) -> bool {
+    match quantity {
+        Scalar::Str(s) => s.trim() == "0",
+        Scalar::Other(v) => v.as_f64() == Some(0.0),
+    }
 }
 
 /// The containers of a pod that `policy` governs (not exempt as a whole) which the void rule
@@ -61,10 +129,7 @@ fn targets<'a>(
     plan: Option<&Plan<'_>>,
     ephemeral_since: Option<&PodView<'_>>,
 ) -> Vec<Voided<'a>> {
-    let removed = plan.map_or(&[][..], |p| &p.annotations_removed);
-    let cdi = (facts.annotations.into_iter().flatten())
-        .any(|(key, _)| gpuwarden_crds::is_cdi_annotation(key) && !removed.contains(&key.as_ref()));
-    if !policy.spec.void_non_gpu_containers || facts.pod.holds_passthrough() || cdi {
+    if !applies(facts, policy, plan) {
         return Vec::new();
     }
     let rules = Rules::of(policy);
@@ -95,6 +160,15 @@ fn targets<'a>(
         }
     }
     out
+}
+
+/// Whether the rule applies to the pod at all: the policy asks for it, the pod holds no
+/// passthrough GPU, and no CDI annotation is left once `plan` ran.
+fn applies(facts: &PodFacts<'_>, policy: &GpuPolicy, plan: Option<&Plan<'_>>) -> bool {
+    let removed = plan.map_or(&[][..], |p| &p.annotations_removed);
+    let cdi = (facts.annotations.into_iter().flatten())
+        .any(|(key, _)| gpuwarden_crds::is_cdi_annotation(key) && !removed.contains(&key.as_ref()));
+    policy.spec.void_non_gpu_containers && !facts.pod.holds_passthrough() && !cdi
 }
 
 /// Whether `c` is an ephemeral container that `pods/ephemeralcontainers` adds to `old`: the
