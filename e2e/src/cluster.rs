@@ -573,8 +573,28 @@ impl LocalWebhook {
         Self::serve(Arc::new(source), metrics, SyncFlag::raised(), channel).await
     }
 
+    /// A webhook over real TLS that answers with `reviewer` instead of gpuwarden's engine
+    /// (a model of another project's webhook), with no cluster to watch.
+    pub async fn start_reviewer(
+        reviewer: Arc<dyn gpuwarden_webhook::server::Reviewer>,
+    ) -> Result<Self, ClusterError> {
+        let channel = gpuwarden_webhook::server::shutdown_channel();
+        let metrics = Arc::new(Metrics::new());
+        Self::serve_with(reviewer, metrics, SyncFlag::raised(), channel).await
+    }
+
     async fn serve(
         source: Arc<dyn PolicySource>,
+        metrics: Arc<Metrics>,
+        synced: SyncFlag,
+        channel: (ShutdownTrigger, gpuwarden_webhook::server::Shutdown),
+    ) -> Result<Self, ClusterError> {
+        let reviewer = Arc::new(EngineReviewer::new(source));
+        Self::serve_with(reviewer, metrics, synced, channel).await
+    }
+
+    async fn serve_with(
+        reviewer: Arc<dyn gpuwarden_webhook::server::Reviewer>,
         metrics: Arc<Metrics>,
         synced: SyncFlag,
         (trigger, shutdown): (ShutdownTrigger, gpuwarden_webhook::server::Shutdown),
@@ -613,7 +633,7 @@ impl LocalWebhook {
         };
 
         let webhook = Webhook::new(
-            Arc::new(EngineReviewer::new(source)),
+            reviewer,
             certs,
             synced.clone(),
             metrics.clone(),

@@ -351,6 +351,45 @@ pub fn last_visible(c: &Value) -> Option<String> {
     })
 }
 
+/// The kubelet's pod-resources socket: `$GPUWARDEN_E2E_POD_RESOURCES`, default
+/// /var/lib/kubelet/pod-resources/kubelet.sock.
+pub fn pod_resources_socket() -> std::path::PathBuf {
+    std::env::var_os("GPUWARDEN_E2E_POD_RESOURCES").map_or_else(
+        || std::path::PathBuf::from(gpuwarden_node_agent::podresources::DEFAULT_SOCKET),
+        std::path::PathBuf::from,
+    )
+}
+
+/// The GPUs (device IDs, as the device plugin names them and writes them into
+/// `NVIDIA_VISIBLE_DEVICES`) the kubelet allocated each container of pod `ns/pod`, asked
+/// at `socket`.
+pub async fn kubelet_gpus(
+    socket: &std::path::Path,
+    ns: &str,
+    pod: &str,
+) -> Vec<(String, Vec<String>)> {
+    use gpuwarden_node_agent::podresources::{PodResourcesClient, Timeouts};
+    let mut client = PodResourcesClient::connect(socket, Timeouts::default())
+        .await
+        .unwrap_or_else(|e| panic!("the kubelet's pod-resources socket: {e}"));
+    let list = client
+        .list()
+        .await
+        .unwrap_or_else(|e| panic!("pod-resources List: {e}"));
+    (list.into_iter())
+        .filter(|p| p.namespace == ns && p.name == pod)
+        .flat_map(|p| p.containers)
+        .map(|c| {
+            let mut ids: Vec<String> = (c.devices.into_iter())
+                .filter(|d| d.resource_name == gpuwarden_crds::RESOURCE_GPU)
+                .flat_map(|d| d.device_ids)
+                .collect();
+            ids.sort();
+            (c.name, ids)
+        })
+        .collect()
+}
+
 /// The host PIDs of a running container, by its cgroup: the processes whose
 /// `/proc/<pid>/cgroup` names `container_id` (a pod status's `containerID`, with or without
 /// its `containerd://` prefix). Needs this machine to be the node.

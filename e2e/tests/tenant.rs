@@ -41,8 +41,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::admission::policies::{MutatingApi, render};
-use gpuwarden_crds::{GpuPolicy, RESOURCE_GPU};
 use gpuwarden_e2e::cluster::{
     Cluster, LocalWebhook, RawResponse, certificate_for, namespaces_named, skip, wait_for,
 };
@@ -50,9 +50,8 @@ use gpuwarden_e2e::dra::devices_on;
 use gpuwarden_e2e::env::{Env, until_admission};
 use gpuwarden_e2e::node::{
     Images, NEEDS_GPU_NODE, SEEN_COMMAND, SEEN_ONCE_COMMAND, Seen, gpu_node, import_image,
-    last_visible, local_node_problem,
+    kubelet_gpus, last_visible, local_node_problem, pod_resources_socket,
 };
-use gpuwarden_node_agent::podresources::{DEFAULT_SOCKET, PodResourcesClient, Timeouts};
 use gpuwarden_webhook::admission::{StaticSource, handle_review};
 use gpuwarden_webhook::mutate::{EXIT_ADMITTED, EXIT_DENIED, MutateArgs, OutputFormat};
 use http::Method;
@@ -1030,28 +1029,9 @@ impl Suite<'_> {
         }
     }
 
-    /// The GPUs (device IDs, as the device plugin names them and writes them into
-    /// `NVIDIA_VISIBLE_DEVICES`) the kubelet allocated each container of a pod.
+    /// The GPUs the kubelet allocated each container of a pod ([`kubelet_gpus`]).
     async fn allocated(&self, ns: &str, pod: &str) -> Vec<(String, Vec<String>)> {
-        let mut client = PodResourcesClient::connect(&self.socket, Timeouts::default())
-            .await
-            .unwrap_or_else(|e| panic!("the kubelet's pod-resources socket: {e}"));
-        let list = client
-            .list()
-            .await
-            .unwrap_or_else(|e| panic!("pod-resources List: {e}"));
-        (list.into_iter())
-            .filter(|p| p.namespace == ns && p.name == pod)
-            .flat_map(|p| p.containers)
-            .map(|c| {
-                let mut ids: Vec<String> = (c.devices.into_iter())
-                    .filter(|d| d.resource_name == RESOURCE_GPU)
-                    .flat_map(|d| d.device_ids)
-                    .collect();
-                ids.sort();
-                (c.name, ids)
-            })
-            .collect()
+        kubelet_gpus(&self.socket, ns, pod).await
     }
 
     /// Way (1): the offline engine, on what the tenant submitted, against the API server.
@@ -1348,8 +1328,7 @@ async fn tenant_attacks_get_no_gpu_they_were_not_allocated_on_a_real_node() {
         skip(TEST, &why);
         return;
     }
-    let socket = std::env::var_os("GPUWARDEN_E2E_POD_RESOURCES")
-        .map_or_else(|| PathBuf::from(DEFAULT_SOCKET), PathBuf::from);
+    let socket = pod_resources_socket();
     if !socket.exists() {
         skip(
             TEST,

@@ -778,7 +778,6 @@ fn a_void_beside_a_gpu_another_webhook_added_is_removed() {
     after_hami["spec"]["schedulerName"] = json!("hami-scheduler");
     let limits = &mut after_hami["spec"]["containers"][0]["resources"]["limits"];
     limits["nvidia.com/gpu"] = json!("1");
-    limits["nvidia.com/gpucores"] = json!("100");
     let (again, out) = rewrite(&after_hami, "ml", &source());
     assert_eq!(again.summary.outcome, Outcome::Voided);
     let main = &out["spec"]["containers"][0];
