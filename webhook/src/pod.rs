@@ -182,6 +182,9 @@ pub struct Spec<'a> {
     /// `runtimeClassName`.
     #[serde(deserialize_with = "text")]
     pub runtime_class_name: Option<Cow<'a, str>>,
+    /// `schedulerName`.
+    #[serde(deserialize_with = "text")]
+    pub scheduler_name: Option<Cow<'a, str>>,
     /// `nodeSelector`, when an object.
     #[serde(deserialize_with = "map")]
     pub node_selector: Option<Map<'a>>,

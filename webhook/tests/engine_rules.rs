@@ -813,6 +813,30 @@ fn a_void_beside_a_gpu_another_webhook_added_is_removed() {
     assert!(review_pod(&none, "ml", &source()).patch.is_none());
 }
 
+/// A pod asking KAI-Scheduler for part of a GPU is told, at admission, what gpuwarden does
+/// with it and what to do; the same annotation on a pod for another scheduler says nothing.
+#[test]
+fn a_kai_fraction_pod_is_told_why_and_what_to_do() {
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "share", "annotations": {"gpu-fraction": "0.5"}},
+        "spec": {"schedulerName": "kai-scheduler", "containers": [
+            {"name": "main", "image": "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"}]}});
+    let answer = review_pod(&pod, "ml", &source());
+    assert!(answer.allowed());
+    let warnings = answer.warnings();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.starts_with("gpuwarden: KAI-Scheduler GPU fraction: ")
+                && w.ends_with("exempt the namespace")),
+        "{warnings:?}"
+    );
+    let mut other = pod;
+    other["spec"]["schedulerName"] = json!("default-scheduler");
+    let warnings = review_pod(&other, "ml", &source()).warnings();
+    assert!(!warnings.iter().any(|w| w.contains("KAI")), "{warnings:?}");
+}
+
 /// Door 1 of the leaks: an unprivileged container that names GPUs through the runtime's
 /// own channels (NVIDIA_VISIBLE_DEVICES, MIG access variables, device-list mounts, an
 /// NVIDIA CDI annotation) gets them only through the kubelet after the rewrite.

@@ -211,6 +211,8 @@ pub struct Decision<'a> {
     voided: Vec<Voided<'a>>,
     /// Containers that hold a GPU resource and lose their `void` entries (Enforce).
     unvoided: Vec<Unvoided<'a>>,
+    /// The pod asks KAI-Scheduler for part of a GPU.
+    kai_fraction: bool,
 }
 
 /// What an annotation the patch sets holds.
@@ -285,7 +287,27 @@ pub struct Input<'a> {
     pub owner_kind: Option<&'a str>,
 }
 
+/// KAI-Scheduler's name for itself, in `schedulerName`.
+const KAI_SCHEDULER: &str = "kai-scheduler";
+
+/// The annotations that ask KAI-Scheduler for part of a GPU.
+const KAI_FRACTION_ANNOTATIONS: [&str; 2] = ["gpu-fraction", "gpu-memory"];
+
+/// What gpuwarden says of a pod that asks KAI-Scheduler for part of a GPU (docs/design.md,
+/// "GPU-sharing schedulers").
+const KAI_FRACTION_HINT: &str = "KAI-Scheduler GPU fraction: its container gets its GPU from a ConfigMap the namespace can write, which gpuwarden cannot yet tell from KAI's grant; Enforce denies it once KAI's webhook set it up. To run KAI fractions here, exempt the namespace";
+
 impl<'a> Input<'a> {
+    /// Whether the pod asks KAI-Scheduler for part of a GPU: `schedulerName: kai-scheduler`
+    /// and a `gpu-fraction` or `gpu-memory` annotation (fields the pod's author writes: they
+    /// decide what gpuwarden says, never what it grants).
+    pub(crate) fn asks_kai_for_a_fraction(&self) -> bool {
+        let kai = (self.pod.spec.as_ref()).and_then(|s| s.scheduler_name.as_deref())
+            == Some(KAI_SCHEDULER);
+        kai && (self.pod.annotations())
+            .is_some_and(|a| KAI_FRACTION_ANNOTATIONS.iter().any(|k| a.get(k).is_some()))
+    }
+
     /// The name of the DaemonSet (of any API group) that puts this pod on every node: a GPU
     /// request it did not write would take a GPU on each node. Its owner reference is the
     /// pod's own word, so it only ever narrows what the pod is given (a denial, a warning).
@@ -485,6 +507,7 @@ impl<'a> Decision<'a> {
             display_name: input.display_name,
             namespace: input.namespace,
             daemon_set: input.daemon_set(),
+            kai_fraction: input.asks_kai_for_a_fraction(),
             detail: Detail::Plain,
             voided: Vec::new(),
             unvoided: Vec::new(),
@@ -621,6 +644,10 @@ impl<'a> Decision<'a> {
             _ => {}
         }
         self.push_void_warnings(&mut warnings);
+        let said = matches!(self.verdict, Verdict::Exempt | Verdict::Denied);
+        if self.kai_fraction && self.policy.is_some() && !said {
+            warnings.push(format!("gpuwarden: {KAI_FRACTION_HINT}"));
+        }
         warnings.iter_mut().for_each(render::clip);
         warnings
     }
@@ -722,10 +749,17 @@ impl<'a> Decision<'a> {
                 message.push_str("` writes the admissible manifest.");
                 Some(message)
             }
-            Detail::Create { plan, .. } => Some(format!(
-                "gpuwarden: pod {name} is denied by GpuPolicy {reference} (Enforce): {}",
-                plan.denials.join("; ")
-            )),
+            Detail::Create { plan, .. } => {
+                let mut message = format!(
+                    "gpuwarden: pod {name} is denied by GpuPolicy {reference} (Enforce): {}",
+                    plan.denials.join("; ")
+                );
+                if self.kai_fraction {
+                    message.push_str(". ");
+                    message.push_str(KAI_FRACTION_HINT);
+                }
+                Some(message)
+            }
             Detail::Ephemeral { offending, mode } => Some(format!(
                 "gpuwarden: ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): privileged or naming GPUs itself (NVIDIA_VISIBLE_DEVICES, a device-list mount), it reaches GPUs the kubelet never allocated, and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general` without NVIDIA_VISIBLE_DEVICES",
                 offending.join(", "),
