@@ -79,7 +79,7 @@ pub struct RealNode {
     /// The node's name.
     pub name: String,
     /// The agent's metrics address.
-    pub metrics: SocketAddr,
+    metrics: SocketAddr,
     stop_operator: oneshot::Sender<()>,
     operator: JoinHandle<()>,
     stop_agent: oneshot::Sender<()>,
@@ -125,6 +125,36 @@ impl RealNode {
         scrape(self.metrics).await
     }
 
+    /// The agent's `gpuwarden_gpu_holder_info` series of pod `ns/pod`, once there is one per
+    /// UUID of `uuids` and each names its UUID (joinable on it); panics with the metrics
+    /// after 30 seconds.
+    pub async fn holder_series(&self, ns: &str, pod: &str, uuids: &[String]) -> Vec<String> {
+        let wanted = |text: &str| -> Option<Vec<String>> {
+            let lines: Vec<String> = (text.lines())
+                .filter(|l| {
+                    l.starts_with("gpuwarden_gpu_holder_info{")
+                        && l.contains(&format!("pod=\"{pod}\""))
+                        && l.contains(&format!("namespace=\"{ns}\""))
+                })
+                .map(str::to_owned)
+                .collect();
+            let each =
+                (uuids.iter()).all(|u| lines.iter().any(|l| l.contains(&format!("UUID=\"{u}\""))));
+            (lines.len() == uuids.len() && each).then_some(lines)
+        };
+        let series = crate::cluster::wait_for(Duration::from_secs(30), || async {
+            wanted(&self.scrape().await)
+        })
+        .await;
+        match series {
+            Some(series) => series,
+            None => panic!(
+                "not one holder series per GPU {uuids:?} for {ns}/{pod}:\n{}",
+                self.scrape().await
+            ),
+        }
+    }
+
     /// Stops the agent, then the operator.
     pub async fn stop(self) {
         let _ = self.stop_agent.send(());
@@ -135,7 +165,7 @@ impl RealNode {
 }
 
 /// `GET /metrics` of an agent at `addr`, as text (empty while it does not answer).
-pub async fn scrape(addr: SocketAddr) -> String {
+async fn scrape(addr: SocketAddr) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
         return String::new();

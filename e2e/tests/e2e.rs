@@ -19,7 +19,7 @@ use std::time::Duration;
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
 use gpuwarden_e2e::cluster::{RawResponse, admitted, skip, visible_in_log, wait_for};
 use gpuwarden_e2e::env::{Env, LABEL_RUN, SHORT};
-use gpuwarden_e2e::inproc::{RealNode, scrape, spawn_agent, start_operator};
+use gpuwarden_e2e::inproc::{RealNode, spawn_agent, start_operator};
 use gpuwarden_e2e::node::busybox;
 use http::Method;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -1481,7 +1481,7 @@ async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
     else {
         return;
     };
-    let (node, metrics) = (real.name.clone(), real.metrics);
+    let node = real.name.clone();
     let ns = env.namespace("node").await;
     let (webhook, _) = env.webhook().await;
 
@@ -1574,30 +1574,7 @@ async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
     );
 
     // One holder series per GPU, joinable on UUID.
-    let series = wait_for(SHORT, || async {
-        let text = scrape(metrics).await;
-        let lines: Vec<String> = (text.lines())
-            .filter(|l| {
-                l.starts_with("gpuwarden_gpu_holder_info{")
-                    && l.contains("pod=\"train\"")
-                    && l.contains(&format!("namespace=\"{ns}\""))
-            })
-            .map(str::to_owned)
-            .collect();
-        (lines.len() == 2).then_some(lines)
-    })
-    .await;
-    let Some(series) = series else {
-        panic!("no holder series for the pod:\n{}", scrape(metrics).await);
-    };
-    for uuid in &seen {
-        assert!(
-            series
-                .iter()
-                .any(|l| l.contains(&format!("UUID=\"{uuid}\""))),
-            "{series:?}"
-        );
-    }
+    let series = real.holder_series(&ns, "train", &seen).await;
     eprintln!(
         "node {node}: pod {ns}/train sees {seen:?}; binding {:?}; series {series:?}",
         binding.gpu_uuids
