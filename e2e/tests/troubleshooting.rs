@@ -534,6 +534,15 @@ fn the_conditions_table_is_what_the_operator_sets() {
         Some(status(&|v| {
             v["privilegedPods"] = serde_json::json!([{"uid": "u", "namespace": "ns", "name": "p"}]);
         })),
+        // A device plugin and a DRA driver handing out the same GPU.
+        Some(status(&|v| {
+            v["bindings"] = serde_json::json!([
+                {"podUid": "u", "container": "c", "namespace": "ns", "pod": "p",
+                 "resourceName": "nvidia.com/gpu", "gpuUuids": ["GPU-0"], "source": "Allocated"},
+                {"podUid": "w", "container": "c", "namespace": "ns", "pod": "q",
+                 "resourceName": "gpu.nvidia.com", "claims": ["ns/q-gpu"], "gpuUuids": ["GPU-0"],
+                 "source": "Allocated"}]);
+        })),
         Some(status(&|v| {
             v["truncated"] = serde_json::json!({"bindings": 3});
         })),
