@@ -40,6 +40,8 @@ pub struct DraDevice {
 pub struct DraNode {
     /// The node's name.
     pub name: String,
+    /// The Node as listed.
+    pub node: Value,
     /// The devices, every driver.
     pub devices: Vec<DraDevice>,
 }
@@ -51,13 +53,16 @@ impl DraNode {
             .filter(|d| d.driver == GPU_DRIVER && d.kind.as_deref().is_none_or(|k| k == "gpu"))
     }
 
-    /// The drivers on the node that hand out no NVIDIA device (a NIC driver, a test
-    /// driver), sorted.
+    /// The drivers on the node that hand out no NVIDIA device ([`other_drivers`]).
     pub fn other_drivers(&self) -> BTreeSet<&str> {
-        (self.devices.iter())
-            .map(|d| d.driver.as_str())
-            .filter(|d| !NVIDIA_DRIVERS.contains(d))
-            .collect()
+        other_drivers(&self.devices)
+    }
+
+    /// The GPUs a device plugin offers on the node: its allocatable `nvidia.com/gpu`.
+    pub fn plugin_gpus(&self) -> u32 {
+        (self.node["status"]["allocatable"][gpuwarden_crds::RESOURCE_GPU].as_str())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
     }
 
     /// The UUID of a published device.
@@ -104,10 +109,11 @@ pub fn dra_node_in(nodes: &Value, slices: &Value) -> Option<DraNode> {
     let slices = slices["items"].as_array()?;
     (nodes["items"].as_array()?.iter())
         .filter(|n| is_ready(n))
-        .filter_map(|n| n["metadata"]["name"].as_str())
-        .filter(|name| wanted.as_deref().is_none_or(|w| w == *name))
-        .map(|name| DraNode {
+        .filter_map(|n| Some((n["metadata"]["name"].as_str()?, n)))
+        .filter(|(name, _)| wanted.as_deref().is_none_or(|w| w == *name))
+        .map(|(name, node)| DraNode {
             name: name.to_owned(),
+            node: node.clone(),
             devices: devices_of(slices, name),
         })
         .find(|n| n.gpus().count() >= 2)
@@ -143,23 +149,31 @@ pub async fn dra_node(cluster: &Cluster) -> Result<Option<DraNode>, ClusterError
     Ok(dra_node_in(&nodes, &slices))
 }
 
-/// Node `name` with whatever its ResourceSlices publish (nothing where the server does not
+/// The drivers among `devices` that hand out no NVIDIA device (a NIC driver, a test
+/// driver), sorted.
+pub fn other_drivers(devices: &[DraDevice]) -> BTreeSet<&str> {
+    (devices.iter())
+        .map(|d| d.driver.as_str())
+        .filter(|d| !NVIDIA_DRIVERS.contains(d))
+        .collect()
+}
+
+/// Every device the ResourceSlices of node `name` publish (none where the server does not
 /// serve `resource.k8s.io/v1`).
-pub async fn devices_on(cluster: &Cluster, name: &str) -> Result<DraNode, ClusterError> {
-    let mut node = DraNode {
-        name: name.to_owned(),
-        devices: Vec::new(),
-    };
-    if cluster.serves("resource.k8s.io/v1", "resourceslices").await {
-        let slices = get(
-            cluster,
-            "/apis/resource.k8s.io/v1/resourceslices",
-            "list ResourceSlices",
-        )
-        .await?;
-        node.devices = devices_of(slices["items"].as_array().map_or(&[], Vec::as_slice), name);
+pub async fn devices_on(cluster: &Cluster, name: &str) -> Result<Vec<DraDevice>, ClusterError> {
+    if !cluster.serves("resource.k8s.io/v1", "resourceslices").await {
+        return Ok(Vec::new());
     }
-    Ok(node)
+    let slices = get(
+        cluster,
+        "/apis/resource.k8s.io/v1/resourceslices",
+        "list ResourceSlices",
+    )
+    .await?;
+    Ok(devices_of(
+        slices["items"].as_array().map_or(&[], Vec::as_slice),
+        name,
+    ))
 }
 
 /// The devices a ResourceClaim (JSON) was allocated: `(driver, pool, device)`, in the
@@ -218,7 +232,9 @@ mod tests {
             json!({"metadata": {"name": name},
                 "status": {"conditions": [{"type": "Ready", "status": ready}]}})
         };
-        let nodes = json!({"items": [node("a", "True"), node("b", "False"), node("c", "True")]});
+        let mut c = node("c", "True");
+        c["status"]["allocatable"] = json!({"nvidia.com/gpu": "8"});
+        let nodes = json!({"items": [node("a", "True"), node("b", "False"), c]});
         let slices = json!({"items": [
             slice("a", GPU_DRIVER, json!([gpu("gpu-0", "GPU-a0"),
                 {"name": "gpu-0-mig-1g.10gb-0-1", "attributes": {"type": {"string": "mig"}}}])),
@@ -230,6 +246,11 @@ mod tests {
         ]});
         let found = dra_node_in(&nodes, &slices).expect("node c");
         assert_eq!(found.name, "c");
+        assert_eq!(
+            found.plugin_gpus(),
+            8,
+            "the device plugin beside the driver"
+        );
         let uuids: Vec<_> = found.gpus().filter_map(|d| d.uuid.as_deref()).collect();
         assert_eq!(uuids, ["GPU-c0", "GPU-c1"]);
         assert_eq!(found.uuid_of(GPU_DRIVER, "c", "gpu-1"), Some("GPU-c1"));

@@ -16,7 +16,7 @@ use kube::{CustomResourceExt, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::cluster::{
-    Cleanup, Cluster, LocalWebhook, RawResponse, base64, settled, skip, wait_for,
+    Cleanup, Cluster, LocalWebhook, RawResponse, base64, certificate_for, settled, skip, wait_for,
 };
 use crate::manifests::load_file;
 
@@ -282,6 +282,22 @@ impl Env {
             );
         }
         match_conditions
+    }
+
+    /// Registers gpuwarden's webhook configuration ([`Env::register_webhook`]) as when its
+    /// replicas are scaled to 0: calling a port on this machine where nothing listens, with
+    /// a CA nobody holds the key of. Returns whether the server kept the matchConditions.
+    pub async fn register_unreachable_webhook(&self, selector: Value, suffix: &str) -> bool {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let (ca, _, _) = certificate_for("127.0.0.1").expect("a CA");
+        let url = format!(
+            "https://127.0.0.1:{port}{}",
+            gpuwarden_crds::install::MUTATE_PATH
+        );
+        self.register_webhook(&url, &ca, selector, suffix).await
     }
 
     /// Creates a renamed copy of the admission policy and binding in `file`, the binding

@@ -429,21 +429,7 @@ async fn an_extended_resource_served_by_dra_runs_with_its_gpus() {
         );
         return;
     };
-    let node = env
-        .cluster
-        .raw(
-            Method::GET,
-            &format!("/api/v1/nodes/{}", dra.name),
-            "application/json",
-            None,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .body;
-    let plugin = node["status"]["allocatable"][RESOURCE_GPU]
-        .as_str()
-        .is_some_and(|n| n != "0");
-    if plugin {
+    if dra.plugin_gpus() > 0 {
         skip(
             test,
             &format!(
@@ -495,8 +481,7 @@ async fn the_void_rule_holds_beside_claims_on_a_dra_node() {
     let Some(dra) = dra_node_for(&env, test).await else {
         return;
     };
-    let node = json!({"metadata": {"name": dra.name}, "status": {"addresses": []}});
-    if let Some(problem) = local_node_problem(&node, &["ctr"]) {
+    if let Some(problem) = local_node_problem(&dra.node, &["ctr"]) {
         skip(test, &problem);
         return;
     }
@@ -672,8 +657,7 @@ async fn claim_allocated_processes_are_not_out_of_band() {
     let Some(dra) = dra_node_for(&env, test).await else {
         return;
     };
-    let node = json!({"metadata": {"name": dra.name}, "status": {"addresses": []}});
-    if let Some(problem) = local_node_problem(&node, &[]) {
+    if let Some(problem) = local_node_problem(&dra.node, &[]) {
         skip(test, &problem);
         return;
     }
@@ -785,20 +769,7 @@ async fn the_device_plugin_beside_the_driver_is_named_where_both_hand_out_a_gpu(
     let Some(dra) = dra_node_for(&env, test).await else {
         return;
     };
-    let node = env
-        .cluster
-        .raw(
-            Method::GET,
-            &format!("/api/v1/nodes/{}", dra.name),
-            "application/json",
-            None,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .body;
-    let plugin_gpus: u32 = (node["status"]["allocatable"][RESOURCE_GPU].as_str())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0);
+    let plugin_gpus = dra.plugin_gpus();
     if plugin_gpus == 0 {
         skip(
             test,

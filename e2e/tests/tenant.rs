@@ -44,9 +44,9 @@ use std::time::{Duration, Instant};
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::admission::policies::{MutatingApi, render};
 use gpuwarden_e2e::cluster::{
-    Cluster, LocalWebhook, RawResponse, certificate_for, namespaces_named, skip, wait_for,
+    Cluster, LocalWebhook, RawResponse, namespaces_named, skip, wait_for,
 };
-use gpuwarden_e2e::dra::devices_on;
+use gpuwarden_e2e::dra::{devices_on, other_drivers};
 use gpuwarden_e2e::env::{Env, until_admission};
 use gpuwarden_e2e::node::{
     Images, NEEDS_GPU_NODE, SEEN_COMMAND, SEEN_ONCE_COMMAND, Seen, gpu_node, import_image,
@@ -1250,17 +1250,7 @@ async fn admission(
                 .await;
         }
         (Way::WebhookDown, _) => {
-            // A port nothing listens on, with a CA nobody holds the key of.
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .expect("a free port")
-                .port();
-            let (ca, _, _) = certificate_for("127.0.0.1").expect("a CA");
-            let url = format!(
-                "https://127.0.0.1:{port}{}",
-                gpuwarden_crds::install::MUTATE_PATH
-            );
-            env.register_webhook(&url, &ca, only, t.way.suffix()).await;
+            env.register_unreachable_webhook(only, t.way.suffix()).await;
         }
         _ => {}
     }
@@ -1382,7 +1372,7 @@ async fn tenant_attacks_get_no_gpu_they_were_not_allocated_on_a_real_node() {
         let on_node = devices_on(&env.cluster, &node)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        let driver = match on_node.other_drivers().into_iter().next() {
+        let driver = match other_drivers(&on_node).into_iter().next() {
             Some(driver) => driver.to_owned(),
             None => {
                 skip(
