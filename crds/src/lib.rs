@@ -27,8 +27,8 @@ pub use node::{
 };
 pub use policy::{
     CapabilitiesSpec, ContainerExemption, EnvFromGpu, Exemptions, GPU_OPERATOR_NAMESPACE,
-    GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, MatchSpec, PolicyMode, PrivilegedMatch,
-    RequestAs, VisibleDevicesAll,
+    GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, KaiSharing, MatchSpec, PolicyMode,
+    PrivilegedMatch, RequestAs, SharingSpec, VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 

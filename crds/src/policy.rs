@@ -276,6 +276,75 @@ pub struct GpuSpec {
     #[x_kube(validation = Rule::new("self.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$')").message("deviceClassName must be a DNS subdomain such as gpu.nvidia.com"))]
     #[schemars(length(min = 1, max = DEVICE_CLASS_LEN))]
     pub device_class_name: String,
+
+    /// GPU-sharing schedulers whose own grant of part of a GPU the policy recognises
+    /// (docs/design.md, "GPU-sharing schedulers"). HAMi needs nothing here: its pods request
+    /// `nvidia.com/gpu` like any other.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharing: Option<SharingSpec>,
+}
+
+/// See [`GpuSpec::sharing`].
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SharingSpec {
+    /// KAI-Scheduler's GPU fractions: the container KAI's admission gives a GPU from the
+    /// ConfigMap its binder writes keeps that GPU. Only KAI's binder may then write such
+    /// ConfigMaps (`deploy/admission/kai-sharing.yaml`), and the node agent checks each
+    /// fraction process against the GPU KAI's reservation pod holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kai: Option<KaiSharing>,
+}
+
+/// Where KAI-Scheduler runs: the names of its Helm chart by default.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KaiSharing {
+    /// The namespace KAI-Scheduler is installed in; its binder runs there as the
+    /// ServiceAccount `binder`.
+    #[serde(default = "default_kai_namespace")]
+    #[schemars(length(min = 1, max = DNS_LABEL_LEN), regex(pattern = DNS_LABEL_PATTERN))]
+    pub namespace: String,
+
+    /// The `schedulerName` KAI-Scheduler serves.
+    #[serde(default = "default_kai_scheduler_name")]
+    #[schemars(length(min = 1, max = DNS_SUBDOMAIN_LEN))]
+    pub scheduler_name: String,
+
+    /// The namespace KAI's binder puts its GPU reservation pods in.
+    #[serde(default = "default_kai_reservation_namespace")]
+    #[schemars(length(min = 1, max = DNS_LABEL_LEN), regex(pattern = DNS_LABEL_PATTERN))]
+    pub reservation_namespace: String,
+}
+
+impl Default for KaiSharing {
+    fn default() -> Self {
+        Self {
+            namespace: default_kai_namespace(),
+            scheduler_name: default_kai_scheduler_name(),
+            reservation_namespace: default_kai_reservation_namespace(),
+        }
+    }
+}
+
+impl KaiSharing {
+    /// The user KAI's binder writes as.
+    pub fn binder(&self) -> String {
+        format!("system:serviceaccount:{}:binder", self.namespace)
+    }
+}
+
+/// A DNS label (a namespace name).
+const DNS_LABEL_PATTERN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+
+fn default_kai_namespace() -> String {
+    "kai-scheduler".into()
+}
+fn default_kai_scheduler_name() -> String {
+    "kai-scheduler".into()
+}
+fn default_kai_reservation_namespace() -> String {
+    "kai-resource-reservation".into()
 }
 
 /// See [`GpuSpec::request_as`].
@@ -320,6 +389,7 @@ impl Default for GpuSpec {
             env_from: EnvFromGpu::default(),
             request_as: RequestAs::default(),
             device_class_name: default_device_class(),
+            sharing: None,
         }
     }
 }

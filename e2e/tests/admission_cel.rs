@@ -147,6 +147,11 @@ fn sum(ftx: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, Ex
     Ok(Cel::Int(total))
 }
 
+/// Kubernetes' list library's `indexOf()`: the first index of an equal element, or -1.
+fn index_of(This(list): This<Arc<Vec<Cel>>>, item: Cel) -> i64 {
+    (list.iter().position(|x| *x == item)).map_or(-1, |i| i64::try_from(i).unwrap_or(-1))
+}
+
 /// The strings extension's `trim()` (Unicode white space), `lowerAscii()` and `replace()`.
 fn trim(This(s): This<Arc<String>>) -> Arc<String> {
     Arc::new(s.trim().to_owned())
@@ -264,6 +269,7 @@ fn try_eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Result<Cel, Execu
     ctx.add_function("reverse", reverse);
     ctx.add_function("transformList", transform_list);
     ctx.add_function("sum", sum);
+    ctx.add_function("indexOf", index_of);
     ctx.add_function("trim", trim);
     ctx.add_function("lowerAscii", lower_ascii);
     ctx.add_function("replace", replace);
@@ -554,6 +560,288 @@ fn backstop_decides(object: Value, namespace: &str, params: Value) -> Option<Vec
         ("params", params),
     ]);
     decide(&backstop(), &vars)
+}
+
+/// KAI-Scheduler's fraction pod as the API server holds it after KAI's webhook (v0.17.0):
+/// the fraction container reads NVIDIA_VISIBLE_DEVICES from `<prefix>-0`.
+fn kai_fraction_pod() -> Value {
+    let map = "train-x7k2pqr-shared-gpu-0";
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train", "annotations": {"gpu-fraction": "0.5",
+            "runai/shared-gpu-configmap": "train-x7k2pqr-shared-gpu"}},
+        "spec": {"schedulerName": "kai-scheduler", "runtimeClassName": "nvidia", "containers": [
+            {"name": "main", "image": "nvcr.io/nvidia/pytorch:24.05-py3", "env": [
+                {"name": "NVIDIA_VISIBLE_DEVICES",
+                 "valueFrom": {"configMapKeyRef": {"name": map, "key": "NVIDIA_VISIBLE_DEVICES"}}},
+                {"name": "GPU_PORTION",
+                 "valueFrom": {"configMapKeyRef": {"name": map, "key": "GPU_PORTION"}}}],
+             "envFrom": [{"configMapRef": {"name": format!("{map}-evar"), "optional": false}}]},
+            {"name": "log", "image": "busybox", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}})
+}
+
+/// What a tenant can write that looks like KAI's grant but is not, with what makes it so.
+fn forged_kai_pods() -> Vec<(&'static str, Value)> {
+    let pod = kai_fraction_pod();
+    let with = |f: &dyn Fn(&mut Value)| {
+        let mut p = pod.clone();
+        f(&mut p);
+        p
+    };
+    let reference = "/spec/containers/0/env/0/valueFrom/configMapKeyRef";
+    vec![
+        (
+            "names its node",
+            with(&|p| p["spec"]["nodeName"] = json!("node-1")),
+        ),
+        (
+            "another scheduler",
+            with(&|p| p["spec"]["schedulerName"] = json!("default-scheduler")),
+        ),
+        (
+            "no fraction asked",
+            with(&|p| {
+                p["metadata"]["annotations"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("gpu-fraction");
+            }),
+        ),
+        (
+            "a map KAI would not name",
+            with(&|p| {
+                p.pointer_mut(reference).unwrap()["name"] = json!("tenant-gpus");
+            }),
+        ),
+        (
+            "a prefix outside the guarded names",
+            with(&|p| {
+                p["metadata"]["annotations"]["runai/shared-gpu-configmap"] = json!("tenant");
+                p.pointer_mut(reference).unwrap()["name"] = json!("tenant-0");
+            }),
+        ),
+        (
+            "an optional reference",
+            with(&|p| {
+                p.pointer_mut(reference).unwrap()["optional"] = json!(true);
+            }),
+        ),
+        (
+            "another key",
+            with(&|p| p.pointer_mut(reference).unwrap()["key"] = json!("GPUS")),
+        ),
+        (
+            "a privileged fraction container",
+            with(&|p| {
+                p["spec"]["containers"][0]["securityContext"] = json!({"privileged": true});
+            }),
+        ),
+        (
+            "the fraction is another container's",
+            with(&|p| {
+                p["metadata"]["annotations"]["gpu-fraction-container-name"] = json!("log");
+            }),
+        ),
+        (
+            "its own value after KAI's",
+            with(&|p| {
+                p["spec"]["containers"][0]["env"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}));
+            }),
+        ),
+    ]
+}
+
+/// The default policy, naming KAI.
+fn kai_params() -> Value {
+    let mut params = default_params();
+    params["spec"]["gpu"]["sharing"] = json!({"kai": {}});
+    params
+}
+
+/// The backstop admits KAI's grant where the default policy names KAI, and nothing a tenant
+/// can write like it; the webhook's engine answers the same for each.
+#[test]
+fn the_backstop_admits_kais_grant_only() {
+    use gpuwarden_webhook::admission::{StaticSource, handle_review};
+
+    let admitted_by_engine = |pod: &Value, params: &Value| {
+        let policy: gpuwarden_crds::GpuPolicy =
+            serde_json::from_value(params.clone()).expect("a policy");
+        let review = json!({
+            "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {
+                "uid": "u", "namespace": "team-a", "operation": "CREATE",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "userInfo": {"username": "alice"}, "object": pod,
+            }
+        });
+        let (bytes, _) = handle_review(review.to_string().as_bytes(), &StaticSource::new([policy]));
+        let answer: Value = serde_json::from_slice(&bytes).expect("JSON");
+        answer["response"]["allowed"] == json!(true) && answer["response"]["patch"].is_null()
+    };
+    let pod = kai_fraction_pod();
+    assert_eq!(
+        backstop_decides(pod.clone(), "team-a", kai_params()),
+        Some(vec![])
+    );
+    assert!(admitted_by_engine(&pod, &kai_params()));
+    let failures = backstop_decides(pod.clone(), "team-a", default_params()).expect("matched");
+    assert!(failures[0].contains(": main;"), "{failures:?}");
+    assert!(!admitted_by_engine(&pod, &default_params()));
+    // An init container picked by name reads `-i<index>`.
+    let mut init = pod.clone();
+    let main = init["spec"]["containers"][0].take();
+    init["spec"]["containers"] = json!([null]);
+    let void = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]);
+    init["spec"]["containers"][0] = json!({"name": "log", "image": "busybox", "env": void});
+    init["spec"]["initContainers"] =
+        json!([{"name": "first", "image": "busybox", "env": void}, main]);
+    init["metadata"]["annotations"]["gpu-fraction-container-name"] = json!("main");
+    init["spec"]["initContainers"][1]["env"][0]["valueFrom"]["configMapKeyRef"]["name"] =
+        json!("train-x7k2pqr-shared-gpu-i1");
+    assert_eq!(
+        backstop_decides(init.clone(), "team-a", kai_params()),
+        Some(vec![])
+    );
+    assert!(admitted_by_engine(&init, &kai_params()));
+    for (what, pod) in forged_kai_pods() {
+        let failures = backstop_decides(pod.clone(), "team-a", kai_params()).expect("matched");
+        assert!(!failures.is_empty(), "{what}: the backstop admits it");
+        assert!(
+            !admitted_by_engine(&pod, &kai_params()),
+            "{what}: the engine admits it"
+        );
+    }
+}
+
+/// Where a GpuPolicy names KAI, only KAI's binder writes the data of ConfigMaps named as
+/// KAI names them; anyone may still change their metadata or delete them.
+#[test]
+fn only_kais_binder_writes_kais_config_maps() {
+    let guard = load_file("deploy/admission/kai-sharing.yaml").expect("manifest")[0].clone();
+    let decide_for =
+        |user: &str, operation: &str, name: &str, data: Value, old: Value, params: Value| {
+            let object = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": "team-a"}, "data": data});
+            let mut old_object = object.clone();
+            old_object["data"] = old;
+            let vars = BTreeMap::from([
+                ("object", object),
+                (
+                    "oldObject",
+                    if operation == "UPDATE" {
+                        old_object
+                    } else {
+                        Value::Null
+                    },
+                ),
+                (
+                    "request",
+                    json!({"operation": operation, "userInfo": {"username": user}}),
+                ),
+                ("params", params),
+            ]);
+            decide(&guard, &vars)
+        };
+    let binder = "system:serviceaccount:kai-scheduler:binder";
+    let gpu = json!({"NVIDIA_VISIBLE_DEVICES": "GPU-1"});
+    let all = json!({"NVIDIA_VISIBLE_DEVICES": "all"});
+    for name in [
+        "train-x7k2pqr-shared-gpu-0",
+        "train-x7k2pqr-shared-gpu-i2",
+        "train-x7k2pqr-shared-gpu-0-evar",
+        "x-shared-gpu-12-evar",
+    ] {
+        let create =
+            |user: &str| decide_for(user, "CREATE", name, gpu.clone(), Value::Null, kai_params());
+        assert_eq!(create(binder), Some(vec![]), "{name}");
+        let denied = create("alice").expect("matched");
+        assert!(
+            denied[0]
+                .contains("lets only KAI's binder (system:serviceaccount:kai-scheduler:binder)"),
+            "{denied:?}"
+        );
+        let update = |user: &str, data: &Value| {
+            decide_for(
+                user,
+                "UPDATE",
+                name,
+                data.clone(),
+                gpu.clone(),
+                kai_params(),
+            )
+        };
+        assert_eq!(update("alice", &all).map(|f| f.len()), Some(1), "{name}");
+        assert_eq!(update(binder, &all), Some(vec![]));
+        assert_eq!(
+            update(
+                "system:serviceaccount:kube-system:generic-garbage-collector",
+                &gpu
+            ),
+            Some(vec![])
+        );
+        // No policy names KAI: nothing checked.
+        assert_eq!(
+            decide_for(
+                "alice",
+                "CREATE",
+                name,
+                all.clone(),
+                Value::Null,
+                default_params()
+            ),
+            None
+        );
+    }
+    // Other names, and KAI's binder in another namespace.
+    for name in [
+        "shared-gpu",
+        "train-shared-gpu-x",
+        "train-shared-gpu-0-evar-1",
+        "gpu-0",
+    ] {
+        assert_eq!(
+            decide_for(
+                "alice",
+                "CREATE",
+                name,
+                all.clone(),
+                Value::Null,
+                kai_params()
+            ),
+            None,
+            "{name}"
+        );
+    }
+    let mut elsewhere = kai_params();
+    elsewhere["spec"]["gpu"]["sharing"]["kai"]["namespace"] = json!("kai");
+    let name = "train-x7k2pqr-shared-gpu-0";
+    assert_eq!(
+        decide_for(
+            binder,
+            "CREATE",
+            name,
+            gpu.clone(),
+            Value::Null,
+            elsewhere.clone()
+        )
+        .map(|f| f.len()),
+        Some(1)
+    );
+    assert_eq!(
+        decide_for(
+            "system:serviceaccount:kai:binder",
+            "CREATE",
+            name,
+            gpu,
+            Value::Null,
+            elsewhere
+        ),
+        Some(vec![])
+    );
 }
 
 /// The backstop rejects a privileged container with any GPU signal the webhook knows (a
@@ -872,6 +1160,7 @@ fn expressions_avoid_cel_reserved_words_as_fields() {
         "deploy/admission/mutating-webhook.yaml",
         "deploy/admission/backstop-policy.yaml",
         "deploy/admission/agent-own-node.yaml",
+        "deploy/admission/kai-sharing.yaml",
     ] {
         fn collect(v: &Value, out: &mut Vec<String>) {
             match v {

@@ -185,6 +185,9 @@ pub struct Spec<'a> {
     /// `schedulerName`.
     #[serde(deserialize_with = "text")]
     pub scheduler_name: Option<Cow<'a, str>>,
+    /// `nodeName`: set at creation, the pod skips every scheduler.
+    #[serde(deserialize_with = "text")]
+    pub node_name: Option<Cow<'a, str>>,
     /// `nodeSelector`, when an object.
     #[serde(deserialize_with = "map")]
     pub node_selector: Option<Map<'a>>,
@@ -357,9 +360,34 @@ pub struct EnvVar<'a> {
     /// `value`.
     #[serde(deserialize_with = "text")]
     pub value: Option<Cow<'a, str>>,
-    /// Whether `valueFrom` is set (present and not `null`); its content is never read.
-    #[serde(rename = "valueFrom", deserialize_with = "set")]
-    pub value_from: bool,
+    /// `valueFrom` when set (present and not `null`): of its content only a ConfigMap key
+    /// reference is read (a GPU-sharing scheduler's grant); anything else reads as set.
+    #[serde(rename = "valueFrom", deserialize_with = "value_from")]
+    pub value_from: Option<ValueFrom<'a>>,
+}
+
+/// An `env` entry's `valueFrom`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, rename_all = "camelCase", bound(deserialize = "'de: 'a"))]
+pub struct ValueFrom<'a> {
+    /// `configMapKeyRef`, when an object.
+    #[serde(deserialize_with = "object")]
+    pub config_map_key_ref: Option<KeyRef<'a>>,
+}
+
+/// A `configMapKeyRef`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct KeyRef<'a> {
+    /// `name`.
+    #[serde(deserialize_with = "text")]
+    pub name: Option<Cow<'a, str>>,
+    /// `key`.
+    #[serde(deserialize_with = "text")]
+    pub key: Option<Cow<'a, str>>,
+    /// `optional`, when a boolean.
+    #[serde(deserialize_with = "boolean")]
+    pub optional: Option<bool>,
 }
 
 /// `resources`.
@@ -470,7 +498,7 @@ impl gpuwarden_crds::gpu::ContainerSpec for Container<'_> {
             .map(|e| gpuwarden_crds::gpu::EnvEntry {
                 name: e.name.as_deref().unwrap_or(""),
                 value: e.value.as_deref(),
-                value_from: e.value_from,
+                value_from: e.value_from.is_some(),
             })
     }
     fn env_from(&self) -> bool {
@@ -831,6 +859,32 @@ fn texts<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Cow<'de, str>>, D::Error
     Ok(entries.into_iter().flatten().flatten().collect())
 }
 
+/// `valueFrom`: an object is read, any other value but `null` reads as set with nothing in it.
+fn value_from<'de, D: Deserializer<'de>>(d: D) -> Result<Option<ValueFrom<'de>>, D::Error> {
+    read(d, ValueFromReader)
+}
+
+struct ValueFromReader;
+impl<'de> Reader<'de> for ValueFromReader {
+    type Out = ValueFrom<'de>;
+    fn string(self, _s: Cow<'de, str>) -> Option<Self::Out> {
+        Some(ValueFrom::default())
+    }
+    fn boolean(self, _b: bool) -> Option<Self::Out> {
+        Some(ValueFrom::default())
+    }
+    fn other(self, v: Value) -> Option<Self::Out> {
+        (!v.is_null()).then(ValueFrom::default)
+    }
+    fn map<A: MapAccess<'de>>(self, map: A) -> Result<Option<Self::Out>, A::Error> {
+        ValueFrom::deserialize(MapAccessDeserializer::new(map)).map(Some)
+    }
+    fn seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Self::Out>, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Some(ValueFrom::default()))
+    }
+}
+
 /// Whether the field is set: present and not `null`.
 fn set<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
     Ok(Option::<IgnoredAny>::deserialize(d)?.is_some())
@@ -947,8 +1001,8 @@ mod tests {
             let env = c.env.as_ref().unwrap();
             assert_eq!(env.len(), 3);
             assert_eq!(env[0], EnvVar::default());
-            assert_eq!((env[1].value.as_deref(), env[1].value_from), (None, false));
-            assert!(env[2].value_from);
+            assert_eq!((env[1].value.as_deref(), &env[1].value_from), (None, &None));
+            assert_eq!(env[2].value_from, Some(ValueFrom::default()));
             let resources = c.resources.as_ref().unwrap();
             assert_eq!(resources.limits, None);
             assert_eq!(

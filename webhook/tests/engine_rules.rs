@@ -828,13 +828,170 @@ fn a_kai_fraction_pod_is_told_why_and_what_to_do() {
         warnings
             .iter()
             .any(|w| w.starts_with("gpuwarden: KAI-Scheduler GPU fraction: ")
-                && w.ends_with("exempt the namespace")),
+                && w.ends_with("(gpu.sharing.kai; see the README, GPU-sharing schedulers)")),
         "{warnings:?}"
     );
     let mut other = pod;
     other["spec"]["schedulerName"] = json!("default-scheduler");
     let warnings = review_pod(&other, "ml", &source()).warnings();
     assert!(!warnings.iter().any(|w| w.contains("KAI")), "{warnings:?}");
+}
+
+/// KAI-Scheduler's webhook as it mutates a fraction pod at CREATE (v0.17.0,
+/// pkg/admission/webhook/v1alpha2/gpusharing, pkg/binder/common/env_vars.go): the ConfigMap
+/// prefix annotation, `runtimeClassName: nvidia`, and in the fraction container (`index` of
+/// `list`) its entries replacing any of the same name, from `<prefix>-<[i]index>`, and the
+/// `-evar` envFrom.
+fn kai_webhook(pod: &Value, list: &str, index: usize) -> Value {
+    let mut pod = pod.clone();
+    let prefix = "share-x7k2pqr-shared-gpu";
+    pod["metadata"]["annotations"]["runai/shared-gpu-configmap"] = json!(prefix);
+    pod["spec"]["runtimeClassName"] = json!("nvidia");
+    let init = if list == "initContainers" { "i" } else { "" };
+    let map = format!("{prefix}-{init}{index}");
+    let container = &mut pod["spec"][list][index];
+    let names = ["NVIDIA_VISIBLE_DEVICES", "RUNAI_NUM_OF_GPUS", "GPU_PORTION"];
+    let mut env: Vec<Value> = (container["env"].as_array().cloned().unwrap_or_default())
+        .into_iter()
+        .filter(|e| !names.iter().any(|n| e["name"] == *n))
+        .collect();
+    env.extend(
+        names
+            .map(|n| json!({"name": n, "valueFrom": {"configMapKeyRef": {"name": map, "key": n}}})),
+    );
+    container["env"] = json!(env);
+    let mut env_from = container["envFrom"].as_array().cloned().unwrap_or_default();
+    env_from.push(json!({"configMapRef": {"name": format!("{map}-evar"), "optional": false}}));
+    container["envFrom"] = json!(env_from);
+    pod
+}
+
+/// Under a policy that names KAI (`gpu.sharing.kai`), KAI's fraction container keeps the
+/// GPU KAI's webhook gives it, on gpuwarden's pass after KAI's; every other shape of the
+/// same fields, which a tenant can write, is judged as before (docs/design.md,
+/// "GPU-sharing schedulers").
+#[test]
+fn a_kai_grant_is_kept_where_the_policy_names_kai_and_nothing_like_it() {
+    let kai = StaticSource::new([policy("default", |p| {
+        p.spec.gpu.sharing = Some(gpuwarden_crds::SharingSpec {
+            kai: Some(gpuwarden_crds::KaiSharing::default()),
+        });
+    })]);
+    let pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "share", "annotations": {"gpu-fraction": "0.5"}},
+        "spec": {"schedulerName": "kai-scheduler", "containers": [
+            {"name": "main", "image": "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"},
+            {"name": "log", "image": "busybox"}]}});
+    // First pass: voided like any container without a GPU, and told why that is fine.
+    let (first, voided) = rewrite(&pod, "ml", &kai);
+    assert_eq!(first.summary.outcome, Outcome::Voided);
+    let warnings = first.warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains("the policy names KAI")),
+        "{warnings:?}"
+    );
+    // After KAI's webhook: admitted as it is, and nothing said.
+    let after_kai = kai_webhook(&voided, "containers", 0);
+    let answer = review_pod(&after_kai, "ml", &kai);
+    assert!(
+        answer.allowed() && answer.patch.is_none(),
+        "{}",
+        answer.message()
+    );
+    assert_eq!(answer.warnings(), Vec::<String>::new());
+    // The same under the default policy, which does not name KAI: denied, and told why.
+    let denied = review_pod(&after_kai, "ml", &source());
+    assert!(!denied.allowed());
+    assert!(
+        denied.message().contains("gpu.sharing.kai"),
+        "{}",
+        denied.message()
+    );
+    // An init container picked by name.
+    let mut init = pod.clone();
+    init["metadata"]["annotations"]["gpu-fraction-container-name"] = json!("prep");
+    init["spec"]["initContainers"] =
+        json!([{"name": "prep", "image": "nvidia/cuda:13.0.2-base-ubi8"}]);
+    let (_, voided) = rewrite(&init, "ml", &kai);
+    let answer = review_pod(&kai_webhook(&voided, "initContainers", 0), "ml", &kai);
+    assert!(
+        answer.allowed() && answer.patch.is_none(),
+        "{}",
+        answer.message()
+    );
+
+    // What a tenant can write that is not KAI's grant: each is judged as a leak.
+    let forged: Vec<(&str, Value)> = vec![
+        ("a pod that names its node", {
+            let mut p = after_kai.clone();
+            p["spec"]["nodeName"] = json!("node-1");
+            p
+        }),
+        ("another scheduler", {
+            let mut p = after_kai.clone();
+            p["spec"]["schedulerName"] = json!("default-scheduler");
+            p
+        }),
+        ("no fraction asked", {
+            let mut p = after_kai.clone();
+            p["metadata"]["annotations"]
+                .as_object_mut()
+                .unwrap()
+                .remove("gpu-fraction");
+            p
+        }),
+        ("a map KAI would not name", {
+            let mut p = after_kai.clone();
+            p["spec"]["containers"][0]["env"][0]["valueFrom"]["configMapKeyRef"]["name"] =
+                json!("tenant-gpus");
+            p
+        }),
+        ("a prefix outside the guarded names", {
+            let mut p = after_kai.clone();
+            p["metadata"]["annotations"]["runai/shared-gpu-configmap"] = json!("tenant");
+            p["spec"]["containers"][0]["env"][0]["valueFrom"]["configMapKeyRef"]["name"] =
+                json!("tenant-0");
+            p
+        }),
+        ("an optional reference", {
+            let mut p = after_kai.clone();
+            p["spec"]["containers"][0]["env"][0]["valueFrom"]["configMapKeyRef"]["optional"] =
+                json!(true);
+            p
+        }),
+        (
+            "the reference in another container",
+            kai_webhook(&first_pass(&pod, &kai), "containers", 1),
+        ),
+        ("a privileged fraction container", {
+            let mut p = after_kai.clone();
+            p["spec"]["containers"][0]["securityContext"] = json!({"privileged": true});
+            p
+        }),
+        ("a fraction container holding a GPU too", {
+            let mut p = after_kai.clone();
+            p["spec"]["containers"][0]["resources"] = json!({"limits": {"nvidia.com/gpu": "1"}});
+            p
+        }),
+        ("its own value after KAI's", {
+            let mut p = after_kai.clone();
+            let env = p["spec"]["containers"][0]["env"].as_array_mut().unwrap();
+            env.push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}));
+            p
+        }),
+    ];
+    for (what, pod) in forged {
+        let answer = review_pod(&pod, "ml", &kai);
+        assert!(
+            !(answer.allowed() && answer.patch.is_none()),
+            "{what}: admitted as it is"
+        );
+    }
+}
+
+/// The pod after gpuwarden's first pass, for KAI's webhook to act on.
+fn first_pass(pod: &Value, source: &StaticSource) -> Value {
+    rewrite(pod, "ml", source).1
 }
 
 /// Door 1 of the leaks: an unprivileged container that names GPUs through the runtime's

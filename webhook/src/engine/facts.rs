@@ -3,9 +3,10 @@
 //! [`gpuwarden_crds::gpu`]. Everything here borrows from the pod's view and the policy.
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals};
+use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals, VisibleDevices};
 
 use super::claims::{ClaimLookup, ClaimSource, Claims};
+use super::sharing;
 use super::{ContainerKind, ContainerRef};
 use crate::pod::{Container, Map, PodView, Scalar};
 
@@ -139,16 +140,31 @@ pub(super) fn read_pod<'a>(
         ContainerKind::Ephemeral,
     ];
     let count = kinds.iter().map(|&k| pod.containers(k).len()).sum();
+    let kai = (policy.spec.gpu.sharing.as_ref())
+        .and_then(|s| s.kai.as_ref())
+        .and_then(|kai| sharing::kai_fraction(pod, kai));
     let mut containers = Vec::with_capacity(count);
     for kind in kinds {
         for (index, value) in pod.containers(kind).iter().enumerate() {
-            let container_signals = gpu::signals(value, &signals, rules);
+            let at = ContainerRef { kind, index };
+            let mut container_signals = gpu::signals(value, &signals, rules);
+            // KAI's grant, in a container that holds no GPU of the kubelet's: the variable
+            // is read from a ConfigMap only KAI's binder writes, so the predicate reads the
+            // container as setting none (docs/design.md, "GPU-sharing schedulers").
+            let shared = kai.as_ref().is_some_and(|k| k.at == at && k.granted(value))
+                && !container_signals.limit
+                && container_signals.request.is_none()
+                && container_signals.claim.is_none();
+            if shared {
+                container_signals.visible = VisibleDevices::Unset;
+                container_signals.visible_raw = None;
+            }
             let gpu_request = container_signals.request.and_then(|name| {
                 let requests = value.resources.as_ref()?.requests.as_ref()?;
                 Some((name, requests.get(name)?))
             });
             containers.push(ContainerFacts {
-                at: ContainerRef { kind, index },
+                at,
                 name: value.name.as_deref().unwrap_or(""),
                 value,
                 privileged: value.is_privileged(),

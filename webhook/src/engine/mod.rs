@@ -21,6 +21,7 @@ mod facts;
 mod plan;
 mod psa;
 mod render;
+mod sharing;
 mod void;
 
 use std::borrow::Cow;
@@ -211,8 +212,8 @@ pub struct Decision<'a> {
     voided: Vec<Voided<'a>>,
     /// Containers that hold a GPU resource and lose their `void` entries (Enforce).
     unvoided: Vec<Unvoided<'a>>,
-    /// The pod asks KAI-Scheduler for part of a GPU.
-    kai_fraction: bool,
+    /// What the pod is to KAI-Scheduler's GPU sharing.
+    kai: Kai,
 }
 
 /// What an annotation the patch sets holds.
@@ -287,25 +288,42 @@ pub struct Input<'a> {
     pub owner_kind: Option<&'a str>,
 }
 
-/// KAI-Scheduler's name for itself, in `schedulerName`.
+/// KAI-Scheduler's name for itself, in `schedulerName`, where no policy names it otherwise.
 const KAI_SCHEDULER: &str = "kai-scheduler";
 
-/// The annotations that ask KAI-Scheduler for part of a GPU.
-const KAI_FRACTION_ANNOTATIONS: [&str; 2] = ["gpu-fraction", "gpu-memory"];
+/// What gpuwarden says of a pod that asks KAI-Scheduler for part of a GPU under a policy
+/// that does not name KAI (docs/design.md, "GPU-sharing schedulers").
+const KAI_FRACTION_HINT: &str = "KAI-Scheduler GPU fraction: Enforce denies its container once KAI's webhook gives it a GPU from a ConfigMap, unless the policy names KAI (gpu.sharing.kai; see the README, GPU-sharing schedulers)";
 
-/// What gpuwarden says of a pod that asks KAI-Scheduler for part of a GPU (docs/design.md,
-/// "GPU-sharing schedulers").
-const KAI_FRACTION_HINT: &str = "KAI-Scheduler GPU fraction: its container gets its GPU from a ConfigMap the namespace can write, which gpuwarden cannot yet tell from KAI's grant; Enforce denies it once KAI's webhook set it up. To run KAI fractions here, exempt the namespace";
+/// What gpuwarden says of such a pod before KAI's webhook ran, under a policy that names KAI.
+const KAI_NAMED_NOTE: &str = "KAI-Scheduler GPU fraction: the policy names KAI (gpu.sharing.kai), so KAI's webhook replaces the void in its fraction container with KAI's grant, which the node agent holds to KAI's reservation";
+
+/// Why such a pod was denied all the same.
+const KAI_NAMED_DENIAL: &str = "KAI's grant is recognised only in KAI's fraction container, unprivileged and holding no GPU resource, reading NVIDIA_VISIBLE_DEVICES from KAI's ConfigMap (<prefix>-<index>), in a pod without nodeName";
+
+/// What a pod is to KAI-Scheduler's GPU sharing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kai {
+    /// It asks KAI for no fraction.
+    No,
+    /// It asks for one; the governing policy does not name KAI.
+    Unnamed,
+    /// It asks for one, and the governing policy names KAI (`gpu.sharing.kai`).
+    Named,
+}
 
 impl<'a> Input<'a> {
-    /// Whether the pod asks KAI-Scheduler for part of a GPU: `schedulerName: kai-scheduler`
-    /// and a `gpu-fraction` or `gpu-memory` annotation (fields the pod's author writes: they
-    /// decide what gpuwarden says, never what it grants).
-    pub(crate) fn asks_kai_for_a_fraction(&self) -> bool {
-        let kai = (self.pod.spec.as_ref()).and_then(|s| s.scheduler_name.as_deref())
-            == Some(KAI_SCHEDULER);
-        kai && (self.pod.annotations())
-            .is_some_and(|a| KAI_FRACTION_ANNOTATIONS.iter().any(|k| a.get(k).is_some()))
+    /// What the pod is to KAI-Scheduler under `policy` (fields the pod's author writes: they
+    /// decide what gpuwarden says here, never what it grants).
+    fn kai(&self, policy: Option<&GpuPolicy>) -> Kai {
+        let named = policy
+            .and_then(|p| p.spec.gpu.sharing.as_ref())
+            .and_then(|s| s.kai.as_ref());
+        match named {
+            Some(kai) if sharing::asks_kai(self.pod, &kai.scheduler_name) => Kai::Named,
+            None if sharing::asks_kai(self.pod, KAI_SCHEDULER) => Kai::Unnamed,
+            _ => Kai::No,
+        }
     }
 
     /// The name of the DaemonSet (of any API group) that puts this pod on every node: a GPU
@@ -507,7 +525,7 @@ impl<'a> Decision<'a> {
             display_name: input.display_name,
             namespace: input.namespace,
             daemon_set: input.daemon_set(),
-            kai_fraction: input.asks_kai_for_a_fraction(),
+            kai: input.kai(policy),
             detail: Detail::Plain,
             voided: Vec::new(),
             unvoided: Vec::new(),
@@ -645,8 +663,13 @@ impl<'a> Decision<'a> {
         }
         self.push_void_warnings(&mut warnings);
         let said = matches!(self.verdict, Verdict::Exempt | Verdict::Denied);
-        if self.kai_fraction && self.policy.is_some() && !said {
-            warnings.push(format!("gpuwarden: {KAI_FRACTION_HINT}"));
+        match self.kai {
+            Kai::Unnamed if !said => warnings.push(format!("gpuwarden: {KAI_FRACTION_HINT}")),
+            // Before KAI's webhook: its fraction container was voided with the rest.
+            Kai::Named if !said && self.verdict != Verdict::Unchanged => {
+                warnings.push(format!("gpuwarden: {KAI_NAMED_NOTE}"));
+            }
+            _ => {}
         }
         warnings.iter_mut().for_each(render::clip);
         warnings
@@ -754,9 +777,10 @@ impl<'a> Decision<'a> {
                     "gpuwarden: pod {name} is denied by GpuPolicy {reference} (Enforce): {}",
                     plan.denials.join("; ")
                 );
-                if self.kai_fraction {
-                    message.push_str(". ");
-                    message.push_str(KAI_FRACTION_HINT);
+                match self.kai {
+                    Kai::Unnamed => message.push_str(&format!(". {KAI_FRACTION_HINT}")),
+                    Kai::Named => message.push_str(&format!(". {KAI_NAMED_DENIAL}")),
+                    Kai::No => {}
                 }
                 Some(message)
             }

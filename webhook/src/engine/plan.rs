@@ -927,7 +927,7 @@ fn rewrite_env<'a>(
         if let Some((k, v)) = wanted
             && name == k
         {
-            let same = entry.value.as_deref() == Some(v) && !entry.value_from;
+            let same = entry.value.as_deref() == Some(v) && entry.value_from.is_none();
             if same && !set_done {
                 set_done = true;
             } else {

@@ -1,0 +1,246 @@
+//! GPU-sharing schedulers' own grants (docs/design.md, "GPU-sharing schedulers").
+//!
+//! KAI-Scheduler gives its fraction container no GPU resource: its admission webhook sets
+//! `NVIDIA_VISIBLE_DEVICES` from a ConfigMap its binder writes, in the pod's namespace, with
+//! the UUID of the GPU KAI's reservation pod holds. Under a policy that names KAI
+//! (`gpu.sharing.kai`) the engine reads that one variable, in that one container, as KAI's
+//! grant rather than a leak. Every field it reads is the pod author's, so what makes the
+//! grant KAI's lies elsewhere: only KAI's binder may write ConfigMaps of that name
+//! (`deploy/admission/kai-sharing.yaml`), the pod must go through a scheduler (no `nodeName`
+//! at creation), and the node agent holds each fraction process to the GPU that KAI's
+//! reservation pod holds for the group of the pod's BindRequest.
+
+use gpuwarden_crds::KaiSharing;
+use gpuwarden_crds::gpu::ENV_VISIBLE_DEVICES;
+
+use super::{ContainerKind, ContainerRef};
+use crate::pod::{Container, PodView, Scalar};
+
+/// The annotations that ask KAI-Scheduler for part of a GPU.
+const KAI_FRACTION_ANNOTATIONS: [&str; 2] = ["gpu-fraction", "gpu-memory"];
+/// The annotation naming the container a KAI fraction is for (init containers first).
+const KAI_CONTAINER_ANNOTATION: &str = "gpu-fraction-container-name";
+/// The annotation KAI's webhook sets: the prefix of its ConfigMaps' names.
+const KAI_CONFIG_MAP_ANNOTATION: &str = "runai/shared-gpu-configmap";
+/// How every prefix KAI writes ends; the ConfigMap guard matches names built on it.
+const KAI_PREFIX_END: &str = "-shared-gpu";
+
+/// KAI-Scheduler's fraction container of a pod, as KAI's webhook finds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct KaiFraction {
+    /// Where it is.
+    pub(super) at: ContainerRef,
+    /// The ConfigMap KAI's binder writes its GPU into: `<prefix>-<index>`, `-i<index>` for
+    /// an init container.
+    pub(super) config_map: String,
+}
+
+/// Whether the pod asks KAI-Scheduler (`scheduler_name`) for part of a GPU: that scheduler
+/// and a `gpu-fraction` or `gpu-memory` annotation.
+pub(super) fn asks_kai(pod: &PodView<'_>, scheduler_name: &str) -> bool {
+    let scheduler = (pod.spec.as_ref()).and_then(|s| s.scheduler_name.as_deref());
+    scheduler == Some(scheduler_name)
+        && (pod.annotations())
+            .is_some_and(|a| KAI_FRACTION_ANNOTATIONS.iter().any(|k| a.get(k).is_some()))
+}
+
+/// KAI's fraction container of a pod that asks `kai` for a fraction, carries the ConfigMap
+/// prefix KAI's webhook sets, and has no `nodeName` (KAI's binder binds it; a pod that names
+/// its node skips the scheduler and so any grant). `None` for any other pod, and for a
+/// fraction container KAI would not find.
+pub(super) fn kai_fraction(pod: &PodView<'_>, kai: &KaiSharing) -> Option<KaiFraction> {
+    if !asks_kai(pod, &kai.scheduler_name) {
+        return None;
+    }
+    let spec = pod.spec.as_ref()?;
+    if spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
+        return None;
+    }
+    let annotations = pod.annotations()?;
+    let prefix = annotations
+        .get(KAI_CONFIG_MAP_ANNOTATION)
+        .and_then(Scalar::as_str)
+        .filter(|p| is_kai_prefix(p))?;
+    let at = match annotations.get(KAI_CONTAINER_ANNOTATION) {
+        Some(name) => {
+            let name = name.as_str()?;
+            let find = |kind| {
+                (pod.containers(kind).iter())
+                    .position(|c| c.name.as_deref() == Some(name))
+                    .map(|index| ContainerRef { kind, index })
+            };
+            find(ContainerKind::Init).or_else(|| find(ContainerKind::Regular))?
+        }
+        None if pod.containers(ContainerKind::Regular).is_empty() => return None,
+        None => ContainerRef {
+            kind: ContainerKind::Regular,
+            index: 0,
+        },
+    };
+    let init = if at.kind == ContainerKind::Init {
+        "i"
+    } else {
+        ""
+    };
+    Some(KaiFraction {
+        at,
+        config_map: format!("{prefix}-{init}{}", at.index),
+    })
+}
+
+/// Whether `prefix` is a ConfigMap prefix KAI writes: a DNS subdomain's characters ending in
+/// `-shared-gpu`, so that every name built on it is one the ConfigMap guard covers.
+fn is_kai_prefix(prefix: &str) -> bool {
+    let Some(base) = prefix.strip_suffix(KAI_PREFIX_END) else {
+        return false;
+    };
+    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    ends(base.chars().next())
+        && ends(base.chars().last())
+        && (base.chars())
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+}
+
+impl KaiFraction {
+    /// Whether `container` (the fraction container) takes its GPU from KAI's grant: not
+    /// privileged, and its last `NVIDIA_VISIBLE_DEVICES` entry reads the key of that name
+    /// from KAI's ConfigMap, not optionally (a missing map then stops the container rather
+    /// than leave the image's own value in force). Whether it also holds a GPU resource is
+    /// the caller's to judge.
+    pub(super) fn granted(&self, container: &Container<'_>) -> bool {
+        let last = (container.env.iter().flatten())
+            .rfind(|e| e.name.as_deref() == Some(ENV_VISIBLE_DEVICES));
+        let Some(reference) = last
+            .filter(|e| e.value.is_none())
+            .and_then(|e| e.value_from.as_ref())
+            .and_then(|v| v.config_map_key_ref.as_ref())
+        else {
+            return false;
+        };
+        !container.is_privileged()
+            && reference.name.as_deref() == Some(self.config_map.as_str())
+            && reference.key.as_deref() == Some(ENV_VISIBLE_DEVICES)
+            && reference.optional != Some(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn pod(annotations: Value, spec: Value) -> Value {
+        json!({"metadata": {"name": "p", "annotations": annotations}, "spec": spec})
+    }
+
+    fn kai_env(map: &str) -> Value {
+        json!([{"name": "NVIDIA_VISIBLE_DEVICES",
+                "valueFrom": {"configMapKeyRef": {"name": map, "key": "NVIDIA_VISIBLE_DEVICES"}}}])
+    }
+
+    fn fraction(value: &Value) -> Option<KaiFraction> {
+        kai_fraction(&PodView::from_value(value), &KaiSharing::default())
+    }
+
+    #[test]
+    fn kai_finds_the_fraction_container_as_kai_does() {
+        let first = pod(
+            json!({"gpu-fraction": "0.5", "runai/shared-gpu-configmap": "p-bcdfghj-shared-gpu"}),
+            json!({"schedulerName": "kai-scheduler", "containers": [{"name": "a"}, {"name": "b"}]}),
+        );
+        let f = fraction(&first).unwrap();
+        assert_eq!(f.at.kind, ContainerKind::Regular);
+        assert_eq!(
+            (f.at.index, f.config_map.as_str()),
+            (0, "p-bcdfghj-shared-gpu-0")
+        );
+
+        // By name: init containers first, then regular ones.
+        let named = |name: &str| {
+            pod(
+                json!({"gpu-memory": "2000", "gpu-fraction-container-name": name,
+                       "runai/shared-gpu-configmap": "p-bcdfghj-shared-gpu"}),
+                json!({"schedulerName": "kai-scheduler",
+                       "initContainers": [{"name": "x"}, {"name": "gpu"}],
+                       "containers": [{"name": "gpu"}, {"name": "main"}]}),
+            )
+        };
+        let f = fraction(&named("gpu")).unwrap();
+        assert_eq!(f.at.kind, ContainerKind::Init);
+        assert_eq!(f.config_map, "p-bcdfghj-shared-gpu-i1");
+        let f = fraction(&named("main")).unwrap();
+        assert_eq!(f.at.kind, ContainerKind::Regular);
+        assert_eq!(f.config_map, "p-bcdfghj-shared-gpu-1");
+        assert_eq!(fraction(&named("nowhere")), None);
+    }
+
+    #[test]
+    fn kai_recognises_only_its_scheduler_an_unbound_pod_and_its_prefix() {
+        let good =
+            json!({"gpu-fraction": "0.5", "runai/shared-gpu-configmap": "p-bcdfghj-shared-gpu"});
+        let spec = json!({"schedulerName": "kai-scheduler", "containers": [{"name": "a"}]});
+        assert!(fraction(&pod(good.clone(), spec.clone())).is_some());
+        // Another scheduler, or a pod that names its node, gets no grant.
+        let mut other = spec.clone();
+        other["schedulerName"] = json!("default-scheduler");
+        assert_eq!(fraction(&pod(good.clone(), other)), None);
+        let mut bound = spec.clone();
+        bound["nodeName"] = json!("node-1");
+        assert_eq!(fraction(&pod(good.clone(), bound)), None);
+        // No fraction asked, or a prefix whose names the guard would not cover.
+        assert_eq!(
+            fraction(&pod(
+                json!({"runai/shared-gpu-configmap": "p-bcdfghj-shared-gpu"}),
+                spec.clone()
+            )),
+            None
+        );
+        for prefix in [
+            "tenant-map",
+            "-shared-gpu",
+            "P-shared-gpu",
+            "a b-shared-gpu",
+            "x-shared-gpu-0",
+        ] {
+            let a = json!({"gpu-fraction": "0.5", "runai/shared-gpu-configmap": prefix});
+            assert_eq!(fraction(&pod(a, spec.clone())), None, "{prefix}");
+        }
+        assert_eq!(fraction(&pod(json!({"gpu-fraction": "0.5"}), spec)), None);
+    }
+
+    #[test]
+    fn a_grant_is_kais_exact_reference() {
+        let f = KaiFraction {
+            at: ContainerRef {
+                kind: ContainerKind::Regular,
+                index: 0,
+            },
+            config_map: "p-bcdfghj-shared-gpu-0".into(),
+        };
+        let granted = |container: Value| {
+            let pod = json!({"spec": {"containers": [container]}});
+            let view = PodView::from_value(&pod);
+            f.granted(&view.containers(ContainerKind::Regular)[0])
+        };
+        assert!(granted(json!({"env": kai_env("p-bcdfghj-shared-gpu-0")})));
+        // The last entry wins: a value after KAI's is the container's own.
+        let mut env = kai_env("p-bcdfghj-shared-gpu-0");
+        env.as_array_mut()
+            .unwrap()
+            .push(json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}));
+        assert!(!granted(json!({"env": env})));
+        // Another map, another key, an optional reference, a privileged container.
+        assert!(!granted(json!({"env": kai_env("tenant-shared-gpu-0")})));
+        assert!(!granted(json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+            "valueFrom": {"configMapKeyRef": {"name": "p-bcdfghj-shared-gpu-0", "key": "GPUS"}}}]})));
+        assert!(!granted(json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+            "valueFrom": {"configMapKeyRef": {"name": "p-bcdfghj-shared-gpu-0",
+                "key": "NVIDIA_VISIBLE_DEVICES", "optional": true}}}]})));
+        assert!(!granted(json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES",
+            "valueFrom": {"secretKeyRef": {"name": "p-bcdfghj-shared-gpu-0", "key": "NVIDIA_VISIBLE_DEVICES"}}}]})));
+        assert!(!granted(json!({"env": kai_env("p-bcdfghj-shared-gpu-0"),
+            "securityContext": {"privileged": true}})));
+        assert!(!granted(json!({})));
+    }
+}
