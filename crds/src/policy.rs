@@ -300,11 +300,11 @@ pub struct SharingSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KaiSharing {
-    /// The namespace KAI-Scheduler is installed in; its binder runs there as the
-    /// ServiceAccount `binder`.
-    #[serde(default = "default_kai_namespace")]
-    #[schemars(length(min = 1, max = DNS_LABEL_LEN), regex(pattern = DNS_LABEL_PATTERN))]
-    pub namespace: String,
+    /// KAI's binder, as `<namespace>/<service account>`: where KAI-Scheduler is installed,
+    /// and `binder`. Only it writes the ConfigMaps a fraction container reads its GPU from.
+    #[serde(default = "default_kai_binder")]
+    #[schemars(length(min = 3, max = SERVICE_ACCOUNT_LEN), regex(pattern = SERVICE_ACCOUNT_PATTERN))]
+    pub binder: String,
 
     /// The `schedulerName` KAI-Scheduler serves.
     #[serde(default = "default_kai_scheduler_name")]
@@ -320,7 +320,7 @@ pub struct KaiSharing {
 impl Default for KaiSharing {
     fn default() -> Self {
         Self {
-            namespace: default_kai_namespace(),
+            binder: default_kai_binder(),
             scheduler_name: default_kai_scheduler_name(),
             reservation_namespace: default_kai_reservation_namespace(),
         }
@@ -329,16 +329,22 @@ impl Default for KaiSharing {
 
 impl KaiSharing {
     /// The user KAI's binder writes as.
-    pub fn binder(&self) -> String {
-        format!("system:serviceaccount:{}:binder", self.namespace)
+    pub fn binder_user(&self) -> String {
+        format!(
+            "system:serviceaccount:{}",
+            self.binder.replacen('/', ":", 1)
+        )
     }
 }
 
 /// A DNS label (a namespace name).
 const DNS_LABEL_PATTERN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+/// `<namespace>/<service account>`.
+const SERVICE_ACCOUNT_PATTERN: &str =
+    "^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9.]*[a-z0-9])?$";
 
-fn default_kai_namespace() -> String {
-    "kai-scheduler".into()
+fn default_kai_binder() -> String {
+    "kai-scheduler/binder".into()
 }
 fn default_kai_scheduler_name() -> String {
     "kai-scheduler".into()

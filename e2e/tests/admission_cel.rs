@@ -817,7 +817,7 @@ fn only_kais_binder_writes_kais_config_maps() {
         );
     }
     let mut elsewhere = kai_params();
-    elsewhere["spec"]["gpu"]["sharing"]["kai"]["namespace"] = json!("kai");
+    elsewhere["spec"]["gpu"]["sharing"]["kai"]["binder"] = json!("kai/binder");
     let name = "train-x7k2pqr-shared-gpu-0";
     assert_eq!(
         decide_for(
