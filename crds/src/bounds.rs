@@ -268,6 +268,7 @@ mod tests {
             claims: vec![],
             gpu_uuids: vec![format!("GPU-{}", i % 8)],
             source,
+            shared_from: vec![],
         }
     }
 

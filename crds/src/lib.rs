@@ -18,6 +18,7 @@ pub mod pod_security;
 pub mod policy;
 pub mod selection;
 pub mod selector;
+pub mod sharing;
 pub mod validation;
 
 pub use error::error_chain;

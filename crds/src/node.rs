@@ -262,6 +262,10 @@ pub enum BindingSource {
     Observed,
     /// Allocated by the kubelet and seen in use.
     AllocatedAndObserved,
+    /// A process of this container runs on GPUs a GPU-sharing scheduler granted it, which
+    /// the kubelet allocated to that scheduler's reservation pod (`sharedFrom`): KAI's
+    /// fractions, under a GpuPolicy that names KAI.
+    Shared,
 }
 
 /// GPUs held by one container of one pod.
@@ -294,11 +298,16 @@ pub struct Binding {
     /// `truncated.bindingDevices`.
     #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = UUID_LEN)))]
     pub gpu_uuids: Vec<String>,
-    /// `Allocated`, `Observed` (out of band) or `AllocatedAndObserved`.
+    /// `Allocated`, `Observed` (out of band), `AllocatedAndObserved` or `Shared`.
     pub source: BindingSource,
+    /// For a `Shared` binding: the reservation pods (`namespace/name`) the kubelet allocated
+    /// these GPUs to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(max = CLAIM_REF_LEN)))]
+    pub shared_from: Vec<String>,
 }
 
-/// Longest `namespace/name` of a ResourceClaim.
+/// Longest `namespace/name` of a ResourceClaim or a pod.
 const CLAIM_REF_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
 impl Binding {

@@ -93,6 +93,7 @@ fn pods() -> Vec<PodInfo> {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            kai: None,
             containers: vec![ContainerInfo {
                 name: "server".into(),
                 image: String::new(),

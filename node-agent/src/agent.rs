@@ -15,6 +15,7 @@ use futures::StreamExt;
 use gpuwarden_crds::{GpuNodeStatus, GpuPolicy, RuntimeStatus};
 use jiff::Timestamp;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::DynamicObject;
 use kube::core::PartialObjectMeta;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -25,6 +26,7 @@ use crate::backend::{BackendError, GpuBackend};
 use crate::cgroup::{self, ContainerRef};
 use crate::fake::{FakeBackend, FakeNode};
 use crate::health::{HealthRules, HealthTracker};
+use crate::kai::KaiBinds;
 use crate::lease::{LeaseKeeper, RENEW_INTERVAL};
 use crate::metrics::{CallLabels, ErrorSource, Metrics};
 use crate::nvml::NvmlBackend;
@@ -96,6 +98,8 @@ pub struct Sweeper {
     runtime_refresh: Duration,
     cgroups: HashMap<u32, Option<ContainerRef>>,
     metrics: Arc<Metrics>,
+    /// KAI-Scheduler's binds of fraction pods on this node, as last read.
+    kai: KaiBinds,
 }
 
 impl Sweeper {
@@ -123,6 +127,7 @@ impl Sweeper {
             runtime_refresh,
             cgroups: HashMap::new(),
             metrics,
+            kai: KaiBinds::default(),
         }
     }
 
@@ -131,6 +136,12 @@ impl Sweeper {
     pub fn with_runtime_report(mut self, report: Option<PathBuf>) -> Self {
         self.runtime_report = report;
         self
+    }
+
+    /// KAI-Scheduler's binds of fraction pods on this node, for the sweeps to come
+    /// ([`crate::kai`]).
+    pub fn set_kai_binds(&mut self, binds: KaiBinds) {
+        self.kai = binds;
     }
 
     /// Health so far.
@@ -235,6 +246,7 @@ impl Sweeper {
             pods: &index,
             devices: &devices,
             runtime: &runtime,
+            kai: &self.kai,
         });
         self.metrics.update(&reading, &self.health, &computed);
         Ok(computed)
@@ -500,6 +512,7 @@ async fn run_inner(
         metrics.clone(),
     )
     .with_runtime_report(config.runtime_report.clone());
+    let kai_client = client.clone();
     let mut writer = StatusWriter::new(
         KubeSink::new(client, &node),
         MIN_WRITE_INTERVAL,
@@ -523,6 +536,7 @@ async fn run_inner(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     let mut last_rules: Option<HealthRules> = None;
+    let mut bind_requests: Option<Store<DynamicObject>> = None;
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
@@ -549,6 +563,22 @@ async fn run_inner(
             .first()
             .and_then(|n| n.meta().labels.clone())
             .unwrap_or_default();
+        // KAI's BindRequests are watched once a policy names KAI: other clusters have no
+        // such kind to watch.
+        if bind_requests.is_none()
+            && (policy_refs.iter())
+                .any(|p| p.spec.gpu.sharing.as_ref().is_some_and(|s| s.kai.is_some()))
+        {
+            info!("a GpuPolicy names KAI-Scheduler: watching its BindRequests for this node");
+            bind_requests = Some(reflect_bind_requests(kai_client.clone(), &node));
+        }
+        if let Some(store) = &bind_requests {
+            let requests = store.state();
+            sweeper.set_kai_binds(KaiBinds::from_requests(
+                requests.iter().map(|r| r.as_ref()),
+                &node,
+            ));
+        }
         let rules = crate::policy::health_rules(&policy_refs, &labels);
         if last_rules.as_ref() != Some(&rules) {
             info!(policy = %rules.policy, ignored_xids = ?rules.ignored_xids,
@@ -601,7 +631,40 @@ where
         + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
-    let (store, writer) = reflector::store();
+    reflect_with(api, config, K::DynamicType::default())
+}
+
+/// A reflector store of KAI-Scheduler's BindRequests for `node` (its scheduler labels them
+/// with the node). Where KAI's kind is not installed the watch keeps failing with a
+/// backoff, and no pod is bound.
+fn reflect_bind_requests(client: kube::Client, node: &str) -> Store<DynamicObject> {
+    let resource = crate::kai::bind_request_resource();
+    let config = watcher::Config::default().labels(&format!(
+        "{}={node}",
+        gpuwarden_crds::sharing::bind_request::NODE_LABEL
+    ));
+    reflect_with(
+        Api::<DynamicObject>::all_with(client, &resource),
+        config,
+        resource,
+    )
+}
+
+/// [`reflect`], for a kind known at run time (`dyntype`).
+fn reflect_with<K>(api: Api<K>, config: watcher::Config, dyntype: K::DynamicType) -> Store<K>
+where
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let kind = K::kind(&dyntype).into_owned();
+    let writer = reflector::store::Writer::new(dyntype);
+    let store = writer.as_reader();
     let stream = watcher(api, config)
         .default_backoff()
         .modify(|obj: &mut K| {
@@ -615,7 +678,7 @@ where
             futures::pin_mut!(stream);
             while let Some(item) = stream.next().await {
                 if let Err(e) = item {
-                    warn!(kind = %K::kind(&K::DynamicType::default()), error = %e, "watch error");
+                    warn!(%kind, error = %e, "watch error");
                 }
             }
         }

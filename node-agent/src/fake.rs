@@ -298,6 +298,7 @@ impl FakeNode {
                 service_account: p.service_account.clone(),
                 labels: Default::default(),
                 exempt: None,
+                kai: None,
                 containers: p
                     .containers
                     .iter()

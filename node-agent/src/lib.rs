@@ -15,6 +15,7 @@ pub mod cgroup;
 pub mod fake;
 pub mod health;
 pub mod http;
+pub mod kai;
 pub mod lease;
 pub mod metrics;
 pub mod nvml;

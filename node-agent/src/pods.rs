@@ -7,8 +7,9 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Pod;
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::{self, Rules};
+use gpuwarden_crds::gpu::{self, ContainerKind, Rules};
 use gpuwarden_crds::selection::{namespace_labels_or_default, select_policy};
+use gpuwarden_crds::sharing::{self, KAI_CONTAINER_ANNOTATION};
 use kube::ResourceExt;
 
 use crate::cgroup::strip_runtime_scheme;
@@ -35,6 +36,54 @@ pub struct PodInfo {
     pub containers: Vec<ContainerInfo>,
     /// The GpuPolicy exemption that lets it keep its privilege, set by [`PodInfo::exempt_by`].
     pub exempt: Option<String>,
+    /// It asks KAI-Scheduler for part of a GPU, under a policy that names KAI.
+    pub kai: Option<KaiFraction>,
+}
+
+/// A pod that asks KAI-Scheduler for part of a GPU, under a policy that names KAI
+/// (`gpu.sharing.kai`): which container the fraction is for, and where the policy says KAI
+/// keeps its reservation pods ([`crate::kai`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KaiFraction {
+    /// The fraction container, as KAI finds it.
+    pub container: String,
+    /// KAI's reservation namespace.
+    pub reservation_namespace: String,
+}
+
+impl KaiFraction {
+    /// The pod's fraction, if it asks KAI for one and `policy` names KAI.
+    fn of(pod: &Pod, policy: &GpuPolicy) -> Option<Self> {
+        let kai = policy.spec.gpu.sharing.as_ref()?.kai.as_ref()?;
+        let spec = pod.spec.as_ref()?;
+        let annotations = pod.metadata.annotations.as_ref();
+        let asks = sharing::asks_kai(
+            spec.scheduler_name.as_deref(),
+            |key| annotations.is_some_and(|a| a.contains_key(key)),
+            &kai.scheduler_name,
+        );
+        if !asks {
+            return None;
+        }
+        let named = annotations
+            .and_then(|a| a.get(KAI_CONTAINER_ANNOTATION))
+            .map(String::as_str);
+        let init = spec.init_containers.as_deref().unwrap_or_default();
+        let (kind, index) = sharing::fraction_container(
+            named,
+            init.iter().map(|c| c.name.as_str()),
+            spec.containers.iter().map(|c| c.name.as_str()),
+        )?;
+        let list = if kind == ContainerKind::Init {
+            init
+        } else {
+            &spec.containers
+        };
+        Some(Self {
+            container: list.get(index)?.name.clone(),
+            reservation_namespace: kai.reservation_namespace.clone(),
+        })
+    }
 }
 
 /// One container of a pod.
@@ -96,6 +145,7 @@ impl PodInfo {
             labels: pod.metadata.labels.clone().unwrap_or_default(),
             containers: Vec::new(),
             exempt: None,
+            kai: None,
         };
         let policy = info.governing_policy(policies, namespace_labels);
         let rules = policy.map(Rules::of).unwrap_or_default();
@@ -110,6 +160,7 @@ impl PodInfo {
             })
             .collect();
         info.exempt = policy.and_then(|policy| info.exemption(policy));
+        info.kai = policy.and_then(|policy| KaiFraction::of(pod, policy));
         Some(info)
     }
 

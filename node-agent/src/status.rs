@@ -11,8 +11,10 @@ use gpuwarden_crds::{
 use crate::backend::Reading;
 use crate::cgroup::ContainerRef;
 use crate::health::HealthTracker;
+use crate::kai::KaiBinds;
 use crate::podresources::{Allocation, DeviceMap};
 use crate::pods::PodIndex;
+use gpuwarden_crds::sharing::{KAI_GPU_GROUP_LABEL, KAI_RESERVATION_APP};
 
 /// A compute process NVML reported, with the pod container it belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,15 +51,19 @@ pub enum HolderSource {
     Observed,
     /// Allocated and seen in use.
     Both,
+    /// A process of the container runs on it, which a GPU-sharing scheduler granted it
+    /// ([`BindingSource::Shared`]).
+    Shared,
 }
 
 impl HolderSource {
-    /// The metric label value: `allocated`, `observed` or `both`.
+    /// The metric label value: `allocated`, `observed`, `both` or `shared`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Allocated => "allocated",
             Self::Observed => "observed",
             Self::Both => "both",
+            Self::Shared => "shared",
         }
     }
 }
@@ -109,6 +115,8 @@ pub struct StatusInput<'a> {
     pub devices: &'a DeviceMap,
     /// Runtime diagnostics.
     pub runtime: &'a RuntimeStatus,
+    /// KAI-Scheduler's binds of fraction pods on this node.
+    pub kai: &'a KaiBinds,
 }
 
 #[derive(Default)]
@@ -123,6 +131,44 @@ struct Entry {
     /// Per physical GPU: memory and SM share of the processes seen, and whether every one
     /// had a utilisation sample.
     usage: BTreeMap<String, (Option<u64>, u32, bool)>,
+}
+
+/// The reservation pods (`namespace/name`) whose GPUs KAI-Scheduler granted the container
+/// `container` of the pod with `pod_uid`, which holds no GPU of its own (`entry`), when it
+/// uses no other: it is the pod's KAI fraction container under a policy that names KAI, and
+/// each GPU its processes run on is one the kubelet allocated to a reservation pod, in the
+/// policy's reservation namespace, of a GPU group the pod's BindRequest names. `None`
+/// otherwise, which leaves the use out of band ([`crate::kai`]).
+fn kai_grant(
+    input: &StatusInput<'_>,
+    pod_uid: &str,
+    container: &str,
+    entry: &Entry,
+) -> Option<Vec<String>> {
+    let pod = input.pods.by_uid(pod_uid)?;
+    let kai = pod.kai.as_ref().filter(|k| k.container == container)?;
+    let groups = input.kai.groups(pod_uid, &pod.namespace);
+    let (app, app_value) = KAI_RESERVATION_APP;
+    let reservations: Vec<&crate::pods::PodInfo> = (input.pods.all().iter())
+        .filter(|r| {
+            r.namespace == kai.reservation_namespace
+                && r.labels.get(app).map(String::as_str) == Some(app_value)
+                && (r.labels.get(KAI_GPU_GROUP_LABEL)).is_some_and(|g| groups.contains(g))
+        })
+        .collect();
+    let mut from = BTreeSet::new();
+    for used in &entry.observed {
+        let gpu = parent(input.devices, used);
+        let holder = reservations.iter().find(|r| {
+            (input.allocations.iter()).any(|a| {
+                a.namespace == r.namespace
+                    && a.pod == r.name
+                    && (a.device_uuids.iter()).any(|u| parent(input.devices, u) == gpu)
+            })
+        })?;
+        from.insert(format!("{}/{}", holder.namespace, holder.name));
+    }
+    Some(from.into_iter().collect())
 }
 
 /// Computes the agent's status fields and the metric holders.
@@ -228,9 +274,14 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
                     || input.devices.parent(a) == Some(o.as_str())
             })
         });
+        let shared_from = match e.allocated.is_empty() {
+            true => kai_grant(input, &pod_uid, &container, &e),
+            false => None,
+        };
         let source = match (e.allocated.is_empty(), e.observed.is_empty()) {
             (false, true) => BindingSource::Allocated,
             (false, false) if explained => BindingSource::AllocatedAndObserved,
+            (true, false) if shared_from.is_some() => BindingSource::Shared,
             // Observed only, or on GPUs beyond the allocation: out of band.
             _ => BindingSource::Observed,
         };
@@ -252,6 +303,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             let source = match (allocated, observed) {
                 (true, true) => HolderSource::Both,
                 (true, false) => HolderSource::Allocated,
+                _ if shared_from.is_some() => HolderSource::Shared,
                 _ => HolderSource::Observed,
             };
             let usage = e
@@ -282,6 +334,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             claims: e.claims.into_iter().collect(),
             gpu_uuids,
             source,
+            shared_from: shared_from.unwrap_or_default(),
         });
     }
     for list in holders.values_mut() {
@@ -427,6 +480,7 @@ mod tests {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            kai: None,
             containers: vec![ContainerInfo {
                 name: "main".into(),
                 image: String::new(),
@@ -456,6 +510,7 @@ mod tests {
             pods: &index,
             devices: &DeviceMap::new(&r.gpus),
             runtime: &RuntimeStatus::default(),
+            kai: &KaiBinds::default(),
         })
     }
 
@@ -488,6 +543,139 @@ mod tests {
         let privileged = c.status.privileged_pods.unwrap_or_default();
         assert_eq!(privileged.len(), 1, "{privileged:?}");
         assert_eq!(privileged[0].name, "train");
+    }
+
+    /// A KAI fraction pod `team-a/train` (UID `u1`) whose process runs on GPU-a, and KAI's
+    /// reservation pod of group `g-1` that the kubelet allocated GPU-a to.
+    fn kai_node() -> (Vec<PodInfo>, Vec<Allocation>, KaiBinds) {
+        let mut pods = one_pod("team-a", "train", "containerd://abc");
+        pods[0].kai = Some(crate::pods::KaiFraction {
+            container: "main".into(),
+            reservation_namespace: "kai-resource-reservation".into(),
+        });
+        let mut reservation = one_pod(
+            "kai-resource-reservation",
+            "gpu-reservation-1",
+            "containerd://r",
+        );
+        reservation[0].uid = "r1".into();
+        reservation[0].containers[0].name = "resource-reservation".into();
+        reservation[0].labels = [
+            ("app", "kai-resource-reservation"),
+            ("runai-gpu-group", "g-1"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .into();
+        pods.extend(reservation);
+        let allocations = vec![Allocation {
+            namespace: "kai-resource-reservation".into(),
+            pod: "gpu-reservation-1".into(),
+            container: "resource-reservation".into(),
+            resource_name: "nvidia.com/gpu".into(),
+            device_uuids: vec!["GPU-a".into()],
+            claim: None,
+        }];
+        let request: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "scheduling.run.ai/v1alpha2", "kind": "BindRequest",
+            "metadata": {"name": "train", "namespace": "team-a",
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "train", "uid": "u1"}]},
+            "spec": {"selectedNode": "node-1", "selectedGPUGroups": ["g-1"],
+                "receivedResourceType": "Fraction"},
+            "status": {"phase": "Succeeded"}
+        }))
+        .expect("a BindRequest");
+        (
+            pods,
+            allocations,
+            KaiBinds::from_requests([&request], "node-1"),
+        )
+    }
+
+    fn run_kai(pods: &[PodInfo], allocations: &[Allocation], kai: &KaiBinds) -> Binding {
+        let r = reading();
+        let index = PodIndex::new(pods, true);
+        let c = compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations,
+            observed: &[observed("u1", "containerd://abc")],
+            pods: &index,
+            devices: &DeviceMap::new(&r.gpus),
+            runtime: &RuntimeStatus::default(),
+            kai,
+        });
+        let bindings = c.status.bindings.unwrap_or_default();
+        let b = bindings
+            .iter()
+            .find(|b| b.pod_uid == "u1")
+            .expect("the fraction pod's binding");
+        let holder = &c.holders["GPU-a"]
+            .iter()
+            .find(|h| h.holder.pod == "train")
+            .expect("holder");
+        assert_eq!(
+            holder.source == HolderSource::Shared,
+            b.source == BindingSource::Shared
+        );
+        b.clone()
+    }
+
+    #[test]
+    fn a_kai_fraction_on_its_reservations_gpu_is_shared_and_nothing_else_is() {
+        let (pods, allocations, binds) = kai_node();
+        let b = run_kai(&pods, &allocations, &binds);
+        assert_eq!(b.source, BindingSource::Shared);
+        assert!(!b.is_out_of_band());
+        assert_eq!(
+            b.shared_from,
+            ["kai-resource-reservation/gpu-reservation-1"]
+        );
+        assert_eq!(b.gpu_uuids, ["GPU-a"]);
+
+        // Each link missing makes it out of band.
+        let out_of_band = |pods: &[PodInfo], allocations: &[Allocation], binds: &KaiBinds| {
+            let b = run_kai(pods, allocations, binds);
+            b.source == BindingSource::Observed && b.shared_from.is_empty()
+        };
+        assert!(
+            out_of_band(&pods, &allocations, &KaiBinds::default()),
+            "no BindRequest"
+        );
+        let mut unnamed = pods.clone();
+        unnamed[0].kai = None;
+        assert!(
+            out_of_band(&unnamed, &allocations, &binds),
+            "a policy that does not name KAI"
+        );
+        let mut other_container = pods.clone();
+        other_container[0].kai.as_mut().unwrap().container = "sidecar".into();
+        assert!(
+            out_of_band(&other_container, &allocations, &binds),
+            "another container"
+        );
+        let mut tenant_reservation = pods.clone();
+        tenant_reservation[1].namespace = "team-a".into();
+        let mut moved = allocations.clone();
+        moved[0].namespace = "team-a".into();
+        assert!(
+            out_of_band(&tenant_reservation, &moved, &binds),
+            "a reservation outside KAI's namespace"
+        );
+        let mut other_group = pods.clone();
+        other_group[1]
+            .labels
+            .insert("runai-gpu-group".into(), "g-2".into());
+        assert!(
+            out_of_band(&other_group, &allocations, &binds),
+            "another group"
+        );
+        let mut other_gpu = allocations.clone();
+        other_gpu[0].device_uuids = vec!["GPU-b".into()];
+        assert!(
+            out_of_band(&pods, &other_gpu, &binds),
+            "a GPU the reservation does not hold"
+        );
+        assert!(out_of_band(&pods, &[], &binds), "no reservation allocated");
     }
 
     #[test]
@@ -529,6 +717,7 @@ mod tests {
                 service_account: String::new(),
                 labels: Default::default(),
                 exempt: None,
+                kai: None,
                 containers: vec![],
             })
             .collect();

@@ -172,7 +172,8 @@ fn allocated_twice(status: &GpuNodeStatus) -> Vec<String> {
     // Per physical GPU: who holds it through a device plugin, and who through a claim.
     let mut held: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
     for b in status.bindings.iter().flatten() {
-        if b.source == BindingSource::Observed {
+        // Out-of-band use is its own condition; a shared GPU is its reservation's.
+        if matches!(b.source, BindingSource::Observed | BindingSource::Shared) {
             continue;
         }
         let from_claim = !b.claims.is_empty();
@@ -344,6 +345,13 @@ pub fn desired_conditions(
                         "privileged GPU pods see every GPU on the node: {}",
                         list_limited(&privileged)
                     ),
+                )
+            } else if (s.bindings.iter().flatten()).any(|b| b.source == BindingSource::Shared) {
+                DesiredCondition::new(
+                    ISOLATED,
+                    true,
+                    "NoOutOfBandUse",
+                    "every GPU user was allocated its GPUs by the kubelet, or shares the GPU KAI-Scheduler's reservation pod was allocated for it",
                 )
             } else {
                 DesiredCondition::new(
@@ -820,6 +828,7 @@ mod tests {
                 claims: vec![],
                 gpu_uuids: vec!["GPU-1".into()],
                 source: BindingSource::Allocated,
+                shared_from: vec![],
             }]),
             runtime: Some(RuntimeStatus {
                 accept_env_var_when_unprivileged: Some(false),
@@ -855,6 +864,7 @@ mod tests {
             claims: vec![],
             gpu_uuids: vec!["GPU-0".into()],
             source: BindingSource::Observed,
+            shared_from: vec![],
         });
         status.privileged_pods = Some(vec![
             PodRef {
@@ -905,6 +915,7 @@ mod tests {
                 claims: vec![],
                 gpu_uuids: vec!["GPU-0".into()],
                 source: BindingSource::Allocated,
+                shared_from: vec![],
             },
             Binding {
                 pod_uid: "u5".into(),
@@ -915,6 +926,7 @@ mod tests {
                 claims: vec!["ml/claim-0-gpu-x7k2p".into()],
                 gpu_uuids: vec!["GPU-0".into()],
                 source: BindingSource::AllocatedAndObserved,
+                shared_from: vec![],
             },
         ]);
         let i = desired_conditions(Some(&status), &live);
@@ -935,6 +947,39 @@ mod tests {
         status.bindings.as_mut().unwrap()[1].gpu_uuids = vec!["GPU-1".into()];
         let i = desired_conditions(Some(&status), &live);
         assert_ne!(find(&i, ISOLATED).reason, "GpuAllocatedTwice");
+
+        // A KAI fraction sharing its reservation's GPU is neither out of band nor a second
+        // allocation, and the condition says it is there.
+        let saved = status.privileged_pods.take();
+        status.bindings = Some(vec![
+            Binding {
+                namespace: "kai-resource-reservation".into(),
+                pod: "gpu-reservation-1".into(),
+                container: "resource-reservation".into(),
+                ..status.bindings.as_ref().unwrap()[0].clone()
+            },
+            Binding {
+                pod_uid: "u6".into(),
+                container: "main".into(),
+                namespace: "ml".into(),
+                pod: "fraction".into(),
+                resource_name: None,
+                claims: vec![],
+                gpu_uuids: vec!["GPU-0".into()],
+                source: BindingSource::Shared,
+                shared_from: vec!["kai-resource-reservation/gpu-reservation-1".into()],
+            },
+        ]);
+        let i = desired_conditions(Some(&status), &live);
+        let i = find(&i, ISOLATED);
+        assert_eq!((i.status, i.reason.as_str()), ("True", "NoOutOfBandUse"));
+        assert!(
+            i.message.contains("KAI-Scheduler's reservation"),
+            "{}",
+            i.message
+        );
+        assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(1));
+        status.privileged_pods = saved;
 
         // Privileged pods alone break isolation too.
         status.bindings = Some(vec![]);

@@ -78,6 +78,7 @@ pub fn pods() -> Vec<PodInfo> {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            kai: None,
             containers: vec![ContainerInfo {
                 name: "trainer".into(),
                 image: String::new(),
@@ -94,6 +95,7 @@ pub fn pods() -> Vec<PodInfo> {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            kai: None,
             containers: vec![ContainerInfo {
                 name: "render".into(),
                 image: String::new(),

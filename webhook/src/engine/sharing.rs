@@ -12,18 +12,13 @@
 
 use gpuwarden_crds::KaiSharing;
 use gpuwarden_crds::gpu::ENV_VISIBLE_DEVICES;
+use gpuwarden_crds::sharing::{
+    KAI_CONFIG_MAP_ANNOTATION, KAI_CONTAINER_ANNOTATION, config_map_name, fraction_container,
+    is_kai_prefix,
+};
 
 use super::{ContainerKind, ContainerRef};
 use crate::pod::{Container, PodView, Scalar};
-
-/// The annotations that ask KAI-Scheduler for part of a GPU.
-const KAI_FRACTION_ANNOTATIONS: [&str; 2] = ["gpu-fraction", "gpu-memory"];
-/// The annotation naming the container a KAI fraction is for (init containers first).
-const KAI_CONTAINER_ANNOTATION: &str = "gpu-fraction-container-name";
-/// The annotation KAI's webhook sets: the prefix of its ConfigMaps' names.
-const KAI_CONFIG_MAP_ANNOTATION: &str = "runai/shared-gpu-configmap";
-/// How every prefix KAI writes ends; the ConfigMap guard matches names built on it.
-const KAI_PREFIX_END: &str = "-shared-gpu";
 
 /// KAI-Scheduler's fraction container of a pod, as KAI's webhook finds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -38,10 +33,12 @@ pub(super) struct KaiFraction {
 /// Whether the pod asks KAI-Scheduler (`scheduler_name`) for part of a GPU: that scheduler
 /// and a `gpu-fraction` or `gpu-memory` annotation.
 pub(super) fn asks_kai(pod: &PodView<'_>, scheduler_name: &str) -> bool {
-    let scheduler = (pod.spec.as_ref()).and_then(|s| s.scheduler_name.as_deref());
-    scheduler == Some(scheduler_name)
-        && (pod.annotations())
-            .is_some_and(|a| KAI_FRACTION_ANNOTATIONS.iter().any(|k| a.get(k).is_some()))
+    let annotations = pod.annotations();
+    gpuwarden_crds::sharing::asks_kai(
+        (pod.spec.as_ref()).and_then(|s| s.scheduler_name.as_deref()),
+        |key| annotations.is_some_and(|a| a.get(key).is_some()),
+        scheduler_name,
+    )
 }
 
 /// KAI's fraction container of a pod that asks `kai` for a fraction, carries the ConfigMap
@@ -61,44 +58,20 @@ pub(super) fn kai_fraction(pod: &PodView<'_>, kai: &KaiSharing) -> Option<KaiFra
         .get(KAI_CONFIG_MAP_ANNOTATION)
         .and_then(Scalar::as_str)
         .filter(|p| is_kai_prefix(p))?;
-    let at = match annotations.get(KAI_CONTAINER_ANNOTATION) {
-        Some(name) => {
-            let name = name.as_str()?;
-            let find = |kind| {
-                (pod.containers(kind).iter())
-                    .position(|c| c.name.as_deref() == Some(name))
-                    .map(|index| ContainerRef { kind, index })
-            };
-            find(ContainerKind::Init).or_else(|| find(ContainerKind::Regular))?
-        }
-        None if pod.containers(ContainerKind::Regular).is_empty() => return None,
-        None => ContainerRef {
-            kind: ContainerKind::Regular,
-            index: 0,
-        },
+    let named = match annotations.get(KAI_CONTAINER_ANNOTATION) {
+        Some(name) => Some(name.as_str()?),
+        None => None,
     };
-    let init = if at.kind == ContainerKind::Init {
-        "i"
-    } else {
-        ""
-    };
+    let names = |kind| (pod.containers(kind).iter()).map(|c| c.name.as_deref().unwrap_or(""));
+    let (kind, index) = fraction_container(
+        named,
+        names(ContainerKind::Init),
+        names(ContainerKind::Regular),
+    )?;
     Some(KaiFraction {
-        at,
-        config_map: format!("{prefix}-{init}{}", at.index),
+        at: ContainerRef { kind, index },
+        config_map: config_map_name(prefix, kind, index),
     })
-}
-
-/// Whether `prefix` is a ConfigMap prefix KAI writes: a DNS subdomain's characters ending in
-/// `-shared-gpu`, so that every name built on it is one the ConfigMap guard covers.
-fn is_kai_prefix(prefix: &str) -> bool {
-    let Some(base) = prefix.strip_suffix(KAI_PREFIX_END) else {
-        return false;
-    };
-    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
-    ends(base.chars().next())
-        && ends(base.chars().last())
-        && (base.chars())
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
 }
 
 impl KaiFraction {
