@@ -1,7 +1,8 @@
 //! The GpuPolicy reconciler: validates each policy against itself and the others, and writes
 //! `Ready`, `AdmissionPolicies` (what the API server does for it, as
-//! [`crate::admission_policies`] keeps it) and `observedGeneration` to its status, only when
-//! they change.
+//! [`crate::admission_policies`] keeps it), `KaiScheduler` (for a policy that names KAI:
+//! whether KAI-Scheduler is installed as the policy says) and `observedGeneration` to its
+//! status, only when they change.
 
 use std::sync::Arc;
 
@@ -104,6 +105,82 @@ fn admission_policies_condition(
     }
 }
 
+/// The condition type of a policy that names KAI-Scheduler (`gpu.sharing.kai`).
+pub const CONDITION_KAI_SCHEDULER: &str = "KaiScheduler";
+/// KAI-Scheduler's mutating webhook configuration: it gives fraction containers their grant.
+pub const KAI_ADMISSION: &str = "mutating-kai-admission";
+/// The CustomResourceDefinition of KAI's BindRequests, which the node agent reads.
+pub const KAI_BIND_REQUESTS_CRD: &str = "bindrequests.scheduling.run.ai";
+/// How often a policy that names KAI looks again for KAI.
+const KAI_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// `KaiScheduler` from what was found of KAI: its webhook configuration and its
+/// BindRequest kind, each present, absent, or not readable (why).
+fn kai_condition(
+    webhook: Result<bool, String>,
+    bind_requests: Result<bool, String>,
+) -> DesiredCondition {
+    match (webhook, bind_requests) {
+        (Ok(true), Ok(true)) => DesiredCondition::new(
+            CONDITION_KAI_SCHEDULER,
+            true,
+            "Installed",
+            format!(
+                "KAI-Scheduler's admission webhook ({KAI_ADMISSION}) and its BindRequest kind are installed: its fraction containers keep the GPU KAI grants them, and the node agent holds each to KAI's reservation"
+            ),
+        ),
+        (Err(why), _) | (_, Err(why)) => DesiredCondition::unknown(
+            CONDITION_KAI_SCHEDULER,
+            "CannotRead",
+            format!("the operator could not look for KAI-Scheduler: {why}"),
+        ),
+        (webhook, _) => {
+            let missing = if webhook == Ok(false) {
+                format!("the MutatingWebhookConfiguration {KAI_ADMISSION}")
+            } else {
+                format!("the CustomResourceDefinition {KAI_BIND_REQUESTS_CRD}")
+            };
+            DesiredCondition::new(
+                CONDITION_KAI_SCHEDULER,
+                false,
+                "NotInstalled",
+                format!(
+                    "gpu.sharing.kai is set, but {missing} is not installed: KAI fraction pods are not given their GPU here (install KAI-Scheduler with GPU sharing on, or remove gpu.sharing.kai)"
+                ),
+            )
+        }
+    }
+}
+
+/// Whether the object `name` exists, through `api`.
+async fn exists<K>(api: Api<K>, name: &str) -> Result<bool, String>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.get_metadata_opt(name).await {
+        Ok(found) => Ok(found.is_some()),
+        Err(e) => Err(gpuwarden_crds::error_chain(&e)),
+    }
+}
+
+/// Looks for KAI-Scheduler's webhook configuration and BindRequest kind.
+async fn look_for_kai(client: &Client) -> DesiredCondition {
+    use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    kai_condition(
+        exists(
+            Api::<MutatingWebhookConfiguration>::all(client.clone()),
+            KAI_ADMISSION,
+        )
+        .await,
+        exists(
+            Api::<CustomResourceDefinition>::all(client.clone()),
+            KAI_BIND_REQUESTS_CRD,
+        )
+        .await,
+    )
+}
+
 /// Reconciles one policy's status. Valid or not, it then waits for a change: an invalid
 /// policy is fixed by editing it, not by retrying.
 #[tracing::instrument(skip(ctx), fields(policy = %name))]
@@ -126,6 +203,16 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
     if let Some(keeping) = &ctx.admission_policies {
         desired.push(admission_policies_condition(&policy, &all_refs, keeping));
     }
+    let names_kai = (policy.spec.gpu.sharing.as_ref()).is_some_and(|s| s.kai.is_some());
+    if names_kai {
+        desired.push(look_for_kai(&ctx.client).await);
+    }
+    // KAI may be installed or removed at any time: look again now and then.
+    let done = if names_kai {
+        Action::requeue(KAI_RECHECK)
+    } else {
+        Action::await_change()
+    };
     let generation = policy.metadata.generation;
     let status = policy.status.clone().unwrap_or_default();
     let merged = merge_conditions(
@@ -136,7 +223,7 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
     );
     if status.observed_generation == generation && same(&merged, &status.conditions) {
         debug!("status already current");
-        return Ok(Action::await_change());
+        return Ok(done);
     }
     if desired[0].status != "True" {
         info!(reason = %desired[0].reason, message = %desired[0].message, "GpuPolicy is invalid");
@@ -159,5 +246,33 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
         source,
     })?;
     ctx.metrics.write(CONTROLLER, "status");
-    Ok(Action::await_change())
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kai_is_reported_as_found() {
+        let c = kai_condition(Ok(true), Ok(true));
+        assert_eq!((c.status, c.reason.as_str()), ("True", "Installed"));
+        let c = kai_condition(Ok(false), Ok(true));
+        assert_eq!((c.status, c.reason.as_str()), ("False", "NotInstalled"));
+        assert!(
+            c.message
+                .contains("MutatingWebhookConfiguration mutating-kai-admission"),
+            "{}",
+            c.message
+        );
+        let c = kai_condition(Ok(true), Ok(false));
+        assert!(
+            c.message
+                .contains("CustomResourceDefinition bindrequests.scheduling.run.ai"),
+            "{}",
+            c.message
+        );
+        let c = kai_condition(Ok(true), Err("forbidden".into()));
+        assert_eq!((c.status, c.reason.as_str()), ("Unknown", "CannotRead"));
+    }
 }
