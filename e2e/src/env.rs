@@ -309,6 +309,19 @@ impl Env {
         suffix: &str,
         selector: Option<Value>,
     ) -> ValidatingAdmissionPolicy {
+        self.install_policy_with_param(file, suffix, selector, None)
+            .await
+    }
+
+    /// [`Env::install_policy`], with the binding's parameter the GpuPolicy `param` (`None`:
+    /// as shipped).
+    pub async fn install_policy_with_param(
+        &self,
+        file: &str,
+        suffix: &str,
+        selector: Option<Value>,
+        param: Option<&str>,
+    ) -> ValidatingAdmissionPolicy {
         let docs = load_file(file).expect("manifest");
         let name = self.name(suffix);
         let policy_api: Api<ValidatingAdmissionPolicy> = Api::all(self.client());
@@ -327,6 +340,9 @@ impl Env {
         binding["spec"]["policyName"] = json!(name);
         if let Some(selector) = selector {
             binding["spec"]["matchResources"] = json!({"namespaceSelector": selector});
+        }
+        if let Some(param) = param {
+            binding["spec"]["paramRef"] = json!({"name": param, "parameterNotFoundAction": "Deny"});
         }
         let binding: ValidatingAdmissionPolicyBinding =
             serde_json::from_value(binding).expect("binding");

@@ -9,7 +9,11 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use crate::cluster::skip;
+use gpuwarden_crds::{Binding, GpuNode};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::Api;
+
+use crate::cluster::{skip, wait_for};
 use crate::env::Env;
 use crate::node::{NEEDS_GPU_NODE, gpu_node};
 
@@ -27,10 +31,19 @@ pub fn stoppable() -> (
 /// Runs the operator in-process (no leader election, certificates left alone) until the
 /// returned sender fires.
 pub fn start_operator(env: &Env) -> (oneshot::Sender<()>, JoinHandle<()>) {
+    start_operator_with(env, |_| {})
+}
+
+/// [`start_operator`], with its configuration as `edit` leaves it.
+pub fn start_operator_with(
+    env: &Env,
+    edit: impl FnOnce(&mut gpuwarden_operator::Config),
+) -> (oneshot::Sender<()>, JoinHandle<()>) {
     let mut config = gpuwarden_operator::Config::new(gpuwarden_crds::SYSTEM_NAMESPACE);
     config.leader_election = false;
     config.manage_webhook_certificates = false;
     config.health_listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    edit(&mut config);
     let (tx, shutdown) = stoppable();
     let client = env.client();
     let task = tokio::spawn(async move {
@@ -177,4 +190,64 @@ async fn scrape(addr: SocketAddr) -> String {
     let mut body = String::new();
     let _ = stream.read_to_string(&mut body).await;
     body
+}
+
+/// The agent's GpuNode once it lists the node's GPUs.
+pub async fn inventory(env: &Env, node: &str) -> GpuNode {
+    let api: Api<GpuNode> = Api::all(env.client());
+    wait_for(Duration::from_secs(90), || {
+        let api = api.clone();
+        async move {
+            let gn = api.get_opt(node).await.ok().flatten()?;
+            let listed = gn
+                .status
+                .as_ref()?
+                .gpus
+                .as_ref()
+                .is_some_and(|g| !g.is_empty());
+            listed.then_some(gn)
+        }
+    })
+    .await
+    .unwrap_or_else(|| panic!("the agent never listed the GPUs of {node}"))
+}
+
+/// The agent's binding of a pod's container, once `ready` holds for it.
+pub async fn binding(
+    env: &Env,
+    node: &str,
+    pod_uid: &str,
+    container: &str,
+    ready: impl Fn(&Binding) -> bool,
+) -> Binding {
+    let api: Api<GpuNode> = Api::all(env.client());
+    let found = wait_for(Duration::from_secs(90), || {
+        let api = api.clone();
+        let ready = &ready;
+        async move {
+            let gn = api.get_opt(node).await.ok().flatten()?;
+            (gn.status?.bindings?.into_iter())
+                .find(|b| b.pod_uid == pod_uid && b.container == container && ready(b))
+        }
+    })
+    .await;
+    found.unwrap_or_else(|| {
+        panic!("the GpuNode never listed the expected binding of {pod_uid} container {container}")
+    })
+}
+
+/// The `Isolated` condition of GpuNode `node`, once its status is `status` (`"True"` or
+/// `"False"`); `None` after 60 seconds.
+pub async fn isolated(env: &Env, node: &str, status: &str) -> Option<Condition> {
+    let api: Api<GpuNode> = Api::all(env.client());
+    wait_for(Duration::from_secs(60), || {
+        let api = api.clone();
+        async move {
+            let gn = api.get_opt(node).await.ok().flatten()?;
+            let c = (gn.status?.conditions?.into_iter())
+                .find(|c| c.type_ == gpuwarden_crds::condition_types::ISOLATED)?;
+            (c.status == status).then_some(c)
+        }
+    })
+    .await
 }

@@ -38,7 +38,7 @@ use gpuwarden_e2e::dra::{
     DraNode, GPU_DRIVER, NEEDS_DRA_NODE, allocated_devices, dra_node, extended_resource_class,
 };
 use gpuwarden_e2e::env::{Env, SHORT};
-use gpuwarden_e2e::inproc::RealNode;
+use gpuwarden_e2e::inproc::{RealNode, binding, inventory, isolated};
 use gpuwarden_e2e::node::{
     Images, MockProcesses, SEEN_COMMAND, Seen, busybox, container_host_pids, import_image,
     last_visible, local_node_problem,
@@ -223,26 +223,6 @@ fn claim_ref(claim: &Value) -> String {
     )
 }
 
-/// The agent's GpuNode once it lists the node's GPUs.
-async fn inventory(env: &Env, node: &str) -> GpuNode {
-    let api: Api<GpuNode> = Api::all(env.client());
-    wait_for(Duration::from_secs(90), || {
-        let api = api.clone();
-        async move {
-            let gn = api.get_opt(node).await.ok().flatten()?;
-            let listed = gn
-                .status
-                .as_ref()?
-                .gpus
-                .as_ref()
-                .is_some_and(|g| !g.is_empty());
-            listed.then_some(gn)
-        }
-    })
-    .await
-    .unwrap_or_else(|| panic!("the agent never listed the GPUs of {node}"))
-}
-
 /// The GPUs a container's device nodes are, by the minor numbers NVML reports, sorted.
 fn device_uuids(gn: &GpuNode, seen: &Seen) -> Vec<String> {
     let gpus = gn.status.as_ref().and_then(|s| s.gpus.as_ref());
@@ -278,30 +258,6 @@ fn assert_sees_exactly(gn: &GpuNode, what: &str, seen: &Seen, uuids: &[String]) 
         seen.summary()
     );
     assert!(seen.mig.is_empty(), "{what}: {}", seen.summary());
-}
-
-/// The agent's binding of a pod's container, once `ready` holds for it.
-async fn binding(
-    env: &Env,
-    node: &str,
-    pod_uid: &str,
-    container: &str,
-    ready: impl Fn(&Binding) -> bool,
-) -> Binding {
-    let api: Api<GpuNode> = Api::all(env.client());
-    let found = wait_for(Duration::from_secs(90), || {
-        let api = api.clone();
-        let ready = &ready;
-        async move {
-            let gn = api.get_opt(node).await.ok().flatten()?;
-            (gn.status?.bindings?.into_iter())
-                .find(|b| b.pod_uid == pod_uid && b.container == container && ready(b))
-        }
-    })
-    .await;
-    found.unwrap_or_else(|| {
-        panic!("the GpuNode never listed the expected binding of {pod_uid} container {container}")
-    })
 }
 
 /// Waits for pod `train` of `ns` to run; its container `main` must see exactly the two GPUs
@@ -717,21 +673,7 @@ async fn claim_allocated_processes_are_not_out_of_band() {
     .await;
     assert_eq!(seen_on_claim.gpu_uuids, claimed, "{seen_on_claim:?}");
     assert_eq!(seen_on_claim.claims, [claim_ref(&claim)]);
-    let isolated = |status: &'static str| {
-        let api: Api<GpuNode> = Api::all(env.client());
-        let name = dra.name.clone();
-        async move {
-            wait_for(Duration::from_secs(60), || {
-                let (api, name) = (api.clone(), name.clone());
-                async move {
-                    let gn = api.get_opt(&name).await.ok().flatten()?;
-                    let c = (gn.status?.conditions?.into_iter()).find(|c| c.type_ == ISOLATED)?;
-                    (c.status == status).then_some(c)
-                }
-            })
-            .await
-        }
-    };
+    let isolated = |status: &'static str| isolated(&env, &dra.name, status);
     let quiet = isolated("True").await.expect("Isolated stays True");
 
     // A container with no claim on another GPU is named.
