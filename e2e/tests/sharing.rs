@@ -91,6 +91,8 @@ impl Reviewer for HamiModel {
 enum Way {
     /// As installed: its webhook and the API server's policy.
     Installed,
+    /// Its webhook alone (the operator's `--admission-policies=false`).
+    WebhookAlone,
     /// Its webhook configuration, calling a port where nothing listens, and the policy.
     WebhookDown,
     /// The API server's policy alone.
@@ -149,24 +151,31 @@ async fn a_hami_share_runs_with_the_gpu_the_kubelet_allocated() {
         .items;
     let governing: Vec<&GpuPolicy> = policies.iter().collect();
 
-    for way in [Way::Installed, Way::WebhookDown, Way::PolicyAlone] {
+    for way in [
+        Way::Installed,
+        Way::WebhookAlone,
+        Way::WebhookDown,
+        Way::PolicyAlone,
+    ] {
         let suffix = format!("{way:?}").to_lowercase();
         let ns = env
             .namespace_at(&format!("hami-{suffix}"), "baseline")
             .await;
         let only = namespaces_named(&[&ns]);
-        env.cluster
-            .install_mutating_policy(
-                render(&governing, |_| true, api),
-                api,
-                &env.name(&format!("hami-{suffix}")),
-                &[&ns],
-                &env.cleanup,
-            )
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+        if way != Way::WebhookAlone {
+            env.cluster
+                .install_mutating_policy(
+                    render(&governing, |_| true, api),
+                    api,
+                    &env.name(&format!("hami-{suffix}")),
+                    &[&ns],
+                    &env.cleanup,
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
         match way {
-            Way::Installed => {
+            Way::Installed | Way::WebhookAlone => {
                 env.register_webhook(&gpuwarden.url, &gpuwarden.ca_pem, only.clone(), &suffix)
                     .await;
             }
@@ -179,14 +188,16 @@ async fn a_hami_share_runs_with_the_gpu_the_kubelet_allocated() {
         register_hami(&env, &hami, only, &suffix).await;
 
         // The policy is in force once a container without a GPU comes back voided.
-        let mut plain = vgpu_pod(&image, &node);
-        plain["metadata"]["name"] = json!("plain");
-        plain["spec"]["containers"][0]["resources"] = json!({});
-        env.until_admission(&ns, &plain, "the void rule", |r| {
-            r.status.is_success()
-                && last_visible(&r.body["spec"]["containers"][0]).as_deref() == Some("void")
-        })
-        .await;
+        if way != Way::WebhookAlone {
+            let mut plain = vgpu_pod(&image, &node);
+            plain["metadata"]["name"] = json!("plain");
+            plain["spec"]["containers"][0]["resources"] = json!({});
+            env.until_admission(&ns, &plain, "the void rule", |r| {
+                r.status.is_success()
+                    && last_visible(&r.body["spec"]["containers"][0]).as_deref() == Some("void")
+            })
+            .await;
+        }
         let pod = vgpu_pod(&image, &node);
         // The configurations take a moment to reach the API server's admission chain.
         let probe = |r: &gpuwarden_e2e::cluster::RawResponse| match way {
@@ -235,6 +246,13 @@ async fn a_hami_share_runs_with_the_gpu_the_kubelet_allocated() {
             "{way:?}: the image's value is in force"
         );
         match way {
+            // Without the API server's policy nothing voided the container before HAMi's
+            // webhook gave it its GPU.
+            Way::WebhookAlone => {
+                assert_eq!(last_visible(stored), None, "{way:?}: {stored}");
+                log.holds_exactly(&allocated)
+                    .unwrap_or_else(|e| panic!("{way:?}: {e}"));
+            }
             Way::Installed => {
                 assert_eq!(last_visible(stored), None, "{way:?}: {stored}");
                 assert!(

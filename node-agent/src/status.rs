@@ -678,6 +678,82 @@ mod tests {
         assert!(out_of_band(&pods, &[], &binds), "no reservation allocated");
     }
 
+    /// HAMi's device plugin offers each GPU as slices `<UUID>-<k>`, and sets the process's
+    /// GPU from annotations its pod could have written. Pods sharing the slices of one GPU
+    /// are each an allocation of it; a process on another GPU than its slice's is out of band.
+    #[test]
+    fn hami_slices_of_a_gpu_are_allocations_and_one_used_elsewhere_is_named() {
+        use crate::podresources::{
+            ContainerDevices, ContainerResources, PodResources, gpu_allocations,
+        };
+        let mut r = reading();
+        let mut b = r.gpus[0].clone();
+        b.info.uuid = "GPU-b".into();
+        b.info.index = 1;
+        r.gpus.push(b);
+        let devices = DeviceMap::new(&r.gpus);
+        let listed: Vec<PodResources> = (0..3)
+            .map(|i| PodResources {
+                name: format!("vgpu-{i}"),
+                namespace: "ml".into(),
+                containers: vec![ContainerResources {
+                    name: "main".into(),
+                    devices: vec![ContainerDevices {
+                        resource_name: "nvidia.com/gpu".into(),
+                        device_ids: vec![format!("GPU-a-{i}")],
+                    }],
+                    dynamic_resources: vec![],
+                }],
+            })
+            .collect();
+        let allocations = gpu_allocations(&listed, &devices);
+        let pods: Vec<PodInfo> = (0..3)
+            .flat_map(|i| {
+                let mut p = one_pod("ml", &format!("vgpu-{i}"), &format!("containerd://c{i}"));
+                p[0].uid = format!("u{i}");
+                p
+            })
+            .collect();
+        let mut observed: Vec<ObservedProcess> = (0..3)
+            .map(|i| observed(&format!("u{i}"), &format!("containerd://c{i}")))
+            .collect();
+        // The third runs on GPU-b, which its slice is not.
+        observed[2].device_uuid = "GPU-b".into();
+        let index = PodIndex::new(&pods, true);
+        let c = compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations: &allocations,
+            observed: &observed,
+            pods: &index,
+            devices: &devices,
+            runtime: &RuntimeStatus::default(),
+            kai: &KaiBinds::default(),
+        });
+        let bindings = c.status.bindings.unwrap_or_default();
+        let source = |pod: &str| {
+            (bindings.iter().find(|b| b.pod == pod))
+                .map(|b| (b.source, b.gpu_uuids.clone()))
+                .expect("a binding")
+        };
+        assert_eq!(
+            source("vgpu-0"),
+            (BindingSource::AllocatedAndObserved, vec!["GPU-a".into()])
+        );
+        assert_eq!(
+            source("vgpu-1"),
+            (BindingSource::AllocatedAndObserved, vec!["GPU-a".into()])
+        );
+        assert_eq!(
+            source("vgpu-2"),
+            (
+                BindingSource::Observed,
+                vec!["GPU-a".into(), "GPU-b".into()]
+            )
+        );
+        assert_eq!(c.holders["GPU-a"].len(), 3);
+    }
+
     #[test]
     fn unknown_container_ids_are_named_sensibly() {
         let pods = one_pod("ns", "p", "containerd://old");
