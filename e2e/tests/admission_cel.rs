@@ -760,8 +760,9 @@ fn only_kais_binder_writes_kais_config_maps() {
         assert_eq!(create(binder), Some(vec![]), "{name}");
         let denied = create("alice").expect("matched");
         assert!(
-            denied[0]
-                .contains("lets only KAI's binder (system:serviceaccount:kai-scheduler:binder)"),
+            denied[0].contains(
+                "lets only the binder of KAI-Scheduler (system:serviceaccount:kai-scheduler:binder)"
+            ),
             "{denied:?}"
         );
         let update = |user: &str, data: &Value| {

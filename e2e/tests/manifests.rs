@@ -495,6 +495,24 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["get", "list", "watch", "patch"],
         &[install::MUTATING_WEBHOOK_CONFIGURATION],
     ),
+    // src/policy_controller.rs: a GpuPolicy that names KAI-Scheduler reads, by name, KAI's
+    // webhook configuration and its BindRequest CRD.
+    (
+        install::OPERATOR_NAME,
+        None,
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        &["get"],
+        &[gpuwarden_operator::policy_controller::KAI_ADMISSION],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "apiextensions.k8s.io",
+        "customresourcedefinitions",
+        &["get"],
+        &[gpuwarden_operator::policy_controller::KAI_BIND_REQUESTS_CRD],
+    ),
     // kube::runtime::events::Recorder (events.k8s.io/v1: create, then patch for a series).
     (
         install::OPERATOR_NAME,
@@ -561,6 +579,15 @@ const EXPECTED_GRANTS: &[Row] = &[
         None,
         "gpuwarden.io",
         "gpupolicies",
+        &["list", "watch"],
+        &[],
+    ),
+    // src/agent.rs: where a GpuPolicy names KAI-Scheduler, its node's BindRequests.
+    (
+        install::NODE_AGENT_NAME,
+        None,
+        gpuwarden_crds::sharing::bind_request::GROUP,
+        gpuwarden_crds::sharing::bind_request::PLURAL,
         &["list", "watch"],
         &[],
     ),
@@ -1641,13 +1668,13 @@ fn admission_policies_are_bound_and_consistent() {
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
         .collect();
-    assert_eq!(policies.len(), 2);
+    assert_eq!(policies.len(), 3);
     let names: BTreeSet<&str> = docs
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
         .map(Document::name)
         .collect();
-    assert_eq!(names.len(), 2, "one binding per policy");
+    assert_eq!(names.len(), 3, "one binding per policy");
     for policy in policies {
         let binding: ValidatingAdmissionPolicyBinding = typed(find(
             &docs,
@@ -1667,6 +1694,18 @@ fn admission_policies_are_bound_and_consistent() {
             );
             assert_eq!(param_kind.kind.as_deref(), Some("GpuPolicy"));
             let param = spec.param_ref.as_ref().expect("paramRef");
+            if policy.name() == "gpuwarden-kai-sharing-configmaps" {
+                // Every GpuPolicy is a parameter; one that does not name KAI is skipped.
+                assert!(param.name.is_none(), "{param:?}");
+                assert_eq!(param.selector, Some(Default::default()));
+                assert_eq!(param.parameter_not_found_action.as_deref(), Some("Allow"));
+                let conditions = serde_json::to_string(&pspec.match_conditions).expect("json");
+                assert!(
+                    conditions.contains("params.spec.gpu.sharing.kai"),
+                    "{conditions}"
+                );
+                continue;
+            }
             assert_eq!(
                 param.name.as_deref(),
                 Some(gpuwarden_crds::DEFAULT_POLICY_NAME)
@@ -1866,6 +1905,7 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
             "MutatingWebhookConfiguration",
             "mutatingwebhookconfigurations",
         ),
+        ("CustomResourceDefinition", "customresourcedefinitions"),
     ];
     let mut out = BTreeSet::new();
     let src = repo_root().join(dir).join("src");
@@ -1887,6 +1927,10 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
         }
         if text.contains("Recorder::new") {
             out.insert("events".into());
+        }
+        // KAI-Scheduler's BindRequests, through `Api<DynamicObject>`.
+        if text.contains("Api::<DynamicObject>") && text.contains("bind_request_resource") {
+            out.insert(gpuwarden_crds::sharing::bind_request::PLURAL.into());
         }
         if text.contains("LeaseManagerBuilder") {
             out.insert("leases".into());

@@ -346,7 +346,11 @@ fn source_chunks() -> (Vec<String>, Vec<Joined>) {
             joined.extend(Joined::from(&literal));
         }
     }
-    for file in ["backstop-policy.yaml", "agent-own-node.yaml"] {
+    for file in [
+        "backstop-policy.yaml",
+        "agent-own-node.yaml",
+        "kai-sharing.yaml",
+    ] {
         for doc in load_file(&format!("deploy/admission/{file}")).expect("admission policy") {
             for validation in doc.value["spec"]["validations"]
                 .as_array()
