@@ -23,7 +23,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuwarden_crds::admission::policies::render;
+use gpuwarden_crds::admission::policies::{MutatingApi, render};
 use gpuwarden_crds::{BindingSource, GpuPolicy, KaiSharing, SharingSpec};
 use gpuwarden_e2e::cluster::{LocalWebhook, base64, namespaces_named, skip, wait_for};
 use gpuwarden_e2e::env::Env;
@@ -39,6 +39,28 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ListParams, LogParams, PostParams};
 use serde_json::{Value, json};
+
+/// The GPU node, when it is this machine and the server serves MutatingAdmissionPolicy:
+/// its name and the policy's API; `None`, with a `SKIPPED` line for `test`, otherwise.
+async fn this_gpu_node(env: &Env, test: &str) -> Option<(String, MutatingApi)> {
+    let node = gpu_node(&env.cluster)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let Some(node) = node else {
+        skip(test, NEEDS_GPU_NODE);
+        return None;
+    };
+    if let Some(why) = local_node_problem(&node, &["tar", "sha256sum"]) {
+        skip(test, &why);
+        return None;
+    }
+    let Some(api) = env.cluster.mutating_policy_api().await else {
+        skip(test, "the server does not serve MutatingAdmissionPolicy");
+        return None;
+    };
+    let name = node["metadata"]["name"].as_str().unwrap_or_default();
+    Some((name.to_owned(), api))
+}
 
 /// HAMi's resources that stand for a share of a GPU.
 const SHARES: [&str; 3] = [
@@ -118,23 +140,7 @@ fn vgpu_pod(image: &str, node: &str) -> Value {
 async fn a_hami_share_runs_with_the_gpu_the_kubelet_allocated() {
     let test = "a_hami_share_runs_with_the_gpu_the_kubelet_allocated";
     let env = Env::new().await;
-    let node = gpu_node(&env.cluster)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let Some(node) = node else {
-        skip(test, NEEDS_GPU_NODE);
-        return;
-    };
-    if let Some(why) = local_node_problem(&node, &["tar", "sha256sum"]) {
-        skip(test, &why);
-        return;
-    }
-    let node = node["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
-    let Some(api) = env.cluster.mutating_policy_api().await else {
-        skip(test, "the server does not serve MutatingAdmissionPolicy");
+    let Some((node, api)) = this_gpu_node(&env, test).await else {
         return;
     };
     let image = format!("gpuwarden.test/{}-cuda-like:env-all", env.cluster.run_id);
@@ -509,23 +515,7 @@ enum Path {
 async fn a_kai_fraction_runs_with_kais_grant_and_a_forged_one_gets_nothing() {
     let test = "a_kai_fraction_runs_with_kais_grant_and_a_forged_one_gets_nothing";
     let env = Env::new().await;
-    let node = gpu_node(&env.cluster)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let Some(node) = node else {
-        skip(test, NEEDS_GPU_NODE);
-        return;
-    };
-    if let Some(why) = local_node_problem(&node, &["tar", "sha256sum"]) {
-        skip(test, &why);
-        return;
-    }
-    let node = node["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
-    let Some(api) = env.cluster.mutating_policy_api().await else {
-        skip(test, "the server does not serve MutatingAdmissionPolicy");
+    let Some((node, api)) = this_gpu_node(&env, test).await else {
         return;
     };
     let Some(processes) = MockProcesses::open() else {

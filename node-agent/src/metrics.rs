@@ -52,7 +52,8 @@ pub struct HolderLabels {
     pub pod: String,
     /// Holder's container.
     pub container: String,
-    /// `allocated` (by the kubelet), `observed` (a process seen, nothing allocated) or `both`.
+    /// `allocated` (by the kubelet), `observed` (a process seen, nothing allocated), `both`,
+    /// or `shared` (a KAI fraction on its reservation's GPU).
     pub source: String,
 }
 
