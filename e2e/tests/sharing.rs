@@ -744,8 +744,31 @@ async fn install_kai_model_kinds(env: &Env) {
         env.cleanup
             .own_typed::<CustomResourceDefinition>(None, "bindrequests.scheduling.run.ai");
     }
-    let namespace = json!({"metadata": {"name": KAI_RESERVATION_NAMESPACE}});
-    if post("/api/v1/namespaces", namespace).await {
+    // KAI's namespace, once no earlier run's copy is still terminating.
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(env.client());
+    let created = wait_for(Duration::from_secs(120), || {
+        let namespaces = namespaces.clone();
+        async move {
+            match namespaces.get_opt(KAI_RESERVATION_NAMESPACE).await.ok()? {
+                Some(ns) => {
+                    let phase = ns.status.and_then(|s| s.phase);
+                    (phase.as_deref() != Some("Terminating")).then_some(false)
+                }
+                None => {
+                    let ns = json!({"metadata": {"name": KAI_RESERVATION_NAMESPACE}});
+                    let ns = serde_json::from_value(ns).expect("a namespace");
+                    namespaces
+                        .create(&PostParams::default(), &ns)
+                        .await
+                        .ok()
+                        .map(|_| true)
+                }
+            }
+        }
+    })
+    .await
+    .expect("KAI's reservation namespace");
+    if created {
         env.cleanup
             .own_typed::<k8s_openapi::api::core::v1::Namespace>(None, KAI_RESERVATION_NAMESPACE);
     }
@@ -1020,9 +1043,13 @@ async fn agent_shows_the_share(
     .await;
     assert_eq!(shared.gpu_uuids, [uuid.to_owned()], "{shared:?}");
     assert_eq!(shared.shared_from, [reservation.to_owned()], "{shared:?}");
-    let quiet = isolated(env, node, "True")
-        .await
-        .expect("Isolated stays True for KAI's share");
+    let quiet = match isolated(env, node, "True").await {
+        Some(c) => c,
+        None => panic!(
+            "Isolated is not True for KAI's share: {:?}",
+            isolated(env, node, "False").await
+        ),
+    };
 
     // Forged at run time: the same container on a GPU KAI did not grant it.
     processes.set(&[(other, pid)]);
