@@ -327,16 +327,6 @@ impl Default for KaiSharing {
     }
 }
 
-impl KaiSharing {
-    /// The user KAI's binder writes as.
-    pub fn binder_user(&self) -> String {
-        format!(
-            "system:serviceaccount:{}",
-            self.binder.replacen('/', ":", 1)
-        )
-    }
-}
-
 /// A DNS label (a namespace name).
 const DNS_LABEL_PATTERN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// `<namespace>/<service account>`.
