@@ -289,30 +289,41 @@ async fn a_hami_share_runs_with_the_gpu_the_kubelet_allocated() {
 /// `selector` selects, under a name that sorts after gpuwarden's configurations.
 async fn register_hami(env: &Env, hami: &LocalWebhook, selector: Value, suffix: &str) {
     let name = format!("hami-webhook-{}-{suffix}", env.cluster.run_id);
-    let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "webhooks": [{
+    register_model(
+        env,
+        &name,
+        hami,
+        json!({
             "name": "vgpu.hami.io",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
             "failurePolicy": "Ignore",
             "reinvocationPolicy": "Never",
-            "timeoutSeconds": 10,
             "namespaceSelector": selector,
             "objectSelector": {"matchExpressions": [
                 {"key": "hami.io/webhook", "operator": "NotIn", "values": ["ignore"]}]},
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
-                "resources": ["pods"], "scope": "Namespaced"}],
-            "clientConfig": {"url": hami.url, "caBundle": base64(hami.ca_pem.as_bytes())},
-        }],
-    }))
-    .expect("MutatingWebhookConfiguration");
+        }),
+    )
+    .await;
+}
+
+/// Registers the MutatingWebhookConfiguration `name` calling `model` for pod CREATE, with
+/// the scheduler's own settings in `webhook`; deleted at the end of the test.
+async fn register_model(env: &Env, name: &str, model: &LocalWebhook, mut webhook: Value) {
+    webhook["admissionReviewVersions"] = json!(["v1"]);
+    webhook["sideEffects"] = json!("None");
+    webhook["timeoutSeconds"] = json!(10);
+    webhook["rules"] = json!([{"apiGroups": [""], "apiVersions": ["v1"],
+        "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}]);
+    webhook["clientConfig"] =
+        json!({"url": model.url, "caBundle": base64(model.ca_pem.as_bytes())});
+    let config: MutatingWebhookConfiguration =
+        serde_json::from_value(json!({"metadata": {"name": name}, "webhooks": [webhook]}))
+            .expect("MutatingWebhookConfiguration");
     Api::<MutatingWebhookConfiguration>::all(env.client())
         .create(&PostParams::default(), &config)
         .await
-        .unwrap_or_else(|e| panic!("failed to register the HAMi model: {e}"));
+        .unwrap_or_else(|e| panic!("failed to register {name}: {e}"));
     env.cleanup
-        .own_typed::<MutatingWebhookConfiguration>(None, &name);
+        .own_typed::<MutatingWebhookConfiguration>(None, name);
 }
 
 #[test]
@@ -818,31 +829,20 @@ async fn install_kai_model_kinds(env: &Env) {
 /// `failurePolicy: Fail`, `reinvocationPolicy: IfNeeded`, the scheduler-name match
 /// condition), named as KAI names it, for the namespaces `selector` selects.
 async fn register_kai(env: &Env, kai: &LocalWebhook, selector: Value) {
-    let name = "mutating-kai-admission";
-    let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "webhooks": [{
+    register_model(
+        env,
+        "mutating-kai-admission",
+        kai,
+        json!({
             "name": "admission.kai-scheduler.svc",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
             "failurePolicy": "Fail",
             "reinvocationPolicy": "IfNeeded",
-            "timeoutSeconds": 10,
             "namespaceSelector": selector,
             "matchConditions": [{"name": "scheduler-name-match",
                 "expression": format!("object.spec.schedulerName == '{KAI_SCHEDULER}'")}],
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
-                "resources": ["pods"], "scope": "Namespaced"}],
-            "clientConfig": {"url": kai.url, "caBundle": base64(kai.ca_pem.as_bytes())},
-        }],
-    }))
-    .expect("MutatingWebhookConfiguration");
-    Api::<MutatingWebhookConfiguration>::all(env.client())
-        .create(&PostParams::default(), &config)
-        .await
-        .unwrap_or_else(|e| panic!("failed to register the KAI model: {e}"));
-    env.cleanup
-        .own_typed::<MutatingWebhookConfiguration>(None, name);
+        }),
+    )
+    .await;
 }
 
 /// KAI's scheduler and binder, as they bind fraction pod `ns/pod` to `node` (v0.17.0,
