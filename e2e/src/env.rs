@@ -175,6 +175,36 @@ impl Env {
         }
     }
 
+    /// A namespace admin of `ns`: ServiceAccount `name` there, bound to the `admin`
+    /// ClusterRole by the RoleBinding `<name>-admin`, and the cluster as it, as the API server
+    /// authorizes it. A tenant in the threat model writes every field of its own objects.
+    pub async fn namespace_admin(&self, ns: &str, name: &str) -> Cluster {
+        let post = |path: String, body: Value| async move {
+            let r = self
+                .cluster
+                .raw(http::Method::POST, &path, "application/json", Some(&body))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(r.status.is_success(), "POST {path}: {}", r.message());
+        };
+        post(
+            format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+            json!({"metadata": {"name": name}}),
+        )
+        .await;
+        post(
+            format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
+            json!({"metadata": {"name": format!("{name}-admin")},
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"}}),
+        )
+        .await;
+        self.cluster
+            .as_service_account(ns, name)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
     /// A temporary policy that outranks the default one in namespace `ns`.
     pub async fn policy_for(&self, ns: &str, mode: PolicyMode, exempt_namespace: bool) -> String {
         let suffix = format!("{mode:?}").to_lowercase();

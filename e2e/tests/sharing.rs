@@ -1096,7 +1096,7 @@ async fn kai_condition(env: &Env, policy: &str) -> String {
 /// binder's map or one of its own.
 async fn forgeries_get_nothing(env: &Env, ns: &str, node: &str, image: &str, path: &Path) {
     use http::Method;
-    let tenant = tenant_of(env, ns).await;
+    let tenant = env.namespace_admin(ns, "tenant").await;
     let stored = Api::<Pod>::namespaced(env.client(), ns)
         .get("train")
         .await
@@ -1210,37 +1210,4 @@ async fn forgeries_get_nothing(env: &Env, ns: &str, node: &str, image: &str, pat
     for line in &refused {
         eprintln!("  {path:?}: {line}");
     }
-}
-
-/// A namespace admin of `ns` (ServiceAccount `tenant`, bound to the `admin` ClusterRole
-/// there), as the API server authorizes it.
-async fn tenant_of(env: &Env, ns: &str) -> gpuwarden_e2e::cluster::Cluster {
-    use http::Method;
-    let admin = &env.cluster;
-    for (path, body) in [
-        (
-            format!("/api/v1/namespaces/{ns}/serviceaccounts"),
-            json!({"metadata": {"name": "tenant"}}),
-        ),
-        (
-            format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
-            json!({"metadata": {"name": "tenant-admin"},
-                "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}],
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"}}),
-        ),
-    ] {
-        let r = admin
-            .raw(Method::POST, &path, "application/json", Some(&body))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(
-            r.status.is_success() || r.status.as_u16() == 409,
-            "{path}: {}",
-            r.message()
-        );
-    }
-    admin
-        .as_service_account(ns, "tenant")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
 }

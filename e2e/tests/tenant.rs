@@ -688,19 +688,9 @@ impl Suite<'_> {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert!(r.status.is_success(), "POST {path}: {}", r.message());
         };
-        post(
-            format!("/api/v1/namespaces/{ns}/serviceaccounts"),
-            json!({"metadata": {"name": TENANT}}),
-        )
-        .await;
+        let tenant = self.env.namespace_admin(&ns, TENANT).await;
         let subject = json!([{"kind": "ServiceAccount", "name": TENANT, "namespace": ns}]);
         let rbac = format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}");
-        post(
-            format!("{rbac}/rolebindings"),
-            json!({"metadata": {"name": "tenant-admin"}, "subjects": subject,
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"}}),
-        )
-        .await;
         post(
             format!("{rbac}/roles"),
             json!({"metadata": {"name": "tenant-debug"}, "rules": [{"apiGroups": [""],
@@ -713,10 +703,6 @@ impl Suite<'_> {
                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant-debug"}}),
         )
         .await;
-        let tenant = admin
-            .as_service_account(&ns, TENANT)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
         let namespace = admin
             .raw(
                 Method::GET,
