@@ -267,6 +267,43 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
         ));
     }
 
+    // The CRD's schema says the same; an object written before it, or a file given to
+    // `mutate --policy`, meets it here.
+    if let Some(kai) = spec.gpu.sharing.as_ref().and_then(|s| s.kai.as_ref()) {
+        let binder = kai.binder.split_once('/');
+        let binder_ok = binder.is_some_and(|(ns, sa)| {
+            label(ns) && ns.len() <= crate::bounds::DNS_LABEL_LEN && sa.split('.').all(label)
+        });
+        let namespace_ok = label(&kai.reservation_namespace)
+            && kai.reservation_namespace.len() <= crate::bounds::DNS_LABEL_LEN;
+        let wrong: Vec<String> = [
+            (!binder_ok).then(|| {
+                format!(
+                    "binder {:?} is not <namespace>/<service account>",
+                    kai.binder
+                )
+            }),
+            (!namespace_ok).then(|| {
+                format!(
+                    "reservationNamespace {:?} is not a namespace name",
+                    kai.reservation_namespace
+                )
+            }),
+            kai.scheduler_name
+                .is_empty()
+                .then(|| "schedulerName is empty".to_owned()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !wrong.is_empty() {
+            out.push(problem(
+                "InvalidKaiSharing",
+                format!("spec.gpu.sharing.kai: {}", wrong.join("; ")),
+            ));
+        }
+    }
+
     if let Some(health) = &spec.health
         && let Err(e) = parse_duration(&health.recover_after)
     {
@@ -543,6 +580,51 @@ mod tests {
         assert_eq!(validate_policy(&p), vec![]);
         let c = ready_condition(&p, &[&p]);
         assert_eq!((c.status, c.reason.as_str()), ("True", "Valid"));
+    }
+
+    #[test]
+    fn kai_sharing_names_a_binder_and_a_namespace() {
+        let mut p = GpuPolicy::default_policy();
+        p.spec.gpu.sharing = Some(crate::SharingSpec {
+            kai: Some(crate::KaiSharing::default()),
+        });
+        assert_eq!(validate_policy(&p), vec![]);
+        let kai = p
+            .spec
+            .gpu
+            .sharing
+            .as_mut()
+            .and_then(|s| s.kai.as_mut())
+            .unwrap();
+        kai.binder = "not a service account".into();
+        kai.reservation_namespace = "KAI".into();
+        kai.scheduler_name = String::new();
+        let problems = validate_policy(&p);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].reason, "InvalidKaiSharing");
+        for part in [
+            "binder \"not a service account\"",
+            "reservationNamespace \"KAI\"",
+            "schedulerName is empty",
+        ] {
+            assert!(
+                problems[0].message.contains(part),
+                "{}",
+                problems[0].message
+            );
+        }
+        let kai = p
+            .spec
+            .gpu
+            .sharing
+            .as_mut()
+            .and_then(|s| s.kai.as_mut())
+            .unwrap();
+        *kai = crate::KaiSharing {
+            binder: "kai/binder.v2".into(),
+            ..Default::default()
+        };
+        assert_eq!(validate_policy(&p), vec![]);
     }
 
     #[test]
