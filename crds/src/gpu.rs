@@ -21,7 +21,7 @@ use std::collections::BTreeSet;
 
 use crate::{
     ANNOTATION_GPU_COUNT, GpuPolicy, PrivilegedMatch, RESOURCE_GPU, RESOURCE_GPU_SHARED,
-    RESOURCE_MIG_PREFIX, VisibleDevicesAll,
+    RESOURCE_MIG_PREFIX, RuntimeFeature, VisibleDevicesAll,
 };
 
 /// The environment variable the NVIDIA container runtime hands GPUs out by.
@@ -32,6 +32,58 @@ pub const ENV_DRIVER_CAPABILITIES: &str = "NVIDIA_DRIVER_CAPABILITIES";
 pub const ENV_MIG_CONFIG_DEVICES: &str = "NVIDIA_MIG_CONFIG_DEVICES";
 /// MIG monitoring access (`/proc/driver/nvidia/capabilities/mig/monitor`).
 pub const ENV_MIG_MONITOR_DEVICES: &str = "NVIDIA_MIG_MONITOR_DEVICES";
+/// IMEX channels (`/dev/nvidia-caps-imex-channels/channel<N>`): what keeps one multi-node
+/// NVLink workload's memory apart from another's. NVIDIA's DRA driver (ComputeDomains) or a
+/// device plugin the administrator configured hands them out.
+pub const ENV_IMEX_CHANNELS: &str = "NVIDIA_IMEX_CHANNELS";
+/// NVSwitch devices (`/dev/nvidia-nvswitchctl`, `/dev/nvidia-nvswitch<N>`): the fabric of the
+/// whole node. No device plugin hands them to a workload.
+pub const ENV_NVSWITCH: &str = "NVIDIA_NVSWITCH";
+/// Every `/dev/infiniband` verbs device and `rdma_cm` of the host ([`crate::RuntimeFeature`]).
+pub const ENV_MOFED: &str = "NVIDIA_MOFED";
+/// GPUDirect Storage (`/dev/nvidia-fs*`) ([`crate::RuntimeFeature`]).
+pub const ENV_GDS: &str = "NVIDIA_GDS";
+/// gdrcopy (`/dev/gdrdrv`) ([`crate::RuntimeFeature`]).
+pub const ENV_GDRCOPY: &str = "NVIDIA_GDRCOPY";
+
+/// The NVIDIA runtime's variables, besides `NVIDIA_VISIBLE_DEVICES`, that hand a container
+/// host devices and that no container's own value may set, whatever the policy
+/// (docs/design.md, "Runtime variables"): the MIG capabilities, IMEX channels, NVSwitch.
+pub const DEVICE_VARIABLES: [&str; 4] = [
+    ENV_MIG_CONFIG_DEVICES,
+    ENV_MIG_MONITOR_DEVICES,
+    ENV_IMEX_CHANNELS,
+    ENV_NVSWITCH,
+];
+
+/// Every variable through which the NVIDIA runtime hands a container devices: what a
+/// ConfigMap or Secret key read through `envFrom`, or an `envFrom` prefix with such a key,
+/// must not spell.
+pub const RUNTIME_VARIABLES: [&str; 8] = [
+    ENV_VISIBLE_DEVICES,
+    ENV_MIG_CONFIG_DEVICES,
+    ENV_MIG_MONITOR_DEVICES,
+    ENV_IMEX_CHANNELS,
+    ENV_NVSWITCH,
+    ENV_MOFED,
+    ENV_GDS,
+    ENV_GDRCOPY,
+];
+
+/// The runtime variable an `envFrom` prefix could spell together with a key of the
+/// ConfigMap or Secret it reads: one it is a proper start of (a key is never empty). An
+/// empty prefix spells nothing by itself: the key alone is the name, which the ConfigMap
+/// guard judges (`deploy/admission/runtime-variables.yaml`).
+pub fn spelled_by_prefix(prefix: &str) -> Option<&'static str> {
+    (!prefix.is_empty())
+        .then(|| {
+            (RUNTIME_VARIABLES.iter())
+                .find(|v| v.len() > prefix.len() && v.starts_with(prefix))
+                .copied()
+        })
+        .flatten()
+}
+
 /// Where the NVIDIA container toolkit reads a device list from mounts
 /// (`accept-nvidia-visible-devices-as-volume-mounts`): a mount at
 /// `<root>/<device>` hands `<device>` (an index, a UUID or `all`) to the container.
@@ -229,7 +281,7 @@ pub fn is_device_host_path(path: &str) -> bool {
 }
 
 /// `path` cleaned lexically ([`clean_path`]), borrowed when it is clean already.
-fn cleaned(path: &str) -> std::borrow::Cow<'_, str> {
+pub(crate) fn cleaned(path: &str) -> std::borrow::Cow<'_, str> {
     if is_clean(path) {
         std::borrow::Cow::Borrowed(path)
     } else {
@@ -331,6 +383,8 @@ pub trait ContainerSpec {
     fn mounts(&self) -> impl Iterator<Item = (&str, &str)>;
     /// Whether `envFrom` lists anything: variables admission cannot see.
     fn env_from(&self) -> bool;
+    /// The `prefix` of each `envFrom` entry, in order (`""` where it has none).
+    fn env_from_prefixes(&self) -> impl Iterator<Item = &str>;
     /// The pod `resourceClaims` entries it uses (`resources.claims[].name`), in order.
     fn claim_names(&self) -> impl Iterator<Item = &str>;
 }
@@ -356,6 +410,8 @@ pub struct Rules<'p> {
     pub resources: &'p [String],
     /// `gpu.deviceClassName`: one more GPU DeviceClass.
     pub device_class: &'p str,
+    /// `runtimeFeatures`: the feature variables a container may set.
+    pub features: &'p [RuntimeFeature],
 }
 
 impl Default for Rules<'_> {
@@ -371,6 +427,7 @@ impl Default for Rules<'_> {
             images: &[],
             resources: &[],
             device_class: crate::claims::DEVICE_CLASS_GPU,
+            features: &[],
         }
     }
 }
@@ -388,7 +445,24 @@ impl<'p> Rules<'p> {
             images: &policy.spec.match_.gpu_images,
             resources: &policy.spec.match_.gpu_resources,
             device_class: &policy.spec.gpu.device_class_name,
+            features: &policy.spec.runtime_features,
         }
+    }
+
+    /// Whether a container's own entry of variable `name` would hand it devices these rules
+    /// do not let it ask for: one of [`DEVICE_VARIABLES`], or a feature variable the policy
+    /// does not list in `runtimeFeatures`.
+    pub fn is_device_variable(&self, name: &str) -> bool {
+        DEVICE_VARIABLES.contains(&name)
+            || (RuntimeFeature::ALL.iter())
+                .any(|f| f.variable() == name && !self.features.contains(f))
+    }
+
+    /// The variables [`Self::is_device_variable`] holds for, in [`RUNTIME_VARIABLES`] order.
+    pub fn device_variables(&self) -> Vec<&'static str> {
+        (RUNTIME_VARIABLES.iter().copied())
+            .filter(|v| self.is_device_variable(v))
+            .collect()
     }
 
     /// The first hint the pod's placement gives that it runs on GPU nodes.
@@ -596,13 +670,18 @@ pub struct Signals<'c> {
     /// Mounts under [`DEVICE_LIST_ROOT`]: the device list the toolkit would read from them
     /// (`All` for `all` or a mount of the root itself).
     pub device_list: VisibleDevices,
-    /// `NVIDIA_MIG_CONFIG_DEVICES` or `NVIDIA_MIG_MONITOR_DEVICES` is set.
-    pub mig_access: bool,
+    /// The first variable it sets that hands it devices it may not ask for
+    /// ([`Rules::is_device_variable`]: a MIG capability, IMEX channels, NVSwitch, or a
+    /// runtime feature the policy does not allow), set at all, by value or `valueFrom`.
+    pub device_variable: Option<&'c str>,
     /// The policy removes NVIDIA CDI annotations (`stripCdiAnnotations`).
     pub strip_cdi: bool,
     /// `envFrom` lists something: it may set `NVIDIA_VISIBLE_DEVICES` where admission
     /// cannot see it (an `env` entry of the same name overrides it).
     pub env_from: bool,
+    /// An `envFrom` prefix that could spell a runtime variable with a key of what it reads
+    /// ([`spelled_by_prefix`]): the prefix, and the variable.
+    pub env_from_spells: Option<(&'c str, &'static str)>,
     /// For a privileged container: the first hint that it sees GPUs.
     pub hint: Option<Hint<'c>>,
     /// The first pod `resourceClaims` entry it uses whose claim holds GPUs: the GPUs it gets
@@ -652,12 +731,18 @@ impl Signals<'_> {
 
     /// Whether the container reaches GPUs around the kubelet even when unprivileged
     /// (docs/design.md, "Leaks"): `NVIDIA_VISIBLE_DEVICES` naming devices, `all` or set
-    /// through `valueFrom`; a MIG access variable; a device-list mount; or an NVIDIA CDI
-    /// annotation the policy removes. The container's own `NVIDIA_VISIBLE_DEVICES` comes
-    /// after the device plugin's in the kubelet's list, so the runtime reads the
-    /// container's: even beside a GPU limit it is a leak.
+    /// through `valueFrom`; a device variable it may not set (a MIG capability, IMEX
+    /// channels, NVSwitch, a feature the policy does not allow); an `envFrom` prefix that
+    /// could spell a runtime variable, unless its own last `NVIDIA_VISIBLE_DEVICES` is
+    /// `void` (the runtime then acts on none of them); a device-list mount; or an NVIDIA CDI annotation the
+    /// policy removes. The container's own `NVIDIA_VISIBLE_DEVICES` comes after the device
+    /// plugin's in the kubelet's list, so the runtime reads the container's: even beside a
+    /// GPU limit it is a leak.
     pub fn leaks(&self) -> bool {
-        (!self.passthrough && (self.visible.is_gpu_signal() || self.mig_access))
+        (!self.passthrough
+            && (self.visible.is_gpu_signal()
+                || self.device_variable.is_some()
+                || (self.env_from_spells.is_some() && self.visible_raw != Some(VOID))))
             || self.device_list != VisibleDevices::Unset
             || (self.cdi && self.strip_cdi)
     }
@@ -711,8 +796,11 @@ pub fn signals<'c, C: ContainerSpec>(
     if device_list == VisibleDevices::Unset && !devices.is_empty() {
         device_list = VisibleDevices::Devices(u32::try_from(devices.len()).unwrap_or(u32::MAX));
     }
-    let mig_access = (container.env_entries())
-        .any(|e| e.name == ENV_MIG_CONFIG_DEVICES || e.name == ENV_MIG_MONITOR_DEVICES);
+    let device_variable = (container.env_entries())
+        .find(|e| rules.is_device_variable(e.name))
+        .map(|e| e.name);
+    let env_from_spells =
+        (container.env_from_prefixes()).find_map(|p| spelled_by_prefix(p).map(|v| (p, v)));
     Signals {
         limit,
         request,
@@ -722,9 +810,10 @@ pub fn signals<'c, C: ContainerSpec>(
         cdi: pod.cdi_nvidia,
         every_container: rules.every_container,
         device_list,
-        mig_access,
+        device_variable,
         strip_cdi: rules.strip_cdi,
         env_from: container.env_from(),
+        env_from_spells,
         claim: container.claim_names().find(|name| pod.is_gpu_claim(name)),
         passthrough: pod.passthrough,
         hint: if container.privileged() {
@@ -961,6 +1050,9 @@ macro_rules! api_container_spec {
             }
             fn env_from(&self) -> bool {
                 self.env_from.as_ref().is_some_and(|e| !e.is_empty())
+            }
+            fn env_from_prefixes(&self) -> impl Iterator<Item = &str> {
+                (self.env_from.iter().flatten()).map(|e| e.prefix.as_deref().unwrap_or(""))
             }
             fn claim_names(&self) -> impl Iterator<Item = &str> {
                 let claims = self.resources.as_ref().and_then(|r| r.claims.as_ref());

@@ -12,6 +12,7 @@ pub mod duration;
 mod error;
 pub mod exemptions;
 pub mod gpu;
+pub mod injection;
 pub mod manifests;
 pub mod node;
 pub mod pod_security;
@@ -29,7 +30,7 @@ pub use node::{
 pub use policy::{
     CapabilitiesSpec, ContainerExemption, EnvFromGpu, Exemptions, GPU_OPERATOR_NAMESPACE,
     GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, KaiSharing, MatchSpec, PolicyMode,
-    PrivilegedMatch, RequestAs, SharingSpec, VisibleDevicesAll,
+    PrivilegedMatch, RequestAs, RuntimeFeature, SharingSpec, VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 
@@ -71,9 +72,15 @@ pub const ANNOTATION_GPU_COUNT: &str = "gpuwarden.io/gpu-count";
 /// Operator enables CDI (its toolkit's `annotation-prefixes`).
 pub const CDI_ANNOTATION_PREFIXES: [&str; 2] = ["cdi.k8s.io/", "nvidia.cdi.k8s.io/"];
 
-/// Whether a pod annotation key injects CDI devices ([`CDI_ANNOTATION_PREFIXES`]).
+/// The bare annotation key NVIDIA's NRI plugin (container toolkit 1.19 and later) reads CDI
+/// devices from for every container of the pod, besides `nvidia.cdi.k8s.io/pod` and
+/// `nvidia.cdi.k8s.io/container.<name>`.
+pub const CDI_ANNOTATION_BARE_KEY: &str = "nvidia.cdi.k8s.io";
+
+/// Whether a pod annotation key injects CDI devices ([`CDI_ANNOTATION_PREFIXES`],
+/// [`CDI_ANNOTATION_BARE_KEY`]).
 pub fn is_cdi_annotation(key: &str) -> bool {
-    CDI_ANNOTATION_PREFIXES.iter().any(|p| key.starts_with(p))
+    key == CDI_ANNOTATION_BARE_KEY || CDI_ANNOTATION_PREFIXES.iter().any(|p| key.starts_with(p))
 }
 
 /// Node label set by NVIDIA GPU feature discovery on nodes with GPUs.

@@ -85,6 +85,19 @@ pub struct GpuPolicySpec {
     #[schemars(length(max = 6), inner(length(max = 16)))]
     pub driver_capabilities: Vec<String>,
 
+    /// NVIDIA runtime features a container that holds GPUs may turn on with its own
+    /// variable: `GDRCOPY` (`NVIDIA_GDRCOPY=enabled`, `/dev/gdrdrv`), `GDS`
+    /// (`NVIDIA_GDS=enabled`, `/dev/nvidia-fs*`) and `MOFED` (`NVIDIA_MOFED=enabled`, every
+    /// `/dev/infiniband` verbs device of the host, outside any RDMA device plugin's
+    /// allocation). A feature not listed is the runtime's only where a device plugin or the
+    /// administrator sets it: a container's own entry is removed, and a ConfigMap or Secret
+    /// key of that name is refused in governed namespaces (docs/design.md, "Runtime
+    /// variables"). IMEX channels and NVSwitch devices are never a container's to ask for.
+    #[serde(default = "default_runtime_features")]
+    #[schemars(length(max = 3))]
+    #[x_kube(validation = Rule::new("self.all(f, self.exists_one(g, g == f))").message("runtimeFeatures lists each feature once"))]
+    pub runtime_features: Vec<RuntimeFeature>,
+
     /// Remove hostPath volumes of `/dev`, `/dev/nvidia*` and `/dev/dri` (and their mounts)
     /// from rewritten pods. A volume an exempt container still mounts stays.
     #[serde(default = "default_true")]
@@ -210,6 +223,45 @@ impl Default for MatchSpec {
             gpu_taints: default_gpu_taints(),
             gpu_images: default_gpu_images(),
             gpu_resources: Vec::new(),
+        }
+    }
+}
+
+/// See [`GpuPolicySpec::runtime_features`].
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, JsonSchema,
+)]
+pub enum RuntimeFeature {
+    /// `NVIDIA_GDRCOPY=enabled`: `/dev/gdrdrv`, GPU memory mapped by the CPU (gdrcopy).
+    #[serde(rename = "GDRCOPY")]
+    Gdrcopy,
+    /// `NVIDIA_GDS=enabled`: `/dev/nvidia-fs*`, GPUDirect Storage.
+    #[serde(rename = "GDS")]
+    Gds,
+    /// `NVIDIA_MOFED=enabled`: every `/dev/infiniband` verbs device and `rdma_cm` of the host.
+    #[serde(rename = "MOFED")]
+    Mofed,
+}
+
+impl RuntimeFeature {
+    /// Every feature, in the order the docs list them.
+    pub const ALL: [Self; 3] = [Self::Gdrcopy, Self::Gds, Self::Mofed];
+
+    /// The variable that turns it on.
+    pub fn variable(self) -> &'static str {
+        match self {
+            Self::Gdrcopy => crate::gpu::ENV_GDRCOPY,
+            Self::Gds => crate::gpu::ENV_GDS,
+            Self::Mofed => crate::gpu::ENV_MOFED,
+        }
+    }
+
+    /// Its name in a policy.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gdrcopy => "GDRCOPY",
+            Self::Gds => "GDS",
+            Self::Mofed => "MOFED",
         }
     }
 }
@@ -650,6 +702,11 @@ const RESOURCE_PATTERN_RULE: &str =
 const RESOURCE_PATTERN_MESSAGE: &str =
     "resource patterns are domain/name, with * and ? only in the name, such as rdma/*";
 
+fn default_runtime_features() -> Vec<RuntimeFeature> {
+    // DeepEP and NVSHMEM recipes set NVIDIA_GDRCOPY=enabled in the GPU container itself.
+    vec![RuntimeFeature::Gdrcopy]
+}
+
 fn default_driver_capabilities() -> Vec<String> {
     vec!["compute".into(), "utility".into()]
 }
@@ -690,6 +747,7 @@ impl GpuPolicy {
                 gpu: GpuSpec::default(),
                 capabilities: CapabilitiesSpec::default(),
                 driver_capabilities: default_driver_capabilities(),
+                runtime_features: default_runtime_features(),
                 strip_device_host_paths: true,
                 strip_cdi_annotations: true,
                 void_non_gpu_containers: true,

@@ -47,6 +47,19 @@ fn join(
     Ok(Cel::String(Arc::new(parts.join(separator.as_str()))))
 }
 
+/// Kubernetes' regex library: every match of `pattern` in the string, in order.
+fn find_all(
+    ftx: &FunctionContext,
+    This(s): This<Arc<String>>,
+    pattern: Arc<String>,
+) -> Result<Cel, ExecutionError> {
+    let re = regex::Regex::new(&pattern).map_err(|e| ftx.error(e.to_string()))?;
+    let found: Vec<Cel> = (re.find_iter(&s))
+        .map(|m| Cel::String(Arc::new(m.as_str().to_owned())))
+        .collect();
+    Ok(Cel::List(Arc::new(found)))
+}
+
 fn split(
     _: &FunctionContext,
     This(s): This<Arc<String>>,
@@ -262,6 +275,7 @@ fn try_eval(expression: &str, vars: &BTreeMap<&str, Value>) -> Result<Cel, Execu
     ctx.add_function("substring", substring);
     ctx.add_function("join", join);
     ctx.add_function("split", split);
+    ctx.add_function("findAll", find_all);
     ctx.add_function("range", range);
     ctx.add_function("sort", sort);
     ctx.add_function("distinct", distinct);
@@ -845,6 +859,175 @@ fn only_kais_binder_writes_kais_config_maps() {
     );
 }
 
+/// No ConfigMap or Secret key a pod reads through `envFrom` spells an NVIDIA runtime variable
+/// in a governed namespace: refused on create, and on update where it is added or changed;
+/// a key already there, other keys, exempt namespaces, Audit mode, KAI's binder and the
+/// runtime features the policy allows pass.
+#[test]
+fn no_config_map_or_secret_key_spells_a_runtime_variable() {
+    let guard = load_file("deploy/admission/runtime-variables.yaml").expect("manifest")[0].clone();
+    let decide_for = |kind: &str,
+                      user: &str,
+                      namespace: &str,
+                      (data, old): (Value, Option<Value>),
+                      params: Value| {
+        let field = if kind == "Secret" {
+            "stringData"
+        } else {
+            "data"
+        };
+        let object = json!({"apiVersion": "v1", "kind": kind,
+            "metadata": {"name": "settings", "namespace": namespace}, field: data});
+        let old_object = old.map_or(Value::Null, |old| {
+            json!({"apiVersion": "v1", "kind": kind,
+                "metadata": {"name": "settings", "namespace": namespace}, "data": old})
+        });
+        let operation = if old_object.is_null() {
+            "CREATE"
+        } else {
+            "UPDATE"
+        };
+        let vars = BTreeMap::from([
+            ("object", object),
+            ("oldObject", old_object),
+            (
+                "request",
+                json!({"operation": operation, "kind": {"kind": kind},
+                    "userInfo": {"username": user}}),
+            ),
+            ("namespaceObject", json!({"metadata": {"name": namespace}})),
+            ("params", params),
+        ]);
+        decide(&guard, &vars)
+    };
+    let alice = "alice";
+    let create = |data: Value| (data, None);
+    for kind in ["ConfigMap", "Secret"] {
+        for key in [
+            "NVIDIA_VISIBLE_DEVICES",
+            "NVIDIA_MIG_CONFIG_DEVICES",
+            "NVIDIA_IMEX_CHANNELS",
+            "NVIDIA_NVSWITCH",
+            "NVIDIA_MOFED",
+            "NVIDIA_GDS",
+        ] {
+            let refused = decide_for(
+                kind,
+                alice,
+                "team-a",
+                create(json!({key: "all"})),
+                default_params(),
+            )
+            .expect("matched");
+            assert_eq!(refused.len(), 1, "{kind} {key}");
+            assert!(
+                refused[0].starts_with(&format!("gpuwarden: {kind} settings sets {key}, a variable of the NVIDIA container runtime")),
+                "{refused:?}"
+            );
+        }
+        // A token, a look-alike and an allowed feature pass.
+        for key in [
+            "HF_TOKEN",
+            "nvidia_visible_devices",
+            "NVIDIA_VISIBLE_DEVICES_X",
+            "NVIDIA_GDRCOPY",
+            "NVIDIA_DRIVER_CAPABILITIES",
+        ] {
+            assert_eq!(
+                decide_for(
+                    kind,
+                    alice,
+                    "team-a",
+                    create(json!({key: "x"})),
+                    default_params()
+                ),
+                Some(vec![]),
+                "{kind} {key}"
+            );
+        }
+    }
+    // Updates: adding or changing the key is refused; a key already there stays.
+    let old = json!({"NVIDIA_VISIBLE_DEVICES": "0", "A": "1"});
+    let update = |new: Value| (new, Some(old.clone()));
+    assert_eq!(
+        decide_for(
+            "ConfigMap",
+            alice,
+            "team-a",
+            update(json!({"NVIDIA_VISIBLE_DEVICES": "0", "A": "2"})),
+            default_params()
+        ),
+        Some(vec![])
+    );
+    assert_eq!(
+        decide_for(
+            "ConfigMap",
+            alice,
+            "team-a",
+            update(json!({"NVIDIA_VISIBLE_DEVICES": "all", "A": "1"})),
+            default_params()
+        )
+        .map(|f| f.len()),
+        Some(1)
+    );
+    assert_eq!(
+        decide_for(
+            "ConfigMap",
+            alice,
+            "team-a",
+            update(json!({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_MOFED": "enabled"})),
+            default_params()
+        )
+        .map(|f| f.len()),
+        Some(1)
+    );
+    // Exempt namespaces, Audit mode, KAI's binder where the policy names KAI, allowed features.
+    let gpu = || create(json!({"NVIDIA_VISIBLE_DEVICES": "GPU-1"}));
+    let mut exempting = default_params();
+    exempting["spec"]["exemptions"]["namespaces"] = json!(["kube-system", "ml-platform"]);
+    assert_eq!(
+        decide_for("ConfigMap", alice, "ml-platform", gpu(), exempting),
+        None
+    );
+    let mut audit = default_params();
+    audit["spec"]["mode"] = json!("Audit");
+    assert_eq!(decide_for("ConfigMap", alice, "team-a", gpu(), audit), None);
+    let binder = "system:serviceaccount:kai-scheduler:binder";
+    assert_eq!(
+        decide_for("ConfigMap", binder, "team-a", gpu(), kai_params()),
+        Some(vec![])
+    );
+    assert_eq!(
+        decide_for("ConfigMap", binder, "team-a", gpu(), default_params()).map(|f| f.len()),
+        Some(1)
+    );
+    let mut open = default_params();
+    open["spec"]["runtimeFeatures"] = json!(["GDRCOPY", "MOFED"]);
+    assert_eq!(
+        decide_for(
+            "Secret",
+            alice,
+            "team-a",
+            create(json!({"NVIDIA_MOFED": "enabled"})),
+            open
+        ),
+        Some(vec![])
+    );
+    let mut strict = default_params();
+    strict["spec"]["runtimeFeatures"] = json!([]);
+    assert_eq!(
+        decide_for(
+            "Secret",
+            alice,
+            "team-a",
+            create(json!({"NVIDIA_GDRCOPY": "enabled"})),
+            strict
+        )
+        .map(|f| f.len()),
+        Some(1)
+    );
+}
+
 /// The backstop rejects a privileged container with any GPU signal the webhook knows (a
 /// GPU limit, a MIG or shared-GPU limit, NVIDIA_VISIBLE_DEVICES, a /dev hostPath mount, an
 /// NVIDIA CDI annotation), naming it, and admits privileged containers without a signal,
@@ -1308,6 +1491,62 @@ mod generated {
         "/var/run//nvidia-container-devices/0",
         "/run/nvidia-container-devices/0",
     ];
+    /// `envFrom` prefixes: starts of NVIDIA runtime variables, and prefixes that are not.
+    pub const ENV_FROM_PREFIXES: &[&str] = &[
+        "NVIDIA_",
+        "NVIDIA_VISIBLE_",
+        "N",
+        "NVIDIA_GDR",
+        "NVIDIA_VISIBLE_DEVICES",
+        "HF_",
+        "",
+        "nvidia_",
+    ];
+    /// Device-injection annotations (key, value): every GPU, GPUs by path and by number,
+    /// restricted devices, mounts, other vendors' devices, look-alike keys.
+    pub const INJECTIONS: &[(&str, &str)] = &[
+        (
+            "devices.gke.io/container.c0",
+            "- path: /dev/nvidia0\n- path: /dev/nvidia1\n",
+        ),
+        (
+            "devices.gke.io/container.c1",
+            "- path: /dev/nvidia0\n- path: /dev/nvidiactl\n",
+        ),
+        (
+            "devices.gke.io/container.c0",
+            "- path: /dev/nvidia-caps-imex-channels/channel0\n",
+        ),
+        (
+            "devices.noderesource.dev/pod",
+            "- path: /dev/x\n  type: c\n  major: 195\n  minor: 2\n",
+        ),
+        (
+            "devices.nri.io",
+            "- path: /dev/fuse\n  type: c\n  major: 10\n  minor: 229\n",
+        ),
+        (
+            "devices.noderesource.dev/container.c1",
+            "- path: /dev/nvidia00\n  type: c\n  major: 195\n  minor: 0\n",
+        ),
+        (
+            "cdi-devices.noderesource.dev/container.c0",
+            "- nvidia.com/gpu=all\n",
+        ),
+        ("cdi-devices.nri.io/pod", "- nvidia.com/gpu=0\n"),
+        (
+            "mounts.noderesource.dev/pod",
+            "- source: /srv\n  destination: /srv\n",
+        ),
+        (
+            "mounts.nri.io/container.c0",
+            "- source: /dev/null\n  destination: /var/run/nvidia-container-devices/0\n",
+        ),
+        ("devices.noderesource.dev/other", "- path: /dev/nvidia0\n"),
+        ("devices.gke.io/pod", "- path: /dev/nvidia0\n"),
+        ("devices.noderesource.dev", "{not a list"),
+        ("nvidia.cdi.k8s.io", "nvidia.com/gpu=all"),
+    ];
     /// Exempt image patterns a policy may add; the first has a wildcard in the middle,
     /// which CEL cannot match as a glob.
     pub const PATTERNS: &[&str] = &[
@@ -1334,7 +1573,9 @@ mod generated {
             env.push(match rng.random_range(0..7) {
                 0 => json!({"name": "HOME", "value": "/root"}),
                 6 => json!({"name": *["NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES",
-                    "NVIDIA_DRIVER_CAPABILITIES"].choose(rng).unwrap(), "value": "all"}),
+                    "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_IMEX_CHANNELS", "NVIDIA_NVSWITCH",
+                    "NVIDIA_MOFED", "NVIDIA_GDS", "NVIDIA_GDRCOPY", "CUDA_VERSION"]
+                    .choose(rng).unwrap(), "value": *["enabled", "all", "0"].choose(rng).unwrap()}),
                 1 => json!({"name": "NVIDIA_VISIBLE_DEVICES",
                     "valueFrom": {"configMapKeyRef": {"name": "gpus", "key": "devices"}}}),
                 2 => json!({"name": "NVIDIA_VISIBLE_DEVICES"}),
@@ -1345,9 +1586,14 @@ mod generated {
         if !env.is_empty() {
             c["env"] = Value::Array(env);
         }
-        match rng.random_range(0..10) {
+        match rng.random_range(0..12) {
             0 => c["envFrom"] = json!([{"configMapRef": {"name": "app-env"}}]),
             1 => c["envFrom"] = json!([]),
+            // Prefixes that spell an NVIDIA runtime variable with a key, and look-alikes.
+            2 => {
+                let prefix = *ENV_FROM_PREFIXES.choose(rng).unwrap();
+                c["envFrom"] = json!([{"prefix": prefix, "secretRef": {"name": "app-env"}}]);
+            }
             _ => {}
         }
         for field in ["limits", "requests"] {
@@ -1429,7 +1675,11 @@ mod generated {
                 }
                 let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
                     "metadata": {"name": format!("p{i}")}, "spec": spec});
-                match rng.random_range(0..8) {
+                match rng.random_range(0..11) {
+                    8..=10 => {
+                        let (key, value) = *INJECTIONS.choose(&mut rng).unwrap();
+                        pod["metadata"]["annotations"] = json!({ key: value });
+                    }
                     0 => {
                         pod["metadata"]["annotations"] =
                             json!({"cdi.k8s.io/gpu": "nvidia.com/gpu=all"})
@@ -1461,6 +1711,11 @@ mod generated {
                 let mut policy = gpuwarden_crds::manifests::default_policy_manifest();
                 if rng.random_bool(0.15) {
                     policy["spec"]["stripCdiAnnotations"] = json!(false);
+                }
+                match rng.random_range(0..5) {
+                    0 => policy["spec"]["runtimeFeatures"] = json!([]),
+                    1 => policy["spec"]["runtimeFeatures"] = json!(["GDRCOPY", "GDS", "MOFED"]),
+                    _ => {}
                 }
                 match rng.random_range(0..6) {
                     0 => {
@@ -1560,6 +1815,7 @@ fn backstop_agrees_with_the_gpu_predicate() {
     let backstop = backstop();
     let cases = generated::cases(2400);
     let (mut agreed, mut permissive, mut rejected) = (0, 0, 0);
+    let mut injections_refused = 0;
     for (i, case) in cases.iter().enumerate() {
         let pod: k8s_openapi::api::core::v1::Pod =
             serde_json::from_value(case.pod.clone()).expect("a pod");
@@ -1581,13 +1837,33 @@ fn backstop_agrees_with_the_gpu_predicate() {
             ("namespaceObject", json!({"metadata": {"name": "team-a"}})),
             ("params", case.policy.clone()),
         ]);
-        let cel: BTreeSet<String> =
-            with_variables(&backstop.value, &vars)["variables"]["offending"]
-                .as_array()
-                .expect("offending is a list")
-                .iter()
-                .map(|n| n.as_str().expect("a name").to_owned())
-                .collect();
+        let evaluated = with_variables(&backstop.value, &vars);
+        // Device-injection annotations: what the backstop refuses, the engine denies.
+        if evaluated["variables"]["injectionBeyond"] == json!(true)
+            && evaluated["variables"]["exempt"] != json!(true)
+        {
+            let mut source = gpuwarden_webhook::admission::StaticSource::new([policy.clone()]);
+            source
+                .namespaces
+                .insert("team-a".into(), Default::default());
+            let (engine, _) = engine_answer(&case.pod, "team-a", &source);
+            let denied = engine
+                .as_ref()
+                .err()
+                .is_some_and(|m| m.contains("annotation "));
+            assert!(
+                denied,
+                "case {i}: the backstop refuses an injection the engine admits: {engine:?}\npod: {:#}\npolicy spec: {:#}",
+                case.pod, case.policy["spec"]
+            );
+            injections_refused += 1;
+        }
+        let cel: BTreeSet<String> = evaluated["variables"]["offending"]
+            .as_array()
+            .expect("offending is a list")
+            .iter()
+            .map(|n| n.as_str().expect("a name").to_owned())
+            .collect();
         let explain = || {
             format!(
                 "case {i}: predicate {predicate:?}, backstop {cel:?}\npod: {:#}\npolicy spec: {:#}",
@@ -1618,6 +1894,8 @@ fn backstop_agrees_with_the_gpu_predicate() {
     );
     assert!(cases.len() >= 2000 && rejected > cases.len() / 5);
     assert!(permissive < cases.len() / 10, "{permissive}");
+    eprintln!("{injections_refused} pods refused for a device-injection annotation");
+    assert!(injections_refused >= 50, "{injections_refused}");
 }
 
 /// The exemption condition the operator writes into the webhook configuration

@@ -1686,8 +1686,12 @@ fn admission_policies_are_bound_and_consistent() {
         assert_eq!(spec.validation_actions, Some(vec!["Deny".to_string()]));
         let typed_policy: ValidatingAdmissionPolicy = typed(policy);
         let pspec = typed_policy.spec.expect("policy spec");
-        // The KAI ConfigMap guard meets every ConfigMap write, and fails open.
-        let failure = if policy.name() == "gpuwarden-kai-sharing-configmaps" {
+        // The ConfigMap guards meet every ConfigMap (and Secret) write, and fail open.
+        let guards = [
+            "gpuwarden-kai-sharing-configmaps",
+            "gpuwarden-runtime-variables",
+        ];
+        let failure = if guards.contains(&policy.name()) {
             "Ignore"
         } else {
             "Fail"

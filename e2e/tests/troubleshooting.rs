@@ -350,6 +350,7 @@ fn source_chunks() -> (Vec<String>, Vec<Joined>) {
         "backstop-policy.yaml",
         "agent-own-node.yaml",
         "kai-sharing.yaml",
+        "runtime-variables.yaml",
     ] {
         for doc in load_file(&format!("deploy/admission/{file}")).expect("admission policy") {
             for validation in doc.value["spec"]["validations"]

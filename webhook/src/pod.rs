@@ -342,12 +342,22 @@ pub struct Container<'a> {
     /// `volumeMounts`, when a list.
     #[serde(deserialize_with = "list")]
     pub volume_mounts: Option<Vec<VolumeMount<'a>>>,
-    /// Whether `envFrom` is a non-empty list (its entries are never read).
-    #[serde(deserialize_with = "nonempty_list")]
-    pub env_from: bool,
+    /// `envFrom`, when a list: only each entry's `prefix` is read (what it reads is a
+    /// ConfigMap or Secret admission cannot see).
+    #[serde(deserialize_with = "list")]
+    pub env_from: Option<Vec<EnvFromSource<'a>>>,
     /// `restartPolicy` (`Always` makes an init container a sidecar).
     #[serde(deserialize_with = "text")]
     pub restart_policy: Option<Cow<'a, str>>,
+}
+
+/// An `envFrom` entry.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, bound(deserialize = "'de: 'a"))]
+pub struct EnvFromSource<'a> {
+    /// `prefix`.
+    #[serde(deserialize_with = "text")]
+    pub prefix: Option<Cow<'a, str>>,
 }
 
 /// An `env` entry.
@@ -502,7 +512,10 @@ impl gpuwarden_crds::gpu::ContainerSpec for Container<'_> {
             })
     }
     fn env_from(&self) -> bool {
-        self.env_from
+        self.env_from.as_ref().is_some_and(|e| !e.is_empty())
+    }
+    fn env_from_prefixes(&self) -> impl Iterator<Item = &str> {
+        (self.env_from.iter().flatten()).map(|e| e.prefix.as_deref().unwrap_or(""))
     }
     fn mounts(&self) -> impl Iterator<Item = (&str, &str)> {
         (self.volume_mounts.iter().flatten()).map(|m| {
@@ -806,6 +819,7 @@ macro_rules! lenient_entry {
 /// A list entry, read leniently.
 struct Wrapped<T>(T);
 lenient_entry!(
+    EnvFromSource,
     Volume,
     OwnerReference,
     Container,
@@ -892,22 +906,6 @@ fn set<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
 
 /// Whether the field is a list with at least one entry; anything else is no list, and the
 /// entries are skipped unread.
-fn nonempty_list<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-    Ok(read(d, NonEmptyReader)?.unwrap_or(false))
-}
-
-struct NonEmptyReader;
-impl<'de> Reader<'de> for NonEmptyReader {
-    type Out = bool;
-    fn seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<bool>, A::Error> {
-        let mut any = false;
-        while seq.next_element::<IgnoredAny>()?.is_some() {
-            any = true;
-        }
-        Ok(Some(any))
-    }
-}
-
 /// The field as written, `null` included.
 fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
     Value::deserialize(d).map(Some)

@@ -109,6 +109,30 @@ pub(crate) fn has_env(c: &str, names: &[&str]) -> String {
     )
 }
 
+/// CEL: container `c` has an `envFrom` prefix that could spell a runtime variable with a key
+/// of what it reads ([`crate::gpu::spelled_by_prefix`]).
+pub(crate) fn env_from_spells(c: &str) -> String {
+    let variables: Vec<String> = (crate::gpu::RUNTIME_VARIABLES.iter())
+        .map(|v| (*v).to_owned())
+        .collect();
+    format!(
+        "(has({c}.envFrom) && {c}.envFrom.exists(f, has(f.prefix) && f.prefix != '' && {}.exists(v, v.startsWith(f.prefix) && v != f.prefix)))",
+        list(&variables)
+    )
+}
+
+/// The variables a container's own entry of which is a leak under `policy`: its device
+/// variables ([`crate::gpu::Rules::device_variables`]), after `NVIDIA_VISIBLE_DEVICES` when
+/// `visible`.
+pub(crate) fn leak_variables(policy: &GpuPolicy, visible: bool) -> Vec<&'static str> {
+    let mut names = Vec::new();
+    if visible {
+        names.push(crate::gpu::ENV_VISIBLE_DEVICES);
+    }
+    names.extend(crate::gpu::Rules::of(policy).device_variables());
+    names
+}
+
 /// CEL: container `c` mounts something at a path that names the toolkit's device-list
 /// directory (the raw text: CEL cannot clean a path).
 pub(crate) fn device_list_mount(c: &str) -> String {

@@ -21,10 +21,10 @@
 use serde_json::{Value, json};
 
 use super::cel::{
-    DAEMON_SET_POD, POD, Pod, covers, device_list_mount, gpu_resource, has_env, literal,
-    pod_exempt, privileged, scope_terms, selects,
+    DAEMON_SET_POD, POD, Pod, covers, device_list_mount, env_from_spells, gpu_resource, has_env,
+    leak_variables, literal, pod_exempt, privileged, scope_terms, selects,
 };
-use crate::gpu::{ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, VOID};
+use crate::gpu::VOID;
 use crate::policy::{GpuPolicy, PolicyMode};
 use crate::{GROUP, VERSION};
 
@@ -130,8 +130,9 @@ pub fn object_name(policy: &str) -> String {
 
 /// The void rule for container `c` (a CEL expression of one init or regular container of
 /// `object`) under `policy`, in CEL: the container is not privileged; has no
-/// `NVIDIA_VISIBLE_DEVICES`, `NVIDIA_MIG_CONFIG_DEVICES` or `NVIDIA_MIG_MONITOR_DEVICES`
-/// entry; no limit or request on a GPU resource (the policy's rules); no mount whose path
+/// `NVIDIA_VISIBLE_DEVICES` entry and no entry of a device variable the policy does not let
+/// it set, nor an `envFrom` prefix that could spell a runtime variable (the webhook's
+/// leaks); no limit or request on a GPU resource (the policy's rules); no mount whose path
 /// names the toolkit's device-list directory; and its image is not exempt. A resource claim
 /// does not stop it: NVIDIA's DRA driver hands GPUs out through CDI edits that set the
 /// variable themselves, after the pod's env, and a claim on another device holds no GPU.
@@ -140,17 +141,8 @@ pub(crate) fn void_rule(policy: &GpuPolicy, pod: Pod, c: &str) -> String {
     let gpu = gpu_resource(policy, "r");
     let mut all = vec![
         format!("!{}", privileged(c)),
-        format!(
-            "!{}",
-            has_env(
-                c,
-                &[
-                    crate::gpu::ENV_VISIBLE_DEVICES,
-                    ENV_MIG_CONFIG_DEVICES,
-                    ENV_MIG_MONITOR_DEVICES
-                ]
-            )
-        ),
+        format!("!{}", has_env(c, &leak_variables(policy, true))),
+        format!("!{}", env_from_spells(c)),
         format!(
             "!(has({c}.resources) && ((has({c}.resources.limits) && {c}.resources.limits.exists(r, {gpu})) || (has({c}.resources.requests) && {c}.resources.requests.exists(r, {gpu}))))"
         ),
@@ -208,9 +200,10 @@ fn match_conditions(
             format!("!({})", exempt.join(" || ")),
         ));
     }
-    let cdi: Vec<String> = (crate::CDI_ANNOTATION_PREFIXES.iter())
+    let mut cdi: Vec<String> = (crate::CDI_ANNOTATION_PREFIXES.iter())
         .map(|p| format!("k.startsWith({})", literal(p)))
         .collect();
+    cdi.push(format!("k == {}", literal(crate::CDI_ANNOTATION_BARE_KEY)));
     conditions.push((
         "no-cdi-annotation".to_owned(),
         format!(

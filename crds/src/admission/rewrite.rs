@@ -20,11 +20,10 @@
 //!
 //! The differential test in `e2e/tests/admission_cel.rs` holds this CEL to the engine.
 
-use super::cel::{device_list_mount, env, has_env, list, literal, privileged};
-use crate::gpu::{
-    CountFrom, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES,
-    shared_gpus_text,
+use super::cel::{
+    device_list_mount, env, env_from_spells, has_env, leak_variables, list, literal, privileged,
 };
+use crate::gpu::{CountFrom, ENV_VISIBLE_DEVICES, shared_gpus_text};
 use crate::pod_security::{BASELINE_CAPABILITIES, LABEL_PSA_ENFORCE};
 use crate::policy::{GpuPolicy, RequestAs, VisibleDevicesAll};
 use crate::{ANNOTATION_POLICY, ANNOTATION_PREFIX, ANNOTATION_REWRITTEN};
@@ -134,24 +133,22 @@ fn whole(q: &str) -> String {
 }
 
 /// Not privileged and reaching no GPU around the kubelet: the rewrite leaves it as it is.
-fn inert(c: &str) -> String {
+fn inert(policy: &GpuPolicy, c: &str) -> String {
     format!(
         "(!{} && !{} && !{})",
         privileged(c),
-        reaches_gpus(c),
+        reaches_gpus(policy, c),
         device_list_mount(c)
     )
 }
 
-/// Container `c` has an env entry that names GPUs for the runtime.
-fn reaches_gpus(c: &str) -> String {
-    has_env(
-        c,
-        &[
-            ENV_VISIBLE_DEVICES,
-            ENV_MIG_CONFIG_DEVICES,
-            ENV_MIG_MONITOR_DEVICES,
-        ],
+/// Container `c` has an env entry that names GPUs or devices for the runtime (a leak under
+/// `policy`), or an `envFrom` prefix that could spell one.
+fn reaches_gpus(policy: &GpuPolicy, c: &str) -> String {
+    format!(
+        "({} || {})",
+        has_env(c, &leak_variables(policy, true)),
+        env_from_spells(c)
     )
 }
 
@@ -203,13 +200,13 @@ impl Rewrite<'_> {
     /// A privileged container the API server can rewrite, short of its GPU count.
     fn plain_privileged(&self, c: &str) -> String {
         let add = format!("{c}.securityContext.capabilities.add");
+        let device_variables: Vec<String> = (leak_variables(self.policy, false).iter())
+            .map(|v| (*v).to_owned())
+            .collect();
         format!(
             "(!(has({c}.envFrom) && size({c}.envFrom) > 0) && !{} && (!has({c}.env) || {c}.env.all(e, has(e.name) && !(e.name in {}))) && (!has({c}.securityContext.capabilities) || !has({add}) || size({add}) == 0 || ({add}.join(',').matches({}) && !(',' + {add}.join(',')).contains(',CAP_'))) && has({c}.name) && {c}.name.matches({}))",
             device_list_mount(c),
-            list(&[
-                ENV_MIG_CONFIG_DEVICES.to_owned(),
-                ENV_MIG_MONITOR_DEVICES.to_owned()
-            ]),
+            list(&device_variables),
             literal(CAPABILITIES),
             literal(NAME),
         )
@@ -274,7 +271,7 @@ impl Rewrite<'_> {
                 &format!("!{}", whole(&format!("{c}.resources.limits[r]")))
             ),
             privileged(c),
-            reaches_gpus(c),
+            reaches_gpus(self.policy, c),
             device_list_mount(c),
             self.plain_privileged(c),
             self.gpu_limit(c, "true"),
@@ -311,7 +308,7 @@ impl Rewrite<'_> {
             "!(-1 in variables.cases) && (1 in variables.cases || 2 in variables.cases || 3 in variables.cases)".to_owned(),
             format!(
                 "(!has(object.spec.initContainers) || object.spec.initContainers.all(c, {} && !{} && !{}))",
-                inert("c"),
+                inert(self.policy, "c"),
                 claims("c"),
                 self.gpu_limit("c", &format!("!{}", whole("c.resources.limits[r]"))),
             ),

@@ -4,6 +4,7 @@
 
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals, VisibleDevices};
+use gpuwarden_crds::injection;
 
 use super::claims::{ClaimLookup, ClaimSource, Claims};
 use super::sharing;
@@ -73,6 +74,9 @@ pub(super) struct PodFacts<'a> {
     pub(super) annotations: Option<&'a Map<'a>>,
     /// The pod's `resourceClaims` entries whose claim could not be read: name, and why.
     pub(super) unread_claims: Vec<(&'a str, String)>,
+    /// The pod's device-injection annotations, judged against the GPUs it holds (those
+    /// that reach only image-exempt containers left out).
+    pub(super) injections: injection::Judgement,
 }
 
 /// Reads every container of the pod (init, regular, ephemeral) in `namespace` under `policy`;
@@ -183,12 +187,47 @@ pub(super) fn read_pod<'a>(
             });
         }
     }
+    let injections = judge_injections(annotations, &containers, policy);
     PodFacts {
         containers,
         pod: signals,
         annotations,
         unread_claims: claims_read.unread,
+        injections,
     }
+}
+
+/// The pod's device-injection annotations against the GPUs its init and regular containers'
+/// limits hold (docs/design.md, "Device-injection annotations"). One that reaches only
+/// containers whose image is exempt is the exemption's.
+fn judge_injections<'a>(
+    annotations: Option<&'a Map<'a>>,
+    containers: &[ContainerFacts<'a>],
+    policy: &GpuPolicy,
+) -> injection::Judgement {
+    let mut all = injection::read_all(
+        (annotations.into_iter().flatten()).map(|(k, v)| (k.as_ref(), v.as_str())),
+    );
+    if all.is_empty() {
+        return injection::Judgement::default();
+    }
+    // One that reaches no container yet (a later ephemeral container's name) is judged
+    // with the pod as a whole: unless every container is exempt.
+    let judged = |i: &injection::Injection<'_>| {
+        let mut reached = (containers.iter())
+            .filter(|c| i.target.reaches(c.name))
+            .peekable();
+        match reached.peek() {
+            Some(_) => reached.any(|c| !c.image_exempt),
+            None => containers.iter().any(|c| !c.image_exempt),
+        }
+    };
+    all.retain(judged);
+    let held = (containers.iter())
+        .filter(|c| c.at.kind != ContainerKind::Ephemeral)
+        .filter_map(|c| super::plan::limited_gpus(c, policy))
+        .fold(0u32, u32::saturating_add);
+    injection::judge(&all, held, &policy.spec.runtime_features)
 }
 
 /// The pod's `resourceClaims` entries, read.

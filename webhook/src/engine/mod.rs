@@ -214,6 +214,8 @@ pub struct Decision<'a> {
     unvoided: Vec<Unvoided<'a>>,
     /// What the pod is to KAI-Scheduler's GPU sharing.
     kai: Kai,
+    /// What the pod's device-injection annotations hand out that gpuwarden does not judge.
+    notes: Vec<String>,
 }
 
 /// What an annotation the patch sets holds.
@@ -376,7 +378,8 @@ fn decide_create<'a>(
             .with(Detail::Exempt(reason.into()));
     }
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
-    let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()));
+    let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()))
+        || !facts.injections.uncovered.is_empty();
     // The API server's policy is rendered from valid policies in Enforce and Audit only.
     let voids =
         matches!(policy.spec.mode, PolicyMode::Enforce | PolicyMode::Audit) && invalid.is_none();
@@ -405,7 +408,8 @@ fn decide_create<'a>(
         .unvoiding(match policy.spec.mode {
             PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, None),
             _ => Vec::new(),
-        });
+        })
+        .noting(&facts.injections.notes);
     }
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
@@ -452,10 +456,12 @@ fn decide_create<'a>(
         PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, Some(&plan)),
         _ => Vec::new(),
     };
+    let notes = facts.injections.notes.clone();
     Decision::new(verdict, Some(policy), reference, input)
         .with(Detail::Create { plan, mode, set })
         .voiding(voided)
         .unvoiding(unvoided)
+        .noting(&notes)
 }
 
 fn decide_ephemeral<'a>(
@@ -471,10 +477,12 @@ fn decide_ephemeral<'a>(
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
     // request GPUs, so they cannot be rewritten.
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
+    // An ephemeral container a device-injection annotation reaches gets what it names.
+    let injected = |name: &str| (facts.injections.uncovered.iter()).any(|u| u.reaches(name));
     let offending: Vec<&'a str> = (facts.containers.iter())
         .filter(|c| {
             void::added_by_update(c, old)
-                && (c.privileged || c.signals.leaks())
+                && (c.privileged || c.signals.leaks() || injected(c.name))
                 && (invalid.is_some() || !c.image_exempt)
         })
         .map(|c| c.name)
@@ -529,7 +537,15 @@ impl<'a> Decision<'a> {
             detail: Detail::Plain,
             voided: Vec::new(),
             unvoided: Vec::new(),
+            notes: Vec::new(),
         }
+    }
+
+    /// Sets the notes on what the pod's device-injection annotations hand out that the rules
+    /// do not judge.
+    fn noting(mut self, notes: &[String]) -> Self {
+        self.notes = notes.to_vec();
+        self
     }
 
     /// Sets the containers the void rule holds for; an unchanged pod in Enforce mode is then
@@ -662,6 +678,7 @@ impl<'a> Decision<'a> {
             _ => {}
         }
         self.push_void_warnings(&mut warnings);
+        warnings.extend(self.notes.iter().map(|n| format!("gpuwarden: {n}")));
         let said = matches!(self.verdict, Verdict::Exempt | Verdict::Denied);
         match self.kai {
             Kai::Unnamed if !said => warnings.push(format!("gpuwarden: {KAI_FRACTION_HINT}")),

@@ -16,10 +16,7 @@ use gpuwarden_crds::gpu::{
 use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts};
 use super::psa::{self, PsaLevel};
-use super::{
-    ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_MIG_CONFIG_DEVICES,
-    ENV_MIG_MONITOR_DEVICES, ENV_VISIBLE_DEVICES, Input,
-};
+use super::{ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_VISIBLE_DEVICES, Input};
 use crate::pod::{Container, Scalar};
 
 /// The plan for one pod.
@@ -241,6 +238,11 @@ pub(super) fn plan_pod<'a>(
         psa_left: Vec::new(),
         claims: Vec::new(),
     };
+    // Device-injection annotations that name NVIDIA devices the pod does not hold: the
+    // rewrite cannot make them safe, since the node plugin hands the devices over whatever
+    // the container's privilege or limits.
+    plan.denials
+        .extend(facts.injections.uncovered.iter().map(|u| u.message.clone()));
     // What Pod Security Admission would still refuse once the rewrite is done.
     plan.psa_left = psa::still_fails(
         psa,
@@ -263,6 +265,12 @@ pub(super) fn plan_pod<'a>(
         })
         .collect();
     let daemon_set = input.daemon_set();
+    // Rule 4: what a container loses of its own variables (docs/design.md, "Runtime
+    // variables"): with its GPUs from the runtime, NVIDIA_VISIBLE_DEVICES too.
+    let device_variables = gpu::Rules::of(policy).device_variables();
+    let with_visible: Vec<&'static str> = std::iter::once(ENV_VISIBLE_DEVICES)
+        .chain(device_variables.iter().copied())
+        .collect();
     for (i, c) in facts.containers.iter().enumerate() {
         let count = counts.next();
         let target = c.loses_privilege();
@@ -358,10 +366,23 @@ pub(super) fn plan_pod<'a>(
             // `envFrom` may set NVIDIA_VISIBLE_DEVICES unseen. An `env` entry overrides it,
             // so a container that gets `void` is safe; a container whose GPUs the runtime
             // reads from the variable cannot be given one (it would override the allocation).
+            // A prefix that could spell a runtime variable with a key of what envFrom reads
+            // is the same door, whatever the ConfigMap guard refuses of keys.
             if c.signals.env_from {
+                let spells = c.signals.env_from_spells;
                 if !through_runtime {
                     p.env_from = Some("the void overrides whatever envFrom sets");
+                } else if let Some((prefix, variable)) = spells {
+                    plan.denials.push(format!(
+                        "{} {}: envFrom prefix {prefix} spells {variable} with a key {}, which would hand the container devices beyond the GPUs the kubelet allocates; use a prefix that starts no NVIDIA runtime variable",
+                        c.at.kind.noun(),
+                        c.name,
+                        &variable[prefix.len()..],
+                    ));
                 } else if spec.gpu.env_from == EnvFromGpu::Warn {
+                    // The runtime's setting that ignores NVIDIA_VISIBLE_DEVICES in
+                    // unprivileged containers leaves the other variables in force: Warn
+                    // covers that one variable only.
                     p.env_from = Some(
                         "envFrom may still set NVIDIA_VISIBLE_DEVICES over the allocated GPUs (gpu.envFrom: Warn)",
                     );
@@ -376,16 +397,12 @@ pub(super) fn plan_pod<'a>(
             // Rule 4.
             let (remove, set): (&[&'static str], _) = if through_runtime {
                 (
-                    &[
-                        ENV_VISIBLE_DEVICES,
-                        ENV_MIG_CONFIG_DEVICES,
-                        ENV_MIG_MONITOR_DEVICES,
-                    ],
+                    &with_visible,
                     (ENV_DRIVER_CAPABILITIES, EnvValue::DriverCapabilities),
                 )
             } else {
                 (
-                    &[ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES],
+                    &device_variables,
                     (ENV_VISIBLE_DEVICES, EnvValue::Fixed("void")),
                 )
             };
@@ -648,7 +665,7 @@ fn whole(quantity: &Scalar<'_>) -> Option<u32> {
 }
 
 /// The GPUs a container's own GPU limits say, when they are whole numbers.
-fn limited_gpus(c: &ContainerFacts<'_>, policy: &GpuPolicy) -> Option<u32> {
+pub(super) fn limited_gpus(c: &ContainerFacts<'_>, policy: &GpuPolicy) -> Option<u32> {
     let rules = gpu::Rules::of(policy);
     let limits = c.value.resources.as_ref()?.limits.as_ref()?;
     (limits.iter())

@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use gpuwarden_crds::gpu::CountFrom;
+use gpuwarden_crds::gpu::{self, CountFrom};
 
 use super::plan::{ContainerPlan, EnvValue, Plan};
 use super::{ContainerKind, MAX_WARNING_LEN};
@@ -148,6 +148,19 @@ impl Plan<'_> {
         }
         if let Some(env) = &c.env {
             list_phrase(phrases, "env ", &env.removed, " removed");
+            // Say where such devices come from, so the way out is in the warning.
+            let granted = [
+                gpu::ENV_IMEX_CHANNELS,
+                gpu::ENV_NVSWITCH,
+                gpu::ENV_MOFED,
+                gpu::ENV_GDS,
+                gpu::ENV_GDRCOPY,
+            ];
+            if env.removed.iter().any(|r| granted.contains(r)) {
+                phrases.next().push_str(
+                    "those devices come from a device plugin or DRA driver, or GpuPolicy runtimeFeatures",
+                );
+            }
             if let Some((name, value)) = &env.set {
                 let out = phrases.next();
                 out.push_str(name);

@@ -7,14 +7,11 @@
 //! fields, so that the rule never depends on what CEL cannot compute.
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules, VOID};
+use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules, VOID, spelled_by_prefix};
 
 use super::facts::{ContainerFacts, PodFacts};
 use super::plan::Plan;
-use super::{
-    ContainerKind, ContainerRef, ENV_MIG_CONFIG_DEVICES, ENV_MIG_MONITOR_DEVICES,
-    ENV_VISIBLE_DEVICES,
-};
+use super::{ContainerKind, ContainerRef, ENV_VISIBLE_DEVICES};
 use crate::pod::{Container, PodView, Scalar};
 
 /// A container the void rule holds for.
@@ -180,7 +177,9 @@ pub(super) fn added_by_update(c: &ContainerFacts<'_>, old: &PodView<'_>) -> bool
 }
 
 /// The rule's test of one container's own fields: not privileged, no GPU variable of its
-/// own, no GPU resource, no mount (of `mount_paths`) at a device-list path. A resource claim
+/// own (`NVIDIA_VISIBLE_DEVICES` or a device variable the policy does not let it set), no
+/// `envFrom` prefix that could spell a runtime variable (those two are the rewrite's
+/// leaks), no GPU resource, no mount (of `mount_paths`) at a device-list path. A resource claim
 /// holds no GPU through the variable: NVIDIA's DRA driver sets it in its own CDI edits,
 /// after the pod's env, and a claim on another device must not leave the image's value.
 fn holds_no_gpu<'m>(
@@ -188,13 +187,10 @@ fn holds_no_gpu<'m>(
     rules: &Rules<'_>,
     mut mount_paths: impl Iterator<Item = &'m str>,
 ) -> bool {
-    const OWN: [&str; 3] = [
-        ENV_VISIBLE_DEVICES,
-        ENV_MIG_CONFIG_DEVICES,
-        ENV_MIG_MONITOR_DEVICES,
-    ];
     !c.is_privileged()
-        && !c.env_entries().any(|e| OWN.contains(&e.name))
+        && !(c.env_entries())
+            .any(|e| e.name == ENV_VISIBLE_DEVICES || rules.is_device_variable(e.name))
+        && !(c.env_from_prefixes()).any(|p| spelled_by_prefix(p).is_some())
         && !(c.limit_names().chain(c.request_names())).any(|r| rules.is_gpu_resource(r))
         && !mount_paths.any(|path| path.contains(DEVICE_LIST_MARK))
 }
