@@ -16,7 +16,7 @@
 use schemars::Schema;
 use serde_json::{Map, Value, json};
 
-use crate::node::{BindingSource, GpuNodeStatus, Truncated};
+use crate::node::{Binding, GpuNodeStatus, Truncated};
 
 /// Most GPUs one `GpuNode` lists.
 pub const MAX_GPUS: usize = 32;
@@ -206,9 +206,7 @@ pub fn fit_status(status: &mut GpuNodeStatus) {
         }
     }
     if let Some(bindings) = status.bindings.as_mut() {
-        cut.bindings = keep(bindings, MAX_BINDINGS, |b| {
-            b.source == BindingSource::Observed
-        });
+        cut.bindings = keep(bindings, MAX_BINDINGS, Binding::is_out_of_band);
         for binding in bindings.iter_mut() {
             cut.binding_devices += keep(&mut binding.gpu_uuids, MAX_BINDING_DEVICES, |_| false);
         }
@@ -256,7 +254,7 @@ fn truncate_chars(s: &mut String, max: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Binding, GpuHealth, GpuStatus, HealthState, MigDevice, PodRef};
+    use crate::{BindingSource, GpuHealth, GpuStatus, HealthState, MigDevice, PodRef};
 
     fn binding(i: usize, source: BindingSource) -> Binding {
         Binding {

@@ -266,6 +266,11 @@ pub enum BindingSource {
     /// the kubelet allocated to that scheduler's reservation pod (`sharedFrom`): KAI's
     /// fractions, under a GpuPolicy that names KAI.
     Shared,
+    /// A device-injection annotation on the pod (containerd's NRI device injector, GKE's)
+    /// names these GPUs for this container, and the kubelet allocated none of them to the
+    /// pod: a node plugin hands them over around the kubelet (docs/design.md,
+    /// "Device-injection annotations").
+    Injected,
 }
 
 /// GPUs held by one container of one pod.
@@ -298,7 +303,8 @@ pub struct Binding {
     /// `truncated.bindingDevices`.
     #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = UUID_LEN)))]
     pub gpu_uuids: Vec<String>,
-    /// `Allocated`, `Observed` (out of band), `AllocatedAndObserved` or `Shared`.
+    /// `Allocated`, `Observed` (out of band), `AllocatedAndObserved`, `Shared` or `Injected`
+    /// (named by a device-injection annotation, not allocated).
     pub source: BindingSource,
     /// For a `Shared` binding: the reservation pods (`namespace/name`) the kubelet allocated
     /// these GPUs to.
@@ -311,9 +317,13 @@ pub struct Binding {
 const CLAIM_REF_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
 impl Binding {
-    /// A binding nobody allocated: the container uses GPUs it never requested.
+    /// A binding nobody allocated: the container uses GPUs it never requested, or an
+    /// annotation has a node plugin hand them to it.
     pub fn is_out_of_band(&self) -> bool {
-        self.source == BindingSource::Observed
+        matches!(
+            self.source,
+            BindingSource::Observed | BindingSource::Injected
+        )
     }
 }
 

@@ -94,6 +94,7 @@ fn pods() -> Vec<PodInfo> {
             labels: Default::default(),
             exempt: None,
             kai: None,
+            injected: Vec::new(),
             containers: vec![ContainerInfo {
                 name: "server".into(),
                 image: String::new(),

@@ -299,6 +299,7 @@ impl FakeNode {
                 labels: Default::default(),
                 exempt: None,
                 kai: None,
+                injected: Vec::new(),
                 containers: p
                     .containers
                     .iter()

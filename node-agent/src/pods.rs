@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::gpu::{self, ContainerKind, Rules};
+use gpuwarden_crds::injection::{self, GpuName};
 use gpuwarden_crds::selection::{namespace_labels_or_default, select_policy};
 use gpuwarden_crds::sharing::{self, KAI_CONTAINER_ANNOTATION};
 use kube::ResourceExt;
@@ -38,6 +39,9 @@ pub struct PodInfo {
     pub exempt: Option<String>,
     /// It asks KAI-Scheduler for part of a GPU, under a policy that names KAI.
     pub kai: Option<KaiFraction>,
+    /// The GPUs its device-injection annotations name, per container they reach (`None`:
+    /// every container), which the kubelet must have allocated to the pod.
+    pub injected: Vec<(Option<String>, Vec<GpuName>)>,
 }
 
 /// A pod that asks KAI-Scheduler for part of a GPU, under a policy that names KAI
@@ -102,6 +106,23 @@ pub struct ContainerInfo {
     pub gpu: bool,
 }
 
+/// The GPUs the pod's device-injection annotations name, per container they reach.
+fn injected_gpus(pod: &Pod) -> Vec<(Option<String>, Vec<GpuName>)> {
+    let annotations =
+        (pod.metadata.annotations.iter().flatten()).map(|(k, v)| (k.as_str(), Some(v.as_str())));
+    injection::read_all(annotations)
+        .into_iter()
+        .filter_map(|i| {
+            let gpus: Vec<GpuName> = i.gpus().cloned().collect();
+            let container = match i.target {
+                injection::Target::Pod => None,
+                injection::Target::Container(c) => Some(c.to_owned()),
+            };
+            (!gpus.is_empty()).then_some((container, gpus))
+        })
+        .collect()
+}
+
 impl PodInfo {
     /// The pod's facts under the policy that governs it (chosen from `policies` as the
     /// webhook chooses it, with `namespace_labels` as [`PodInfo::exempt_by`] reads them);
@@ -146,6 +167,7 @@ impl PodInfo {
             containers: Vec::new(),
             exempt: None,
             kai: None,
+            injected: injected_gpus(pod),
         };
         let policy = info.governing_policy(policies, namespace_labels);
         let rules = policy.map(Rules::of).unwrap_or_default();

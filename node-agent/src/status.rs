@@ -8,6 +8,8 @@ use gpuwarden_crds::{
     Binding, BindingSource, GpuNodeStatus, GpuStatus, HealthState, PodRef, RuntimeStatus,
 };
 
+use gpuwarden_crds::injection::GpuName;
+
 use crate::backend::Reading;
 use crate::cgroup::ContainerRef;
 use crate::health::HealthTracker;
@@ -340,6 +342,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
     for list in holders.values_mut() {
         list.sort_by(|a, b| a.holder.cmp(&b.holder));
     }
+    injected_bindings(input, &mut bindings);
 
     let mut privileged: BTreeMap<String, PodRef> = BTreeMap::new();
     for uid in privileged_observed {
@@ -381,6 +384,85 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
         status,
         holders,
         host_processes,
+    }
+}
+
+/// Adds what the pods' device-injection annotations name beyond what the kubelet allocated
+/// to the pod (docs/design.md, "Device-injection annotations"): admission let the annotation
+/// through because it names no more GPUs than the pod holds, and here the node says whether
+/// they are the pod's. Each GPU named and allocated to no container of the pod makes the
+/// container the annotation reaches an `Injected` holder of it; a container that holds an
+/// allocation already has it marked so, with the GPUs added. A name no GPU of this node
+/// answers to (the plugin then injects nothing) is left out.
+fn injected_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
+    for pod in (input.pods.all().iter()).filter(|p| !p.injected.is_empty()) {
+        let allocated: BTreeSet<String> = (bindings.iter())
+            .filter(|b| b.pod_uid == pod.uid && !b.is_out_of_band())
+            .flat_map(|b| b.gpu_uuids.iter().map(|u| parent(input.devices, u)))
+            .collect();
+        for (target, names) in &pod.injected {
+            let beyond: BTreeSet<String> = (names.iter())
+                .filter_map(|n| named_gpu(input, n))
+                .filter(|uuid| !allocated.contains(uuid))
+                .collect();
+            if beyond.is_empty() {
+                continue;
+            }
+            let reached: Vec<&str> = match target {
+                Some(c) => vec![c.as_str()],
+                None => pod.containers.iter().map(|c| c.name.as_str()).collect(),
+            };
+            for container in reached {
+                match (bindings.iter_mut())
+                    .find(|b| b.pod_uid == pod.uid && b.container == container)
+                {
+                    Some(b) => {
+                        b.source = BindingSource::Injected;
+                        for uuid in &beyond {
+                            if !b.gpu_uuids.contains(uuid) {
+                                b.gpu_uuids.push(uuid.clone());
+                            }
+                        }
+                    }
+                    None => bindings.push(Binding {
+                        pod_uid: pod.uid.clone(),
+                        container: container.to_owned(),
+                        namespace: pod.namespace.clone(),
+                        pod: pod.name.clone(),
+                        gpu_uuids: beyond.iter().cloned().collect(),
+                        source: BindingSource::Injected,
+                        ..Binding::default()
+                    }),
+                }
+            }
+        }
+    }
+}
+
+/// The UUID of the GPU of this node an injection names: by minor number (`/dev/nvidia<N>`,
+/// `195:<N>`), or by what follows `=` in a CDI name: an index, a GPU UUID, a MIG device
+/// (its GPU), or NVIDIA's DRA driver's `gpu-<minor>`.
+fn named_gpu(input: &StatusInput<'_>, name: &GpuName) -> Option<String> {
+    let gpus = &input.reading.gpus;
+    let by_minor = |n: u32| {
+        (gpus.iter())
+            .find(|g| g.info.minor_number == Some(n))
+            .map(|g| g.info.uuid.clone())
+    };
+    match name {
+        GpuName::Minor(n) => by_minor(*n),
+        GpuName::Cdi(id) => {
+            if let Ok(index) = id.parse::<u32>() {
+                return (gpus.iter())
+                    .find(|g| g.info.index == index)
+                    .map(|g| g.info.uuid.clone());
+            }
+            if let Some(minor) = id.strip_prefix("gpu-").and_then(|m| m.parse().ok()) {
+                return by_minor(minor);
+            }
+            let uuid = parent(input.devices, id);
+            (gpus.iter()).find(|g| g.info.uuid == uuid).map(|_| uuid)
+        }
     }
 }
 
@@ -481,6 +563,7 @@ mod tests {
             labels: Default::default(),
             exempt: None,
             kai: None,
+            injected: Vec::new(),
             containers: vec![ContainerInfo {
                 name: "main".into(),
                 image: String::new(),
@@ -543,6 +626,76 @@ mod tests {
         let privileged = c.status.privileged_pods.unwrap_or_default();
         assert_eq!(privileged.len(), 1, "{privileged:?}");
         assert_eq!(privileged[0].name, "train");
+    }
+
+    #[test]
+    fn an_annotation_naming_a_gpu_the_pod_was_not_allocated_is_injected_use() {
+        use gpuwarden_crds::injection::GpuName;
+        let mut r = reading();
+        r.gpus[0].info.minor_number = Some(0);
+        let mut other = r.gpus[0].clone();
+        other.info.uuid = "GPU-b".into();
+        other.info.index = 1;
+        other.info.minor_number = Some(1);
+        r.gpus.push(other);
+        let allocated = |uuid: &str| Allocation {
+            namespace: "ml".into(),
+            pod: "train".into(),
+            container: "main".into(),
+            resource_name: "nvidia.com/gpu".into(),
+            device_uuids: vec![uuid.into()],
+            claim: None,
+        };
+        let run = |named: GpuName, target: Option<&str>, allocations: &[Allocation]| {
+            let mut pods = one_pod("ml", "train", "containerd://abc");
+            let daemon = ContainerInfo {
+                name: "daemon".into(),
+                ..pods[0].containers[0].clone()
+            };
+            pods[0].containers.push(daemon);
+            pods[0].injected = vec![(target.map(str::to_owned), vec![named])];
+            let index = PodIndex::new(&pods, true);
+            compute(&StatusInput {
+                reading: &r,
+                health: &HealthTracker::new(),
+                allocations,
+                observed: &[],
+                pods: &index,
+                devices: &DeviceMap::new(&r.gpus),
+                runtime: &RuntimeStatus::default(),
+                kai: &KaiBinds::default(),
+            })
+            .status
+            .bindings
+            .unwrap_or_default()
+        };
+        // The daemon sidecar is handed /dev/nvidia0, which the kubelet allocated to its pod.
+        let held = run(GpuName::Minor(0), Some("daemon"), &[allocated("GPU-a")]);
+        assert!(held.iter().all(|b| !b.is_out_of_band()), "{held:?}");
+        // Named by minor number, by CDI index, by the DRA driver's name: GPU-b is not the pod's.
+        for named in [
+            GpuName::Minor(1),
+            GpuName::Cdi("1".into()),
+            GpuName::Cdi("gpu-1".into()),
+            GpuName::Cdi("GPU-b".into()),
+        ] {
+            let bindings = run(named.clone(), Some("daemon"), &[allocated("GPU-a")]);
+            let injected: Vec<&Binding> = (bindings.iter())
+                .filter(|b| b.source == BindingSource::Injected)
+                .collect();
+            assert_eq!(injected.len(), 1, "{named:?}: {bindings:?}");
+            assert_eq!(injected[0].container, "daemon");
+            assert_eq!(injected[0].gpu_uuids, ["GPU-b"]);
+            assert!(injected[0].is_out_of_band());
+        }
+        // Pod-wide: every container; the one that holds GPU-a keeps it, marked injected.
+        let bindings = run(GpuName::Minor(1), None, &[allocated("GPU-a")]);
+        assert_eq!(bindings.len(), 2, "{bindings:?}");
+        let main = bindings.iter().find(|b| b.container == "main").unwrap();
+        assert_eq!(main.source, BindingSource::Injected);
+        assert_eq!(main.gpu_uuids, ["GPU-a", "GPU-b"]);
+        // A GPU this node does not have is nothing the plugin can inject.
+        assert!(run(GpuName::Minor(7), Some("daemon"), &[]).is_empty());
     }
 
     /// A KAI fraction pod `team-a/train` (UID `u1`) whose process runs on GPU-a, and KAI's
@@ -794,6 +947,7 @@ mod tests {
                 labels: Default::default(),
                 exempt: None,
                 kai: None,
+                injected: Vec::new(),
                 containers: vec![],
             })
             .collect();

@@ -306,7 +306,13 @@ pub fn desired_conditions(
                 .iter()
                 .flatten()
                 .filter(|b| b.is_out_of_band())
-                .map(|b| format!("{}/{} container {}", b.namespace, b.pod, b.container))
+                .map(|b| {
+                    let how = match b.source {
+                        BindingSource::Injected => " (by a device-injection annotation)",
+                        _ => "",
+                    };
+                    format!("{}/{} container {}{how}", b.namespace, b.pod, b.container)
+                })
                 .collect();
             let privileged: Vec<String> = s
                 .privileged_pods

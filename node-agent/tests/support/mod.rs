@@ -79,6 +79,7 @@ pub fn pods() -> Vec<PodInfo> {
             labels: Default::default(),
             exempt: None,
             kai: None,
+            injected: Vec::new(),
             containers: vec![ContainerInfo {
                 name: "trainer".into(),
                 image: String::new(),
@@ -96,6 +97,7 @@ pub fn pods() -> Vec<PodInfo> {
             labels: Default::default(),
             exempt: None,
             kai: None,
+            injected: Vec::new(),
             containers: vec![ContainerInfo {
                 name: "render".into(),
                 image: String::new(),
