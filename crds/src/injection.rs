@@ -108,6 +108,9 @@ pub enum GpuName {
     Minor(u32),
     /// The GPU a CDI device name names by what follows `=`: an index, a UUID, a MIG device.
     Cdi(String),
+    /// A device node path in the value's text whose number is not written as the kernel
+    /// writes a minor (`/dev/nvidia00`): a GPU, though which one is not said.
+    Text(String),
 }
 
 impl fmt::Display for GpuName {
@@ -115,6 +118,7 @@ impl fmt::Display for GpuName {
         match self {
             Self::Minor(n) => write!(f, "/dev/nvidia{n}"),
             Self::Cdi(id) => write!(f, "GPU {id}"),
+            Self::Text(text) => f.write_str(text),
         }
     }
 }
@@ -203,9 +207,13 @@ pub const TEXT_ALL: [&str; 3] = ["=all", "management.nvidia.com", "nvidia-contai
 pub const TEXT_RESTRICTED: [&str; 2] = ["nvidia-caps", "nvidia-nvswitch"];
 /// The text of a GPU device node: `/dev/nvidia` followed by its minor number.
 pub const TEXT_GPU: &str = "/dev/nvidia";
+/// The text of an NVIDIA GPU's CDI name: `nvidia.com/gpu=` followed by its id, up to a
+/// blank, a comma, a quote or a `]`.
+pub const TEXT_CDI_GPU: &str = "nvidia.com/gpu=";
 
 /// What the value's text names whatever its structure (see [`TEXT_ALL`], [`TEXT_RESTRICTED`],
-/// [`TEXT_GPU`]).
+/// [`TEXT_GPU`], [`TEXT_CDI_GPU`]): each distinct spelling is a GPU, so the text never names
+/// fewer than the backstop's CEL counts (`/dev/nvidia0` and `/dev/nvidia00` are two).
 fn text_floor(value: &str) -> Vec<Named> {
     let mut named = Vec::new();
     if let Some(t) = TEXT_ALL.iter().find(|t| value.contains(*t)) {
@@ -214,16 +222,27 @@ fn text_floor(value: &str) -> Vec<Named> {
     if let Some(t) = TEXT_RESTRICTED.iter().find(|t| value.contains(*t)) {
         named.push(Named::Restricted(format!("text {t}")));
     }
-    let minors: BTreeSet<u32> = (value.match_indices(TEXT_GPU))
-        .filter_map(|(at, _)| {
-            let digits: &str = &value[at + TEXT_GPU.len()..];
-            let end = digits
-                .find(|c: char| !c.is_ascii_digit())
-                .unwrap_or(digits.len());
-            digits[..end].parse().ok()
-        })
-        .collect();
-    named.extend(minors.into_iter().map(|n| Named::Gpu(GpuName::Minor(n))));
+    let after = |mark: &str, end: &dyn Fn(char) -> bool| -> BTreeSet<String> {
+        (value.match_indices(mark))
+            .map(|(at, _)| {
+                let rest = &value[at + mark.len()..];
+                rest[..rest.find(end).unwrap_or(rest.len())].to_owned()
+            })
+            .filter(|token| !token.is_empty())
+            .collect()
+    };
+    for digits in after(TEXT_GPU, &|c: char| !c.is_ascii_digit()) {
+        // A minor number as the kernel writes it is that GPU; another spelling is a GPU too.
+        let canonical = (digits.parse::<u32>().ok()).filter(|n| n.to_string() == digits);
+        named.push(Named::Gpu(match canonical {
+            Some(n) => GpuName::Minor(n),
+            None => GpuName::Text(format!("{TEXT_GPU}{digits}")),
+        }));
+    }
+    let cdi_end = |c: char| c.is_ascii_whitespace() || matches!(c, ',' | '\'' | '"' | ']');
+    for id in after(TEXT_CDI_GPU, &cdi_end) {
+        named.push(Named::Gpu(GpuName::Cdi(id)));
+    }
     named
 }
 

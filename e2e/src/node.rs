@@ -183,6 +183,9 @@ pub struct Seen {
     pub mig: Vec<String>,
     /// `/dev/nvidia<N>`: the GPU device nodes, sorted.
     pub gpu_devices: Vec<String>,
+    /// The other device variables of the NVIDIA runtime that are set, `NAME=value`: IMEX
+    /// channels, NVSwitch, and the features MOFED, GDS and gdrcopy.
+    pub device_variables: Vec<String>,
 }
 
 /// The shell script a container runs to print what it sees, then stay (`sleep 3600`).
@@ -206,6 +209,11 @@ impl Seen {
                 || line.starts_with("NVIDIA_MIG_MONITOR_DEVICES=")
             {
                 seen.mig.push(line.to_owned());
+            } else if (gpuwarden_crds::gpu::RUNTIME_VARIABLES.iter()).any(|v| {
+                line.strip_prefix(v)
+                    .is_some_and(|rest| rest.starts_with('='))
+            }) {
+                seen.device_variables.push(line.to_owned());
             }
         }
         seen.gpu_devices = (devices.lines())
@@ -234,7 +242,9 @@ impl Seen {
 
     /// Whether the container sees exactly the GPUs `allocated` (the kubelet's device IDs for
     /// it): its `NVIDIA_VISIBLE_DEVICES` names them (none, where it got none), no MIG access
-    /// variable is set, and it has one GPU device node per allocated GPU. `Err` says what
+    /// variable is set, no other device variable the runtime would act on (IMEX channels,
+    /// NVSwitch, MOFED, GDS; gdrcopy without a GPU), and it has one GPU device node per
+    /// allocated GPU. `Err` says what
     /// it sees beyond that.
     pub fn holds_exactly(&self, allocated: &[String]) -> Result<(), String> {
         let mut allocated = allocated.to_vec();
@@ -248,6 +258,24 @@ impl Seen {
         }
         if !self.mig.is_empty() {
             wrong.push(format!("MIG access variables {:?}", self.mig));
+        }
+        // The runtime acts on these wherever NVIDIA_VISIBLE_DEVICES is set and not void
+        // (`none` too); gdrcopy is the policy's default feature for a container with GPUs.
+        let visible = self.visible.as_deref().map(str::trim);
+        if visible.is_some_and(|v| !v.is_empty() && v != "void") {
+            let handed: Vec<&String> = (self.device_variables.iter())
+                .filter(|v| {
+                    let (name, value) = v.split_once('=').unwrap_or((v, ""));
+                    match name {
+                        "NVIDIA_IMEX_CHANNELS" | "NVIDIA_NVSWITCH" => true,
+                        "NVIDIA_GDRCOPY" => value == "enabled" && allocated.is_empty(),
+                        _ => value == "enabled",
+                    }
+                })
+                .collect();
+            if !handed.is_empty() {
+                wrong.push(format!("device variables {handed:?}"));
+            }
         }
         if self.gpu_devices.len() != allocated.len() {
             wrong.push(format!(
@@ -272,6 +300,9 @@ impl Seen {
         );
         if !self.mig.is_empty() {
             s.push_str(&format!(", {}", self.mig.join(", ")));
+        }
+        if !self.device_variables.is_empty() {
+            s.push_str(&format!(", {}", self.device_variables.join(", ")));
         }
         s
     }

@@ -260,13 +260,15 @@ fn attempts(image: &str, node: &str, device_class: Option<&str>) -> Vec<Attempt>
             ),
             then: Then::Nothing,
         },
+        // A key of another name: the ConfigMap guard refuses only runtime variables' names.
         Attempt {
             name: "valuefrom-configmap",
-            setup: vec![config_map("valuefrom-configmap")],
+            setup: vec![json!({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "valuefrom-configmap"}, "data": {"gpus": "all"}})],
             object: pod(
                 "valuefrom-configmap",
                 json!({"containers": [with(json!({"env": [{"name": "NVIDIA_VISIBLE_DEVICES",
-                    "valueFrom": {"configMapKeyRef": {"name": "valuefrom-configmap", "key": "NVIDIA_VISIBLE_DEVICES"}}}]}))]}),
+                    "valueFrom": {"configMapKeyRef": {"name": "valuefrom-configmap", "key": "gpus"}}}]}))]}),
             ),
             then: Then::Nothing,
         },
@@ -372,6 +374,187 @@ fn attempts(image: &str, node: &str, device_class: Option<&str>) -> Vec<Attempt>
                 json!({"nodeName": node, "containers": [main()]}),
             )),
     ]);
+    // The doors besides NVIDIA_VISIBLE_DEVICES (docs/design.md, "Runtime variables",
+    // "Device-injection annotations"). A GPU container holds one GPU by its limit.
+    let gpu = |extra: Value| {
+        let mut container = with(extra);
+        container["resources"] = json!({"limits": {"nvidia.com/gpu": "1"}});
+        container
+    };
+    let env_from = |name: &'static str, source: Value, prefix: Option<&str>, key: &str| {
+        let secret = source["kind"] == "Secret";
+        let mut from = json!({if secret { "secretRef" } else { "configMapRef" }: {"name": name}});
+        if let Some(prefix) = prefix {
+            from["prefix"] = json!(prefix);
+        }
+        let mut setup = source;
+        setup["metadata"] = json!({"name": name});
+        let field = if secret { "stringData" } else { "data" };
+        setup[field] = json!({key: "all"});
+        Attempt {
+            name,
+            setup: vec![setup],
+            object: pod(
+                name,
+                json!({"containers": [gpu(json!({"envFrom": [from]}))]}),
+            ),
+            then: Then::Nothing,
+        }
+    };
+    let config_map_kind = || json!({"apiVersion": "v1", "kind": "ConfigMap"});
+    let secret_kind = || json!({"apiVersion": "v1", "kind": "Secret"});
+    out.extend([
+        env_from(
+            "envfrom-gpu-configmap",
+            config_map_kind(),
+            None,
+            "NVIDIA_VISIBLE_DEVICES",
+        ),
+        env_from(
+            "envfrom-gpu-secret",
+            secret_kind(),
+            None,
+            "NVIDIA_VISIBLE_DEVICES",
+        ),
+        env_from(
+            "envfrom-gpu-configmap-prefix",
+            config_map_kind(),
+            Some("NVIDIA_"),
+            "VISIBLE_DEVICES",
+        ),
+        env_from(
+            "envfrom-gpu-secret-prefix",
+            secret_kind(),
+            Some("NVIDIA_VISIBLE_"),
+            "DEVICES",
+        ),
+        env_from(
+            "envfrom-gpu-imex-prefix",
+            config_map_kind(),
+            Some("NVIDIA_IMEX_"),
+            "CHANNELS",
+        ),
+    ]);
+    for (name, variable, value) in [
+        ("imex-channels", "NVIDIA_IMEX_CHANNELS", "0"),
+        ("imex-channelall", "NVIDIA_IMEX_CHANNELS", "channelall"),
+        ("nvswitch", "NVIDIA_NVSWITCH", "enabled"),
+        ("mofed", "NVIDIA_MOFED", "enabled"),
+        ("gds", "NVIDIA_GDS", "enabled"),
+    ] {
+        out.push(simple(
+            name,
+            gpu(json!({"env": [{"name": variable, "value": value}]})),
+        ));
+    }
+    out.extend([
+        // A container without GPUs: the void leaves the runtime nothing to act on.
+        simple(
+            "gdrcopy-no-gpu",
+            with(json!({"env": [{"name": "NVIDIA_GDRCOPY", "value": "enabled"}]})),
+        ),
+        // The toolkit's "legacy image": CUDA_VERSION without NVIDIA_REQUIRE_CUDA.
+        simple(
+            "legacy-cuda-image",
+            with(json!({"env": [{"name": "CUDA_VERSION", "value": "8.0"}]})),
+        ),
+    ]);
+    let annotated = |name: &'static str, key: &str, value: &str, container: Value| {
+        let mut object = pod(name, json!({"containers": [container]}));
+        object["metadata"]["annotations"] = json!({key: value});
+        of(name, object)
+    };
+    let gpu0 = "- path: /dev/nvidia0\n  type: c\n  major: 195\n  minor: 0\n";
+    for (name, key, value) in [
+        (
+            "nri-devices-container",
+            "devices.noderesource.dev/container.main",
+            gpu0,
+        ),
+        ("nri-devices-pod", "devices.noderesource.dev/pod", gpu0),
+        ("nri-devices-bare", "devices.noderesource.dev", gpu0),
+        (
+            "nri-old-devices-container",
+            "devices.nri.io/container.main",
+            gpu0,
+        ),
+        ("nri-old-devices-pod", "devices.nri.io/pod", gpu0),
+        ("nri-old-devices-bare", "devices.nri.io", gpu0),
+        (
+            "nri-devices-other-path",
+            "devices.noderesource.dev/container.main",
+            "- path: /dev/innocent\n  type: c\n  major: 195\n  minor: 1\n",
+        ),
+        (
+            "nri-cdi-devices",
+            "cdi-devices.noderesource.dev/container.main",
+            "- nvidia.com/gpu=all\n",
+        ),
+        (
+            "nri-old-cdi-devices",
+            "cdi-devices.nri.io/pod",
+            "- nvidia.com/gpu=0\n",
+        ),
+        (
+            "nri-mounts-device-list",
+            "mounts.noderesource.dev/container.main",
+            "- source: /dev/null\n  destination: /var/run/nvidia-container-devices/all\n  type: bind\n  options: [bind, ro]\n",
+        ),
+        (
+            "gke-devices",
+            "devices.gke.io/container.main",
+            "- path: /dev/nvidia0\n- path: /dev/nvidiactl\n",
+        ),
+        ("nvidia-nri-bare", "nvidia.cdi.k8s.io", "nvidia.com/gpu=all"),
+        (
+            "nvidia-nri-pod",
+            "nvidia.cdi.k8s.io/pod",
+            "nvidia.com/gpu=all",
+        ),
+        (
+            "nvidia-nri-container",
+            "nvidia.cdi.k8s.io/container.main",
+            "nvidia.com/gpu=all",
+        ),
+    ] {
+        out.push(annotated(name, key, value, main()));
+    }
+    // One GPU held, two named.
+    out.push(annotated(
+        "nri-devices-beyond-limit",
+        "devices.noderesource.dev/container.main",
+        "- path: /dev/nvidia0\n  type: c\n  major: 195\n  minor: 0\n- path: /dev/nvidia1\n  type: c\n  major: 195\n  minor: 1\n",
+        gpu(json!({})),
+    ));
+    // Do no harm: what real workloads write keeps working.
+    out.push(simple(
+        "gdrcopy-gpu",
+        gpu(json!({"env": [{"name": "NVIDIA_GDRCOPY", "value": "enabled"}]})),
+    ));
+    out.push(Attempt {
+        name: "envfrom-token-secret",
+        setup: vec![
+            json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"},
+            "stringData": {"HF_TOKEN": "hf_not_a_real_token"}}),
+        ],
+        object: pod(
+            "envfrom-token-secret",
+            json!({"containers": [gpu(json!({"envFrom": [{"secretRef": {"name": "hf-token"}}]}))]}),
+        ),
+        then: Then::Nothing,
+    });
+    // GPUDirect-TCPXO's shape: a sidecar handed the device nodes of every GPU the pod holds
+    // (all of the node's) by an annotation, beside the container that holds them.
+    let tcpxo_devices: String = (0..TCPXO_GPUS)
+        .map(|n| format!("- path: /dev/nvidia{n}\n  type: c\n  major: 195\n  minor: {n}\n"))
+        .chain(["- path: /dev/nvidiactl\n  type: c\n  major: 195\n  minor: 255\n".to_owned()])
+        .collect();
+    let mut worker = c("worker");
+    worker["resources"] = json!({"limits": {"nvidia.com/gpu": TCPXO_GPUS.to_string()}});
+    let mut tcpxo = pod("tcpxo-shaped", json!({"containers": [c("daemon"), worker]}));
+    tcpxo["metadata"]["annotations"] =
+        json!({"devices.noderesource.dev/container.daemon": tcpxo_devices});
+    out.push(of("tcpxo-shaped", tcpxo));
     if let Some(class) = device_class {
         out.push(Attempt {
             name: "resource-claim-nic",
@@ -388,6 +571,14 @@ fn attempts(image: &str, node: &str, device_class: Option<&str>) -> Vec<Attempt>
     }
     out
 }
+
+/// The GPUs the TCPXO-shaped attempt holds, and its sidecar is handed by annotation: the
+/// node's (NVIDIA's mock NVML describes 8).
+const TCPXO_GPUS: u32 = 8;
+
+/// Containers of an attempt that an annotation hands device nodes of the GPUs their pod
+/// holds: judged against the pod's allocation rather than their own.
+const INJECTED_INTO: &[(&str, &str)] = &[("tcpxo-shaped", "daemon")];
 
 /// The collection path of an object of the tenant's namespace `ns`.
 fn collection(object: &Value, ns: &str) -> String {
@@ -440,6 +631,27 @@ fn stored_gives(pod: &Value, image: &str) -> Vec<String> {
             out.push(format!("CDI annotation {key}: {value}"));
         }
     }
+    // Device-injection annotations, where no injector runs on the node: what they name
+    // beyond the GPUs the pod's limits hold (the node agent checks the GPUs themselves).
+    let held: u32 = (all_containers(pod).iter())
+        .filter(|(field, _)| *field != "ephemeralContainers")
+        .filter_map(|(_, c)| {
+            c["resources"]["limits"]["nvidia.com/gpu"]
+                .as_str()?
+                .parse::<u32>()
+                .ok()
+        })
+        .sum();
+    let annotations = (pod["metadata"]["annotations"]
+        .as_object()
+        .into_iter()
+        .flatten())
+    .map(|(k, v)| (k.as_str(), v.as_str()));
+    let injections = gpuwarden_crds::injection::read_all(annotations);
+    let features = [gpuwarden_crds::RuntimeFeature::Gdrcopy];
+    for u in gpuwarden_crds::injection::judge(&injections, held, &features).uncovered {
+        out.push(u.message);
+    }
     let volumes = pod["spec"]["volumes"]
         .as_array()
         .cloned()
@@ -464,10 +676,27 @@ fn stored_gives(pod: &Value, image: &str) -> Vec<String> {
             )),
             _ => {}
         }
+        let voided = last_visible(c).as_deref().map(str::trim) == Some("void");
         for e in c["env"].as_array().into_iter().flatten() {
             let var = e["name"].as_str().unwrap_or_default();
             if var.starts_with("NVIDIA_MIG_") && !e["value"].as_str().is_some_and(names_none) {
                 out.push(format!("{name}: {var} set"));
+            }
+            // The runtime acts on these where NVIDIA_VISIBLE_DEVICES is not void.
+            let device = [
+                "NVIDIA_IMEX_CHANNELS",
+                "NVIDIA_NVSWITCH",
+                "NVIDIA_MOFED",
+                "NVIDIA_GDS",
+            ];
+            if device.contains(&var) && !voided {
+                out.push(format!("{name}: {var} set"));
+            }
+        }
+        for from in c["envFrom"].as_array().into_iter().flatten() {
+            let prefix = from["prefix"].as_str().unwrap_or_default();
+            if let Some(v) = gpuwarden_crds::gpu::spelled_by_prefix(prefix).filter(|_| !voided) {
+                out.push(format!("{name}: envFrom prefix {prefix} may spell {v}"));
             }
         }
         for m in c["volumeMounts"].as_array().into_iter().flatten() {
@@ -734,8 +963,26 @@ impl Suite<'_> {
                 problems.extend(stored_gives(stored, &self.image));
             }
             if let Outcome::Ran { seen, .. } = &outcome {
+                let pod_gpus: Vec<String> = (seen.iter())
+                    .flat_map(|(_, _, allocated)| allocated.iter().cloned())
+                    .collect();
                 for (container, seen, allocated) in seen {
-                    if let Err(why) = seen.holds_exactly(allocated) {
+                    let injected = INJECTED_INTO.contains(&(attempt.name, container.as_str()));
+                    if injected && seen.gpu_devices.len() > pod_gpus.len() {
+                        problems.push(format!(
+                            "{container} sees {:?}, more than the {} GPUs its pod holds",
+                            seen.gpu_devices,
+                            pod_gpus.len()
+                        ));
+                    } else if injected {
+                        let own = Seen {
+                            gpu_devices: Vec::new(),
+                            ..seen.clone()
+                        };
+                        if let Err(why) = own.holds_exactly(allocated) {
+                            problems.push(format!("{container} sees {why}"));
+                        }
+                    } else if let Err(why) = seen.holds_exactly(allocated) {
                         problems.push(format!("{container} sees {why}"));
                     }
                 }
@@ -1047,6 +1294,14 @@ impl Suite<'_> {
             };
         }
         match (outcome, engine) {
+            // The ConfigMap guard refused what the pod would read; the pre-flight names
+            // such keys.
+            (Outcome::Denied { stage, message }, _)
+                if stage.starts_with("setup")
+                    && message.contains("a variable of the NVIDIA container runtime") =>
+            {
+                Ok("its ConfigMap/Secret refused by the guard".into())
+            }
             (Outcome::Denied { message, .. }, Offline::Denied(why)) => {
                 if message.contains("pods.gpuwarden.io") {
                     Ok("denies too".into())
@@ -1199,6 +1454,25 @@ async fn cluster_object(env: &Env, path: &str, object: Value, gvk: (&str, &str, 
     );
 }
 
+/// Creates `object` in `ns` as `cluster` (a dry run) until the API server refuses it: an
+/// admission policy just bound is in force.
+async fn until_refused(cluster: &Cluster, ns: &str, object: &Value, what: &str) {
+    let path = format!("{}?dryRun=All", collection(object, ns));
+    let mut last = None;
+    for _ in 0..60 {
+        let r = (cluster
+            .raw(Method::POST, &path, "application/json", Some(object))
+            .await)
+            .unwrap_or_else(|e| panic!("{e}"));
+        if r.status.is_client_error() {
+            return;
+        }
+        last = Some(r.status);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("{what}: never refused {object}; last answer {last:?}");
+}
+
 /// The admission pieces of a way, bound to its namespace; waits until they are in force.
 async fn admission(
     suite: &Suite<'_>,
@@ -1229,6 +1503,15 @@ async fn admission(
             Some(only.clone()),
         )
         .await;
+        env.install_policy(
+            "deploy/admission/runtime-variables.yaml",
+            &format!("{}-runtime-variables", t.way.suffix()),
+            Some(only.clone()),
+        )
+        .await;
+        let map = json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "probe-guard"}, "data": {"NVIDIA_VISIBLE_DEVICES": "all"}});
+        until_refused(&t.tenant, &t.ns, &map, "the ConfigMap guard").await;
     }
     match (t.way, webhook) {
         (Way::Webhook, Some(webhook)) => {

@@ -451,6 +451,8 @@ fn named_gpu(input: &StatusInput<'_>, name: &GpuName) -> Option<String> {
     };
     match name {
         GpuName::Minor(n) => by_minor(*n),
+        // The plugin resolves no such path to a GPU of this node.
+        GpuName::Text(_) => None,
         GpuName::Cdi(id) => {
             if let Ok(index) = id.parse::<u32>() {
                 return (gpus.iter())

@@ -170,6 +170,9 @@ struct Outcome {
     /// hold no pod.
     decisions: Vec<Judged>,
     namespace: String,
+    /// For a ConfigMap or Secret: its keys that spell an NVIDIA runtime variable the policy
+    /// governing its namespace does not let a container set ([`runtime_variable_keys`]).
+    runtime_keys: Vec<String>,
 }
 
 /// The decision for one pod of an object.
@@ -562,13 +565,55 @@ fn judge(
             explanation: Explanation::of(&decision),
         });
     }
+    let runtime_keys = runtime_variable_keys(&doc, &namespace, labels, policies);
     Ok(Outcome {
         doc,
         after,
         patch,
         decisions,
         namespace,
+        runtime_keys,
     })
+}
+
+/// The keys of a ConfigMap or Secret (`data`, `binaryData`, `stringData`) that spell a
+/// runtime variable a container of its namespace may not set under the policy that governs
+/// it (docs/design.md, "Runtime variables"): `NVIDIA_VISIBLE_DEVICES` and the policy's
+/// device variables. A pod that reads the object through `envFrom` gets them after the
+/// device plugin's values. None in a namespace the policy exempts, or that none governs.
+fn runtime_variable_keys(
+    doc: &Document,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+    policies: &[Arc<GpuPolicy>],
+) -> Vec<String> {
+    if !matches!(doc.kind(), "ConfigMap" | "Secret") {
+        return Vec::new();
+    }
+    let selection = engine::select_policy(policies, labels, &BTreeMap::new());
+    let Some(policy) = selection.policy else {
+        return Vec::new();
+    };
+    if policy
+        .spec
+        .exemptions
+        .namespaces
+        .iter()
+        .any(|n| n == namespace)
+    {
+        return Vec::new();
+    }
+    let rules = gpuwarden_crds::gpu::Rules::of(policy);
+    let mut keys: Vec<String> = ["data", "binaryData", "stringData"]
+        .iter()
+        .filter_map(|field| doc.object.get(*field)?.as_object())
+        .flat_map(|map| map.keys())
+        .filter(|k| k.as_str() == engine::ENV_VISIBLE_DEVICES || rules.is_device_variable(k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
 }
 
 /// The patch of a pod wrapped around a bare pod spec, against the spec itself: paths under
@@ -634,6 +679,15 @@ impl Explainer {
             self.last_source.clone_from(&o.doc.source);
         }
         let object = format!("{} {}/{}", o.doc.kind(), o.namespace, o.doc.name());
+        if !o.runtime_keys.is_empty() {
+            *self.counts.entry("runtime variable keys").or_default() += 1;
+            let _ = writeln!(
+                stderr,
+                "  {object}: RUNTIME VARIABLE KEYS {}: a container that reads it through envFrom is handed devices beyond the GPUs the kubelet allocated; gpuwarden refuses a new such key, and this one stays until you rename it",
+                o.runtime_keys.join(", ")
+            );
+            return;
+        }
         if o.decisions.is_empty() {
             *self.counts.entry("passed through").or_default() += 1;
             let _ = writeln!(

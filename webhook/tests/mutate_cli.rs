@@ -747,3 +747,56 @@ spec:
     let again: Value = gpuwarden_webhook::manifest::yaml_value(&r.stdout).unwrap();
     assert_eq!(again, ds, "{}", r.stdout);
 }
+
+/// The pre-flight lists ConfigMaps and Secrets whose keys spell an NVIDIA runtime variable,
+/// as `kubectl get configmaps,secrets` with keys only prints them (README, "Before you
+/// install"), and never their values; exempt namespaces and allowed features pass.
+#[test]
+fn config_maps_and_secrets_with_runtime_variable_keys_are_listed() {
+    let keys_only = "apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {name: gpu-env, namespace: team}
+  data: {\"NVIDIA_VISIBLE_DEVICES\": \"\", \"NVIDIA_GDRCOPY\": \"\", \"APP\": \"\"}
+- apiVersion: v1
+  kind: Secret
+  metadata: {name: imex, namespace: team}
+  data: {\"NVIDIA_IMEX_CHANNELS\": \"\"}
+- apiVersion: v1
+  kind: Secret
+  metadata: {name: hf-token, namespace: team}
+  data: {\"HF_TOKEN\": \"\"}
+- apiVersion: v1
+  kind: ConfigMap
+  metadata: {name: node-env, namespace: kube-system}
+  data: {\"NVIDIA_VISIBLE_DEVICES\": \"\"}
+";
+    let r = run_with_stdin(&["-f", "-", "-o", "diff"], keys_only);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("ConfigMap team/gpu-env: RUNTIME VARIABLE KEYS NVIDIA_VISIBLE_DEVICES:"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("Secret team/imex: RUNTIME VARIABLE KEYS NVIDIA_IMEX_CHANNELS:"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("Secret team/hf-token: no pod template"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("ConfigMap kube-system/node-env: no pod template"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("2 runtime variable keys"), "{}", r.stderr);
+}
