@@ -1,8 +1,10 @@
 //! What the ConfigMap guard (`deploy/admission/runtime-variables.yaml`) costs the API server:
 //! it meets every ConfigMap and Secret create and update in the cluster. ConfigMaps and
 //! Secrets of a few keys each are created (server-side dry runs) in a namespace the guard is
-//! bound to and in one it is not, interleaved in rotating order over one client, in the same
-//! run; and updates of an existing object that change one value. The guarded namespace's
+//! bound to, in one a policy of the same kind with one constant validation is bound to (the
+//! floor of any ValidatingAdmissionPolicy with a parameter), and in one nothing is bound to,
+//! interleaved in rotating order over one client, in the same run; and updates of an
+//! existing object that change one value. The guarded namespace's
 //! refusal of a runtime variable key is checked before anything is timed.
 //!
 //! ```sh
@@ -52,9 +54,9 @@ async fn run(rounds: usize) -> Result<(), String> {
     let env = Env::new().await;
     let cluster = &env.cluster;
     let cleanup = Cleanup::new(cluster.client.clone());
-    let (guarded, plain) = (env.name("guarded"), env.name("plain"));
+    let (guarded, floor, plain) = (env.name("guarded"), env.name("floor"), env.name("plain"));
     let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
-    for (ns, label) in [(&guarded, "true"), (&plain, "false")] {
+    for (ns, label) in [(&guarded, "true"), (&floor, "floor"), (&plain, "false")] {
         let object: Namespace = serde_json::from_value(json!({"metadata": {"name": ns,
             "labels": {"gpuwarden.io/e2e-guarded": label}}}))
         .map_err(|e| e.to_string())?;
@@ -66,6 +68,22 @@ async fn run(rounds: usize) -> Result<(), String> {
         "deploy/admission/runtime-variables.yaml",
         "guard",
         Some(json!({"matchLabels": {"gpuwarden.io/e2e-guarded": "true"}})),
+    )
+    .await;
+    // The floor: the same policy kind, parameter and match, with one constant validation.
+    let mut docs = gpuwarden_e2e::manifests::load_file("deploy/admission/runtime-variables.yaml")
+        .map_err(|e| e.to_string())?;
+    let spec = &mut docs[0].value["spec"];
+    spec["matchConditions"] = json!([]);
+    spec["variables"] = json!([]);
+    spec["validations"] = json!([{"expression": "true"}]);
+    let file = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
+    let text: Vec<String> = docs.iter().map(|d| d.value.to_string()).collect();
+    std::fs::write(file.path(), text.join("\n---\n")).map_err(|e| e.to_string())?;
+    env.install_policy(
+        &file.path().display().to_string(),
+        "floor",
+        Some(json!({"matchLabels": {"gpuwarden.io/e2e-guarded": "floor"}})),
     )
     .await;
     let write = |method: Method, ns: &str, kind: &str, body: Value| {
@@ -102,7 +120,7 @@ async fn run(rounds: usize) -> Result<(), String> {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
     // The objects updates are timed on, created for real.
-    for ns in [&guarded, &plain] {
+    for ns in [&guarded, &floor, &plain] {
         for kind in ["ConfigMap", "Secret"] {
             let path = format!("/api/v1/namespaces/{ns}/{}s", kind.to_lowercase());
             let body = object(kind, "existing", "APP");
@@ -126,19 +144,19 @@ async fn run(rounds: usize) -> Result<(), String> {
         }
     };
     let mut existing = Vec::new();
-    for ns in [&guarded, &plain] {
+    for ns in [&guarded, &floor, &plain] {
         for kind in ["ConfigMap", "Secret"] {
             existing.push(((*ns).clone(), kind, current(ns, kind).await?));
         }
     }
     // (label, method, namespace, kind)
-    let series: Vec<(String, Method, &String, &str)> = [&guarded, &plain]
+    let series: Vec<(String, Method, &String, &str)> = [&guarded, &floor, &plain]
         .into_iter()
         .flat_map(|ns| {
-            let which = if ns == &guarded {
-                "guarded"
-            } else {
-                "unguarded"
+            let which = match ns {
+                n if n == &guarded => "guarded",
+                n if n == &floor => "constant policy",
+                _ => "unguarded",
             };
             ["ConfigMap", "Secret"].into_iter().flat_map(move |kind| {
                 [
@@ -177,10 +195,12 @@ async fn run(rounds: usize) -> Result<(), String> {
         t.sort_by(f64::total_cmp);
     }
     println!("{rounds} rounds of server-side dry-run writes of 10-key objects, interleaved");
+    // The guarded and the constant-policy series, each against the same write unguarded.
+    let unguarded = 2 * series.len() / 3;
     for (at, (label, ..)) in series.iter().enumerate() {
         let (p50, p95) = (quantile(&times[at], 0.5), quantile(&times[at], 0.95));
-        let base = &times[(at + series.len() / 2) % series.len()];
-        let delta = if at < series.len() / 2 {
+        let base = &times[unguarded + at % (series.len() / 3)];
+        let delta = if at < unguarded {
             format!(
                 "  added p50 {:+.3} ms  p95 {:+.3} ms",
                 p50 - quantile(base, 0.5),

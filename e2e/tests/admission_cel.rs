@@ -893,7 +893,7 @@ fn no_config_map_or_secret_key_spells_a_runtime_variable() {
             (
                 "request",
                 json!({"operation": operation, "kind": {"kind": kind},
-                    "userInfo": {"username": user}}),
+                    "namespace": namespace, "userInfo": {"username": user}}),
             ),
             ("namespaceObject", json!({"metadata": {"name": namespace}})),
             ("params", params),
@@ -987,11 +987,14 @@ fn no_config_map_or_secret_key_spells_a_runtime_variable() {
     exempting["spec"]["exemptions"]["namespaces"] = json!(["kube-system", "ml-platform"]);
     assert_eq!(
         decide_for("ConfigMap", alice, "ml-platform", gpu(), exempting),
-        None
+        Some(vec![])
     );
     let mut audit = default_params();
     audit["spec"]["mode"] = json!("Audit");
-    assert_eq!(decide_for("ConfigMap", alice, "team-a", gpu(), audit), None);
+    assert_eq!(
+        decide_for("ConfigMap", alice, "team-a", gpu(), audit),
+        Some(vec![])
+    );
     let binder = "system:serviceaccount:kai-scheduler:binder";
     assert_eq!(
         decide_for("ConfigMap", binder, "team-a", gpu(), kai_params()),
