@@ -17,6 +17,7 @@ use std::process::ExitCode;
 
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::admission::policies::render;
+use gpuwarden_e2e::bench::quantile;
 use gpuwarden_e2e::cluster::{Cleanup, Cluster, LocalWebhook, admitted, base64};
 use gpuwarden_e2e::manifests::load_file;
 use gpuwarden_webhook::admission::StaticSource;
@@ -42,24 +43,9 @@ fn ordinary(i: usize) -> Value {
             {"name": "side", "image": "busybox"}]}})
 }
 
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    let at = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
-    sorted.get(at).copied().unwrap_or(f64::NAN)
-}
-
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
-    let rounds: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(1000);
-    match run(rounds).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("admission_paths: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    gpuwarden_e2e::bench::exit("admission_paths", run(gpuwarden_e2e::bench::rounds(1000))).await
 }
 
 async fn run(rounds: usize) -> Result<(), String> {

@@ -13,17 +13,13 @@
 
 use std::process::ExitCode;
 
+use gpuwarden_e2e::bench::quantile;
 use gpuwarden_e2e::cluster::Cleanup;
 use gpuwarden_e2e::env::Env;
 use http::Method;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
-
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    let at = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
-    sorted.get(at).copied().unwrap_or(f64::NAN)
-}
 
 /// An object of `kind` with ten keys, one of them `key`.
 fn object(kind: &str, name: &str, key: &str) -> Value {
@@ -37,17 +33,7 @@ fn object(kind: &str, name: &str, key: &str) -> Value {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> ExitCode {
-    let rounds: usize = std::env::args()
-        .skip(1)
-        .find_map(|a| a.parse().ok())
-        .unwrap_or(1000);
-    match run(rounds).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("config_writes: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    gpuwarden_e2e::bench::exit("config_writes", run(gpuwarden_e2e::bench::rounds(1000))).await
 }
 
 async fn run(rounds: usize) -> Result<(), String> {

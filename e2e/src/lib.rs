@@ -1,6 +1,7 @@
 //! Helpers for gpuwarden's install tests: loading the manifests under `deploy/` as typed
 //! documents, and (for the ignored end-to-end tests) driving a real cluster and its node.
 
+pub mod bench;
 pub mod cluster;
 pub mod dra;
 pub mod env;

@@ -131,6 +131,19 @@ fn exporter_pod() -> Value {
     pod
 }
 
+/// GKE's GPUDirect-TCPXO pod: a device-injection annotation naming the 8 GPUs its pod holds
+/// (`webhook/tests/real/gke-gpudirect-tcpxo-nccl.yaml`), in namespace `ml`.
+fn tcpxo_pod() -> Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/real/gke-gpudirect-tcpxo-nccl.yaml"
+    );
+    let text = std::fs::read_to_string(path).expect("the TCPXO fixture");
+    let mut pod = gpuwarden_webhook::manifest::yaml_value(&text).expect("the fixture is YAML");
+    pod["metadata"]["namespace"] = json!("ml");
+    pod
+}
+
 fn review(pod: &Value) -> Vec<u8> {
     serde_json::to_vec(&json!({
         "apiVersion": "admission.k8s.io/v1",
@@ -269,6 +282,12 @@ fn main() {
             review(&exporter_pod()),
             &source,
             Outcome::Exempt,
+        ),
+        (
+            "voided (GKE TCPXO, injection annotation)",
+            review(&tcpxo_pod()),
+            &source,
+            Outcome::Voided,
         ),
     ];
 
