@@ -249,11 +249,12 @@ fn main() {
             &ungoverned,
             Outcome::Allowed,
         ),
+        // Its log shipper, which holds no GPU, gets the void rule's entry.
         (
-            "unchanged (governed, unprivileged)",
+            "voided (governed, unprivileged)",
             review(&proper_pod("ml", "nvcr.io/nvidia/pytorch:24.05-py3")),
             &source,
-            Outcome::Allowed,
+            Outcome::Voided,
         ),
         (
             "rewritten",
