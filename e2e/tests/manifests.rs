@@ -1668,13 +1668,13 @@ fn admission_policies_are_bound_and_consistent() {
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
         .collect();
-    assert_eq!(policies.len(), 3);
+    assert_eq!(policies.len(), 4);
     let names: BTreeSet<&str> = docs
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
         .map(Document::name)
         .collect();
-    assert_eq!(names.len(), 3, "one binding per policy");
+    assert_eq!(names.len(), 4, "one binding per policy");
     for policy in policies {
         let binding: ValidatingAdmissionPolicyBinding = typed(find(
             &docs,

@@ -409,7 +409,7 @@ fn decide_create<'a>(
             PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, None),
             _ => Vec::new(),
         })
-        .noting(&facts.injections.notes);
+        .noting(facts.injections.notes.clone());
     }
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
@@ -456,12 +456,11 @@ fn decide_create<'a>(
         PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, Some(&plan)),
         _ => Vec::new(),
     };
-    let notes = facts.injections.notes.clone();
     Decision::new(verdict, Some(policy), reference, input)
         .with(Detail::Create { plan, mode, set })
         .voiding(voided)
         .unvoiding(unvoided)
-        .noting(&notes)
+        .noting(facts.injections.notes.clone())
 }
 
 fn decide_ephemeral<'a>(
@@ -543,8 +542,8 @@ impl<'a> Decision<'a> {
 
     /// Sets the notes on what the pod's device-injection annotations hand out that the rules
     /// do not judge.
-    fn noting(mut self, notes: &[String]) -> Self {
-        self.notes = notes.to_vec();
+    fn noting(mut self, notes: Vec<String>) -> Self {
+        self.notes = notes;
         self
     }
 
