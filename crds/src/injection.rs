@@ -270,7 +270,16 @@ struct MountEntry {
 /// octal), into what it names.
 fn parse(injector: Injector, value: &str) -> Result<Vec<Named>, String> {
     let options = serde_saphyr::options! { legacy_octal_numbers: true };
-    let yaml = |e: serde_saphyr::Error| format!("not a YAML list the plugin reads: {e}");
+    // The reader's first line says what and where; the rest draws the value again.
+    let yaml = |e: serde_saphyr::Error| {
+        let e = e.to_string();
+        let first = e
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim_start_matches("error: ");
+        format!("not a YAML list the plugin reads: {first}")
+    };
     let mut named = Vec::new();
     match injector {
         Injector::NriDevices | Injector::GkeDevices => {
@@ -639,6 +648,8 @@ mod tests {
             let all = read_all([(key, Some(value))]);
             let j = judge(&all, 8, &[RuntimeFeature::Gdrcopy]);
             assert_eq!(j.uncovered.len(), 1, "{key}: {value}: {j:?}");
+            // A denial message is one line, whatever the YAML reader says.
+            assert!(!j.uncovered[0].message.contains('\n'), "{j:?}");
         }
         let gdrcopy = read_all([("devices.gke.io/container.c", Some("- path: /dev/gdrdrv\n"))]);
         assert!(
