@@ -465,6 +465,19 @@ impl<'p> Rules<'p> {
             .collect()
     }
 
+    /// Whether a container's own entry of `name` is a door these rules judge:
+    /// `NVIDIA_VISIBLE_DEVICES`, or a device variable ([`Self::is_device_variable`]).
+    pub fn is_judged_variable(&self, name: &str) -> bool {
+        name == ENV_VISIBLE_DEVICES || self.is_device_variable(name)
+    }
+
+    /// The variables [`Self::is_judged_variable`] holds for, `NVIDIA_VISIBLE_DEVICES` first.
+    pub fn judged_variables(&self) -> Vec<&'static str> {
+        (RUNTIME_VARIABLES.iter().copied())
+            .filter(|v| self.is_judged_variable(v))
+            .collect()
+    }
+
     /// The first hint the pod's placement gives that it runs on GPU nodes.
     fn placement_hint<'a>(&self, pod: &PodSignals<'a>) -> Option<Hint<'a>> {
         if let Some(class) = pod

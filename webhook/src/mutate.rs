@@ -608,7 +608,7 @@ fn runtime_variable_keys(
         .iter()
         .filter_map(|field| doc.object.get(*field)?.as_object())
         .flat_map(|map| map.keys())
-        .filter(|k| k.as_str() == engine::ENV_VISIBLE_DEVICES || rules.is_device_variable(k))
+        .filter(|k| rules.is_judged_variable(k))
         .cloned()
         .collect();
     keys.sort();

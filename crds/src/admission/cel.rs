@@ -121,18 +121,6 @@ pub(crate) fn env_from_spells(c: &str) -> String {
     )
 }
 
-/// The variables a container's own entry of which is a leak under `policy`: its device
-/// variables ([`crate::gpu::Rules::device_variables`]), after `NVIDIA_VISIBLE_DEVICES` when
-/// `visible`.
-pub(crate) fn leak_variables(policy: &GpuPolicy, visible: bool) -> Vec<&'static str> {
-    let mut names = Vec::new();
-    if visible {
-        names.push(crate::gpu::ENV_VISIBLE_DEVICES);
-    }
-    names.extend(crate::gpu::Rules::of(policy).device_variables());
-    names
-}
-
 /// CEL: container `c` mounts something at a path that names the toolkit's device-list
 /// directory (the raw text: CEL cannot clean a path).
 pub(crate) fn device_list_mount(c: &str) -> String {

@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 
 use super::cel::{
     DAEMON_SET_POD, POD, Pod, covers, device_list_mount, env_from_spells, gpu_resource, has_env,
-    leak_variables, literal, pod_exempt, privileged, scope_terms, selects,
+    literal, pod_exempt, privileged, scope_terms, selects,
 };
 use crate::gpu::VOID;
 use crate::policy::{GpuPolicy, PolicyMode};
@@ -141,7 +141,10 @@ pub(crate) fn void_rule(policy: &GpuPolicy, pod: Pod, c: &str) -> String {
     let gpu = gpu_resource(policy, "r");
     let mut all = vec![
         format!("!{}", privileged(c)),
-        format!("!{}", has_env(c, &leak_variables(policy, true))),
+        format!(
+            "!{}",
+            has_env(c, &crate::gpu::Rules::of(policy).judged_variables())
+        ),
         format!("!{}", env_from_spells(c)),
         format!(
             "!(has({c}.resources) && ((has({c}.resources.limits) && {c}.resources.limits.exists(r, {gpu})) || (has({c}.resources.requests) && {c}.resources.requests.exists(r, {gpu}))))"

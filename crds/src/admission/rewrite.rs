@@ -20,10 +20,8 @@
 //!
 //! The differential test in `e2e/tests/admission_cel.rs` holds this CEL to the engine.
 
-use super::cel::{
-    device_list_mount, env, env_from_spells, has_env, leak_variables, list, literal, privileged,
-};
-use crate::gpu::{CountFrom, ENV_VISIBLE_DEVICES, shared_gpus_text};
+use super::cel::{device_list_mount, env, env_from_spells, has_env, list, literal, privileged};
+use crate::gpu::{CountFrom, ENV_VISIBLE_DEVICES, Rules, shared_gpus_text};
 use crate::pod_security::{BASELINE_CAPABILITIES, LABEL_PSA_ENFORCE};
 use crate::policy::{GpuPolicy, RequestAs, VisibleDevicesAll};
 use crate::{ANNOTATION_POLICY, ANNOTATION_PREFIX, ANNOTATION_REWRITTEN};
@@ -147,7 +145,7 @@ fn inert(policy: &GpuPolicy, c: &str) -> String {
 fn reaches_gpus(policy: &GpuPolicy, c: &str) -> String {
     format!(
         "({} || {})",
-        has_env(c, &leak_variables(policy, true)),
+        has_env(c, &Rules::of(policy).judged_variables()),
         env_from_spells(c)
     )
 }
@@ -200,7 +198,7 @@ impl Rewrite<'_> {
     /// A privileged container the API server can rewrite, short of its GPU count.
     fn plain_privileged(&self, c: &str) -> String {
         let add = format!("{c}.securityContext.capabilities.add");
-        let device_variables: Vec<String> = (leak_variables(self.policy, false).iter())
+        let device_variables: Vec<String> = (Rules::of(self.policy).device_variables().iter())
             .map(|v| (*v).to_owned())
             .collect();
         format!(

@@ -267,10 +267,8 @@ pub(super) fn plan_pod<'a>(
     let daemon_set = input.daemon_set();
     // Rule 4: what a container loses of its own variables (docs/design.md, "Runtime
     // variables"): with its GPUs from the runtime, NVIDIA_VISIBLE_DEVICES too.
-    let device_variables = gpu::Rules::of(policy).device_variables();
-    let with_visible: Vec<&'static str> = std::iter::once(ENV_VISIBLE_DEVICES)
-        .chain(device_variables.iter().copied())
-        .collect();
+    let rules = gpu::Rules::of(policy);
+    let (device_variables, with_visible) = (rules.device_variables(), rules.judged_variables());
     for (i, c) in facts.containers.iter().enumerate() {
         let count = counts.next();
         let target = c.loses_privilege();

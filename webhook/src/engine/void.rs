@@ -188,8 +188,7 @@ fn holds_no_gpu<'m>(
     mut mount_paths: impl Iterator<Item = &'m str>,
 ) -> bool {
     !c.is_privileged()
-        && !(c.env_entries())
-            .any(|e| e.name == ENV_VISIBLE_DEVICES || rules.is_device_variable(e.name))
+        && !(c.env_entries()).any(|e| rules.is_judged_variable(e.name))
         && !(c.env_from_prefixes()).any(|p| spelled_by_prefix(p).is_some())
         && !(c.limit_names().chain(c.request_names())).any(|r| rules.is_gpu_resource(r))
         && !mount_paths.any(|path| path.contains(DEVICE_LIST_MARK))
