@@ -34,14 +34,38 @@ pub struct Env {
 }
 
 impl Env {
-    /// Connects (KUBECONFIG must be set) and installs the CRDs and the default policy when
-    /// they are missing.
+    /// Connects (KUBECONFIG must be set), refuses a cluster where gpuwarden is installed,
+    /// removes admission policies an earlier operator left, and installs the CRDs and the
+    /// default policy when they are missing.
     pub async fn new() -> Env {
         let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
         let cleanup = Cleanup::new(cluster.client.clone());
         let env = Env { cluster, cleanup };
+        env.refuse_stale_state().await;
         env.ensure_api().await;
         env
+    }
+
+    /// A cluster someone has used: an installed gpuwarden would admit this run's pods before
+    /// its own webhook does, so the run refuses, saying what is there; admission policies an
+    /// operator rendered and nobody keeps any more are removed, saying which.
+    async fn refuse_stale_state(&self) {
+        match crate::install::acting(&self.cluster, Duration::from_secs(120)).await {
+            Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
+            Ok(found) if !found.is_empty() => panic!(
+                "gpuwarden is installed here ({}): its webhook, admission policies and operator would act on this run's pods before the test's own. Run the suites on a cluster without it, or uninstall it first (README, Uninstall); its CRDs and default GpuPolicy may stay",
+                found.join(", ")
+            ),
+            Ok(_) => {}
+        }
+        match crate::install::clear_rendered(&self.cluster).await {
+            Err(why) => panic!("cannot clear admission policies a gpuwarden operator left: {why}"),
+            Ok(cleared) if !cleared.is_empty() => eprintln!(
+                "removed admission policies a gpuwarden operator rendered and no operator keeps: {}",
+                cleared.join(", ")
+            ),
+            Ok(_) => {}
+        }
     }
 
     /// The admin client.

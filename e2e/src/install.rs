@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
 
 use crate::cluster::{Cluster, settled};
 use crate::manifests::{Document, load_file};
@@ -43,9 +43,34 @@ pub async fn present(cluster: &Cluster) -> Vec<String> {
 /// Terminating, a CRD finalizing), waiting at most `timeout`. The namespace alone is no
 /// install; the objects in it are. `Err` names what is still being deleted after `timeout`.
 pub async fn installed(cluster: &Cluster, timeout: Duration) -> Result<Vec<String>, String> {
+    installed_where(cluster, timeout, |doc| doc.kind() != "Namespace").await
+}
+
+/// The objects of an install that act on pods the end-to-end suites create: the webhook
+/// configuration, the admission policies, the components. The CRDs and the default GpuPolicy
+/// an install leaves behind act on nothing by themselves, and the suites use them as they
+/// find them. Waits as [`installed`] does.
+pub async fn acting(cluster: &Cluster, timeout: Duration) -> Result<Vec<String>, String> {
+    installed_where(cluster, timeout, |doc| {
+        !matches!(
+            doc.kind(),
+            "Namespace" | "CustomResourceDefinition" | "GpuPolicy"
+        )
+    })
+    .await
+}
+
+async fn installed_where(
+    cluster: &Cluster,
+    timeout: Duration,
+    counts: impl Fn(&Document) -> bool,
+) -> Result<Vec<String>, String> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut out = Vec::new();
     for doc in install_objects() {
+        if !counts(&doc) {
+            continue;
+        }
         let api = api_for(cluster, &doc);
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match settled(&api, doc.name(), left).await {
@@ -58,9 +83,62 @@ pub async fn installed(cluster: &Cluster, timeout: Duration) -> Result<Vec<Strin
                     doc.name()
                 ));
             }
-            Some(Some(_)) if doc.kind() != "Namespace" => out.push(doc.id()),
-            Some(_) => {}
+            Some(Some(_)) => out.push(doc.id()),
+            Some(None) => {}
         }
     }
     Ok(out)
+}
+
+/// The kinds an operator renders admission policies as, bindings first.
+const RENDERED_KINDS: [&str; 4] = [
+    "MutatingAdmissionPolicyBinding",
+    "MutatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "ValidatingAdmissionPolicy",
+];
+
+/// Deletes the admission policies a gpuwarden operator rendered (labelled
+/// `app.kubernetes.io/managed-by=gpuwarden-operator`) and returns them. Where no operator
+/// runs, nobody keeps them: an in-process operator of an earlier run rendered them for a
+/// GpuPolicy it found and did not make, or an uninstall missed them. Left in place, the API
+/// server would rewrite a run's pods before its webhook saw them. Every served version of
+/// each kind is swept (MutatingAdmissionPolicy is `v1beta1` before Kubernetes 1.36).
+pub async fn clear_rendered(cluster: &Cluster) -> Result<Vec<String>, String> {
+    let discovery = kube::discovery::Discovery::new(cluster.client.clone())
+        .filter(&["admissionregistration.k8s.io"])
+        .run()
+        .await
+        .map_err(|e| format!("discover admissionregistration.k8s.io: {e}"))?;
+    let selector = format!(
+        "app.kubernetes.io/managed-by={}",
+        gpuwarden_crds::FIELD_MANAGER_OPERATOR
+    );
+    let mut cleared = Vec::new();
+    for kind in RENDERED_KINDS {
+        for group in discovery.groups() {
+            for version in group.versions() {
+                for (resource, _) in group.versioned_resources(version) {
+                    if resource.kind != kind {
+                        continue;
+                    }
+                    let api: Api<DynamicObject> = Api::all_with(cluster.client.clone(), &resource);
+                    let listed = api
+                        .list_metadata(&ListParams::default().labels(&selector))
+                        .await
+                        .map_err(|e| format!("list {}: {e}", resource.plural))?;
+                    for object in listed.items {
+                        let name = object.metadata.name.unwrap_or_default();
+                        match api.delete(&name, &DeleteParams::background()).await {
+                            Ok(_) => cleared.push(format!("{kind}/{name}")),
+                            Err(kube::Error::Api(status)) if status.code == 404 => {}
+                            Err(e) => return Err(format!("delete {kind}/{name}: {e}")),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    cleared.dedup();
+    Ok(cleared)
 }
