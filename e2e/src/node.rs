@@ -75,7 +75,8 @@ pub fn local_node_problem(node: &Value, tools: &[&str]) -> Option<String> {
     if !is_root() {
         return Some("not running as root: `ctr` and the kubelet's sockets need it".into());
     }
-    for tool in tools {
+    // `ctr` always: the check below asks containerd through it.
+    for tool in std::iter::once(&"ctr").chain(tools) {
         if Command::new(tool)
             .arg("--help")
             .stdout(Stdio::null())
