@@ -113,8 +113,11 @@ pub struct GpuPolicySpec {
     /// Extended resources of RDMA device plugins (globs, `domain/name`): a container that
     /// requests one is handed its `/dev/infiniband` devices by that plugin, so a
     /// `/dev/infiniband` hostPath it mounts does not stop the rewrite. Without one, a
-    /// privileged container mounting `/dev/infiniband` is denied rather than de-privileged
-    /// into one that cannot open the HCA.
+    /// privileged container mounting `/dev/infiniband`, or showing RDMA use in its own spec
+    /// (NCCL's InfiniBand settings, an RDMA NCCL plugin), is denied rather than
+    /// de-privileged into one that cannot open the HCA. The default names NVIDIA's RDMA
+    /// shared device plugin (`rdma/*`), the Network Operator's SR-IOV and host-device pools
+    /// and AWS's EFA.
     #[serde(default = "default_rdma_resources")]
     #[x_kube(validation = Rule::new(RESOURCE_PATTERN_RULE).message(RESOURCE_PATTERN_MESSAGE))]
     #[schemars(length(max = 16), inner(length(max = QUALIFIED_NAME_LEN)))]
@@ -692,7 +695,7 @@ fn default_gpu_images() -> Vec<String> {
     .to_vec()
 }
 fn default_rdma_resources() -> Vec<String> {
-    vec!["rdma/*".to_owned()]
+    crate::rdma::DEFAULT_RESOURCES.map(String::from).to_vec()
 }
 
 /// CEL for a list of extended-resource globs: a literal domain, then a name that may hold

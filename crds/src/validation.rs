@@ -166,7 +166,7 @@ fn image_pattern_problem(pattern: &str) -> Option<&'static str> {
 /// What is wrong with an extended-resource glob (`match.gpuResources`, `rdmaResources`), as
 /// the CRD's rule says: a DNS-subdomain domain without wildcards, `/`, then a name of
 /// letters, digits, `-`, `_`, `.`, `*` and `?`.
-fn resource_pattern_problem(pattern: &str) -> Option<&'static str> {
+pub(crate) fn resource_pattern_problem(pattern: &str) -> Option<&'static str> {
     let Some((domain, name)) = pattern.split_once('/') else {
         return Some("has no domain/ (a pattern without one would match cpu or memory)");
     };

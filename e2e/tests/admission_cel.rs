@@ -1573,8 +1573,24 @@ mod generated {
         }
         let mut env = Vec::new();
         for _ in 0..rng.random_range(0..4) {
-            env.push(match rng.random_range(0..7) {
+            env.push(match rng.random_range(0..8) {
                 0 => json!({"name": "HOME", "value": "/root"}),
+                // Signs of RDMA use, and settings that are none.
+                7 => {
+                    let (name, value) = *[
+                        ("NCCL_IB_HCA", "=mlx5_0,mlx5_1"),
+                        ("NCCL_IB_DISABLE", "1"),
+                        ("NCCL_NET", "IB"),
+                        ("NCCL_NET", "Socket"),
+                        ("UCX_TLS", "rc,sm,self"),
+                        ("LD_LIBRARY_PATH", "/usr/local/gib/lib64"),
+                        ("LD_LIBRARY_PATH", "/usr/local/nvidia/lib64"),
+                        ("NCCL_SOCKET_IFNAME", "eth0"),
+                    ]
+                    .choose(rng)
+                    .unwrap();
+                    json!({"name": name, "value": value})
+                }
                 6 => json!({"name": *["NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES",
                     "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_IMEX_CHANNELS", "NVIDIA_NVSWITCH",
                     "NVIDIA_MOFED", "NVIDIA_GDS", "NVIDIA_GDRCOPY", "CUDA_VERSION"]
@@ -1613,6 +1629,10 @@ mod generated {
         if rng.random_bool(0.1) {
             let path = *DEVICE_LIST_PATHS.choose(rng).unwrap();
             mounts.push(json!({"name": "scratch", "mountPath": path}));
+        }
+        // Where Google's gIB NCCL plugin is mounted.
+        if rng.random_bool(0.04) {
+            mounts.push(json!({"name": "scratch", "mountPath": "/usr/local/gib"}));
         }
         if !mounts.is_empty() {
             c["volumeMounts"] = Value::Array(mounts);

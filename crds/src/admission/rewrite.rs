@@ -24,6 +24,7 @@ use super::cel::{device_list_mount, env, env_from_spells, has_env, list, literal
 use crate::gpu::{CountFrom, ENV_VISIBLE_DEVICES, Rules, shared_gpus_text};
 use crate::pod_security::{BASELINE_CAPABILITIES, LABEL_PSA_ENFORCE};
 use crate::policy::{GpuPolicy, RequestAs, VisibleDevicesAll};
+use crate::rdma;
 use crate::{ANNOTATION_POLICY, ANNOTATION_PREFIX, ANNOTATION_REWRITTEN};
 
 /// The variables of the rewrite (name, CEL), in the order they are declared: each may read
@@ -201,10 +202,20 @@ impl Rewrite<'_> {
         let device_variables: Vec<String> = (Rules::of(self.policy).device_variables().iter())
             .map(|v| (*v).to_owned())
             .collect();
+        // What may show RDMA use is the webhook's to read (docs/design.md, "RDMA").
+        let rdma_variables: Vec<String> = rdma::VARIABLES.map(str::to_owned).to_vec();
+        let plugin_libraries: Vec<String> = (rdma::PLUGIN_LIBRARIES.iter())
+            .map(|p| format!("e.value.contains({})", literal(p)))
+            .collect();
         format!(
-            "(!(has({c}.envFrom) && size({c}.envFrom) > 0) && !{} && (!has({c}.env) || {c}.env.all(e, has(e.name) && !(e.name in {}))) && (!has({c}.securityContext.capabilities) || !has({add}) || size({add}) == 0 || ({add}.join(',').matches({}) && !(',' + {add}.join(',')).contains(',CAP_'))) && has({c}.name) && {c}.name.matches({}))",
+            "(!(has({c}.envFrom) && size({c}.envFrom) > 0) && !{} && (!has({c}.env) || {c}.env.all(e, has(e.name) && !(e.name in {}) && !e.name.startsWith({}) && !(e.name in {}) && !(e.name == {} && has(e.value) && ({})))) && !(has({c}.volumeMounts) && {c}.volumeMounts.exists(m, has(m.mountPath) && m.mountPath.startsWith({}))) && (!has({c}.securityContext.capabilities) || !has({add}) || size({add}) == 0 || ({add}.join(',').matches({}) && !(',' + {add}.join(',')).contains(',CAP_'))) && has({c}.name) && {c}.name.matches({}))",
             device_list_mount(c),
             list(&device_variables),
+            literal(rdma::NCCL_IB_PREFIX),
+            list(&rdma_variables),
+            literal(rdma::LIBRARY_PATH),
+            plugin_libraries.join(" || "),
+            literal(rdma::PLUGIN_MOUNT),
             literal(CAPABILITIES),
             literal(NAME),
         )

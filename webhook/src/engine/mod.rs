@@ -413,7 +413,9 @@ fn decide_create<'a>(
     }
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
-    let plan = plan::plan_pod(input, &facts, policy, strip, level);
+    let mut plan = plan::plan_pod(input, &facts, policy, strip, level);
+    let mut notes = facts.injections.notes.clone();
+    notes.append(&mut plan.notes);
     // In Enforce the rule holds for the pod as the rewrite leaves it; Audit reports it for
     // the pod as it is, as the API server's warning does.
     let voided = match policy.spec.mode {
@@ -460,7 +462,7 @@ fn decide_create<'a>(
         .with(Detail::Create { plan, mode, set })
         .voiding(voided)
         .unvoiding(unvoided)
-        .noting(facts.injections.notes.clone())
+        .noting(notes)
 }
 
 fn decide_ephemeral<'a>(

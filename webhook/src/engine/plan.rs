@@ -12,6 +12,7 @@ use gpuwarden_crds::exemptions::glob_match;
 use gpuwarden_crds::gpu::{
     self, ContainerSpec as _, CountFrom, HostDevice, PodSignals, VisibleDevices,
 };
+use gpuwarden_crds::rdma;
 
 use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts};
@@ -42,6 +43,9 @@ pub(super) struct Plan<'a> {
     pub(super) psa_left: Vec<String>,
     /// `gpu.requestAs: ResourceClaim`: the pod `resourceClaims` entries added, in order.
     pub(super) claims: Vec<NewClaim>,
+    /// What the rewrite leaves to the cluster that the pod's author should know: RDMA use
+    /// that must now come from a pod network.
+    pub(super) notes: Vec<String>,
 }
 
 /// A pod `resourceClaims` entry the rewrite adds.
@@ -237,6 +241,7 @@ pub(super) fn plan_pod<'a>(
         psa,
         psa_left: Vec::new(),
         claims: Vec::new(),
+        notes: Vec::new(),
     };
     // Device-injection annotations that name NVIDIA devices the pod does not hold: the
     // rewrite cannot make them safe, since the node plugin hands the devices over whatever
@@ -299,6 +304,11 @@ pub(super) fn plan_pod<'a>(
         if target {
             if let Some(denial) = host_device_denial(c, &host_paths, input, policy) {
                 plan.denials.push(denial);
+            } else if let Some(rdma) = rdma_left_behind(c, &host_paths, input, policy) {
+                match rdma {
+                    RdmaUse::Lost(denial) => plan.denials.push(denial),
+                    RdmaUse::FromNetwork(note) => plan.notes.push(note),
+                }
             }
             capabilities(&mut p, c.value, policy, psa);
             let pod_seccomp = (pod.spec.as_ref())
@@ -576,6 +586,67 @@ fn host_device_denial(
         devices.join(", "),
         ways.join("; or "),
     ))
+}
+
+/// What becomes of RDMA a container used through privilege (docs/design.md, "RDMA").
+enum RdmaUse {
+    /// Nothing would hand it verbs devices once unprivileged: the denial.
+    Lost(String),
+    /// A pod network may hand them over: the note.
+    FromNetwork(String),
+}
+
+/// Do no harm (docs/design.md, "RDMA"): a GPU container that loses privilege and shows RDMA
+/// use in its own spec ([`rdma`]), without an RDMA device plugin's resource or a claim to
+/// hand it verbs devices, would be admitted cut off from the HCAs privilege gave it. It is
+/// denied, naming the sign and the way out; where the pod names an RDMA network, the
+/// network may hand the devices over, and the rewrite says so.
+fn rdma_left_behind(
+    c: &ContainerFacts<'_>,
+    host_paths: &[(&str, &str)],
+    input: &Input<'_>,
+    policy: &GpuPolicy,
+) -> Option<RdmaUse> {
+    if !c.gpu {
+        return None;
+    }
+    let mut requested = c.value.limit_names().chain(c.value.request_names());
+    if requested.any(|r| (policy.spec.rdma_resources.iter()).any(|p| glob_match(p, r)))
+        || (c.value.resources.as_ref())
+            .and_then(|r| r.claims.as_ref())
+            .is_some_and(|claims| !claims.is_empty())
+    {
+        return None;
+    }
+    let env = (c.value.env.iter().flatten())
+        .filter_map(|e| Some((e.name.as_deref()?, e.value.as_deref()?)));
+    let sign = rdma::env_signal(env).or_else(|| {
+        c.mounts().find_map(|(volume, mount_path)| {
+            let host = host_paths.iter().rev().find(|(n, _)| *n == volume);
+            rdma::is_plugin_mount(mount_path, host.map(|(_, p)| *p))
+                .then(|| format!("an RDMA NCCL plugin mounted at {mount_path} (volume {volume})"))
+        })
+    })?;
+    let networks = (input.pod.annotations())
+        .map(|a| {
+            rdma::networks(
+                a.iter()
+                    .filter_map(|(k, v)| Some((k.as_ref(), v.as_str()?))),
+            )
+        })
+        .unwrap_or_default();
+    let (noun, name) = (c.at.kind.noun(), c.name);
+    if !networks.is_empty() {
+        return Some(RdmaUse::FromNetwork(format!(
+            "{noun} {name} shows RDMA use ({sign}) and loses privilege: its verbs devices must now come from the RDMA networks its annotations name ({}). If those networks do not hand them to the pod, request them from an RDMA device plugin (a resource matching rdmaResources)",
+            networks.join(", ")
+        )));
+    }
+    Some(RdmaUse::Lost(format!(
+        "{noun} {name} loses privilege, and it shows RDMA use ({sign}): privilege gave it the host's verbs devices (/dev/infiniband), which an unprivileged container cannot open, so NCCL would fail or fall back to sockets. To be admitted: request the RDMA devices from an RDMA device plugin (a resource matching rdmaResources {}); or {}",
+        policy.spec.rdma_resources.join(", "),
+        exemption_hint(c, input, policy),
+    )))
 }
 
 /// [`gpu::HOST_DEVICES`] whose device plugin resources the policy and the passthrough GPU
