@@ -7,6 +7,7 @@ pub mod engine;
 pub mod manifest;
 pub mod metrics;
 pub mod mutate;
+pub mod nim;
 pub mod patch;
 pub mod pod;
 pub mod server;

@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 
 use crate::engine::{self, ClaimSource, ClaimStore, Decision, Input, Operation, Verdict};
 use crate::manifest::{self, Document, ManifestError};
+use crate::nim;
 use crate::pod::PodView;
 
 /// Exit code: everything would be admitted.
@@ -56,6 +57,20 @@ pub enum MutateError {
         "no manifests found in {0} (a directory contributes its *.yaml, *.yml and *.json files)"
     )]
     NoManifests(String),
+    /// A NIMService the NIM operator could not render a pod from either.
+    #[error("{file}: document {index} (line {line}): NIMService {name}: {source}")]
+    BadNimService {
+        /// The file.
+        file: String,
+        /// Document index.
+        index: usize,
+        /// Start line.
+        line: usize,
+        /// Name.
+        name: String,
+        /// What is wrong, and where.
+        source: crate::nim::NimError,
+    },
     /// A workload without the pod template its kind must have.
     #[error(
         "{file}: document {index} (line {line}): {kind} {name} has no pod template at {pointer}"
@@ -184,6 +199,9 @@ struct Judged {
     /// A pod spec without metadata of its own: annotations cannot be written there.
     bare: bool,
     explanation: Explanation,
+    /// What else the judgement must say: for a custom resource whose pod gpuwarden renders
+    /// (a NIMService), the assumptions made and the changes its fields cannot hold.
+    notes: Vec<String>,
 }
 
 /// What the engine decided about an object's pod, kept to explain it on stderr.
@@ -407,6 +425,10 @@ struct Place {
 /// template its kind must have), the Pod itself, or every pod template found inside any
 /// other object ([`manifest::find_pods`]: MPIJob, RayCluster, JobSet, ...).
 fn pods(doc: &Document) -> Result<Vec<Place>, MutateError> {
+    if nim::is_nim_service(&doc.object) {
+        nim_pod(doc)?;
+        return Ok(Vec::new());
+    }
     let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
     let Some(pointer) = manifest::pod_template_pointer(api_version.unwrap_or(""), doc.kind())
     else {
@@ -434,6 +456,17 @@ fn pods(doc: &Document) -> Result<Vec<Place>, MutateError> {
             pointer,
         }),
     }
+}
+
+/// The pod the NIM operator renders for a NIMService.
+fn nim_pod(doc: &Document) -> Result<nim::Rendered, MutateError> {
+    nim::render(&doc.object).map_err(|source| MutateError::BadNimService {
+        file: doc.source.clone(),
+        index: doc.index,
+        line: doc.line,
+        name: doc.name(),
+        source,
+    })
 }
 
 /// Parses `k=v,k=v`.
@@ -514,6 +547,9 @@ fn judge(
     policies: &[Arc<GpuPolicy>],
     claims: &ClaimStore,
 ) -> Result<Outcome, MutateError> {
+    if nim::is_nim_service(&doc.object) {
+        return judge_nim_service(doc, namespace, labels, policies, claims);
+    }
     let places = pods(&doc)?;
     let display = format!("{namespace}/{}", doc.name());
     let mut after = doc.object.clone();
@@ -563,6 +599,7 @@ fn judge(
             path: place.path,
             bare: place.bare,
             explanation: Explanation::of(&decision),
+            notes: Vec::new(),
         });
     }
     let runtime_keys = runtime_variable_keys(&doc, &namespace, labels, policies);
@@ -573,6 +610,108 @@ fn judge(
         decisions,
         namespace,
         runtime_keys,
+    })
+}
+
+/// One judgement of a NIMService's pod: its explanation, the notes on how the pod was
+/// rendered, and (where the engine changes it) the NIMService written back with what it
+/// cannot hold.
+type NimPass = (Explanation, Vec<String>, Option<(Value, Vec<String>)>);
+
+/// A NIMService, judged as the pod its operator renders ([`nim`]): what the engine would
+/// change is written back onto the NIMService's own fields, and what they cannot hold is said.
+fn judge_nim_service(
+    doc: Document,
+    namespace: String,
+    labels: &BTreeMap<String, String>,
+    policies: &[Arc<GpuPolicy>],
+    claims: &ClaimStore,
+) -> Result<Outcome, MutateError> {
+    let display = format!("{namespace}/{}", doc.name());
+    // What the engine does to the pod of `nim`: its explanation, and the NIMService that
+    // renders the pod the engine leaves, with what that NIMService cannot hold.
+    let pass = |nim: &Value| -> Result<NimPass, MutateError> {
+        let rendered = nim::render(nim).map_err(|source| MutateError::BadNimService {
+            file: doc.source.clone(),
+            index: doc.index,
+            line: doc.line,
+            name: doc.name(),
+            source,
+        })?;
+        let view = PodView::from_value(&rendered.pod);
+        let input = Input {
+            pod: &view,
+            namespace: &namespace,
+            namespace_labels: labels,
+            operation: Operation::Create,
+            display_name: &display,
+            claims,
+            owner_kind: Some("Deployment"),
+        };
+        let decision = engine::decide(&input, policies);
+        let explanation = Explanation::of(&decision);
+        if decision.verdict() == Verdict::Denied || decision.changes().next().is_none() {
+            return Ok((explanation, rendered.notes, None));
+        }
+        let patch = crate::patch::patch_for_view(&view, decision.changes());
+        let mut judged = rendered.pod.clone();
+        json_patch::patch(&mut judged, &patch.0).map_err(|e| MutateError::Patch {
+            file: doc.source.clone(),
+            index: doc.index,
+            message: e.to_string(),
+        })?;
+        let back = nim::back(nim, &rendered, &judged);
+        Ok((explanation, rendered.notes, Some(back)))
+    };
+    let (explanation, mut notes, mut next) = pass(&doc.object)?;
+    let mut after = doc.object.clone();
+    // A change to the NIMService changes every pod it renders (a sidecar inherits the main
+    // env): judged again until the engine has nothing more to change, or the NIMService
+    // cannot hold what it would.
+    let mut cannot = Vec::new();
+    for _ in 0..4 {
+        let Some((written, left)) = next.take() else {
+            break;
+        };
+        cannot = left;
+        if written == after {
+            break;
+        }
+        after = written;
+        next = pass(&after)?.2;
+        if next.is_none() {
+            cannot.clear();
+        }
+    }
+    notes.extend(
+        cannot
+            .into_iter()
+            .map(|c| format!("cannot be written in the NIMService: {c}")),
+    );
+    let fields: Vec<String> = (after["spec"].as_object().into_iter().flatten())
+        .filter(|(k, v)| doc.object["spec"].get(k.as_str()) != Some(*v))
+        .map(|(k, _)| format!("spec.{k}"))
+        .collect();
+    if !fields.is_empty() {
+        notes.push(format!(
+            "on the NIMService, so that the pods it renders need no change: {} (-o diff shows them)",
+            fields.join(", ")
+        ));
+    }
+    let patch = json_patch::diff(&doc.object, &after);
+    let decisions = vec![Judged {
+        path: Some("(the pod its NIM operator renders)".to_owned()),
+        bare: false,
+        explanation,
+        notes,
+    }];
+    Ok(Outcome {
+        doc,
+        after,
+        patch,
+        decisions,
+        namespace,
+        runtime_keys: Vec::new(),
     })
 }
 
@@ -758,6 +897,9 @@ impl Explainer {
                 .or_else(|| w.strip_prefix("gpuwarden: "))
                 .unwrap_or(w);
             let _ = writeln!(stderr, "    - {w}");
+        }
+        for note in &judged.notes {
+            let _ = writeln!(stderr, "    - {note}");
         }
         if judged.bare && d.verdict == Verdict::Rewritten {
             let _ = writeln!(

@@ -318,6 +318,23 @@ fn bad_input_exits_two_naming_file_document_and_reason() {
     );
     assert!(r.stdout.is_empty(), "no output on bad input");
 
+    // A NIMService its operator could not render a pod from: the field is named.
+    let nim = write(
+        dir.path(),
+        "nim.yaml",
+        "apiVersion: apps.nvidia.com/v1alpha1\nkind: NIMService\nmetadata: {name: llm}\nspec:\n  image: {tag: \"1.8\"}\n",
+    );
+    let r = run(&["-f", &nim]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(
+        r.stderr.contains(&format!(
+            "{nim}: document 1 (line 1): NIMService llm: spec.image.repository: missing"
+        )),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stdout.is_empty(), "no output on bad input");
+
     let scalar = write(dir.path(), "scalar.yaml", "just text\n");
     let r = run(&["-f", &scalar]);
     assert_eq!(r.code, 2);
@@ -667,10 +684,16 @@ fn pods_inside_custom_resources_are_judged_where_they_stand() {
         "{}",
         r.stderr
     );
-    assert!(line("  NIMService ml/llm: ").contains("no pod template"));
+    // A NIMService is judged as the pod its operator renders.
+    assert!(
+        line("  NIMService ml/llm (the pod its NIM operator renders): ")
+            .contains("unchanged: no privileged or leaking GPU container"),
+        "{}",
+        r.stderr
+    );
     assert!(
         r.stderr
-            .contains("3 objects: 1 denied, 1 passed through, 1 rewritten, 2 voided"),
+            .contains("3 objects: 1 denied, 1 rewritten, 1 unchanged, 2 voided"),
         "{}",
         r.stderr
     );
