@@ -426,7 +426,7 @@ struct Place {
 /// other object ([`manifest::find_pods`]: MPIJob, RayCluster, JobSet, ...).
 fn pods(doc: &Document) -> Result<Vec<Place>, MutateError> {
     if nim::is_nim_service(&doc.object) {
-        nim_pod(doc)?;
+        nim_pod(doc, &doc.object)?;
         return Ok(Vec::new());
     }
     let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
@@ -458,9 +458,10 @@ fn pods(doc: &Document) -> Result<Vec<Place>, MutateError> {
     }
 }
 
-/// The pod the NIM operator renders for a NIMService.
-fn nim_pod(doc: &Document) -> Result<nim::Rendered, MutateError> {
-    nim::render(&doc.object).map_err(|source| MutateError::BadNimService {
+/// The pod the NIM operator renders for `nim`, the NIMService `doc` holds or one written
+/// back from it.
+fn nim_pod(doc: &Document, nim: &Value) -> Result<nim::Rendered, MutateError> {
+    nim::render(nim).map_err(|source| MutateError::BadNimService {
         file: doc.source.clone(),
         index: doc.index,
         line: doc.line,
@@ -547,11 +548,18 @@ fn judge(
     policies: &[Arc<GpuPolicy>],
     claims: &ClaimStore,
 ) -> Result<Outcome, MutateError> {
+    let display = format!("{namespace}/{}", doc.name());
+    let scope = Scope {
+        namespace: &namespace,
+        labels,
+        display: &display,
+        policies,
+        claims,
+    };
     if nim::is_nim_service(&doc.object) {
-        return judge_nim_service(doc, namespace, labels, policies, claims);
+        return judge_nim_service(doc, &scope);
     }
     let places = pods(&doc)?;
-    let display = format!("{namespace}/{}", doc.name());
     let mut after = doc.object.clone();
     let mut patch = json_patch::Patch(Vec::new());
     let mut decisions = Vec::with_capacity(places.len());
@@ -572,19 +580,8 @@ fn judge(
         } else {
             found
         };
-        let view = PodView::from_value(template);
-        let input = Input {
-            pod: &view,
-            namespace: &namespace,
-            namespace_labels: labels,
-            operation: Operation::Create,
-            display_name: &display,
-            claims,
-            owner_kind: Some(doc.kind()),
-        };
-        let decision = engine::decide(&input, policies);
-        if decision.verdict() != Verdict::Denied && decision.changes().next().is_some() {
-            let relative = crate::patch::patch_for_view(&view, decision.changes());
+        let (explanation, changes) = scope.judge_pod(template, doc.kind());
+        if let Some(relative) = changes {
             let relative = if place.bare {
                 unwrap_spec(relative)
             } else {
@@ -598,7 +595,7 @@ fn judge(
         decisions.push(Judged {
             path: place.path,
             bare: place.bare,
-            explanation: Explanation::of(&decision),
+            explanation,
             notes: Vec::new(),
         });
     }
@@ -613,6 +610,44 @@ fn judge(
     })
 }
 
+/// What every pod of a document is judged in: its namespace, the namespace's labels, the
+/// policies and the claims of the input.
+struct Scope<'s> {
+    namespace: &'s str,
+    labels: &'s BTreeMap<String, String>,
+    /// `namespace/name` of the object, for messages.
+    display: &'s str,
+    policies: &'s [Arc<GpuPolicy>],
+    claims: &'s ClaimStore,
+}
+
+impl Scope<'_> {
+    /// The engine's decision on `template` (a pod's metadata and spec), made by an owner of
+    /// `owner_kind`, explained; and the patch against `template` where the engine changes
+    /// the pod and does not deny it.
+    fn judge_pod(
+        &self,
+        template: &Value,
+        owner_kind: &str,
+    ) -> (Explanation, Option<json_patch::Patch>) {
+        let view = PodView::from_value(template);
+        let input = Input {
+            pod: &view,
+            namespace: self.namespace,
+            namespace_labels: self.labels,
+            operation: Operation::Create,
+            display_name: self.display,
+            claims: self.claims,
+            owner_kind: Some(owner_kind),
+        };
+        let decision = engine::decide(&input, self.policies);
+        let changes = (decision.verdict() != Verdict::Denied
+            && decision.changes().next().is_some())
+        .then(|| crate::patch::patch_for_view(&view, decision.changes()));
+        (Explanation::of(&decision), changes)
+    }
+}
+
 /// One judgement of a NIMService's pod: its explanation, the notes on how the pod was
 /// rendered, and (where the engine changes it) the NIMService written back with what it
 /// cannot hold.
@@ -620,40 +655,15 @@ type NimPass = (Explanation, Vec<String>, Option<(Value, Vec<String>)>);
 
 /// A NIMService, judged as the pod its operator renders ([`nim`]): what the engine would
 /// change is written back onto the NIMService's own fields, and what they cannot hold is said.
-fn judge_nim_service(
-    doc: Document,
-    namespace: String,
-    labels: &BTreeMap<String, String>,
-    policies: &[Arc<GpuPolicy>],
-    claims: &ClaimStore,
-) -> Result<Outcome, MutateError> {
-    let display = format!("{namespace}/{}", doc.name());
+fn judge_nim_service(doc: Document, scope: &Scope<'_>) -> Result<Outcome, MutateError> {
     // What the engine does to the pod of `nim`: its explanation, and the NIMService that
     // renders the pod the engine leaves, with what that NIMService cannot hold.
     let pass = |nim: &Value| -> Result<NimPass, MutateError> {
-        let rendered = nim::render(nim).map_err(|source| MutateError::BadNimService {
-            file: doc.source.clone(),
-            index: doc.index,
-            line: doc.line,
-            name: doc.name(),
-            source,
-        })?;
-        let view = PodView::from_value(&rendered.pod);
-        let input = Input {
-            pod: &view,
-            namespace: &namespace,
-            namespace_labels: labels,
-            operation: Operation::Create,
-            display_name: &display,
-            claims,
-            owner_kind: Some("Deployment"),
-        };
-        let decision = engine::decide(&input, policies);
-        let explanation = Explanation::of(&decision);
-        if decision.verdict() == Verdict::Denied || decision.changes().next().is_none() {
+        let rendered = nim_pod(&doc, nim)?;
+        let (explanation, changes) = scope.judge_pod(&rendered.pod, "Deployment");
+        let Some(patch) = changes else {
             return Ok((explanation, rendered.notes, None));
-        }
-        let patch = crate::patch::patch_for_view(&view, decision.changes());
+        };
         let mut judged = rendered.pod.clone();
         json_patch::patch(&mut judged, &patch.0).map_err(|e| MutateError::Patch {
             file: doc.source.clone(),
@@ -710,7 +720,7 @@ fn judge_nim_service(
         after,
         patch,
         decisions,
-        namespace,
+        namespace: scope.namespace.to_owned(),
         runtime_keys: Vec::new(),
     })
 }
