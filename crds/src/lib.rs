@@ -17,6 +17,7 @@ pub mod manifests;
 pub mod node;
 pub mod pod_security;
 pub mod policy;
+pub mod reports;
 pub mod selection;
 pub mod selector;
 pub mod sharing;
