@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod mutate;
 pub mod patch;
 pub mod pod;
+pub mod report;
 pub mod server;
 pub mod shutdown;
 pub mod tls;
