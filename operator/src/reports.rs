@@ -10,7 +10,7 @@
 //! written, and deletes it when there is nothing to report. [`sweep`] lists the reports
 //! gpuwarden left (by label), so that those of namespaces with nothing to report go too.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -230,12 +230,69 @@ impl ReportError {
     }
 }
 
+/// The names of the pods in each namespace, kept by the Pod watch's route, so that a
+/// namespace's reconcile reads its own pods from the cache rather than every pod of the
+/// cluster.
+#[derive(Debug, Default)]
+pub struct PodIndex(Mutex<HashMap<String, BTreeSet<String>>>);
+
+impl PodIndex {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, BTreeSet<String>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a pod seen (added or changed).
+    pub fn insert(&self, pod: &Pod) {
+        if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
+            self.map()
+                .entry(ns.clone())
+                .or_default()
+                .insert(name.clone());
+        }
+    }
+
+    /// Forgets a deleted pod.
+    pub fn remove(&self, pod: &Pod) {
+        if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
+            let mut map = self.map();
+            if let Some(names) = map.get_mut(ns) {
+                names.remove(name);
+                if names.is_empty() {
+                    map.remove(ns);
+                }
+            }
+        }
+    }
+
+    /// The pods of `namespace` in `store`; names the store no longer holds (deleted while a
+    /// watch was re-listing) are forgotten.
+    pub fn pods(&self, namespace: &str, store: &Store<Pod>) -> Vec<Arc<Pod>> {
+        let mut map = self.map();
+        let Some(names) = map.get_mut(namespace) else {
+            return Vec::new();
+        };
+        let mut pods = Vec::with_capacity(names.len());
+        names.retain(
+            |name| match store.get(&ObjectRef::new(name).within(namespace)) {
+                Some(pod) => {
+                    pods.push(pod);
+                    true
+                }
+                None => false,
+            },
+        );
+        pods
+    }
+}
+
 /// What the report keeper reads and remembers.
 pub struct ReportContext {
     /// API client.
     pub client: Client,
     /// Every Pod, trimmed ([`trim_pod`]).
     pub pods: Store<Pod>,
+    /// Which pods each namespace holds.
+    pub index: Arc<PodIndex>,
     /// Namespace labels.
     pub namespaces: Store<PartialObjectMeta<Namespace>>,
     /// GpuPolicies.
@@ -268,6 +325,7 @@ impl ReportContext {
         Self {
             client,
             pods,
+            index: Arc::new(PodIndex::default()),
             namespaces,
             policies,
             leader,
@@ -315,7 +373,7 @@ pub async fn reconcile_namespace(
     let labels = (ctx.namespaces)
         .get(&ObjectRef::new(namespace))
         .and_then(|ns| ns.metadata.labels.clone());
-    let pods = ctx.pods.state();
+    let pods = ctx.index.pods(namespace, &ctx.pods);
     let report = namespace_report(
         namespace,
         labels.as_ref(),

@@ -757,6 +757,7 @@ where
         let pod_watch = PodWatch {
             api: Api::<Pod>::all(client.clone()),
             writer: pod_w,
+            index: ctx.index.clone(),
             changes: report_pod_tx,
         };
         let keeper = report_kinds_loop(
@@ -1035,6 +1036,7 @@ async fn dra_served(client: &Client) -> bool {
 struct PodWatch {
     api: Api<Pod>,
     writer: Writer<Pod>,
+    index: Arc<reports::PodIndex>,
     changes: mpsc::UnboundedSender<Pod>,
 }
 
@@ -1051,6 +1053,7 @@ impl PodWatch {
             ..Default::default()
         };
         let (changed, deleted) = (self.changes.clone(), self.changes);
+        let (seen, gone) = (self.index.clone(), self.index);
         watch_kind(
             self.api,
             watcher::Config::default(),
@@ -1060,9 +1063,11 @@ impl PodWatch {
             route(
                 reports::pod_inputs,
                 move |p| {
+                    seen.insert(p);
                     let _ = changed.send(namespace_of(p));
                 },
                 move |p| {
+                    gone.remove(p);
                     let _ = deleted.send(namespace_of(p));
                 },
             ),
