@@ -459,6 +459,81 @@ mod tests {
         assert_eq!(object["summary"]["fail"], 1);
     }
 
+    /// The results of a pod in namespace `ml` under the built-in default policy (Enforce).
+    fn judged(pod: Value) -> Vec<ReportResult> {
+        use crate::engine::{self, ClaimStore, Input, Operation};
+        let policies = vec![std::sync::Arc::new(
+            gpuwarden_crds::GpuPolicy::default_policy(),
+        )];
+        let labels = engine::namespace_labels_or_default("ml", None);
+        let view = crate::pod::PodView::from_value(&pod);
+        let claims = ClaimStore::offline();
+        let input = Input {
+            pod: &view,
+            namespace: "ml",
+            namespace_labels: &labels,
+            operation: Operation::Create,
+            display_name: "ml/p",
+            claims: &claims,
+            owner_kind: None,
+        };
+        let subject = Subject {
+            api_version: "v1".into(),
+            kind: "Pod".into(),
+            namespace: "ml".into(),
+            name: "p".into(),
+            uid: None,
+        };
+        results(
+            &engine::decide(&input, &policies),
+            &subject,
+            Timestamp::default(),
+        )
+    }
+
+    #[test]
+    fn each_rule_is_named_and_graded() {
+        // An unprivileged container that names every GPU itself: a leak, closed.
+        let leak = judged(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "c", "image": "cuda", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}}));
+        let rules: Vec<(&str, Outcome, Severity)> = (leak.iter())
+            .map(|r| (r.rule.as_str(), r.result, r.severity))
+            .collect();
+        assert_eq!(
+            rules,
+            [("gpu-leak", Outcome::Fail, Severity::Medium)],
+            "{leak:#?}"
+        );
+        assert_eq!(leak[0].container(), Some("c"));
+        assert!(
+            leak[0].message.starts_with("container c: "),
+            "{}",
+            leak[0].message
+        );
+
+        // A privileged GPU container beside a container without a GPU: privilege and void.
+        let both = judged(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "gpu", "image": "cuda", "securityContext": {"privileged": true},
+                "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            {"name": "log", "image": "fluent-bit"}]}}));
+        let rules: Vec<(&str, Option<&str>, Outcome)> = (both.iter())
+            .map(|r| (r.rule.as_str(), r.container(), r.result))
+            .collect();
+        assert_eq!(
+            rules,
+            [
+                ("privileged-gpu", Some("gpu"), Outcome::Fail),
+                ("void", Some("log"), Outcome::Warn)
+            ]
+        );
+        assert!(both.iter().all(|r| r.scored == (r.result == Outcome::Fail)));
+
+        // Nothing to say of an ordinary pod voided already, or of a pod no policy governs.
+        let quiet = judged(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "web", "image": "nginx", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]}]}}));
+        assert!(quiet.is_empty(), "{quiet:#?}");
+    }
+
     #[test]
     fn clip_cuts_on_a_character_boundary() {
         let text = "é".repeat(MAX_MESSAGE_LEN);
