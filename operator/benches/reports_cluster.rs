@@ -112,7 +112,7 @@ async fn create_pods(client: &Client, namespaces: &[String], range: std::ops::Ra
             let api: Api<Pod> = Api::namespaced(client.clone(), &namespaces[(i % n) as usize]);
             async move {
                 // Every other pod of a namespace has a finding.
-                let pod: Pod = serde_json::from_value(pod(i, (i / n) % 2 == 0))?;
+                let pod: Pod = serde_json::from_value(pod(i, (i / n).is_multiple_of(2)))?;
                 // A new namespace's default ServiceAccount comes a moment after it.
                 let mut tries = 0;
                 loop {
@@ -268,7 +268,7 @@ async fn main() {
             .find(|name| {
                 name[1..]
                     .parse::<u64>()
-                    .is_ok_and(|i| (i / namespace_count) % 2 == 0)
+                    .is_ok_and(|i| (i / namespace_count).is_multiple_of(2))
             })
             .expect("a pod with a finding");
         api.delete(&victim, &DeleteParams::default().grace_period(0))
