@@ -34,6 +34,10 @@ struct Running {
 
 impl Running {
     fn start(fake: &Arc<FakeApi>) -> Self {
+        Self::start_with(fake, None)
+    }
+
+    fn start_with(fake: &Arc<FakeApi>, leadership: Option<gpuwarden_operator::Leadership>) -> Self {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
         config.health_listen = free_port();
@@ -48,7 +52,7 @@ impl Running {
                 let _ = stop_rx.await;
             },
             gpuwarden_operator::system_clock(),
-            None,
+            leadership,
         ));
         Self { stop_tx, task }
     }
@@ -291,5 +295,38 @@ async fn without_a_report_kind_nothing_is_written_no_pod_is_watched_and_the_oper
             .any(|r| r.contains("/pods") || r.contains("reports")),
         "{requests:#?}"
     );
+    operator.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_writes_no_report_until_it_leads() {
+    let fake = cluster();
+    fake.serve_reports("wgpolicyk8s.io/v1alpha2");
+    let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
+    let operator = Running::start_with(&fake, Some(leadership));
+    // It lists its Pods (the report kind is served) and still writes nothing.
+    wait_for("the Pod watch", Duration::from_secs(30), || {
+        fake.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.starts_with("GET /api/v1/pods"))
+    })
+    .await;
+    fake.create("pods", "ml/train-2", privileged_pod("ml", "train-2"));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(fake.count("policyreports"), 0, "a standby wrote a report");
+
+    leader_tx.send(true).unwrap();
+    wait_for("the report once leading", Duration::from_secs(30), || {
+        fake.get("policyreports", "ml/gpuwarden").is_some_and(|r| {
+            let names: Vec<Value> = results_of(&r)
+                .iter()
+                .map(|r| r["resources"][0]["name"].clone())
+                .collect();
+            names.contains(&json!("train")) && names.contains(&json!("train-2"))
+        })
+    })
+    .await;
     operator.stop().await;
 }
