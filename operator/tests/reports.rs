@@ -1,7 +1,8 @@
 //! PolicyReports from the whole operator against the in-process fake API server: a report
 //! appears for a governed namespace's finding, follows its pods and goes when they do; both
 //! report kinds are written where both are served; where neither is, nothing is written, no
-//! Pod is watched, and the operator keeps running.
+//! Pod is watched, and the operator keeps running; a standby writes nothing until it leads; a
+//! crowded namespace's report is cut to its bound and says so.
 
 #[path = "support/fake_api.rs"]
 mod fake_api;
@@ -328,5 +329,32 @@ async fn a_standby_writes_no_report_until_it_leads() {
         })
     })
     .await;
+    operator.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowded_namespace_gets_a_report_cut_to_its_bound() {
+    let fake = cluster();
+    fake.serve_reports("openreports.io/v1alpha1");
+    for i in 0..510 {
+        let name = format!("train-{i:03}");
+        fake.insert("pods", &format!("ml/{name}"), privileged_pod("ml", &name));
+    }
+    let operator = Running::start(&fake);
+    wait_for("the report of ml", Duration::from_secs(30), || {
+        fake.get("reports", "ml/gpuwarden").is_some()
+    })
+    .await;
+    let report = fake.get("reports", "ml/gpuwarden").unwrap();
+    let bytes = serde_json::to_vec(&report).unwrap().len();
+    assert!(bytes < 1_500_000, "{bytes} bytes");
+    assert_eq!(results_of(&report).len(), 500);
+    // 511 privileged pods and the ordinary one's void warning: 512 results in all.
+    assert_eq!(report["summary"]["fail"], 511);
+    assert_eq!(report["summary"]["warn"], 1);
+    let note = report["metadata"]["annotations"]["gpuwarden.io/results-omitted"]
+        .as_str()
+        .unwrap();
+    assert!(note.starts_with("12 of 512 results are left out"), "{note}");
     operator.stop().await;
 }
