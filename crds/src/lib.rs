@@ -18,6 +18,7 @@ pub mod node;
 pub mod pod_security;
 pub mod policy;
 pub mod rdma;
+pub mod reports;
 pub mod selection;
 pub mod selector;
 pub mod sharing;

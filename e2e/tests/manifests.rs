@@ -513,6 +513,32 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["get"],
         &[gpuwarden_operator::policy_controller::KAI_BIND_REQUESTS_CRD],
     ),
+    // src/reports.rs: a reflector over every Pod; one report per governed namespace in
+    // wgpolicyk8s.io and openreports.io, applied, listed by label and deleted.
+    (
+        install::OPERATOR_NAME,
+        None,
+        "",
+        "pods",
+        &["list", "watch"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "wgpolicyk8s.io",
+        "policyreports",
+        &["list", "create", "patch", "delete"],
+        &[],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "openreports.io",
+        "reports",
+        &["list", "create", "patch", "delete"],
+        &[],
+    ),
     // kube::runtime::events::Recorder (events.k8s.io/v1: create, then patch for a series).
     (
         install::OPERATOR_NAME,
@@ -1941,6 +1967,11 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
         // KAI-Scheduler's BindRequests, through `Api<DynamicObject>`.
         if text.contains("Api::<DynamicObject>") && text.contains("bind_request_resource") {
             out.insert(gpuwarden_crds::sharing::bind_request::PLURAL.into());
+        }
+        // PolicyReports and openreports.io Reports, through `Api<DynamicObject>`.
+        if text.contains("Api::<DynamicObject>") && text.contains("ReportKind::") {
+            out.insert(gpuwarden_crds::reports::POLICY_REPORT_PLURAL.into());
+            out.insert(gpuwarden_crds::reports::OPEN_REPORT_PLURAL.into());
         }
         if text.contains("LeaseManagerBuilder") {
             out.insert("leases".into());

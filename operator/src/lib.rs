@@ -20,6 +20,7 @@ pub mod leader;
 pub mod metrics;
 pub mod node_controller;
 pub mod policy_controller;
+pub mod reports;
 mod runner;
 pub mod webhook_certs;
 pub mod webhook_conditions;
@@ -49,6 +50,9 @@ pub struct Config {
     /// Keep the MutatingAdmissionPolicies (and Audit-mode ValidatingAdmissionPolicies)
     /// rendered from the GpuPolicies, where the API server serves them.
     pub admission_policies: bool,
+    /// Keep one PolicyReport (and openreports.io Report) per governed namespace, where the
+    /// API server serves either kind; this watches every Pod.
+    pub policy_reports: bool,
     /// Elect a leader through a Lease; off runs as the only writer.
     pub leader_election: bool,
     /// Most reconciles in flight per controller.
@@ -68,6 +72,7 @@ impl Config {
             manage_webhook_certificates: true,
             taint_unhealthy_nodes: false,
             admission_policies: true,
+            policy_reports: true,
             leader_election: true,
             concurrency: 16,
             cert_validity: Duration::from_secs(365 * 86400),

@@ -56,6 +56,13 @@ struct RunArgs {
     #[arg(long, env = "GPUWARDEN_ADMISSION_POLICIES", default_value_t = true, action = clap::ArgAction::Set)]
     admission_policies: bool,
 
+    /// Keep one wgpolicyk8s.io PolicyReport (and openreports.io Report) named gpuwarden per
+    /// governed namespace, listing what the webhook would change or refuse in the pods that
+    /// run there, where the API server serves either kind. This caches every Pod; turned
+    /// off, the operator watches no Pods and writes no reports.
+    #[arg(long, env = "GPUWARDEN_POLICY_REPORTS", default_value_t = true, action = clap::ArgAction::Set)]
+    policy_reports: bool,
+
     /// Elect a leader through the Lease gpuwarden-operator-leader; only the leader writes.
     /// Turn off only when exactly one replica runs.
     #[arg(long, env = "GPUWARDEN_LEADER_ELECTION", default_value_t = true, action = clap::ArgAction::Set)]
@@ -134,6 +141,7 @@ async fn main() -> anyhow::Result<()> {
     config.manage_webhook_certificates = args.manage_webhook_certificates;
     config.taint_unhealthy_nodes = args.taint_unhealthy_nodes;
     config.admission_policies = args.admission_policies;
+    config.policy_reports = args.policy_reports;
     config.leader_election = args.leader_election;
     config.concurrency = args.concurrency;
     config.cert_validity = args.cert_validity;

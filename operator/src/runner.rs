@@ -19,7 +19,7 @@ use gpuwarden_crds::{
 };
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Node, NodeSpec, NodeStatus};
+use k8s_openapi::api::core::v1::{Namespace, Node, NodeSpec, NodeStatus, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaimTemplate;
 use kube::api::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
@@ -41,9 +41,11 @@ use crate::leader::{self, LeaderError, Leadership};
 use crate::metrics::Metrics;
 use crate::node_controller::{self, NodeContext, NodeError};
 use crate::policy_controller::{self, PolicyContext, PolicyError};
+use crate::reports::{self, ReportContext, ReportError};
 use crate::webhook_certs::{self, CertContext};
 use crate::webhook_conditions::{self, ConditionContext};
 use crate::{Clock, Config, system_clock};
+use gpuwarden_webhook::report::ReportKind;
 
 /// The operator failed to start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -417,6 +419,12 @@ where
     let (conditions_tx, conditions_changed) = mpsc::unbounded_channel::<()>();
     // The admission policies' keeper, when a policy changes.
     let (admission_tx, admission_changed) = mpsc::unbounded_channel::<()>();
+    // The report controller runs on Namespaces (their labels choose the policy), wakes for
+    // the Pods in them, and reports on every namespace when a policy changes, a report kind
+    // appears or this replica becomes the leader.
+    let (report_ns_tx, report_ns_changes) = trigger::<PartialObjectMeta<Namespace>>();
+    let (report_pod_tx, report_pod_changes) = trigger::<Pod>();
+    let (reports_tx, reports_all) = mpsc::unbounded_channel::<()>();
 
     let tasks = vec![
         report_leadership(leadership.clone(), metrics.clone(), sd_rx.clone()),
@@ -494,11 +502,12 @@ where
                     ))
                 },
                 {
-                    let (policies_tx, templates_tx, conditions_tx, admission_tx) = (
+                    let (policies_tx, templates_tx, conditions_tx, admission_tx, reports_tx) = (
                         policies_tx.clone(),
                         templates_tx.clone(),
                         conditions_tx.clone(),
                         admission_tx.clone(),
+                        reports_tx.clone(),
                     );
                     move |p: &GpuPolicy| {
                         let _ = policy_tx.send(p.clone());
@@ -506,19 +515,22 @@ where
                         let _ = templates_tx.send(());
                         let _ = conditions_tx.send(());
                         let _ = admission_tx.send(());
+                        let _ = reports_tx.send(());
                     }
                 },
                 {
-                    let (policies_tx, templates_tx, conditions_tx) = (
+                    let (policies_tx, templates_tx, conditions_tx, reports_tx) = (
                         policies_tx.clone(),
                         templates_tx.clone(),
                         conditions_tx.clone(),
+                        reports_tx.clone(),
                     );
                     move |_| {
                         let _ = policies_tx.send(());
                         let _ = templates_tx.send(());
                         let _ = conditions_tx.send(());
                         let _ = admission_tx.send(());
+                        let _ = reports_tx.send(());
                     }
                 },
             ),
@@ -556,8 +568,9 @@ where
     let (namespaces, namespace_w) = reflector::store::<PartialObjectMeta<Namespace>>();
     let (templates, template_w) = reflector::store::<ResourceClaimTemplate>();
     let dra = dra_served(&client).await;
-    if dra {
-        let (changed, deleted) = wake_on(&templates_tx);
+    // Namespace labels choose the policy: the templates and the reports read them.
+    {
+        let (mut templates_changed, mut templates_deleted) = wake_on(&templates_tx);
         tasks.push(watch_kind(
             Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
             watcher::Config::default(),
@@ -574,10 +587,21 @@ where
                         ns.metadata.deletion_timestamp.is_some(),
                     ))
                 },
-                changed,
-                deleted,
+                move |ns: &PartialObjectMeta<Namespace>| {
+                    if dra {
+                        templates_changed(ns);
+                    }
+                    let _ = report_ns_tx.send(ns.clone());
+                },
+                move |ns: &PartialObjectMeta<Namespace>| {
+                    if dra {
+                        templates_deleted(ns);
+                    }
+                },
             ),
         ));
+    }
+    if dra {
         let (changed, deleted) = wake_on(&templates_tx);
         tasks.push(watch_kind(
             Api::<ResourceClaimTemplate>::all(client.clone()),
@@ -604,13 +628,15 @@ where
     // Nothing is decided before every cache has its first full list; what changed meanwhile
     // waits in the triggers.
     let caches = {
-        let (nodes, gpunodes, leases, policies) = (
+        let (nodes, gpunodes, leases, policies, namespaces) = (
             nodes.clone(),
             gpunodes.clone(),
             leases.clone(),
             policies.clone(),
+            namespaces.clone(),
         );
         async move {
+            let _ = namespaces.wait_until_ready().await;
             let _ = nodes.wait_until_ready().await;
             let _ = gpunodes.wait_until_ready().await;
             let _ = leases.wait_until_ready().await;
@@ -718,6 +744,68 @@ where
                 node_ctx,
             )
     };
+    let report_controller = {
+        let (pods, pod_w) = reflector::store::<Pod>();
+        let ctx = Arc::new(ReportContext::new(
+            client.clone(),
+            pods,
+            namespaces.clone(),
+            policies.clone(),
+            leadership.clone(),
+            metrics.clone(),
+        ));
+        let pod_watch = PodWatch {
+            api: Api::<Pod>::all(client.clone()),
+            writer: pod_w,
+            index: ctx.index.clone(),
+            changes: report_pod_tx,
+        };
+        let keeper = report_kinds_loop(
+            ctx.clone(),
+            config.policy_reports.then_some(pod_watch),
+            reports_tx,
+            sd_rx.clone(),
+        );
+        let all = stream::unfold(reports_all, |mut rx| async move {
+            rx.recv().await.map(|()| ((), rx))
+        });
+        let backoffs = Arc::new(Backoffs::default());
+        let (b1, b2) = (backoffs.clone(), backoffs);
+        let controller = Controller::for_stream(report_ns_changes, namespaces.clone())
+            .watches_stream(report_pod_changes, |pod: Pod| {
+                pod.metadata
+                    .namespace
+                    .as_deref()
+                    .map(ObjectRef::<PartialObjectMeta<Namespace>>::new)
+            })
+            .reconcile_all_on(all)
+            .with_config(controller_config.clone().debounce(reports::DEBOUNCE))
+            .graceful_shutdown_on(stopped(sd_rx.clone()))
+            .run(
+                move |ns: Arc<PartialObjectMeta<Namespace>>, ctx: Arc<ReportContext>| {
+                    let backoffs = b1.clone();
+                    async move {
+                        let name = ns.name_any();
+                        timed(
+                            &ctx.metrics,
+                            reports::CONTROLLER,
+                            reports::reconcile_namespace(&name, &ctx),
+                            ReportError::kind,
+                            &backoffs,
+                            &name,
+                        )
+                        .await
+                    }
+                },
+                move |ns: Arc<PartialObjectMeta<Namespace>>, err: &ReportError, _| {
+                    error_action(&b2, &ns.name_any(), err.is_permanent(), err)
+                },
+                ctx,
+            );
+        async move {
+            tokio::join!(drain(controller), keeper);
+        }
+    };
     let policies_for_templates = policies.clone();
     let policies_for_conditions = policies.clone();
     let policies_for_admission = policies.clone();
@@ -749,7 +837,7 @@ where
         });
         Controller::for_stream(policy_changes, policies)
             .reconcile_all_on(stream::select(all, leader_gained(leadership.clone())))
-            .with_config(controller_config)
+            .with_config(controller_config.clone())
             .graceful_shutdown_on(stopped(sd_rx.clone()))
             .run(
                 move |p: Arc<GpuPolicy>, ctx: Arc<PolicyContext>| {
@@ -861,6 +949,7 @@ where
         drain(node_controller),
         drain(orphan_controller),
         drain(policy_controller),
+        report_controller,
         certs,
         templates,
         conditions,
@@ -938,6 +1027,122 @@ async fn dra_served(client: &Client) -> bool {
         Err(e) => {
             warn!(error = %error_chain(&e), "discovery of resource.k8s.io/v1 failed; no ResourceClaimTemplates are kept until restart");
             false
+        }
+    }
+}
+
+/// The Pod watch the report keeper starts once a report kind is served: the API, the cache it
+/// fills and where it sends the Pods whose inputs changed.
+struct PodWatch {
+    api: Api<Pod>,
+    writer: Writer<Pod>,
+    index: Arc<reports::PodIndex>,
+    changes: mpsc::UnboundedSender<Pod>,
+}
+
+impl PodWatch {
+    /// Starts the watch; it runs until shutdown.
+    fn start(self, shutdown: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+        // Only the name travels to the controller, which names it as the reconcile's reason.
+        let namespace_of = |pod: &Pod| Pod {
+            metadata: kube::api::ObjectMeta {
+                name: pod.metadata.name.clone(),
+                namespace: pod.metadata.namespace.clone(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let (changed, deleted) = (self.changes.clone(), self.changes);
+        let (seen, gone) = (self.index.clone(), self.index);
+        watch_kind(
+            self.api,
+            watcher::Config::default(),
+            reports::trim_pod,
+            self.writer,
+            shutdown,
+            route(
+                reports::pod_inputs,
+                move |p| {
+                    seen.insert(p);
+                    let _ = changed.send(namespace_of(p));
+                },
+                move |p| {
+                    gone.remove(p);
+                    let _ = deleted.send(namespace_of(p));
+                },
+            ),
+        )
+    }
+}
+
+/// Asks which report kinds the API server serves, at start and every few minutes, and says so
+/// once per change: where none is, the operator writes no reports and keeps running. Once one
+/// is, it starts the Pod watch (`pods`; `None` when reports are switched off) and, when its
+/// cache is complete and on every check and leadership gain, lists the reports left behind
+/// ([`reports::sweep`]) and wakes the report controller for every namespace (`all`).
+async fn report_kinds_loop(
+    ctx: Arc<ReportContext>,
+    mut pods: Option<PodWatch>,
+    all: mpsc::UnboundedSender<()>,
+    shutdown: watch::Receiver<bool>,
+) {
+    if pods.is_none() {
+        info!("PolicyReports are switched off (--policy-reports=false)");
+        return;
+    }
+    let mut leadership = ctx.leader.clone();
+    let mut known: Option<Vec<ReportKind>> = None;
+    loop {
+        let kinds = reports::discover_kinds(&ctx.client).await;
+        if known.as_ref() != Some(&kinds) {
+            if kinds.is_empty() {
+                warn!(
+                    "neither wgpolicyk8s.io/v1alpha2 PolicyReport nor openreports.io/v1alpha1 Report is served: no policy reports are written (checked again every {} s)",
+                    reports::RECHECK.as_secs()
+                );
+            } else {
+                let names: Vec<String> = kinds
+                    .iter()
+                    .map(|k| format!("{}/{}", k.api_version(), k.kind()))
+                    .collect();
+                info!(kinds = %names.join(", "), "writing one policy report per governed namespace");
+            }
+            if let Ok(mut k) = ctx.kinds.write() {
+                k.clone_from(&kinds);
+            }
+            // A kind that appeared holds none of what was written in the others.
+            ctx.forget_contents();
+            known = Some(kinds.clone());
+        }
+        if !kinds.is_empty() {
+            if let Some(watch) = pods.take() {
+                watch.start(shutdown.clone());
+                info!("watching Pods for policy reports");
+                tokio::select! {
+                    _ = ctx.pods.wait_until_ready() => {}
+                    () = stopped(shutdown.clone()) => return,
+                }
+                ctx.pods_ready.store(true, Ordering::Release);
+                info!(pods = ctx.pods.len(), "Pod cache synced");
+            }
+            if ctx.leader.is_leader() {
+                if let Err(e) = reports::sweep(&ctx).await {
+                    warn!(error = %error_chain(&e), "listing gpuwarden's reports failed; retrying at the next check");
+                }
+                let _ = all.send(());
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(reports::RECHECK) => {}
+            changed = leadership.changed() => {
+                match changed {
+                    None => return,
+                    // Another leader may have written since: every report is written again.
+                    Some(true) => ctx.forget_contents(),
+                    Some(false) => {}
+                }
+            }
+            () = stopped(shutdown.clone()) => return,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod mutate;
 pub mod nim;
 pub mod patch;
 pub mod pod;
+pub mod report;
 pub mod server;
 pub mod shutdown;
 pub mod tls;

@@ -27,6 +27,7 @@ use crate::engine::{self, ClaimSource, ClaimStore, Decision, Input, Operation, V
 use crate::manifest::{self, Document, ManifestError};
 use crate::nim;
 use crate::pod::PodView;
+use crate::report::{self, ReportKind, ReportResult, Subject, Timestamp};
 
 /// Exit code: everything would be admitted.
 pub const EXIT_ADMITTED: i32 = 0;
@@ -128,6 +129,10 @@ pub enum OutputFormat {
     Patch,
     /// A unified diff of each changed object.
     Diff,
+    /// One `wgpolicyk8s.io/v1alpha2` PolicyReport per namespace, listing what each pod
+    /// would have changed or refused, as the operator reports it for pods that run.
+    #[value(name = "policyreport")]
+    PolicyReport,
 }
 
 /// Flags of `gpuwarden-webhook mutate`.
@@ -153,7 +158,8 @@ pub struct MutateArgs {
     )]
     pub policies: Vec<PathBuf>,
 
-    /// Output: yaml (rewritten objects), json, patch (JSON patches) or diff.
+    /// Output: yaml (rewritten objects), json, patch (JSON patches), diff, or policyreport
+    /// (one PolicyReport per namespace).
     #[arg(
         short = 'o',
         long = "output",
@@ -215,11 +221,14 @@ struct Explanation {
     voids: bool,
     warnings: Vec<String>,
     denial: Option<String>,
+    /// The pod's policy report results.
+    results: Vec<ReportResult>,
 }
 
 impl Explanation {
-    fn of(decision: &Decision<'_>) -> Self {
+    fn of(decision: &Decision<'_>, subject: &Subject, found: Timestamp) -> Self {
         Self {
+            results: report::results(decision, subject, found),
             verdict: decision.verdict(),
             policy: decision.policy_reference().unwrap_or("").to_owned(),
             exempt: decision.exempt_reason().map(str::to_owned),
@@ -325,6 +334,7 @@ fn run_inner(
     // Second pass: each document is judged, explained and written, then dropped.
     let mut explainer = Explainer::default();
     let mut failure = None;
+    let now = Timestamp::of(jiff::Timestamp::now());
     let outcomes = texts
         .iter()
         .flat_map(|(path, text)| manifest::documents(path, text))
@@ -339,7 +349,7 @@ fn run_inner(
                     .unwrap_or_default(),
             );
             let labels = engine::namespace_labels_or_default(&namespace, Some(labels));
-            match judge(doc, namespace, &labels, &policies, &claims) {
+            match judge(doc, namespace, &labels, &policies, &claims, now) {
                 Ok(outcome) => {
                     explainer.explain(&outcome, stderr);
                     Some(outcome)
@@ -547,14 +557,31 @@ fn judge(
     labels: &BTreeMap<String, String>,
     policies: &[Arc<GpuPolicy>],
     claims: &ClaimStore,
+    now: Timestamp,
 ) -> Result<Outcome, MutateError> {
     let display = format!("{namespace}/{}", doc.name());
+    // A pod read back from a cluster is found when it was created, as the operator says.
+    let found_at = (doc.object.pointer("/metadata/creationTimestamp"))
+        .and_then(Value::as_str)
+        .and_then(Timestamp::parse)
+        .unwrap_or(now);
+    let subject = Subject {
+        api_version: (doc.object.get("apiVersion").and_then(Value::as_str))
+            .unwrap_or("v1")
+            .to_owned(),
+        kind: doc.kind().to_owned(),
+        namespace: namespace.clone(),
+        name: doc.name(),
+        uid: (doc.object.pointer("/metadata/uid").and_then(Value::as_str)).map(str::to_owned),
+    };
     let scope = Scope {
         namespace: &namespace,
         labels,
         display: &display,
         policies,
         claims,
+        subject: &subject,
+        found_at,
     };
     if nim::is_nim_service(&doc.object) {
         return judge_nim_service(doc, &scope);
@@ -619,6 +646,10 @@ struct Scope<'s> {
     display: &'s str,
     policies: &'s [Arc<GpuPolicy>],
     claims: &'s ClaimStore,
+    /// The object, as PolicyReport results name it.
+    subject: &'s Subject,
+    /// When its pods were found, for the results' timestamps.
+    found_at: Timestamp,
 }
 
 impl Scope<'_> {
@@ -644,7 +675,10 @@ impl Scope<'_> {
         let changes = (decision.verdict() != Verdict::Denied
             && decision.changes().next().is_some())
         .then(|| crate::patch::patch_for_view(&view, decision.changes()));
-        (Explanation::of(&decision), changes)
+        (
+            Explanation::of(&decision, self.subject, self.found_at),
+            changes,
+        )
     }
 }
 
@@ -1001,6 +1035,18 @@ fn write_output(
             });
             serde_json::to_writer_pretty(&mut *out, &Streamed(Some(patches).into()))?;
             writeln!(out)?;
+        }
+        OutputFormat::PolicyReport => {
+            let results = outcomes.flat_map(|o| {
+                (o.decisions.into_iter()).flat_map(|judged| judged.explanation.results)
+            });
+            let reports =
+                report::reports_by_namespace(results, gpuwarden_crds::reports::MAX_RESULTS);
+            for r in reports {
+                writeln!(out, "---")?;
+                let yaml = to_yaml(&r.to_object(ReportKind::PolicyReport));
+                out.write_all(yaml.strip_prefix("---\n").unwrap_or(&yaml).as_bytes())?;
+            }
         }
         OutputFormat::Diff => {
             for o in outcomes.filter(|o| o.after != o.doc.object) {

@@ -823,3 +823,90 @@ items:
     );
     assert!(r.stderr.contains("2 runtime variable keys"), "{}", r.stderr);
 }
+
+/// `-o policyreport`: one PolicyReport per namespace with a finding, each result naming the
+/// object, the container, the rule and the message the webhook gives; namespaces with
+/// nothing to report (here: exempt) get none; a denial is a result too.
+#[test]
+fn policyreport_output_lists_each_finding_per_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = "apiVersion: v1
+kind: Pod
+metadata:
+  name: web
+  namespace: kube-system
+spec:
+  containers:
+    - name: web
+      image: nginx:1.27
+";
+    let over = "apiVersion: v1
+kind: Pod
+metadata:
+  name: greedy
+  namespace: research
+  annotations:
+    gpuwarden.io/gpu-count: \"64\"
+spec:
+  containers:
+    - name: trainer
+      image: nvcr.io/nvidia/pytorch:24.05-py3
+      securityContext:
+        privileged: true
+";
+    let text = format!("{PRIVILEGED_POD}---\n{plain}---\n{over}");
+    let file = write(dir.path(), "pods.yaml", &text);
+    let r = run(&["-f", &file, "-o", "policyreport"]);
+    assert_eq!(
+        r.code, 1,
+        "the greedy pod would be denied; stderr:\n{}",
+        r.stderr
+    );
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&r.stdout).unwrap();
+    let namespaces: Vec<&str> = docs
+        .iter()
+        .map(|d| d["metadata"]["namespace"].as_str().unwrap())
+        .collect();
+    assert_eq!(namespaces, ["ml", "research"], "{}", r.stdout);
+    for d in &docs {
+        assert_eq!(d["apiVersion"], "wgpolicyk8s.io/v1alpha2");
+        assert_eq!(d["kind"], "PolicyReport");
+        assert_eq!(d["metadata"]["name"], "gpuwarden");
+    }
+    let ml = &docs[0];
+    let results = ml["results"].as_array().unwrap();
+    let privileged = results
+        .iter()
+        .find(|r| r["rule"] == "privileged-gpu")
+        .expect("privileged-gpu result");
+    assert_eq!(privileged["policy"], "default");
+    assert_eq!(privileged["source"], "gpuwarden");
+    assert_eq!(privileged["result"], "fail");
+    assert_eq!(privileged["properties"]["container"], "trainer");
+    assert_eq!(privileged["properties"]["verdict"], "rewritten");
+    assert_eq!(privileged["resources"][0]["kind"], "Pod");
+    assert_eq!(privileged["resources"][0]["name"], "train");
+    assert!(
+        privileged["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("container trainer: privileged removed"),
+        "{privileged:#?}"
+    );
+    assert!(
+        r.stderr.contains(privileged["message"].as_str().unwrap()),
+        "the message is the webhook's own: {}",
+        r.stderr
+    );
+    assert_eq!(ml["summary"]["fail"], results.len());
+    let research = &docs[1]["results"].as_array().unwrap();
+    let denied = research
+        .iter()
+        .find(|r| r["rule"] == "denied")
+        .expect("denied result");
+    assert_eq!(denied["properties"]["verdict"], "denied");
+    assert!(
+        denied["message"].as_str().unwrap().contains("64"),
+        "{denied:#?}"
+    );
+}

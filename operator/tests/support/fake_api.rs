@@ -43,7 +43,16 @@ pub struct FakeApi {
     pub deletes: AtomicU64,
     /// Every request but to events, as `METHOD path?query`, in order.
     pub requests: Mutex<Vec<String>>,
+    /// The report kinds discovery says are served, by `group/version`
+    /// (`wgpolicyk8s.io/v1alpha2`, `openreports.io/v1alpha1`).
+    pub served_reports: Mutex<Vec<&'static str>>,
 }
+
+/// The report kinds the fake can serve: `group/version`, resource, kind.
+const REPORT_KINDS: [(&str, &str, &str); 2] = [
+    ("wgpolicyk8s.io/v1alpha2", "policyreports", "PolicyReport"),
+    ("openreports.io/v1alpha1", "reports", "Report"),
+];
 
 /// JSON merge patch (RFC 7386): objects merge, null removes, anything else replaces.
 fn merge(target: &mut Value, patch: &Value) {
@@ -106,7 +115,33 @@ fn route(
     Option<String>,
     bool,
 )> {
-    let routes: [(&str, &str, &str, &str); 7] = [
+    // Reports: namespaced objects, kept as `namespace/name`; listed across namespaces.
+    for (version, plural, kind) in REPORT_KINDS {
+        let Some(rest) = path.strip_prefix(&format!("/apis/{version}/")) else {
+            continue;
+        };
+        let list_kind = match kind {
+            "PolicyReport" => "PolicyReportList",
+            _ => "ReportList",
+        };
+        if rest == plural {
+            return Some((plural, list_kind, version, None, false));
+        }
+        let parts: Vec<&str> = rest.split('/').collect();
+        if let ["namespaces", namespace, p, name] = parts[..]
+            && p == plural
+        {
+            return Some((
+                plural,
+                list_kind,
+                version,
+                Some(format!("{namespace}/{name}")),
+                false,
+            ));
+        }
+        return None;
+    }
+    let routes: [(&str, &str, &str, &str); 9] = [
         ("/api/v1/nodes", "nodes", "NodeList", "v1"),
         (
             "/apis/gpuwarden.io/v1alpha1/gpunodes",
@@ -144,6 +179,9 @@ fn route(
             "EventList",
             "events.k8s.io/v1",
         ),
+        // After the namespaced routes above, which it is a prefix of.
+        ("/api/v1/namespaces", "namespaces", "NamespaceList", "v1"),
+        ("/api/v1/pods", "pods", "PodList", "v1"),
     ];
     for (prefix, coll, kind, version) in routes {
         if let Some(rest) = path.strip_prefix(prefix) {
@@ -307,6 +345,31 @@ impl FakeApi {
             .unwrap_or_default()
     }
 
+    /// Serves a report kind's API group, as `served_reports` says.
+    pub fn serve_reports(&self, group_version: &'static str) {
+        self.served_reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(group_version);
+    }
+
+    /// The discovery document of a served report group, `None` for any other path.
+    fn discovery(&self, path: &str) -> Option<Value> {
+        let group_version = path.strip_prefix("/apis/")?;
+        let served = self
+            .served_reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let (version, plural, kind) = REPORT_KINDS
+            .into_iter()
+            .find(|(v, _, _)| *v == group_version && served.contains(v))?;
+        Some(json!({
+            "kind": "APIResourceList", "apiVersion": "v1", "groupVersion": version,
+            "resources": [{"name": plural, "singularName": "", "namespaced": true, "kind": kind,
+                "verbs": ["delete", "get", "list", "patch", "create", "watch"]}],
+        }))
+    }
+
     /// Answers one request.
     pub async fn handle(self: Arc<Self>, req: Request<kube::client::Body>) -> Response<Body> {
         let (parts, body) = req.into_parts();
@@ -328,6 +391,11 @@ impl FakeApi {
         query: &str,
         body: Bytes,
     ) -> Response<Body> {
+        if method == "GET"
+            && let Some(list) = self.discovery(path)
+        {
+            return json_response(StatusCode::OK, &list);
+        }
         let Some((coll, kind, version, name, status)) = route(path) else {
             return not_found();
         };

@@ -172,6 +172,60 @@ impl PartialEq for Report<'_> {
     }
 }
 
+/// Which of gpuwarden's rules a [`Finding`] falls under: the categories its reports name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Rule {
+    /// A privileged container of a pod with a GPU container loses its privilege, and a GPU
+    /// container gets an explicit request (rules 1 to 3).
+    PrivilegedGpu,
+    /// A container that is not privileged names GPUs or host devices itself (runtime
+    /// variables, device-list mounts), or the pod does (CDI or device-injection annotations,
+    /// device hostPath volumes): the leak is closed (rules 4 and 5).
+    Leak,
+    /// A container that holds no GPU gets `NVIDIA_VISIBLE_DEVICES=void`, or one that holds a
+    /// GPU resource loses its own `void` (the void rule).
+    Void,
+    /// What Enforce cannot rewrite and denies: a rewrite that would break the pod (do no
+    /// harm), a count over the policy's limits, an annotation it cannot read.
+    Denied,
+    /// The governing policy is invalid, so the pod is denied (fail closed).
+    InvalidPolicy,
+    /// A privileged or GPU-naming ephemeral container is denied.
+    Ephemeral,
+}
+
+impl Rule {
+    /// The rule's name in reports (`rule` of a PolicyReport result).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::PrivilegedGpu => "privileged-gpu",
+            Self::Leak => "gpu-leak",
+            Self::Void => "void",
+            Self::Denied => "denied",
+            Self::InvalidPolicy => "invalid-policy",
+            Self::Ephemeral => "ephemeral-container",
+        }
+    }
+
+    /// Whether a pod with this finding is refused (by Enforce or Deny), rather than changed.
+    pub fn denies(self) -> bool {
+        matches!(self, Self::Denied | Self::InvalidPolicy | Self::Ephemeral)
+    }
+}
+
+/// One thing gpuwarden changes, would change or refuses in a pod, with the message the
+/// webhook gives for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    /// The rule.
+    pub rule: Rule,
+    /// The container it is about; `None` for the pod as a whole.
+    pub container: Option<String>,
+    /// What happens and why, as the webhook's warning or denial says it (without the
+    /// `gpuwarden: ` prefix, and not clipped).
+    pub message: String,
+}
+
 /// What the engine decided about a pod.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Verdict {
@@ -693,6 +747,102 @@ impl<'a> Decision<'a> {
         warnings
     }
 
+    /// What the decision changes, would change or refuses, one [`Finding`] per container and
+    /// rule, then the pod's: the rewrite's (Enforce), what Audit would change or Deny
+    /// requires, what Enforce denies, the void rule's, an invalid policy, privileged
+    /// ephemeral containers. Empty for a pod that is not governed, exempt or needs nothing.
+    pub fn findings(&self) -> Vec<Finding> {
+        let mut out = Vec::new();
+        match &self.detail {
+            Detail::Create { plan, .. }
+                if matches!(
+                    self.verdict,
+                    Verdict::Rewritten | Verdict::Audited | Verdict::Denied
+                ) =>
+            {
+                let mut messages = Vec::new();
+                plan.push_warnings("", ": ", &mut messages);
+                let mut messages = messages.into_iter();
+                for (c, message) in plan.containers.iter().zip(messages.by_ref()) {
+                    out.push(Finding {
+                        rule: if c.deprivileged {
+                            Rule::PrivilegedGpu
+                        } else {
+                            Rule::Leak
+                        },
+                        container: Some(c.name.to_owned()),
+                        message,
+                    });
+                }
+                // What is left is the pod's own line.
+                out.extend(messages.map(|message| Finding {
+                    rule: Rule::Leak,
+                    container: None,
+                    message,
+                }));
+                out.extend(plan.denials.iter().map(|denial| Finding {
+                    rule: Rule::Denied,
+                    container: None,
+                    message: denial.clone(),
+                }));
+            }
+            Detail::Invalid(_) => out.push(Finding {
+                rule: Rule::InvalidPolicy,
+                container: None,
+                message: self.denial().map(unprefixed).unwrap_or_default(),
+            }),
+            Detail::Ephemeral { offending, .. } => {
+                let message = (self.denial())
+                    .or_else(|| self.warnings().into_iter().next())
+                    .map(unprefixed)
+                    .unwrap_or_default();
+                out.extend(offending.iter().map(|name| Finding {
+                    rule: Rule::Ephemeral,
+                    container: Some((*name).to_owned()),
+                    message: message.clone(),
+                }));
+            }
+            _ => {}
+        }
+        self.push_void_findings(&mut out);
+        out
+    }
+
+    /// The void rule's findings, where its warnings are given.
+    fn push_void_findings(&self, out: &mut Vec<Finding>) {
+        let Some(policy) = self.policy else { return };
+        let enforce = self.sets_void();
+        if !enforce && (policy.spec.mode != PolicyMode::Audit || self.verdict == Verdict::Denied) {
+            return;
+        }
+        if enforce {
+            out.extend(self.unvoided.iter().map(|u| Finding {
+                rule: Rule::Void,
+                container: Some(u.name.to_owned()),
+                message: format!(
+                    "{}: NVIDIA_VISIBLE_DEVICES=void removed, as it holds {}: the entry would hide the GPUs the kubelet allocates",
+                    u.name, u.resource
+                ),
+            }));
+        }
+        let how = if enforce { "" } else { " in Enforce" };
+        out.extend(self.voided.iter().map(|v| Finding {
+            rule: Rule::Void,
+            container: Some(v.name.to_owned()),
+            message: if v.claims {
+                format!(
+                    "{}: NVIDIA_VISIBLE_DEVICES=void{how}; what its ResourceClaims hold comes through CDI, not this variable",
+                    v.name
+                )
+            } else {
+                format!(
+                    "{}: NVIDIA_VISIBLE_DEVICES=void{how}, as it holds no GPU (an image's own value would hand it every GPU of the node)",
+                    v.name
+                )
+            },
+        }));
+    }
+
     /// The void rule's warnings: which containers get (Enforce) or would get (Audit)
     /// `NVIDIA_VISIBLE_DEVICES=void` and why; for a DaemonSet's pod, the exemption a node agent
     /// that reads every GPU needs, since the rule holds whatever the pod's owner.
@@ -850,6 +1000,14 @@ impl<'a> Decision<'a> {
             }
         }
         annotations
+    }
+}
+
+/// A message without the `gpuwarden: ` prefix a warning or denial starts with.
+fn unprefixed(message: String) -> String {
+    match message.strip_prefix("gpuwarden: ") {
+        Some(rest) => rest.to_owned(),
+        None => message,
     }
 }
 

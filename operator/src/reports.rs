@@ -1,0 +1,607 @@
+//! PolicyReports (docs/design.md, "PolicyReports"): one report per governed namespace, listing
+//! what gpuwarden's webhook would change or refuse in the pods that run there (Audit mode's
+//! findings, and pods created before their policy or while the webhook was bypassed).
+//!
+//! [`namespace_report`] is the pure core: the webhook's own engine
+//! ([`gpuwarden_webhook::engine::decide`]) on each pod of the namespace, its findings turned
+//! into results by [`gpuwarden_webhook::report`], the same module `mutate -o policyreport`
+//! prints with. [`reconcile_namespace`] writes the report by server-side apply in each report
+//! kind the API server serves ([`discover_kinds`]), only when it differs from what was last
+//! written, and deletes it when there is nothing to report. [`sweep`] lists the reports
+//! gpuwarden left (by label), so that those of namespaces with nothing to report go too.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{Arc, Mutex, RwLock};
+
+use gpuwarden_crds::reports::{FIELD_MANAGER_REPORTS, LABEL_MANAGED_BY, MAX_RESULTS, REPORT_NAME};
+use gpuwarden_crds::{GpuPolicy, error_chain, install};
+use gpuwarden_webhook::engine::{self, ClaimStore, Input, Operation};
+use gpuwarden_webhook::pod::PodView;
+use gpuwarden_webhook::report::{self, NamespaceReport, ReportKind, Subject, Timestamp};
+use k8s_openapi::api::core::v1::{Namespace, Pod, PodStatus};
+use kube::api::{
+    ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PartialObjectMeta,
+    Patch, PatchParams,
+};
+use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, Client, ResourceExt};
+use tracing::{debug, info, instrument};
+
+use crate::Leadership;
+use crate::metrics::Metrics;
+
+/// Controller name in metrics and logs.
+pub const CONTROLLER: &str = "policyreports";
+
+/// How long a namespace's changes gather before its report is computed: a Deployment
+/// scaled up is one write, not one per pod.
+pub const DEBOUNCE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How often the operator asks again which report kinds are served (a CRD installed later is
+/// found within this time), and lists the reports it left behind.
+pub const RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The annotation `kubectl apply` leaves on objects: a whole copy of the object, which the
+/// engine never reads.
+const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drops what the report never reads from a Pod (managed fields, `kubectl apply`'s copy, the
+/// status but its phase): at 150,000 pods that is most of the cache's memory.
+pub fn trim_pod(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    if let Some(annotations) = pod.metadata.annotations.as_mut() {
+        annotations.remove(LAST_APPLIED);
+    }
+    pod.status = pod.status.take().map(|s| PodStatus {
+        phase: s.phase,
+        ..Default::default()
+    });
+}
+
+/// What a namespace's report reads from a Pod: its identity, labels, annotations, owners,
+/// spec and whether it still runs. Status updates change none of these.
+pub fn pod_inputs(pod: &Pod) -> u64 {
+    let mut h = DefaultHasher::new();
+    pod.metadata.uid.hash(&mut h);
+    pod.metadata.labels.hash(&mut h);
+    pod.metadata.annotations.hash(&mut h);
+    serde_json::to_string(&pod.metadata.owner_references)
+        .unwrap_or_default()
+        .hash(&mut h);
+    serde_json::to_string(&pod.spec)
+        .unwrap_or_default()
+        .hash(&mut h);
+    finished(pod).hash(&mut h);
+    pod.metadata.deletion_timestamp.is_some().hash(&mut h);
+    h.finish()
+}
+
+/// Whether the pod's containers have all stopped for good: it holds no GPU any more.
+fn finished(pod: &Pod) -> bool {
+    let phase = (pod.status.as_ref()).and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed"))
+}
+
+/// The report of `namespace`: the results of every pod in it that has not finished, judged by
+/// the webhook's engine under `policies` with the namespace's `labels` as a pod created now
+/// would be, cut to `cap` results. A pod the webhook already rewrote needs nothing, so it
+/// adds none. ResourceClaims are read as `mutate` reads a manifest's: gpuwarden's own
+/// templates are taken to exist, and anything else counts by nothing.
+pub fn namespace_report<'p>(
+    namespace: &str,
+    labels: Option<&BTreeMap<String, String>>,
+    pods: impl IntoIterator<Item = &'p Pod>,
+    policies: &[Arc<GpuPolicy>],
+    cap: usize,
+) -> NamespaceReport {
+    let labels = engine::namespace_labels_or_default(namespace, labels.cloned());
+    let claims = ClaimStore::offline();
+    let mut results = Vec::new();
+    for pod in pods {
+        if pod.metadata.namespace.as_deref() != Some(namespace) || finished(pod) {
+            continue;
+        }
+        let Ok(value) = serde_json::to_value(pod) else {
+            continue;
+        };
+        let view = PodView::from_value(&value);
+        let name = pod.name_any();
+        let display = format!("{namespace}/{name}");
+        let input = Input {
+            pod: &view,
+            namespace,
+            namespace_labels: &labels,
+            operation: Operation::Create,
+            display_name: &display,
+            claims: &claims,
+            owner_kind: None,
+        };
+        let decision = engine::decide(&input, policies);
+        let subject = Subject {
+            api_version: "v1".to_owned(),
+            kind: "Pod".to_owned(),
+            namespace: namespace.to_owned(),
+            name,
+            uid: pod.metadata.uid.clone(),
+        };
+        let found = (pod.metadata.creation_timestamp.as_ref())
+            .map(|t| Timestamp::of(t.0))
+            .unwrap_or_default();
+        results.extend(report::results(&decision, &subject, found));
+    }
+    NamespaceReport::new(namespace, results, cap)
+}
+
+/// A hash of what a report says; equal hashes need no write.
+fn report_hash(report: &NamespaceReport) -> u64 {
+    let mut h = DefaultHasher::new();
+    report.results.hash(&mut h);
+    (report.summary.fail, report.summary.warn, report.omitted).hash(&mut h);
+    h.finish()
+}
+
+/// The report API of `kind`.
+fn report_api(client: &Client, kind: ReportKind, namespace: Option<&str>) -> Api<DynamicObject> {
+    let gvk = GroupVersionKind::gvk(kind.group(), kind.version(), kind.kind());
+    let resource = ApiResource::from_gvk_with_plural(&gvk, kind.plural());
+    match namespace {
+        Some(namespace) => {
+            Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &resource)
+        }
+        None => Api::<DynamicObject>::all_with(client.clone(), &resource),
+    }
+}
+
+/// Which report kinds the API server serves, in [`ReportKind::ALL`]'s order. A group that is
+/// not served (404) counts as no; so does one whose discovery fails, with the reason logged,
+/// until the next check.
+pub async fn discover_kinds(client: &Client) -> Vec<ReportKind> {
+    let mut served = Vec::new();
+    for kind in ReportKind::ALL {
+        match client.list_api_group_resources(&kind.api_version()).await {
+            Ok(list) if list.resources.iter().any(|r| r.name == kind.plural()) => {
+                served.push(kind);
+            }
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => {
+                tracing::warn!(
+                    api = %kind.api_version(),
+                    error = %error_chain(&e),
+                    "discovery of a report kind failed; taken as not served until the next check"
+                );
+            }
+        }
+    }
+    served
+}
+
+/// A report reconcile that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// Applying a report failed.
+    #[error("failed to apply {kind} {namespace}/{}", REPORT_NAME)]
+    Apply {
+        /// The report kind.
+        kind: &'static str,
+        /// Its namespace.
+        namespace: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Deleting a report failed.
+    #[error("failed to delete {kind} {namespace}/{}", REPORT_NAME)]
+    Delete {
+        /// The report kind.
+        kind: &'static str,
+        /// Its namespace.
+        namespace: String,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+    /// Listing gpuwarden's reports failed.
+    #[error("failed to list {kind} objects labelled {}", LABEL_MANAGED_BY)]
+    List {
+        /// The report kind.
+        kind: &'static str,
+        /// The API error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl ReportError {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Apply { source, .. }
+            | Self::Delete { source, .. }
+            | Self::List { source, .. } => crate::api_error_kind(source),
+        }
+    }
+
+    /// Whether retrying cannot help: the API server refuses the object itself.
+    pub fn is_permanent(&self) -> bool {
+        self.kind() == "invalid"
+    }
+}
+
+/// The names of the pods in each namespace, kept by the Pod watch's route, so that a
+/// namespace's reconcile reads its own pods from the cache rather than every pod of the
+/// cluster.
+#[derive(Debug, Default)]
+pub struct PodIndex(Mutex<HashMap<String, BTreeSet<String>>>);
+
+impl PodIndex {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, BTreeSet<String>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records a pod seen (added or changed).
+    pub fn insert(&self, pod: &Pod) {
+        if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
+            self.map()
+                .entry(ns.clone())
+                .or_default()
+                .insert(name.clone());
+        }
+    }
+
+    /// Forgets a deleted pod.
+    pub fn remove(&self, pod: &Pod) {
+        if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
+            let mut map = self.map();
+            if let Some(names) = map.get_mut(ns) {
+                names.remove(name);
+                if names.is_empty() {
+                    map.remove(ns);
+                }
+            }
+        }
+    }
+
+    /// The pods of `namespace` in `store`; names the store no longer holds (deleted while a
+    /// watch was re-listing) are forgotten.
+    pub fn pods(&self, namespace: &str, store: &Store<Pod>) -> Vec<Arc<Pod>> {
+        let mut map = self.map();
+        let Some(names) = map.get_mut(namespace) else {
+            return Vec::new();
+        };
+        let mut pods = Vec::with_capacity(names.len());
+        names.retain(
+            |name| match store.get(&ObjectRef::new(name).within(namespace)) {
+                Some(pod) => {
+                    pods.push(pod);
+                    true
+                }
+                None => false,
+            },
+        );
+        pods
+    }
+}
+
+/// What the report keeper reads and remembers.
+pub struct ReportContext {
+    /// API client.
+    pub client: Client,
+    /// Every Pod, trimmed ([`trim_pod`]).
+    pub pods: Store<Pod>,
+    /// Which pods each namespace holds.
+    pub index: Arc<PodIndex>,
+    /// Namespace labels.
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// GpuPolicies.
+    pub policies: Store<GpuPolicy>,
+    /// Only the leader writes.
+    pub leader: Leadership,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// The report kinds the API server serves, from the last discovery.
+    pub kinds: RwLock<Vec<ReportKind>>,
+    /// Whether the Pod cache holds a complete list.
+    pub pods_ready: std::sync::atomic::AtomicBool,
+    /// Per namespace with a report of gpuwarden's: the hash of what was last written there
+    /// (`None` when it was found by [`sweep`], its content unknown).
+    pub written: Mutex<HashMap<String, Option<u64>>>,
+    /// Most results per report.
+    pub cap: usize,
+}
+
+impl ReportContext {
+    /// A context with nothing written, no kind served and the default cap.
+    pub fn new(
+        client: Client,
+        pods: Store<Pod>,
+        namespaces: Store<PartialObjectMeta<Namespace>>,
+        policies: Store<GpuPolicy>,
+        leader: Leadership,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            client,
+            pods,
+            index: Arc::new(PodIndex::default()),
+            namespaces,
+            policies,
+            leader,
+            metrics,
+            kinds: RwLock::new(Vec::new()),
+            pods_ready: std::sync::atomic::AtomicBool::new(false),
+            written: Mutex::new(HashMap::new()),
+            cap: MAX_RESULTS,
+        }
+    }
+
+    /// The kinds served now.
+    pub fn kinds(&self) -> Vec<ReportKind> {
+        self.kinds.read().map(|k| k.clone()).unwrap_or_default()
+    }
+
+    /// Forgets what each report was last written with, so the next reconcile writes each
+    /// again (a new kind, another leader's writes).
+    pub fn forget_contents(&self) {
+        self.written().values_mut().for_each(|v| *v = None);
+    }
+
+    fn written(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<u64>>> {
+        self.written.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Keeps the report of one namespace: computes it from the caches, applies it where it
+/// changed, deletes it where there is nothing to report. Does nothing on a replica that is
+/// not the leader, where no report kind is served, or before the Pod cache is complete (an
+/// empty cache would delete every report).
+#[instrument(skip(ctx), fields(namespace = %namespace))]
+pub async fn reconcile_namespace(
+    namespace: &str,
+    ctx: &ReportContext,
+) -> Result<Action, ReportError> {
+    let kinds = ctx.kinds();
+    if !ctx.leader.is_leader()
+        || kinds.is_empty()
+        || !ctx.pods_ready.load(std::sync::atomic::Ordering::Acquire)
+    {
+        return Ok(Action::await_change());
+    }
+    let policies = ctx.policies.state();
+    let labels = (ctx.namespaces)
+        .get(&ObjectRef::new(namespace))
+        .and_then(|ns| ns.metadata.labels.clone());
+    let pods = ctx.index.pods(namespace, &ctx.pods);
+    let report = namespace_report(
+        namespace,
+        labels.as_ref(),
+        pods.iter().map(AsRef::as_ref),
+        &policies,
+        ctx.cap,
+    );
+    let last = ctx.written().get(namespace).copied();
+    if report.is_empty() {
+        if last.is_some() {
+            for kind in &kinds {
+                delete_report(ctx, *kind, namespace).await?;
+            }
+            ctx.written().remove(namespace);
+            info!(namespace, "nothing to report: report deleted");
+        }
+        return Ok(Action::await_change());
+    }
+    let hash = report_hash(&report);
+    if last == Some(Some(hash)) {
+        debug!(namespace, "report unchanged");
+        return Ok(Action::await_change());
+    }
+    for kind in &kinds {
+        apply_report(ctx, *kind, &report).await?;
+    }
+    ctx.written().insert(namespace.to_owned(), Some(hash));
+    info!(
+        namespace,
+        fail = report.summary.fail,
+        warn = report.summary.warn,
+        omitted = report.omitted,
+        "report written"
+    );
+    Ok(Action::await_change())
+}
+
+async fn apply_report(
+    ctx: &ReportContext,
+    kind: ReportKind,
+    report: &NamespaceReport,
+) -> Result<(), ReportError> {
+    let api = report_api(&ctx.client, kind, Some(&report.namespace));
+    let params = PatchParams::apply(FIELD_MANAGER_REPORTS).force();
+    api.patch(REPORT_NAME, &params, &Patch::Apply(report.to_object(kind)))
+        .await
+        .map_err(|source| ReportError::Apply {
+            kind: kind.kind(),
+            namespace: report.namespace.clone(),
+            source,
+        })?;
+    ctx.metrics.write(CONTROLLER, "apply");
+    Ok(())
+}
+
+async fn delete_report(
+    ctx: &ReportContext,
+    kind: ReportKind,
+    namespace: &str,
+) -> Result<(), ReportError> {
+    let api = report_api(&ctx.client, kind, Some(namespace));
+    match api.delete(REPORT_NAME, &DeleteParams::default()).await {
+        Ok(_) => {
+            ctx.metrics.write(CONTROLLER, "delete");
+            Ok(())
+        }
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Err(source) => Err(ReportError::Delete {
+            kind: kind.kind(),
+            namespace: namespace.to_owned(),
+            source,
+        }),
+    }
+}
+
+/// Finds the reports gpuwarden keeps (by [`LABEL_MANAGED_BY`]) in every kind served, so that
+/// the next reconcile of their namespaces deletes those with nothing to report; forgets
+/// namespaces that are gone. Run on becoming the leader and on every periodic check.
+pub async fn sweep(ctx: &ReportContext) -> Result<usize, ReportError> {
+    let selector = format!("{LABEL_MANAGED_BY}={}", install::OPERATOR_NAME);
+    let mut found = Vec::new();
+    for kind in ctx.kinds() {
+        let api = report_api(&ctx.client, kind, None);
+        let list = api
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|source| ReportError::List {
+                kind: kind.kind(),
+                source,
+            })?;
+        found.extend(
+            (list.items.into_iter())
+                .filter(|r| r.metadata.name.as_deref() == Some(REPORT_NAME))
+                .filter_map(|r| r.metadata.namespace),
+        );
+    }
+    let mut written = ctx.written();
+    for namespace in found {
+        written.entry(namespace).or_insert(None);
+    }
+    let namespaces = &ctx.namespaces;
+    written.retain(|ns, _| namespaces.get(&ObjectRef::new(ns)).is_some());
+    Ok(written.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    fn privileged(namespace: &str, name: &str) -> Value {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "uid": format!("uid-{name}")},
+            "spec": {"containers": [{"name": "trainer", "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+                "securityContext": {"privileged": true},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]}]},
+            "status": {"phase": "Running"}})
+    }
+
+    fn pod(value: Value) -> Pod {
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn default_policy() -> Vec<Arc<GpuPolicy>> {
+        vec![Arc::new(GpuPolicy::default_policy())]
+    }
+
+    /// The pod as the webhook admits it: the engine's patch applied.
+    fn admitted(mut value: Value, policies: &[Arc<GpuPolicy>]) -> Value {
+        let namespace = value["metadata"]["namespace"].as_str().unwrap().to_owned();
+        let labels = engine::namespace_labels_or_default(&namespace, None);
+        let patch = {
+            let view = PodView::from_value(&value);
+            let input = Input {
+                pod: &view,
+                namespace: &namespace,
+                namespace_labels: &labels,
+                operation: Operation::Create,
+                display_name: "x",
+                claims: &ClaimStore::offline(),
+                owner_kind: None,
+            };
+            let decision = engine::decide(&input, policies);
+            gpuwarden_webhook::patch::patch_for_view(&view, decision.changes())
+        };
+        json_patch::patch(&mut value, &patch.0).unwrap();
+        value
+    }
+
+    #[test]
+    fn a_pod_the_webhook_admitted_adds_nothing_one_that_bypassed_it_does() {
+        let policies = default_policy();
+        let before = privileged("ml", "bypassed");
+        let mut after = admitted(privileged("ml", "admitted"), &policies);
+        after["metadata"]["name"] = json!("admitted");
+        let mut done = privileged("ml", "done");
+        done["status"]["phase"] = json!("Succeeded");
+        let pods = [
+            pod(before),
+            pod(after),
+            pod(done),
+            pod(privileged("other", "elsewhere")),
+        ];
+        let report = namespace_report("ml", None, &pods, &policies, MAX_RESULTS);
+        let names: std::collections::BTreeSet<&str> = (report.results.iter())
+            .map(|r| r.resources[0].name.as_str())
+            .collect();
+        assert_eq!(names, ["bypassed"].into(), "{report:#?}");
+        let rules: Vec<&str> = report.results.iter().map(|r| r.rule.as_str()).collect();
+        assert!(rules.contains(&"privileged-gpu"), "{rules:?}");
+        assert!(
+            report
+                .results
+                .iter()
+                .all(|r| r.properties["verdict"] == "rewritten")
+        );
+    }
+
+    #[test]
+    fn a_namespace_no_policy_governs_has_nothing_to_report() {
+        let pods = [pod(privileged("kube-system", "driver"))];
+        let report = namespace_report("kube-system", None, &pods, &default_policy(), MAX_RESULTS);
+        assert!(report.is_empty(), "exempt namespace: {report:#?}");
+        let report = namespace_report("ml", None, &[pod(privileged("ml", "x"))], &[], MAX_RESULTS);
+        assert!(report.is_empty(), "no policy");
+    }
+
+    #[test]
+    fn a_crowded_namespace_is_cut_to_the_cap_and_says_how_many_were_left_out() {
+        let pods: Vec<Pod> = (0..40)
+            .map(|i| pod(privileged("ml", &format!("p{i:02}"))))
+            .collect();
+        let full = namespace_report("ml", None, &pods, &default_policy(), usize::MAX);
+        let per_pod = full.results.len() / 40;
+        assert!(per_pod >= 1);
+        let cut = namespace_report("ml", None, &pods, &default_policy(), 25);
+        assert_eq!(cut.results.len(), 25);
+        assert_eq!(cut.omitted, full.results.len() - 25);
+        assert_eq!(cut.summary, full.summary, "the summary counts every result");
+        assert_eq!(
+            cut.results[..],
+            full.results[..25],
+            "the first in order are kept"
+        );
+    }
+
+    #[test]
+    fn trimming_keeps_what_the_engine_reads_and_status_updates_are_not_inputs() {
+        let mut value = privileged("ml", "p");
+        value["metadata"]["annotations"] =
+            json!({LAST_APPLIED: "{...}", "cdi.k8s.io/x": "nvidia.com/gpu=all"});
+        value["metadata"]["managedFields"] = json!([{"manager": "kubectl"}]);
+        value["status"]["podIP"] = json!("10.0.0.1");
+        let mut p = pod(value);
+        trim_pod(&mut p);
+        assert!(p.metadata.managed_fields.is_none());
+        let annotations = p.metadata.annotations.clone().unwrap();
+        assert!(!annotations.contains_key(LAST_APPLIED));
+        assert!(annotations.contains_key("cdi.k8s.io/x"));
+        assert_eq!(p.status.as_ref().and_then(|s| s.pod_ip.clone()), None);
+        assert_eq!(
+            p.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Running")
+        );
+        let inputs = pod_inputs(&p);
+        p.metadata.resource_version = Some("42".into());
+        assert_eq!(pod_inputs(&p), inputs, "resourceVersion");
+        p.spec.as_mut().unwrap().containers[0].image = Some("other".into());
+        assert_ne!(pod_inputs(&p), inputs, "spec");
+    }
+}
