@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod node_controller;
 pub mod policy_controller;
 mod runner;
+pub mod uninstall;
 pub mod webhook_certs;
 pub mod webhook_conditions;
 
