@@ -17,9 +17,15 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpuwarden_e2e::cluster::{Cluster, skip, visible_in_log};
 use gpuwarden_e2e::helm::{CHART, HELM_ONLY, helm, helm_required, kubectl};
+use gpuwarden_e2e::image::write_oci_layout;
+use gpuwarden_e2e::install::installed;
 use gpuwarden_e2e::manifests::{Document, load_file, parse_documents, repo_root};
-use gpuwarden_e2e::node::{Out, exec};
+use gpuwarden_e2e::node::{
+    NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs, local_node_problem,
+};
+use gpuwarden_e2e::readme::readme_block_in;
 use serde_json::Value;
 
 /// `helm`, or `None` after printing why the test is skipped (a panic where helm is required).
@@ -92,7 +98,9 @@ fn normalized(value: Value) -> Value {
             _ => Value::Number(n),
         },
         Value::Array(items) => Value::Array(items.into_iter().map(normalized).collect()),
-        Value::Object(map) => Value::Object(map.into_iter().map(|(k, v)| (k, normalized(v))).collect()),
+        Value::Object(map) => {
+            Value::Object(map.into_iter().map(|(k, v)| (k, normalized(v))).collect())
+        }
         other => other,
     }
 }
@@ -136,7 +144,8 @@ fn without_hook(docs: Vec<Document>) -> Vec<Document> {
     assert_eq!(names, expected, "the chart's Helm-only objects");
     for hook in &hooks {
         assert_eq!(
-            hook.value["metadata"]["annotations"]["helm.sh/hook"], "pre-delete",
+            hook.value["metadata"]["annotations"]["helm.sh/hook"],
+            "pre-delete",
             "{}",
             hook.id()
         );
@@ -149,7 +158,12 @@ fn without_hook(docs: Vec<Document>) -> Vec<Document> {
 fn kustomize(dir: &Path) -> Option<Vec<Document>> {
     let kubectl = kubectl()?;
     let out = exec(Command::new(kubectl).arg("kustomize").arg(dir), None);
-    assert!(out.ok, "kubectl kustomize {} failed: {}", dir.display(), out.stderr);
+    assert!(
+        out.ok,
+        "kubectl kustomize {} failed: {}",
+        dir.display(),
+        out.stderr
+    );
     Some(parse_documents("kubectl kustomize", &out.stdout).unwrap_or_else(|e| panic!("{e}")))
 }
 
@@ -191,7 +205,11 @@ fn default_values_render_the_kustomize_base_object_for_object() {
     let base = keyed(base);
     let chart = keyed(without_hook(template(&helm, &[])));
     let diff = differences(&base, &chart);
-    assert!(diff.is_empty(), "helm template vs {from}:\n{}", diff.join("\n"));
+    assert!(
+        diff.is_empty(),
+        "helm template vs {from}:\n{}",
+        diff.join("\n")
+    );
     eprintln!("helm template == {from}: {} objects", base.len());
 }
 
@@ -218,7 +236,10 @@ components:
     );
     std::fs::write(work.path().join("kustomization.yaml"), overlay).expect("write the overlay");
     let Some(base) = kustomize(work.path()) else {
-        assert!(!helm_required(), "{test}: kubectl is required with helm (kubectl kustomize)");
+        assert!(
+            !helm_required(),
+            "{test}: kubectl is required with helm (kubectl kustomize)"
+        );
         eprintln!("SKIPPED {test}: no kubectl for `kubectl kustomize`");
         return;
     };
@@ -295,7 +316,10 @@ fn values_reach_the_objects_they_name() {
         for c in spec["containers"].as_array().expect("containers") {
             assert_eq!(c["image"], image.as_str(), "{kind}/{name}");
         }
-        assert_eq!(spec["imagePullSecrets"][0]["name"], "regcred", "{kind}/{name}");
+        assert_eq!(
+            spec["imagePullSecrets"][0]["name"], "regcred",
+            "{kind}/{name}"
+        );
     }
     let webhook = get("Deployment", "gpuwarden-webhook");
     assert_eq!(webhook["spec"]["replicas"], 3);
@@ -311,26 +335,38 @@ fn values_reach_the_objects_they_name() {
     assert_eq!(operator["spec"]["replicas"], 1);
     let env = &operator["spec"]["template"]["spec"]["containers"][0]["env"];
     assert!(
-        env.as_array().expect("env").iter().any(|e| e["name"]
-            == "GPUWARDEN_ADMISSION_POLICIES"
-            && e["value"] == "false"),
+        env.as_array()
+            .expect("env")
+            .iter()
+            .any(|e| e["name"] == "GPUWARDEN_ADMISSION_POLICIES" && e["value"] == "false"),
         "{env}"
     );
     let agent = &get("DaemonSet", "gpuwarden-node-agent")["spec"]["template"]["spec"];
     assert_eq!(agent["nodeSelector"], serde_json::json!({"pool": "gpu"}));
-    assert_eq!(agent["tolerations"], serde_json::json!([{"operator": "Exists"}]));
+    assert_eq!(
+        agent["tolerations"],
+        serde_json::json!([{"operator": "Exists"}])
+    );
     assert_eq!(agent["priorityClassName"], "system-node-critical");
     let policy = &get("GpuPolicy", "default")["spec"];
     assert_eq!(policy["mode"], "Audit");
-    let namespaces = policy["exemptions"]["namespaces"].as_array().expect("namespaces");
+    let namespaces = policy["exemptions"]["namespaces"]
+        .as_array()
+        .expect("namespaces");
     assert_eq!(namespaces.last().and_then(Value::as_str), Some("ml-infra"));
-    assert!(namespaces.iter().any(|n| n == "kube-system"), "{namespaces:?}");
+    assert!(
+        namespaces.iter().any(|n| n == "kube-system"),
+        "{namespaces:?}"
+    );
     assert_eq!(
         policy["gpu"]["sharing"]["kai"],
         serde_json::json!({"binder": "kai/binder"})
     );
     // Off: no PodDisruptionBudget for the webhook.
-    let off = keyed(template(&helm, &["webhook.podDisruptionBudget.enabled=false"]));
+    let off = keyed(template(
+        &helm,
+        &["webhook.podDisruptionBudget.enabled=false"],
+    ));
     assert!(
         !off.keys()
             .any(|(_, k, _, n)| k == "PodDisruptionBudget" && n == "gpuwarden-webhook")
@@ -348,7 +384,18 @@ fn a_misspelt_value_fails_template_and_lint() {
         ("nodeAgent.tolerations[0].efect=NoSchedule", "efect"),
         ("defaultPolicy.exemptions.namespace[0]=x", "namespace"),
     ] {
-        let out = run_helm(&helm, &["template", "gpuwarden", CHART, "-n", "kube-system", "--set", set]);
+        let out = run_helm(
+            &helm,
+            &[
+                "template",
+                "gpuwarden",
+                CHART,
+                "-n",
+                "kube-system",
+                "--set",
+                set,
+            ],
+        );
         assert!(!out.ok, "--set {set} was accepted");
         assert!(
             out.stderr.contains("additional properties") && out.stderr.contains(key),
@@ -358,14 +405,40 @@ fn a_misspelt_value_fails_template_and_lint() {
         let lint = run_helm(&helm, &["lint", "--strict", CHART, "--set", set]);
         assert!(!lint.ok, "helm lint --set {set} passed");
     }
-    let bad = run_helm(&helm, &["template", "gpuwarden", CHART, "-n", "kube-system", "--set", "defaultPolicy.mode=enforce"]);
+    let bad = run_helm(
+        &helm,
+        &[
+            "template",
+            "gpuwarden",
+            CHART,
+            "-n",
+            "kube-system",
+            "--set",
+            "defaultPolicy.mode=enforce",
+        ],
+    );
     assert!(!bad.ok, "mode enforce (lower case) was accepted");
     // The release may not live in the namespace it creates and deletes.
-    let same = run_helm(&helm, &["template", "gpuwarden", CHART, "-n", "gpuwarden-system"]);
-    assert!(!same.ok && same.stderr.contains("namespace.create"), "{}", same.stderr);
+    let same = run_helm(
+        &helm,
+        &["template", "gpuwarden", CHART, "-n", "gpuwarden-system"],
+    );
+    assert!(
+        !same.ok && same.stderr.contains("namespace.create"),
+        "{}",
+        same.stderr
+    );
     let own = run_helm(
         &helm,
-        &["template", "gpuwarden", CHART, "-n", "gpuwarden-system", "--set", "namespace.create=false"],
+        &[
+            "template",
+            "gpuwarden",
+            CHART,
+            "-n",
+            "gpuwarden-system",
+            "--set",
+            "namespace.create=false",
+        ],
     );
     assert!(own.ok, "{}", own.stderr);
     assert!(!own.stdout.contains("kind: Namespace"));
@@ -377,5 +450,593 @@ fn the_chart_passes_strict_lint() {
         return;
     };
     let out = run_helm(&helm, &["lint", "--strict", CHART]);
-    assert!(out.ok, "helm lint --strict {CHART}: {}{}", out.stdout, out.stderr);
+    assert!(
+        out.ok,
+        "helm lint --strict {CHART}: {}{}",
+        out.stdout, out.stderr
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// On a cluster.
+
+/// The image the test builds and imports, and the release's values that point at it.
+const IMAGE_REPOSITORY: &str = "localhost/gpuwarden";
+const IMAGE_TAG: &str = "helm-e2e";
+/// An NVIDIA component the default policy exempts in `gpu-operator` (busybox, tagged so).
+const EXEMPT_IMAGE: &str = "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless";
+const EXEMPT_NAMESPACE: &str = "gpu-operator";
+const BINARIES: [&str; 3] = [
+    "gpuwarden-webhook",
+    "gpuwarden-operator",
+    "gpuwarden-node-agent",
+];
+
+fn kube(args: &[&str]) -> Out {
+    exec(Command::new("kubectl").args(args), None)
+}
+
+fn kube_stdin(args: &[&str], stdin: &str) -> Out {
+    exec(Command::new("kubectl").args(args), Some(stdin))
+}
+
+fn kube_must(args: &[&str]) -> String {
+    let out = kube(args);
+    assert!(out.ok, "kubectl {} failed: {}", args.join(" "), out.stderr);
+    out.stdout
+}
+
+fn kube_json(args: &[&str]) -> Option<Value> {
+    let mut all = vec!["get"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["-o", "json"]);
+    let out = kube(&all);
+    out.ok
+        .then(|| serde_json::from_str(&out.stdout).ok())
+        .flatten()
+}
+
+fn poll<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = check() {
+            return Some(v);
+        }
+        if start.elapsed() >= timeout {
+            return None;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// One README statement through bash in the repository root, `helm` from [`helm`] first
+/// on `PATH`; its output and duration.
+fn run_statement(helm: &Path, statement: &str) -> (Out, Duration) {
+    eprintln!("$ {statement}");
+    let dir = helm.parent().map(Path::to_path_buf).unwrap_or_default();
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let start = Instant::now();
+    let out = exec(
+        Command::new("bash")
+            .arg("-c")
+            .arg(statement)
+            .env("PATH", path)
+            .current_dir(repo_root()),
+        None,
+    );
+    eprint!("{}{}", out.stdout, out.stderr);
+    (out, start.elapsed())
+}
+
+/// The statements of a README block: each line, and a `for` loop with its body as one.
+fn statements(lines: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut in_loop = false;
+    for line in lines {
+        if in_loop {
+            let last = out.last_mut().expect("the loop's first line");
+            last.push('\n');
+            last.push_str(line);
+            in_loop = line.trim() != "done";
+        } else if !line.trim().is_empty() {
+            in_loop = line.trim_start().starts_with("for ");
+            out.push(line.clone());
+        }
+    }
+    out
+}
+
+/// The image values the test adds to each `helm install` and `helm upgrade`.
+fn image_values() -> String {
+    format!(
+        " --set image.repository={IMAGE_REPOSITORY} --set image.tag={IMAGE_TAG} --set image.pullPolicy=Never"
+    )
+}
+
+/// What the test made, removed on drop (also when it fails).
+struct Cleanup {
+    helm: PathBuf,
+    installed: bool,
+    namespaces: Vec<String>,
+    images_before: Option<std::collections::BTreeSet<String>>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if std::mem::take(&mut self.installed) {
+            for block in [
+                readme_block_in("Uninstall", "With Helm"),
+                readme_block_in("Uninstall", "With the manifests"),
+            ] {
+                for statement in statements(&block) {
+                    let _ = run_statement(&self.helm, &statement);
+                }
+            }
+        }
+        for ns in std::mem::take(&mut self.namespaces) {
+            let _ = kube(&[
+                "delete",
+                "namespace",
+                &ns,
+                "--ignore-not-found",
+                "--wait=false",
+            ]);
+        }
+        if let Some(before) = self.images_before.take() {
+            for image in image_refs().difference(&before) {
+                let _ = ctr(&["images", "rm", image]);
+            }
+        }
+    }
+}
+
+/// The node adaptations the in-cluster test's overlay makes, as a strategic merge patch of
+/// the node agent: NVML from `GPUWARDEN_E2E_DRIVER_ROOT` where the node has no NVIDIA
+/// runtime, and no `HostToContainer` where the node's `/run` mount is private. None where
+/// the node needs neither.
+fn node_patch() -> Option<String> {
+    let mut containers = Vec::new();
+    let mut volumes = Vec::new();
+    if let Some(root) = std::env::var_os("GPUWARDEN_E2E_DRIVER_ROOT") {
+        let root = PathBuf::from(root);
+        let lib = ["usr/lib64", "usr/lib/x86_64-linux-gnu", "lib64", "usr/lib"]
+            .iter()
+            .map(|d| root.join(d))
+            .find(|d| d.join("libnvidia-ml.so.1").exists())
+            .unwrap_or_else(|| panic!("no libnvidia-ml.so.1 under {}", root.display()));
+        let mut dirs = vec![("nvml", lib.clone())];
+        if root.join("config").is_dir() {
+            dirs.push(("nvml-config", root.join("config")));
+        }
+        volumes.extend(dirs.iter().map(|(name, path)| {
+            serde_json::json!({"name": name, "hostPath": {"path": path, "type": "Directory"}})
+        }));
+        containers.push(serde_json::json!({
+            "name": "node-agent",
+            "env": [{"name": "LD_LIBRARY_PATH", "value": lib}],
+            "volumeMounts": dirs.iter().map(|(name, path)| serde_json::json!({"name": name, "mountPath": path, "readOnly": true})).collect::<Vec<_>>(),
+        }));
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let run_propagates = mountinfo.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        matches!(f.get(4), Some(&"/run") | Some(&"/var/run") | Some(&"/"))
+            && f.iter()
+                .skip(6)
+                .take_while(|x| **x != "-")
+                .any(|x| x.starts_with("shared:") || x.starts_with("master:"))
+    });
+    if !run_propagates {
+        containers.push(serde_json::json!({
+            "name": "runtime-report",
+            "volumeMounts": [{"name": "host-var-run", "mountPath": "/host/var/run", "mountPropagation": "None"}],
+        }));
+    }
+    if containers.is_empty() {
+        return None;
+    }
+    Some(serde_json::json!({"spec": {"template": {"spec": {"containers": containers, "volumes": volumes}}}}).to_string())
+}
+
+fn patch_node_agent() {
+    if let Some(patch) = node_patch() {
+        kube_must(&[
+            "-n",
+            "gpuwarden-system",
+            "patch",
+            "ds/gpuwarden-node-agent",
+            "--type=strategic",
+            "-p",
+            &patch,
+        ]);
+    }
+}
+
+/// The cluster's gpuwarden objects: by the label every one carries, by name, the
+/// operator's kept admission policies and claim templates, and the webhook's `caBundle`.
+fn leftovers() -> Vec<String> {
+    let mut out = Vec::new();
+    let by_label = [
+        (
+            "app.kubernetes.io/part-of=gpuwarden",
+            "clusterroles,clusterrolebindings,validatingadmissionpolicies,validatingadmissionpolicybindings,mutatingwebhookconfigurations,customresourcedefinitions,namespaces",
+        ),
+        (
+            "app.kubernetes.io/part-of=gpuwarden",
+            "serviceaccounts,jobs,pods,secrets,configmaps,roles,rolebindings,deployments,daemonsets,services",
+        ),
+        (
+            "app.kubernetes.io/managed-by=gpuwarden-operator",
+            "validatingadmissionpolicies,validatingadmissionpolicybindings",
+        ),
+    ];
+    for (selector, kinds) in by_label {
+        let o = kube(&["get", kinds, "-A", "-l", selector, "-o", "name"]);
+        out.extend(o.stdout.lines().map(str::to_owned));
+    }
+    for kind in [
+        "mutatingadmissionpolicies",
+        "mutatingadmissionpolicybindings",
+    ] {
+        let o = kube(&[
+            "get",
+            kind,
+            "-l",
+            "app.kubernetes.io/part-of=gpuwarden",
+            "-o",
+            "name",
+        ]);
+        out.extend(o.stdout.lines().map(str::to_owned));
+    }
+    let o = kube(&[
+        "get",
+        "resourceclaimtemplates",
+        "-A",
+        "-l",
+        "gpuwarden.io/claim-template",
+        "-o",
+        "name",
+    ]);
+    out.extend(o.stdout.lines().map(str::to_owned));
+    for (kind, name) in [
+        ("namespace", "gpuwarden-system"),
+        ("crd", "gpupolicies.gpuwarden.io"),
+        ("crd", "gpunodes.gpuwarden.io"),
+        ("mutatingwebhookconfiguration", "gpuwarden"),
+        ("clusterrole", "gpuwarden-operator"),
+        ("clusterrole", "gpuwarden-uninstall"),
+        ("validatingadmissionpolicy", "gpuwarden-privileged-gpu-pods"),
+    ] {
+        let o = kube(&["get", kind, name, "--ignore-not-found", "-o", "name"]);
+        out.extend(o.stdout.lines().map(str::to_owned));
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[test]
+#[ignore = "needs a cluster: root on a one-node cluster's node with NVIDIA's device plugin, ctr, helm; KUBECONFIG=... cargo test -p gpuwarden-e2e --test helm -- --ignored --nocapture --test-threads=1"]
+fn helm_install_upgrade_and_uninstall_on_a_real_node() {
+    let test = "helm_install_upgrade_and_uninstall_on_a_real_node";
+    assert!(
+        std::env::var_os("KUBECONFIG").is_some(),
+        "KUBECONFIG is not set: this test installs and uninstalls gpuwarden, so point it at a disposable cluster"
+    );
+    let Some(helm) = helm_or_skip(test) else {
+        return;
+    };
+    let helm = helm.canonicalize().unwrap_or(helm);
+    let Some(gpu_node) = gpu_node_in(&kube_json(&["nodes"]).expect("list nodes")).cloned() else {
+        skip(test, NEEDS_GPU_NODE);
+        return;
+    };
+    if let Some(why) = local_node_problem(&gpu_node, &["kubectl", "tar", "sha256sum", "ldd"]) {
+        skip(test, &why);
+        return;
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let present = runtime.block_on(async {
+        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+        installed(&cluster, Duration::from_secs(120)).await
+    });
+    match present {
+        Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
+        Ok(objects) if !objects.is_empty() => panic!(
+            "gpuwarden is installed here ({}); this test would delete it",
+            objects.join(", ")
+        ),
+        Ok(_) => {}
+    }
+    let mut summary = Vec::new();
+    let mut cleanup = Cleanup {
+        helm: helm.clone(),
+        installed: false,
+        namespaces: Vec::new(),
+        images_before: None,
+    };
+
+    // 1. The image from this workspace's binaries, imported into the node's containerd.
+    let before = image_refs();
+    assert!(
+        !before.is_empty(),
+        "ctr lists no image (run as root, on the node)"
+    );
+    let exempt_present = before.contains(EXEMPT_IMAGE);
+    cleanup.images_before = Some(before);
+    let dir = std::env::var_os("GPUWARDEN_E2E_BINARIES").map_or_else(
+        || {
+            std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| repo_root().join("target"), PathBuf::from)
+                .join("release")
+        },
+        PathBuf::from,
+    );
+    let binaries: Vec<PathBuf> = BINARIES.iter().map(|b| dir.join(b)).collect();
+    for b in &binaries {
+        assert!(
+            b.is_file(),
+            "{} is missing: cargo build --release -p gpuwarden-webhook -p gpuwarden-operator -p gpuwarden-node-agent, or set GPUWARDEN_E2E_BINARIES",
+            b.display()
+        );
+    }
+    let work = tempfile::tempdir().expect("a temporary directory");
+    let tar = work.path().join("gpuwarden.oci.tar");
+    let image_dir = work.path().join("image");
+    std::fs::create_dir_all(&image_dir).expect("image directory");
+    let image = format!("{IMAGE_REPOSITORY}:{IMAGE_TAG}");
+    write_oci_layout(&image_dir, &tar, &image, &binaries).unwrap_or_else(|e| panic!("{e}"));
+    let import = ctr(&[
+        "images",
+        "import",
+        "--platform",
+        "linux/amd64",
+        &tar.to_string_lossy(),
+    ]);
+    assert!(import.ok, "ctr images import failed: {}", import.stderr);
+    if !exempt_present {
+        let tag = ctr(&["images", "tag", &busybox(), EXEMPT_IMAGE]);
+        assert!(tag.ok, "ctr images tag failed: {}", tag.stderr);
+    }
+
+    // 2. The README's Helm install, with the image values; the node's adaptations patched
+    // onto the node agent before the rollout loop.
+    let install = statements(&readme_block_in("Install", "With Helm"));
+    assert!(install[0].starts_with("helm install "), "{install:#?}");
+    cleanup.installed = true;
+    for (i, statement) in install.iter().enumerate() {
+        let statement = if i == 0 {
+            format!("{statement}{}", image_values())
+        } else {
+            statement.clone()
+        };
+        if i == 1 {
+            patch_node_agent();
+        }
+        let (out, took) = run_statement(&helm, &statement);
+        assert!(
+            out.ok,
+            "`{statement}` failed after {took:?}: {}\n{}",
+            out.stderr,
+            kube(&["-n", "gpuwarden-system", "get", "pods", "-o", "wide"]).stdout
+        );
+        summary.push(format!(
+            "`{}` {:.1} s",
+            statement.lines().next().unwrap_or_default(),
+            took.as_secs_f64()
+        ));
+    }
+    let ready = poll(Duration::from_secs(120), || {
+        let p = kube_json(&["gpupolicy", "default"])?;
+        (p["status"]["conditions"].as_array()?.iter())
+            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            .then_some(())
+    });
+    assert!(
+        ready.is_some(),
+        "the default GpuPolicy never became Ready: {}",
+        kube(&["get", "gpupolicy", "default", "-o", "yaml"]).stdout
+    );
+    summary.push("GpuPolicy default Ready".into());
+
+    // 3. A privileged GPU pod naming GPUs 0,1: stored rewritten, runs with exactly two.
+    let ns = format!("gpuwarden-helm-e2e-{:08x}", rand::random::<u32>());
+    kube_must(&["create", "namespace", &ns]);
+    cleanup.namespaces.push(ns.clone());
+    let pod = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "train", "namespace": ns},
+        "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "train", "image": busybox(), "imagePullPolicy": "IfNotPresent",
+            "command": ["sh", "-c", "env; sleep 3600"],
+            "securityContext": {"privileged": true},
+            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}],
+        }]},
+    });
+    let created = kube_stdin(&["create", "-f", "-", "-o", "json"], &pod.to_string());
+    assert!(created.ok, "the GPU pod was refused: {}", created.stderr);
+    let stored: Value = serde_json::from_str(&created.stdout).expect("the stored pod");
+    let c = &stored["spec"]["containers"][0];
+    assert_eq!(c["securityContext"]["privileged"], false, "{c:#}");
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2", "{c:#}");
+    let running = kube(&[
+        "-n",
+        &ns,
+        "wait",
+        "--for=condition=Ready",
+        "pod/train",
+        "--timeout=180s",
+    ]);
+    assert!(
+        running.ok,
+        "the rewritten pod never ran: {}",
+        kube(&["-n", &ns, "describe", "pod", "train"]).stdout
+    );
+    let log = poll(Duration::from_secs(30), || {
+        let o = kube(&["-n", &ns, "logs", "train"]);
+        o.stdout
+            .contains("NVIDIA_VISIBLE_DEVICES=")
+            .then_some(o.stdout)
+    })
+    .expect("the container printed its environment");
+    let seen = visible_in_log(&log);
+    assert_eq!(seen.len(), 2, "the process sees {seen:?}");
+    assert!(
+        seen.iter().all(|id| id.starts_with("GPU-")) && seen[0] != seen[1],
+        "{seen:?}"
+    );
+    summary.push(format!(
+        "privileged pod rewritten (nvidia.com/gpu: 2), sees {seen:?}"
+    ));
+
+    // 4. The webhook at 0 replicas: an exempt NVIDIA component is admitted.
+    let condition = poll(Duration::from_secs(60), || {
+        let names = kube(&[
+            "get",
+            "mutatingwebhookconfiguration",
+            "gpuwarden",
+            "-o",
+            "jsonpath={.webhooks[0].matchConditions[*].name}",
+        ])
+        .stdout;
+        names.contains("gpuwarden-not-exempt").then_some(names)
+    });
+    assert!(
+        condition.is_some(),
+        "the operator never wrote gpuwarden-not-exempt"
+    );
+    kube_must(&[
+        "-n",
+        "gpuwarden-system",
+        "scale",
+        "deploy/gpuwarden-webhook",
+        "--replicas=0",
+    ]);
+    let down = poll(Duration::from_secs(120), || {
+        let pods = kube_json(&[
+            "pods",
+            "-n",
+            "gpuwarden-system",
+            "-l",
+            "app.kubernetes.io/name=gpuwarden-webhook",
+        ])?;
+        pods["items"].as_array()?.is_empty().then_some(())
+    });
+    assert!(down.is_some(), "webhook pods remain at 0 replicas");
+    if kube(&["get", "namespace", EXEMPT_NAMESPACE]).ok {
+        // Someone else's: only the test's pod is removed.
+    } else {
+        kube_must(&["create", "namespace", EXEMPT_NAMESPACE]);
+        cleanup.namespaces.push(EXEMPT_NAMESPACE.into());
+    }
+    let exporter = serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("helm-e2e-exporter-{}", &ns[ns.len() - 8..]), "namespace": EXEMPT_NAMESPACE},
+        "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "nvidia-dcgm-exporter", "image": EXEMPT_IMAGE, "imagePullPolicy": "IfNotPresent",
+            "command": ["sleep", "3600"], "securityContext": {"privileged": true},
+            "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+        }]},
+    });
+    let admitted = kube_stdin(
+        &["create", "--dry-run=server", "-f", "-", "-o", "json"],
+        &exporter.to_string(),
+    );
+    assert!(
+        admitted.ok,
+        "the exempt NVIDIA component was refused with the webhook down: {}",
+        admitted.stderr
+    );
+    let stored: Value = serde_json::from_str(&admitted.stdout).expect("the admitted pod");
+    assert_eq!(
+        stored["spec"]["containers"][0]["securityContext"]["privileged"],
+        true
+    );
+    summary.push("webhook at 0: exempt NVIDIA component admitted unchanged".into());
+
+    // 5. helm upgrade with changed values: the webhook's replicas and the policy's mode.
+    let upgrade = statements(&readme_block_in("Upgrade", "With Helm"));
+    assert!(
+        upgrade.iter().any(|s| s.starts_with("helm upgrade ")),
+        "{upgrade:#?}"
+    );
+    for statement in &upgrade {
+        let statement = if statement.starts_with("helm upgrade ") {
+            format!(
+                "{statement}{} --set webhook.replicas=1 --set defaultPolicy.mode=Audit",
+                image_values()
+            )
+        } else {
+            statement.clone()
+        };
+        if statement.starts_with("for ") {
+            patch_node_agent();
+        }
+        let (out, took) = run_statement(&helm, &statement);
+        assert!(
+            out.ok,
+            "`{statement}` failed after {took:?}: {}",
+            out.stderr
+        );
+    }
+    let replicas = kube_must(&[
+        "-n",
+        "gpuwarden-system",
+        "get",
+        "deploy/gpuwarden-webhook",
+        "-o",
+        "jsonpath={.spec.replicas}/{.status.readyReplicas}",
+    ]);
+    assert_eq!(replicas, "1/1", "webhook replicas/ready after the upgrade");
+    let mode = kube_must(&["get", "gpupolicy", "default", "-o", "jsonpath={.spec.mode}"]);
+    assert_eq!(mode, "Audit");
+    summary.push("helm upgrade: webhook 1/1 replicas, default policy Audit".into());
+
+    // 6. The README's Helm uninstall, twice: nothing is left.
+    let mut rendered_maps = kube(&[
+        "get",
+        "mutatingadmissionpolicies",
+        "-l",
+        "app.kubernetes.io/managed-by=gpuwarden-operator",
+        "-o",
+        "name",
+    ])
+    .stdout;
+    rendered_maps = rendered_maps.trim().replace('\n', ", ");
+    let uninstall = statements(&readme_block_in("Uninstall", "With Helm"));
+    for round in 1..=2 {
+        for statement in &uninstall {
+            let (out, took) = run_statement(&helm, statement);
+            assert!(
+                out.ok,
+                "round {round}: `{statement}` failed after {took:?}: {}",
+                out.stderr
+            );
+            summary.push(format!(
+                "uninstall round {round}: `{statement}` {:.1} s",
+                took.as_secs_f64()
+            ));
+        }
+    }
+    cleanup.installed = false;
+    let left = poll(Duration::from_secs(120), || {
+        let left = leftovers();
+        left.is_empty().then_some(())
+    });
+    assert!(
+        left.is_some(),
+        "left after helm uninstall: {:?}",
+        leftovers()
+    );
+    summary.push(format!(
+        "nothing left (operator MAPs before: {rendered_maps})"
+    ));
+    eprintln!("{test}:\n  {}", summary.join("\n  "));
 }

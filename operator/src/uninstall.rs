@@ -75,7 +75,10 @@ pub enum UninstallError {
     AdmissionPolicies(#[from] AdmissionPolicyError),
 }
 
-fn api_err(action: &'static str, what: impl Into<String>) -> impl FnOnce(kube::Error) -> UninstallError {
+fn api_err(
+    action: &'static str,
+    what: impl Into<String>,
+) -> impl FnOnce(kube::Error) -> UninstallError {
     let what = what.into();
     move |source| UninstallError::Api {
         action,
@@ -151,7 +154,9 @@ async fn delete_claim_templates(client: &Client) -> Result<(), UninstallError> {
         };
         let api: Api<ResourceClaimTemplate> = Api::namespaced(client.clone(), &namespace);
         match api.delete(&name, &DeleteParams::default()).await {
-            Ok(_) => info!(namespace = %namespace, template = %name, "deleted ResourceClaimTemplate"),
+            Ok(_) => {
+                info!(namespace = %namespace, template = %name, "deleted ResourceClaimTemplate")
+            }
             Err(e) if not_found(&e) => {}
             Err(e) => {
                 return Err(api_err(

@@ -68,7 +68,9 @@ fn main() -> ExitCode {
     let mut stale = false;
     for rel in orphans(root, &files) {
         if check {
-            eprintln!("{rel} is generated from nothing any more; run `cargo run -p gpuwarden-crds --bin crdgen`");
+            eprintln!(
+                "{rel} is generated from nothing any more; run `cargo run -p gpuwarden-crds --bin crdgen`"
+            );
             stale = true;
         } else if let Err(e) = std::fs::remove_file(root.join(&rel)) {
             eprintln!("failed to remove {rel}: {e}");
@@ -219,7 +221,10 @@ fn with_images(content: &str, images: &[ImageOverride]) -> String {
 /// The chart's generated files (path, content): the CRDs under `crds/`, every other resource
 /// of the base under `files/base/` and the components' objects under `files/components/`,
 /// each with the base's image overrides applied and a header naming its source.
-fn render_chart(root: &Path, generated: &[(String, String)]) -> Result<Vec<(String, String)>, String> {
+fn render_chart(
+    root: &Path,
+    generated: &[(String, String)],
+) -> Result<Vec<(String, String)>, String> {
     let kustomization = read_kustomization(root)?;
     let generated: BTreeMap<&str, &str> = generated
         .iter()
@@ -232,7 +237,10 @@ fn render_chart(root: &Path, generated: &[(String, String)]) -> Result<Vec<(Stri
             Some(crd) => format!("{CHART}/crds/{crd}"),
             None => format!("{CHART}/files/base/{resource}"),
         };
-        out.push((target, chart_file(resource, &content, &kustomization.images)));
+        out.push((
+            target,
+            chart_file(resource, &content, &kustomization.images),
+        ));
     }
     for component in CHART_COMPONENT_FILES {
         let content = resource_content(root, component, &generated)?;
