@@ -912,13 +912,15 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         condition.is_some(),
         "the operator never wrote gpuwarden-not-exempt"
     );
-    kube_must(&[
-        "-n",
-        "gpuwarden-system",
-        "scale",
-        "deploy/gpuwarden-webhook",
-        "--replicas=0",
-    ]);
+    // Through the release's values: a `kubectl scale` would own the field, and the
+    // upgrade below would then conflict with it.
+    let (out, _) = run_statement(
+        &helm,
+        &format!(
+            "helm upgrade gpuwarden {CHART} --namespace kube-system --reuse-values --set webhook.replicas=0"
+        ),
+    );
+    assert!(out.ok, "scaling the webhook to 0 failed: {}", out.stderr);
     let down = poll(Duration::from_secs(120), || {
         let pods = kube_json(&[
             "pods",
