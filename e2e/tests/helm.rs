@@ -550,6 +550,17 @@ fn statements(lines: &[String]) -> Vec<String> {
     out
 }
 
+/// What the test adds to each `helm upgrade`: where it patched the node agent for this node
+/// ([`node_patch`]), Helm's server-side apply would refuse to set those fields back, so it
+/// takes them back (and the test patches them again).
+fn upgrade_flags() -> &'static str {
+    if node_patch().is_some() {
+        " --force-conflicts"
+    } else {
+        ""
+    }
+}
+
 /// The image values the test adds to each `helm install` and `helm upgrade`.
 fn image_values() -> String {
     format!(
@@ -917,10 +928,12 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     let (out, _) = run_statement(
         &helm,
         &format!(
-            "helm upgrade gpuwarden {CHART} --namespace kube-system --reuse-values --set webhook.replicas=0"
+            "helm upgrade gpuwarden {CHART} --namespace kube-system --reuse-values --set webhook.replicas=0{}",
+            upgrade_flags()
         ),
     );
     assert!(out.ok, "scaling the webhook to 0 failed: {}", out.stderr);
+    patch_node_agent();
     let down = poll(Duration::from_secs(120), || {
         let pods = kube_json(&[
             "pods",
@@ -972,8 +985,9 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     for statement in &upgrade {
         let statement = if statement.starts_with("helm upgrade ") {
             format!(
-                "{statement}{} --set webhook.replicas=1 --set defaultPolicy.mode=Audit",
-                image_values()
+                "{statement}{} --set webhook.replicas=1 --set defaultPolicy.mode=Audit{}",
+                image_values(),
+                upgrade_flags()
             )
         } else {
             statement.clone()
