@@ -466,6 +466,8 @@ const IMAGE_TAG: &str = "helm-e2e";
 /// An NVIDIA component the default policy exempts in `gpu-operator` (busybox, tagged so).
 const EXEMPT_IMAGE: &str = "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distroless";
 const EXEMPT_NAMESPACE: &str = "gpu-operator";
+/// A namespace the upgrade adds to the default policy's exemptions.
+const UPGRADE_EXEMPT: &str = "gpuwarden-helm-e2e-upgraded";
 const BINARIES: [&str; 3] = [
     "gpuwarden-webhook",
     "gpuwarden-operator",
@@ -985,7 +987,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     for statement in &upgrade {
         let statement = if statement.starts_with("helm upgrade ") {
             format!(
-                "{statement}{} --set webhook.replicas=1 --set defaultPolicy.mode=Audit{}",
+                "{statement}{} --set webhook.replicas=1 --set defaultPolicy.exemptions.namespaces[0]={UPGRADE_EXEMPT}{}",
                 image_values(),
                 upgrade_flags()
             )
@@ -1011,9 +1013,20 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         "jsonpath={.spec.replicas}/{.status.readyReplicas}",
     ]);
     assert_eq!(replicas, "1/1", "webhook replicas/ready after the upgrade");
-    let mode = kube_must(&["get", "gpupolicy", "default", "-o", "jsonpath={.spec.mode}"]);
-    assert_eq!(mode, "Audit");
-    summary.push("helm upgrade: webhook 1/1 replicas, default policy Audit".into());
+    let exempt = kube_must(&[
+        "get",
+        "gpupolicy",
+        "default",
+        "-o",
+        "jsonpath={.spec.exemptions.namespaces}",
+    ]);
+    assert!(
+        exempt.contains(UPGRADE_EXEMPT),
+        "exemptions after the upgrade: {exempt}"
+    );
+    summary.push(format!(
+        "helm upgrade: webhook 1/1 replicas, {UPGRADE_EXEMPT} exempt by the default policy"
+    ));
 
     // 6. The README's Helm uninstall, twice: nothing is left.
     let mut rendered_maps = kube(&[
@@ -1026,6 +1039,18 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     ])
     .stdout;
     rendered_maps = rendered_maps.trim().replace('\n', ", ");
+    // Where the API server serves MutatingAdmissionPolicy the operator keeps one for the
+    // default policy (Enforce): the uninstall must remove what it rendered.
+    if kube(&["api-resources", "-o", "name"])
+        .stdout
+        .lines()
+        .any(|r| r.starts_with("mutatingadmissionpolicies."))
+    {
+        assert!(
+            !rendered_maps.is_empty(),
+            "the operator rendered no MutatingAdmissionPolicy for the default policy"
+        );
+    }
     let uninstall = statements(&readme_block_in("Uninstall", "With Helm"));
     for round in 1..=2 {
         for statement in &uninstall {
