@@ -5,6 +5,7 @@ pub mod bench;
 pub mod cluster;
 pub mod dra;
 pub mod env;
+pub mod helm;
 pub mod image;
 pub mod inproc;
 pub mod install;

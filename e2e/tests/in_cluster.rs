@@ -53,7 +53,7 @@ use gpuwarden_e2e::manifests::{parse_documents, repo_root};
 use gpuwarden_e2e::node::{
     NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs, local_node_problem,
 };
-use gpuwarden_e2e::readme::readme_block;
+use gpuwarden_e2e::readme::{readme_block, readme_block_in};
 use serde_json::{Value, json};
 
 /// The image the overlay gives all three components.
@@ -181,7 +181,7 @@ struct Cleanup {
 impl Cleanup {
     fn uninstall(&mut self) {
         if std::mem::take(&mut self.installed) {
-            for statement in statements(&readme_block("Uninstall")) {
+            for statement in statements(&readme_block_in("Uninstall", "With the manifests")) {
                 let _ = run_readme(&statement);
             }
         }
@@ -610,7 +610,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     let existed: BTreeSet<PathBuf> = watched.iter().filter(|p| p.exists()).cloned().collect();
 
     // 3. The README's install, with the overlay where it says `-k deploy/`.
-    let install = statements(&readme_block("Install"));
+    let install = statements(&readme_block_in("Install", "With the manifests"));
     assert_eq!(
         install.iter().filter(|s| s.contains("-k deploy/")).count(),
         1,
@@ -972,7 +972,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     let rendered = parse_documents("kubectl kustomize", &must(&["kustomize", &overlay]))
         .expect("the rendered overlay");
     let _ = kubectl(&["delete", "namespace", &ns, "--wait=false"]);
-    let uninstall = statements(&readme_block("Uninstall"));
+    let uninstall = statements(&readme_block_in("Uninstall", "With the manifests"));
     let mut uninstall_times = Vec::new();
     for round in 1..=2 {
         let start = Instant::now();
@@ -1054,7 +1054,7 @@ fn readme_install_in_cluster_on_a_real_node() {
 
 #[test]
 fn the_install_statements_keep_the_rollout_loop_whole() {
-    let install = statements(&readme_block("Install"));
+    let install = statements(&readme_block_in("Install", "With the manifests"));
     assert_eq!(install.len(), 4, "{install:#?}");
     assert!(install[2].contains("-k deploy/"), "{}", install[2]);
     assert!(

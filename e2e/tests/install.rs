@@ -26,7 +26,7 @@ use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, OPERATOR_NAME, WEB
 use gpuwarden_e2e::cluster::{Cluster, skip, wait_for};
 use gpuwarden_e2e::install::{install_objects, installed, present};
 use gpuwarden_e2e::manifests::repo_root;
-use gpuwarden_e2e::readme::readme_block;
+use gpuwarden_e2e::readme::readme_block_in;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
@@ -128,7 +128,7 @@ async fn install_and_uninstall(variant: Variant) {
         return;
     }
 
-    for command in commands(&readme_block("Install"), variant) {
+    for command in commands(&readme_block_in("Install", "With the manifests"), variant) {
         run(&command);
     }
     let missing: Vec<String> = {
@@ -181,7 +181,7 @@ async fn install_and_uninstall(variant: Variant) {
     // The way back in "When the webhook is down": the configuration deleted, then applied
     // again as it was installed. It comes back without a caBundle, and every pod it sends
     // is refused until the operator, which watches it, writes the bundle again.
-    let apply = commands(&readme_block("Install"), variant)
+    let apply = commands(&readme_block_in("Install", "With the manifests"), variant)
         .into_iter()
         .find(|c| c.starts_with("kubectl apply") && !c.contains("deploy/crds"))
         .expect("the install's apply");
@@ -246,7 +246,7 @@ async fn install_and_uninstall(variant: Variant) {
         Err(e) => panic!("the operator panicked: {e}"),
     }
 
-    let uninstall = readme_block("Uninstall");
+    let uninstall = readme_block_in("Uninstall", "With the manifests");
     for command in commands(&uninstall, variant) {
         run(&command);
     }
@@ -322,7 +322,7 @@ async fn readme_install_with_install_yaml_then_uninstall_leaves_nothing() {
 
 #[test]
 fn the_readme_blocks_are_the_commands_this_test_runs() {
-    let install = readme_block("Install");
+    let install = readme_block_in("Install", "With the manifests");
     assert_eq!(
         commands(&install, Variant::Kustomize),
         [
@@ -348,10 +348,16 @@ fn the_readme_blocks_are_the_commands_this_test_runs() {
     // The uninstall can run twice: every delete ignores what is gone (a pipeline ends in
     // one, fed the kinds the server serves), and none names a custom resource, which
     // kubectl cannot map once its CRD is gone.
-    let uninstall = commands(&readme_block("Uninstall"), Variant::Kustomize);
+    let uninstall = commands(
+        &readme_block_in("Uninstall", "With the manifests"),
+        Variant::Kustomize,
+    );
     assert_eq!(
         uninstall,
-        commands(&readme_block("Uninstall"), Variant::InstallYaml)
+        commands(
+            &readme_block_in("Uninstall", "With the manifests"),
+            Variant::InstallYaml
+        )
     );
     for command in &uninstall {
         let delete = command.rsplit(" | ").next().unwrap_or_default();

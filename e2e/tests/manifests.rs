@@ -29,8 +29,12 @@ fn manifest_files() -> Vec<String> {
         entries.sort();
         for path in entries {
             if path.is_dir() {
-                // Example workloads and fake GPU files, not install manifests.
-                if path.file_name().is_some_and(|n| n != "examples") {
+                // Example workloads and fake GPU files, not install manifests; the Helm
+                // chart's templates and its copies of the base (e2e/tests/helm.rs).
+                if path
+                    .file_name()
+                    .is_some_and(|n| n != "examples" && n != "helm")
+                {
                     walk(&path, out);
                 }
             } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml")

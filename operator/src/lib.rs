@@ -22,6 +22,7 @@ pub mod node_controller;
 pub mod policy_controller;
 pub mod reports;
 mod runner;
+pub mod uninstall;
 pub mod webhook_certs;
 pub mod webhook_conditions;
 

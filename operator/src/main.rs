@@ -19,6 +19,25 @@ struct Cli {
 enum Command {
     /// Run the operator against the cluster in KUBECONFIG or the in-cluster service account.
     Run(RunArgs),
+    /// Before the chart's objects are deleted: delete every GpuPolicy and what the operator
+    /// kept for them, and hand the CRDs to garbage collection through a ClusterRole that the
+    /// uninstall deletes. The Helm chart's pre-delete hook.
+    Uninstall(UninstallArgs),
+}
+
+#[derive(Parser, Debug)]
+struct UninstallArgs {
+    /// The ClusterRole whose deletion deletes the CRDs.
+    #[arg(long, default_value = "gpuwarden-operator")]
+    owner_cluster_role: String,
+
+    /// How long to wait for the GpuPolicies to go (Go duration).
+    #[arg(long, default_value = "2m", value_parser = parse_timeout)]
+    timeout: std::time::Duration,
+
+    /// Log format.
+    #[arg(long, env = "GPUWARDEN_LOG_FORMAT", value_enum, default_value = "json")]
+    log_format: LogFormat,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -94,6 +113,10 @@ fn parse_validity(s: &str) -> Result<std::time::Duration, String> {
     Ok(d)
 }
 
+fn parse_timeout(s: &str) -> Result<std::time::Duration, String> {
+    gpuwarden_crds::duration::parse_duration(s).map_err(|e| e.to_string())
+}
+
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -131,9 +154,12 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let Command::Run(args) = cli.command;
     // Two rustls providers would make the first TLS handshake panic; ring is the one.
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let args = match cli.command {
+        Command::Run(args) => args,
+        Command::Uninstall(args) => return uninstall(args).await,
+    };
     init_tracing(args.log_format);
 
     let mut config = Config::new(args.namespace);
@@ -157,4 +183,18 @@ async fn main() -> anyhow::Result<()> {
     gpuwarden_operator::run(config, client, shutdown_signal())
         .await
         .context("operator failed")
+}
+
+async fn uninstall(args: UninstallArgs) -> anyhow::Result<()> {
+    init_tracing(args.log_format);
+    let client = kube::Client::try_default().await.context(
+        "failed to build a Kubernetes client from KUBECONFIG or the in-cluster service account",
+    )?;
+    let config = gpuwarden_operator::uninstall::UninstallConfig {
+        owner_cluster_role: args.owner_cluster_role,
+        timeout: args.timeout,
+    };
+    gpuwarden_operator::uninstall::uninstall(client, &config)
+        .await
+        .context("uninstall failed")
 }

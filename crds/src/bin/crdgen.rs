@@ -8,6 +8,12 @@
 //! concatenated in order, verbatim with their comments, and the `images` overrides are
 //! applied to `image:` lines. Anything else in the kustomization is refused, so the file
 //! can never silently differ from what `kubectl apply -k deploy/` installs.
+//!
+//! The Helm chart (`deploy/helm/gpuwarden`) is fed from the same files: its `crds/` are the
+//! generated CRDs, and `files/base/` and `files/components/` hold every other file of the
+//! base and the components' plain objects, as install.yaml has them. The chart's templates
+//! only read and patch those, so a change to `deploy/` reaches the chart here, and `--check`
+//! also names a file under those directories that nothing generates any more.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -19,6 +25,17 @@ use serde::Deserialize;
 const INSTALL_YAML: &str = "deploy/install.yaml";
 /// Path of the kustomize base it is rendered from.
 const KUSTOMIZATION: &str = "deploy/kustomization.yaml";
+/// The Helm chart, relative to the repository root.
+const CHART: &str = "deploy/helm/gpuwarden";
+/// The chart's directories crdgen owns: every file in them is generated.
+const CHART_GENERATED_DIRS: [&str; 3] = ["crds", "files/base", "files/components"];
+/// Plain objects of the kustomize components the chart switches on by value (the
+/// components' patches are the chart's templates).
+const CHART_COMPONENT_FILES: [&str; 3] = [
+    "components/taint-unhealthy-nodes/rbac.yaml",
+    "components/monitoring/podmonitor.yaml",
+    "components/monitoring/dashboard.yaml",
+];
 
 const INSTALL_HEADER: &str = "# gpuwarden: every object of the kustomize base deploy/kustomization.yaml, in one file.\n# Rendered by `cargo run -p gpuwarden-crds --bin crdgen`; do not edit by hand.\n# Install: kubectl apply -f deploy/install.yaml (or kubectl apply -k deploy/).\n";
 
@@ -32,6 +49,13 @@ fn main() -> ExitCode {
         .into_iter()
         .map(|f| (f.path.to_string(), f.content))
         .collect();
+    let chart = match render_chart(root, &files) {
+        Ok(chart) => chart,
+        Err(e) => {
+            eprintln!("failed to render the chart's files under {CHART}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     match render_install(root, &files) {
         Ok(install) => files.push((INSTALL_YAML.to_string(), install)),
         Err(e) => {
@@ -39,8 +63,22 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     }
+    files.extend(chart);
 
     let mut stale = false;
+    for rel in orphans(root, &files) {
+        if check {
+            eprintln!(
+                "{rel} is generated from nothing any more; run `cargo run -p gpuwarden-crds --bin crdgen`"
+            );
+            stale = true;
+        } else if let Err(e) = std::fs::remove_file(root.join(&rel)) {
+            eprintln!("failed to remove {rel}: {e}");
+            return ExitCode::FAILURE;
+        } else {
+            println!("removed {rel}");
+        }
+    }
     for (rel, content) in &files {
         let path = root.join(rel);
         let current = std::fs::read_to_string(&path).ok();
@@ -138,13 +176,122 @@ fn split_image(image: &str) -> (&str, Option<&str>, Option<&str>) {
     }
 }
 
+/// Reads the kustomization under `root`.
+fn read_kustomization(root: &Path) -> Result<Kustomization, String> {
+    let text = std::fs::read_to_string(root.join(KUSTOMIZATION))
+        .map_err(|e| format!("failed to read {KUSTOMIZATION}: {e}"))?;
+    serde_saphyr::from_str(&text)
+        .map_err(|e| format!("{KUSTOMIZATION} is not a plain list of resources and images: {e}"))
+}
+
+/// The content of `deploy/<resource>`: from `generated` where crdgen makes it, else read.
+fn resource_content(
+    root: &Path,
+    resource: &str,
+    generated: &BTreeMap<&str, &str>,
+) -> Result<String, String> {
+    if resource.contains("://") || resource.starts_with('/') || resource.contains("..") {
+        return Err(format!(
+            "{KUSTOMIZATION}: resource {resource} is not a file inside deploy/"
+        ));
+    }
+    let rel = format!("deploy/{resource}");
+    if let Some(content) = generated.get(rel.as_str()) {
+        return Ok((*content).to_string());
+    }
+    let path = root.join(&rel);
+    if path.is_dir() {
+        return Err(format!(
+            "{KUSTOMIZATION}: resource {resource} is a directory; list its files"
+        ));
+    }
+    std::fs::read_to_string(&path).map_err(|e| format!("failed to read {rel}: {e}"))
+}
+
+/// `content` with the kustomization's image overrides applied to its `image:` lines.
+fn with_images(content: &str, images: &[ImageOverride]) -> String {
+    let mut out = String::new();
+    for line in content.lines() {
+        out.push_str(&override_image_line(line, images));
+        out.push('\n');
+    }
+    out
+}
+
+/// The chart's generated files (path, content): the CRDs under `crds/`, every other resource
+/// of the base under `files/base/` and the components' objects under `files/components/`,
+/// each with the base's image overrides applied and a header naming its source.
+fn render_chart(
+    root: &Path,
+    generated: &[(String, String)],
+) -> Result<Vec<(String, String)>, String> {
+    let kustomization = read_kustomization(root)?;
+    let generated: BTreeMap<&str, &str> = generated
+        .iter()
+        .map(|(p, c)| (p.as_str(), c.as_str()))
+        .collect();
+    let mut out = Vec::new();
+    for resource in &kustomization.resources {
+        let content = resource_content(root, resource, &generated)?;
+        let target = match resource.strip_prefix("crds/") {
+            Some(crd) => format!("{CHART}/crds/{crd}"),
+            None => format!("{CHART}/files/base/{resource}"),
+        };
+        out.push((
+            target,
+            chart_file(resource, &content, &kustomization.images),
+        ));
+    }
+    for component in CHART_COMPONENT_FILES {
+        let content = resource_content(root, component, &generated)?;
+        out.push((
+            format!("{CHART}/files/{component}"),
+            chart_file(component, &content, &kustomization.images),
+        ));
+    }
+    Ok(out)
+}
+
+/// A chart file copied from `deploy/<resource>`.
+fn chart_file(resource: &str, content: &str, images: &[ImageOverride]) -> String {
+    format!(
+        "# Copied from deploy/{resource} by `cargo run -p gpuwarden-crds --bin crdgen`; do not edit.\n{}",
+        with_images(content, images)
+    )
+}
+
+/// Files in the chart's generated directories that crdgen no longer writes.
+fn orphans(root: &Path, files: &[(String, String)]) -> Vec<String> {
+    let mut found = Vec::new();
+    for dir in CHART_GENERATED_DIRS {
+        collect_files(root, &format!("{CHART}/{dir}"), &mut found);
+    }
+    found
+        .into_iter()
+        .filter(|rel| !files.iter().any(|(p, _)| p == rel))
+        .collect()
+}
+
+/// Every file under `rel` (relative to `root`), recursively; nothing where it is absent.
+fn collect_files(root: &Path, rel: &str, out: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(root.join(rel)) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let child = format!("{rel}/{name}");
+        if entry.path().is_dir() {
+            collect_files(root, &child, out);
+        } else {
+            out.push(child);
+        }
+    }
+}
+
 /// Renders install.yaml from the kustomization under `root`. Files in `generated` (path,
 /// content) are taken from memory, so `--check` compares against freshly generated CRDs.
 fn render_install(root: &Path, generated: &[(String, String)]) -> Result<String, String> {
-    let text = std::fs::read_to_string(root.join(KUSTOMIZATION))
-        .map_err(|e| format!("failed to read {KUSTOMIZATION}: {e}"))?;
-    let kustomization: Kustomization = serde_saphyr::from_str(&text)
-        .map_err(|e| format!("{KUSTOMIZATION} is not a plain list of resources and images: {e}"))?;
+    let kustomization = read_kustomization(root)?;
     let generated: BTreeMap<&str, &str> = generated
         .iter()
         .map(|(p, c)| (p.as_str(), c.as_str()))
@@ -152,31 +299,14 @@ fn render_install(root: &Path, generated: &[(String, String)]) -> Result<String,
 
     let mut out = String::from(INSTALL_HEADER);
     for resource in &kustomization.resources {
-        if resource.contains("://") || resource.starts_with('/') || resource.contains("..") {
-            return Err(format!(
-                "{KUSTOMIZATION}: resource {resource} is not a file inside deploy/"
-            ));
-        }
-        let rel = format!("deploy/{resource}");
-        let content = match generated.get(rel.as_str()) {
-            Some(content) => (*content).to_string(),
-            None => {
-                let path = root.join(&rel);
-                if path.is_dir() {
-                    return Err(format!(
-                        "{KUSTOMIZATION}: resource {resource} is a directory; list its files"
-                    ));
-                }
-                std::fs::read_to_string(&path).map_err(|e| format!("failed to read {rel}: {e}"))?
-            }
-        };
-        out.push_str("---\n# Source: ");
-        out.push_str(&rel);
+        let content = resource_content(root, resource, &generated)?;
+        out.push_str("---\n# Source: deploy/");
+        out.push_str(resource);
         out.push('\n');
-        for line in strip_leading_separator(&content).lines() {
-            out.push_str(&override_image_line(line, &kustomization.images));
-            out.push('\n');
-        }
+        out.push_str(&with_images(
+            &strip_leading_separator(&content),
+            &kustomization.images,
+        ));
     }
     Ok(out)
 }
