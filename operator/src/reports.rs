@@ -479,6 +479,43 @@ pub async fn sweep(ctx: &ReportContext) -> Result<usize, ReportError> {
     Ok(written.len())
 }
 
+/// Deletes every report gpuwarden keeps, in every kind served (an uninstall: once no
+/// GpuPolicy governs a namespace, nothing writes them again). Returns how many went.
+pub async fn delete_all(client: &Client) -> Result<usize, ReportError> {
+    let selector = format!("{LABEL_MANAGED_BY}={}", install::OPERATOR_NAME);
+    let mut deleted = 0;
+    for kind in discover_kinds(client).await {
+        let listed = report_api(client, kind, None)
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|source| ReportError::List {
+                kind: kind.kind(),
+                source,
+            })?;
+        for report in listed.items {
+            let (Some(namespace), Some(name)) = (report.metadata.namespace, report.metadata.name)
+            else {
+                continue;
+            };
+            match report_api(client, kind, Some(&namespace))
+                .delete(&name, &DeleteParams::default())
+                .await
+            {
+                Ok(_) => deleted += 1,
+                Err(kube::Error::Api(status)) if status.code == 404 => {}
+                Err(source) => {
+                    return Err(ReportError::Delete {
+                        kind: kind.kind(),
+                        namespace,
+                        source,
+                    });
+                }
+            }
+        }
+    }
+    Ok(deleted)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

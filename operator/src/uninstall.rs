@@ -7,8 +7,9 @@
 //!    admission policies from them, and garbage collection, which can still resolve the
 //!    GpuPolicy kind, deletes the ResourceClaimTemplates they own;
 //! 2. what is left of the admission policies the operator keeps (label
-//!    `app.kubernetes.io/managed-by=gpuwarden-operator`) and of its ResourceClaimTemplates
-//!    (label `gpuwarden.io/claim-template`) is deleted, where the API server serves the kind;
+//!    `app.kubernetes.io/managed-by=gpuwarden-operator`), of its ResourceClaimTemplates
+//!    (label `gpuwarden.io/claim-template`) and of its PolicyReports and Reports (the same
+//!    label; they have no owner) is deleted, where the API server serves the kind;
 //! 3. both CRDs get an owner reference to the chart's ClusterRole `gpuwarden-operator`. Helm
 //!    never deletes CRDs it installed from a chart's `crds/`; once Helm has deleted that
 //!    ClusterRole, garbage collection deletes the CRDs, and with them the GpuNodes.
@@ -73,6 +74,9 @@ pub enum UninstallError {
     /// Deleting the admission policies the operator kept failed.
     #[error(transparent)]
     AdmissionPolicies(#[from] AdmissionPolicyError),
+    /// Deleting the policy reports the operator kept failed.
+    #[error(transparent)]
+    Reports(#[from] crate::reports::ReportError),
 }
 
 fn api_err(
@@ -92,13 +96,15 @@ fn not_found(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(status) if status.code == 404)
 }
 
-/// Runs the three steps (module documentation).
+/// Runs the steps (module documentation).
 #[tracing::instrument(skip(client), fields(owner = %config.owner_cluster_role))]
 pub async fn uninstall(client: Client, config: &UninstallConfig) -> Result<(), UninstallError> {
     delete_policies(&client, config.timeout).await?;
     let api = admission_policies::discover(&client).await;
     admission_policies::keep(&client, &[], api).await?;
     delete_claim_templates(&client).await?;
+    let reports = crate::reports::delete_all(&client).await?;
+    info!(reports, "deleted the policy reports the operator kept");
     hand_crds_to(&client, &config.owner_cluster_role).await
 }
 
