@@ -289,6 +289,7 @@ fn values_reach_the_objects_they_name() {
             "webhook.resources.limits.memory=1Gi",
             "operator.replicas=1",
             "operator.admissionPolicies=false",
+            "operator.policyReports=false",
             "nodeAgent.nodeSelector.pool=gpu",
             "nodeAgent.tolerations[0].operator=Exists",
             "nodeAgent.priorityClassName=system-node-critical",
@@ -334,13 +335,15 @@ fn values_reach_the_objects_they_name() {
     let operator = get("Deployment", "gpuwarden-operator");
     assert_eq!(operator["spec"]["replicas"], 1);
     let env = &operator["spec"]["template"]["spec"]["containers"][0]["env"];
-    assert!(
-        env.as_array()
-            .expect("env")
-            .iter()
-            .any(|e| e["name"] == "GPUWARDEN_ADMISSION_POLICIES" && e["value"] == "false"),
-        "{env}"
-    );
+    for variable in ["GPUWARDEN_ADMISSION_POLICIES", "GPUWARDEN_POLICY_REPORTS"] {
+        assert!(
+            env.as_array()
+                .expect("env")
+                .iter()
+                .any(|e| e["name"] == variable && e["value"] == "false"),
+            "{variable}: {env}"
+        );
+    }
     let agent = &get("DaemonSet", "gpuwarden-node-agent")["spec"]["template"]["spec"];
     assert_eq!(agent["nodeSelector"], serde_json::json!({"pool": "gpu"}));
     assert_eq!(
