@@ -67,10 +67,9 @@ async fn installed_where(
 ) -> Result<Vec<String>, String> {
     let deadline = tokio::time::Instant::now() + timeout;
     let mut out = Vec::new();
+    // Every object is waited for, counted or not: a namespace still terminating would refuse
+    // what an install creates in it.
     for doc in install_objects() {
-        if !counts(&doc) {
-            continue;
-        }
         let api = api_for(cluster, &doc);
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match settled(&api, doc.name(), left).await {
@@ -83,8 +82,8 @@ async fn installed_where(
                     doc.name()
                 ));
             }
-            Some(Some(_)) => out.push(doc.id()),
-            Some(None) => {}
+            Some(Some(_)) if counts(&doc) => out.push(doc.id()),
+            Some(_) => {}
         }
     }
     Ok(out)

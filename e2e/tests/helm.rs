@@ -766,7 +766,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     match present {
         Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
         Ok(objects) if !objects.is_empty() => panic!(
-            "gpuwarden is installed here ({}); this test would delete it",
+            "gpuwarden is installed here ({}); this test would delete it: uninstall it first (README, Uninstall), CRDs and GpuPolicies included",
             objects.join(", ")
         ),
         Ok(_) => {}
