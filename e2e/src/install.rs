@@ -141,3 +141,25 @@ pub async fn clear_rendered(cluster: &Cluster) -> Result<Vec<String>, String> {
     cleared.dedup();
     Ok(cleared)
 }
+
+/// For a test that installs gpuwarden and then removes it: panics, naming what it found,
+/// where gpuwarden is installed (the test would delete an install it did not make),
+/// once what a test before it was deleting is gone.
+pub fn refuse_where_installed() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let found = runtime.block_on(async {
+        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
+        installed(&cluster, Duration::from_secs(120)).await
+    });
+    match found {
+        Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
+        Ok(objects) if !objects.is_empty() => panic!(
+            "gpuwarden is installed here ({}); this test would delete it: uninstall it first (README, Uninstall), CRDs and GpuPolicies included",
+            objects.join(", ")
+        ),
+        Ok(_) => {}
+    }
+}

@@ -9,6 +9,7 @@ pub mod helm;
 pub mod image;
 pub mod inproc;
 pub mod install;
+pub mod kubectl;
 pub mod manifests;
 pub mod node;
 pub mod readme;

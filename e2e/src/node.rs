@@ -61,6 +61,13 @@ pub async fn gpu_node(cluster: &Cluster) -> Result<Option<Value>, ClusterError> 
     Ok(gpu_node_in(&list.body).cloned())
 }
 
+/// The binaries of gpuwarden's image: one each for its three components.
+pub const COMPONENT_BINARIES: [&str; 3] = [
+    "gpuwarden-webhook",
+    "gpuwarden-operator",
+    "gpuwarden-node-agent",
+];
+
 /// Why a test that works on `node` from this machine (importing images into its
 /// containerd with `ctr`, reading its kubelet's sockets) cannot run here, or `None` where it
 /// can: the node must be this machine, the test must run as root, and `tools` (with `ctr`

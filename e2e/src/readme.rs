@@ -2,38 +2,56 @@
 
 use crate::manifests::repo_root;
 
-/// The lines of the first `sh` block under the heading `## {heading}` of the README.
-pub fn readme_block(heading: &str) -> Vec<String> {
+/// The README's section `## {heading}`, up to the next section.
+fn section(heading: &str) -> String {
     let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
     let section = readme
         .split_once(&format!("\n## {heading}\n"))
         .unwrap_or_else(|| panic!("README has no section {heading}"))
         .1;
-    let block = section
+    section.split("\n## ").next().unwrap_or_default().to_owned()
+}
+
+/// The lines of the first `sh` block in `text`; `what` names it in the panic.
+fn first_sh_block(text: &str, what: &str) -> Vec<String> {
+    let block = text
         .split_once("```sh\n")
         .and_then(|(_, rest)| rest.split_once("\n```"))
-        .unwrap_or_else(|| panic!("README section {heading} has no sh block"))
+        .unwrap_or_else(|| panic!("README {what} has no sh block"))
         .0;
     block.lines().map(str::to_owned).collect()
+}
+
+/// The lines of the first `sh` block under the heading `## {heading}` of the README.
+pub fn readme_block(heading: &str) -> Vec<String> {
+    first_sh_block(&section(heading), &format!("section {heading}"))
 }
 
 /// The lines of the first `sh` block under `### {subheading}` within the section
 /// `## {heading}` of the README.
 pub fn readme_block_in(heading: &str, subheading: &str) -> Vec<String> {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
-    let section = readme
-        .split_once(&format!("\n## {heading}\n"))
-        .unwrap_or_else(|| panic!("README has no section {heading}"))
-        .1;
-    let section = section.split("\n## ").next().unwrap_or_default();
+    let section = section(heading);
     let sub = section
         .split_once(&format!("\n### {subheading}\n"))
         .unwrap_or_else(|| panic!("README section {heading} has no subsection {subheading}"))
         .1;
-    let block = sub
-        .split_once("```sh\n")
-        .and_then(|(_, rest)| rest.split_once("\n```"))
-        .unwrap_or_else(|| panic!("README {heading} / {subheading} has no sh block"))
-        .0;
-    block.lines().map(str::to_owned).collect()
+    first_sh_block(sub, &format!("{heading} / {subheading}"))
+}
+
+/// The statements of a README block: each line, and a `for` loop with its body as one.
+pub fn statements(lines: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut in_loop = false;
+    for line in lines {
+        if in_loop {
+            let last = out.last_mut().expect("the loop's first line");
+            last.push('\n');
+            last.push_str(line);
+            in_loop = line.trim() != "done";
+        } else if !line.trim().is_empty() {
+            in_loop = line.trim_start().starts_with("for ");
+            out.push(line.clone());
+        }
+    }
+    out
 }

@@ -17,15 +17,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpuwarden_e2e::cluster::{Cluster, skip, visible_in_log};
-use gpuwarden_e2e::helm::{CHART, HELM_ONLY, helm, helm_required, kubectl};
+use gpuwarden_e2e::cluster::{skip, visible_in_log};
+use gpuwarden_e2e::helm::{CHART, HELM_ONLY, helm, helm_required, kubectl as kubectl_binary};
 use gpuwarden_e2e::image::write_oci_layout;
-use gpuwarden_e2e::install::installed;
+use gpuwarden_e2e::install::refuse_where_installed;
+use gpuwarden_e2e::kubectl;
 use gpuwarden_e2e::manifests::{Document, load_file, parse_documents, repo_root};
 use gpuwarden_e2e::node::{
-    NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs, local_node_problem,
+    COMPONENT_BINARIES, NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs,
+    local_node_problem,
 };
-use gpuwarden_e2e::readme::readme_block_in;
+use gpuwarden_e2e::readme::{readme_block_in, statements};
 use serde_json::Value;
 
 /// `helm`, or `None` after printing why the test is skipped (a panic where helm is required).
@@ -156,7 +158,7 @@ fn without_hook(docs: Vec<Document>) -> Vec<Document> {
 /// What kustomize renders from `dir` (relative to the repository root), or None without
 /// kubectl.
 fn kustomize(dir: &Path) -> Option<Vec<Document>> {
-    let kubectl = kubectl()?;
+    let kubectl = kubectl_binary()?;
     let out = exec(Command::new(kubectl).arg("kustomize").arg(dir), None);
     assert!(
         out.ok,
@@ -471,49 +473,6 @@ const EXEMPT_IMAGE: &str = "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distrol
 const EXEMPT_NAMESPACE: &str = "gpu-operator";
 /// A namespace the upgrade adds to the default policy's exemptions.
 const UPGRADE_EXEMPT: &str = "gpuwarden-helm-e2e-upgraded";
-const BINARIES: [&str; 3] = [
-    "gpuwarden-webhook",
-    "gpuwarden-operator",
-    "gpuwarden-node-agent",
-];
-
-fn kube(args: &[&str]) -> Out {
-    exec(Command::new("kubectl").args(args), None)
-}
-
-fn kube_stdin(args: &[&str], stdin: &str) -> Out {
-    exec(Command::new("kubectl").args(args), Some(stdin))
-}
-
-fn kube_must(args: &[&str]) -> String {
-    let out = kube(args);
-    assert!(out.ok, "kubectl {} failed: {}", args.join(" "), out.stderr);
-    out.stdout
-}
-
-fn kube_json(args: &[&str]) -> Option<Value> {
-    let mut all = vec!["get"];
-    all.extend_from_slice(args);
-    all.extend_from_slice(&["-o", "json"]);
-    let out = kube(&all);
-    out.ok
-        .then(|| serde_json::from_str(&out.stdout).ok())
-        .flatten()
-}
-
-fn poll<T>(timeout: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = check() {
-            return Some(v);
-        }
-        if start.elapsed() >= timeout {
-            return None;
-        }
-        std::thread::sleep(Duration::from_secs(1));
-    }
-}
-
 /// One README statement through bash in the repository root, `helm` from [`helm`] first
 /// on `PATH`; its output and duration.
 fn run_statement(helm: &Path, statement: &str) -> (Out, Duration) {
@@ -535,24 +494,6 @@ fn run_statement(helm: &Path, statement: &str) -> (Out, Duration) {
     );
     eprint!("{}{}", out.stdout, out.stderr);
     (out, start.elapsed())
-}
-
-/// The statements of a README block: each line, and a `for` loop with its body as one.
-fn statements(lines: &[String]) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
-    let mut in_loop = false;
-    for line in lines {
-        if in_loop {
-            let last = out.last_mut().expect("the loop's first line");
-            last.push('\n');
-            last.push_str(line);
-            in_loop = line.trim() != "done";
-        } else if !line.trim().is_empty() {
-            in_loop = line.trim_start().starts_with("for ");
-            out.push(line.clone());
-        }
-    }
-    out
 }
 
 /// What the test adds to each `helm upgrade`: where it patched the node agent for this node
@@ -594,7 +535,7 @@ impl Drop for Cleanup {
             }
         }
         for ns in std::mem::take(&mut self.namespaces) {
-            let _ = kube(&[
+            let _ = kubectl::run(&[
                 "delete",
                 "namespace",
                 &ns,
@@ -660,7 +601,7 @@ fn node_patch() -> Option<String> {
 
 fn patch_node_agent() {
     if let Some(patch) = node_patch() {
-        kube_must(&[
+        kubectl::must(&[
             "-n",
             "gpuwarden-system",
             "patch",
@@ -691,14 +632,14 @@ fn leftovers() -> Vec<String> {
         ),
     ];
     for (selector, kinds) in by_label {
-        let o = kube(&["get", kinds, "-A", "-l", selector, "-o", "name"]);
+        let o = kubectl::run(&["get", kinds, "-A", "-l", selector, "-o", "name"]);
         out.extend(o.stdout.lines().map(str::to_owned));
     }
     for kind in [
         "mutatingadmissionpolicies",
         "mutatingadmissionpolicybindings",
     ] {
-        let o = kube(&[
+        let o = kubectl::run(&[
             "get",
             kind,
             "-l",
@@ -708,7 +649,7 @@ fn leftovers() -> Vec<String> {
         ]);
         out.extend(o.stdout.lines().map(str::to_owned));
     }
-    let o = kube(&[
+    let o = kubectl::run(&[
         "get",
         "resourceclaimtemplates",
         "-A",
@@ -727,7 +668,7 @@ fn leftovers() -> Vec<String> {
         ("clusterrole", "gpuwarden-uninstall"),
         ("validatingadmissionpolicy", "gpuwarden-privileged-gpu-pods"),
     ] {
-        let o = kube(&["get", kind, name, "--ignore-not-found", "-o", "name"]);
+        let o = kubectl::run(&["get", kind, name, "--ignore-not-found", "-o", "name"]);
         out.extend(o.stdout.lines().map(str::to_owned));
     }
     out.sort();
@@ -747,7 +688,8 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         return;
     };
     let helm = helm.canonicalize().unwrap_or(helm);
-    let Some(gpu_node) = gpu_node_in(&kube_json(&["nodes"]).expect("list nodes")).cloned() else {
+    let Some(gpu_node) = gpu_node_in(&kubectl::get_json(&["nodes"]).expect("list nodes")).cloned()
+    else {
         skip(test, NEEDS_GPU_NODE);
         return;
     };
@@ -755,22 +697,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         skip(test, &why);
         return;
     }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    let present = runtime.block_on(async {
-        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
-        installed(&cluster, Duration::from_secs(120)).await
-    });
-    match present {
-        Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
-        Ok(objects) if !objects.is_empty() => panic!(
-            "gpuwarden is installed here ({}); this test would delete it: uninstall it first (README, Uninstall), CRDs and GpuPolicies included",
-            objects.join(", ")
-        ),
-        Ok(_) => {}
-    }
+    refuse_where_installed();
     let mut summary = Vec::new();
     let mut cleanup = Cleanup {
         helm: helm.clone(),
@@ -795,7 +722,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         },
         PathBuf::from,
     );
-    let binaries: Vec<PathBuf> = BINARIES.iter().map(|b| dir.join(b)).collect();
+    let binaries: Vec<PathBuf> = COMPONENT_BINARIES.iter().map(|b| dir.join(b)).collect();
     for b in &binaries {
         assert!(
             b.is_file(),
@@ -841,7 +768,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             out.ok,
             "`{statement}` failed after {took:?}: {}\n{}",
             out.stderr,
-            kube(&["-n", "gpuwarden-system", "get", "pods", "-o", "wide"]).stdout
+            kubectl::run(&["-n", "gpuwarden-system", "get", "pods", "-o", "wide"]).stdout
         );
         summary.push(format!(
             "`{}` {:.1} s",
@@ -849,8 +776,8 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             took.as_secs_f64()
         ));
     }
-    let ready = poll(Duration::from_secs(120), || {
-        let p = kube_json(&["gpupolicy", "default"])?;
+    let ready = kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
+        let p = kubectl::get_json(&["gpupolicy", "default"])?;
         (p["status"]["conditions"].as_array()?.iter())
             .any(|c| c["type"] == "Ready" && c["status"] == "True")
             .then_some(())
@@ -858,13 +785,13 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     assert!(
         ready.is_some(),
         "the default GpuPolicy never became Ready: {}",
-        kube(&["get", "gpupolicy", "default", "-o", "yaml"]).stdout
+        kubectl::run(&["get", "gpupolicy", "default", "-o", "yaml"]).stdout
     );
     summary.push("GpuPolicy default Ready".into());
 
     // 3. A privileged GPU pod naming GPUs 0,1: stored rewritten, runs with exactly two.
     let ns = format!("gpuwarden-helm-e2e-{:08x}", rand::random::<u32>());
-    kube_must(&["create", "namespace", &ns]);
+    kubectl::must(&["create", "namespace", &ns]);
     cleanup.namespaces.push(ns.clone());
     let pod = serde_json::json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -876,13 +803,13 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}],
         }]},
     });
-    let created = kube_stdin(&["create", "-f", "-", "-o", "json"], &pod.to_string());
+    let created = kubectl::run_stdin(&["create", "-f", "-", "-o", "json"], &pod.to_string());
     assert!(created.ok, "the GPU pod was refused: {}", created.stderr);
     let stored: Value = serde_json::from_str(&created.stdout).expect("the stored pod");
     let c = &stored["spec"]["containers"][0];
     assert_eq!(c["securityContext"]["privileged"], false, "{c:#}");
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "2", "{c:#}");
-    let running = kube(&[
+    let running = kubectl::run(&[
         "-n",
         &ns,
         "wait",
@@ -893,10 +820,10 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     assert!(
         running.ok,
         "the rewritten pod never ran: {}",
-        kube(&["-n", &ns, "describe", "pod", "train"]).stdout
+        kubectl::run(&["-n", &ns, "describe", "pod", "train"]).stdout
     );
-    let log = poll(Duration::from_secs(30), || {
-        let o = kube(&["-n", &ns, "logs", "train"]);
+    let log = kubectl::poll(Duration::from_secs(30), Duration::from_secs(1), || {
+        let o = kubectl::run(&["-n", &ns, "logs", "train"]);
         o.stdout
             .contains("NVIDIA_VISIBLE_DEVICES=")
             .then_some(o.stdout)
@@ -913,8 +840,8 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     ));
 
     // 4. The webhook at 0 replicas: an exempt NVIDIA component is admitted.
-    let condition = poll(Duration::from_secs(60), || {
-        let names = kube(&[
+    let condition = kubectl::poll(Duration::from_secs(60), Duration::from_secs(1), || {
+        let names = kubectl::run(&[
             "get",
             "mutatingwebhookconfiguration",
             "gpuwarden",
@@ -939,8 +866,8 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     );
     assert!(out.ok, "scaling the webhook to 0 failed: {}", out.stderr);
     patch_node_agent();
-    let down = poll(Duration::from_secs(120), || {
-        let pods = kube_json(&[
+    let down = kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
+        let pods = kubectl::get_json(&[
             "pods",
             "-n",
             "gpuwarden-system",
@@ -950,10 +877,10 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         pods["items"].as_array()?.is_empty().then_some(())
     });
     assert!(down.is_some(), "webhook pods remain at 0 replicas");
-    if kube(&["get", "namespace", EXEMPT_NAMESPACE]).ok {
+    if kubectl::run(&["get", "namespace", EXEMPT_NAMESPACE]).ok {
         // Someone else's: only the test's pod is removed.
     } else {
-        kube_must(&["create", "namespace", EXEMPT_NAMESPACE]);
+        kubectl::must(&["create", "namespace", EXEMPT_NAMESPACE]);
         cleanup.namespaces.push(EXEMPT_NAMESPACE.into());
     }
     let exporter = serde_json::json!({
@@ -965,7 +892,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
         }]},
     });
-    let admitted = kube_stdin(
+    let admitted = kubectl::run_stdin(
         &["create", "--dry-run=server", "-f", "-", "-o", "json"],
         &exporter.to_string(),
     );
@@ -1007,7 +934,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             out.stderr
         );
     }
-    let replicas = kube_must(&[
+    let replicas = kubectl::must(&[
         "-n",
         "gpuwarden-system",
         "get",
@@ -1016,7 +943,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         "jsonpath={.spec.replicas}/{.status.readyReplicas}",
     ]);
     assert_eq!(replicas, "1/1", "webhook replicas/ready after the upgrade");
-    let exempt = kube_must(&[
+    let exempt = kubectl::must(&[
         "get",
         "gpupolicy",
         "default",
@@ -1032,7 +959,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     ));
 
     // 6. The README's Helm uninstall, twice: nothing is left.
-    let mut rendered_maps = kube(&[
+    let mut rendered_maps = kubectl::run(&[
         "get",
         "mutatingadmissionpolicies",
         "-l",
@@ -1044,7 +971,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     rendered_maps = rendered_maps.trim().replace('\n', ", ");
     // Where the API server serves MutatingAdmissionPolicy the operator keeps one for the
     // default policy (Enforce): the uninstall must remove what it rendered.
-    if kube(&["api-resources", "-o", "name"])
+    if kubectl::run(&["api-resources", "-o", "name"])
         .stdout
         .lines()
         .any(|r| r.starts_with("mutatingadmissionpolicies."))
@@ -1070,7 +997,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         }
     }
     cleanup.installed = false;
-    let left = poll(Duration::from_secs(120), || {
+    let left = kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
         let left = leftovers();
         left.is_empty().then_some(())
     });

@@ -36,7 +36,7 @@
 //! ```
 //!
 //! The binaries are built with `cargo build --release` into the same `CARGO_TARGET_DIR`;
-//! `GPUWARDEN_E2E_BINARIES=<dir>` uses prebuilt ones instead.
+//! `GPUWARDEN_E2E_COMPONENT_BINARIES=<dir>` uses prebuilt ones instead.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -46,14 +46,16 @@ use std::time::{Duration, Instant};
 use gpuwarden_crds::admission::match_conditions::NOT_EXEMPT_CONDITION;
 use gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION;
 use gpuwarden_crds::{LABEL_GPU_PRESENT, RESOURCE_GPU, SYSTEM_NAMESPACE};
-use gpuwarden_e2e::cluster::{Cluster, skip, visible_in_log};
+use gpuwarden_e2e::cluster::{skip, visible_in_log};
 use gpuwarden_e2e::image::{IMAGE_USER, write_oci_layout};
-use gpuwarden_e2e::install::installed;
+use gpuwarden_e2e::install::refuse_where_installed;
+use gpuwarden_e2e::kubectl::{self, get_json, must, poll};
 use gpuwarden_e2e::manifests::{parse_documents, repo_root};
 use gpuwarden_e2e::node::{
-    NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs, local_node_problem,
+    COMPONENT_BINARIES, NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs,
+    local_node_problem,
 };
-use gpuwarden_e2e::readme::{readme_block, readme_block_in};
+use gpuwarden_e2e::readme::{readme_block, readme_block_in, statements};
 use serde_json::{Value, json};
 
 /// The image the overlay gives all three components.
@@ -71,55 +73,8 @@ const NVIDIA_HOST_PATHS: [&str; 5] = [
     "/run/cdi",
     "/var/run/cdi",
 ];
-const BINARIES: [&str; 3] = [
-    "gpuwarden-webhook",
-    "gpuwarden-operator",
-    "gpuwarden-node-agent",
-];
-
 fn image() -> String {
     format!("{IMAGE_NAME}:{IMAGE_TAG}")
-}
-
-fn kubectl(args: &[&str]) -> Out {
-    exec(Command::new("kubectl").args(args), None)
-}
-
-fn kubectl_stdin(args: &[&str], stdin: &str) -> Out {
-    exec(Command::new("kubectl").args(args), Some(stdin))
-}
-
-/// `kubectl ARGS`, which must succeed; its standard output.
-fn must(args: &[&str]) -> String {
-    let out = kubectl(args);
-    assert!(out.ok, "kubectl {} failed: {}", args.join(" "), out.stderr);
-    out.stdout
-}
-
-/// `kubectl get ARGS -o json`, or None when it fails (not found).
-fn get_json(args: &[&str]) -> Option<Value> {
-    let mut all = vec!["get"];
-    all.extend_from_slice(args);
-    all.extend_from_slice(&["-o", "json"]);
-    let out = kubectl(&all);
-    if !out.ok {
-        return None;
-    }
-    serde_json::from_str(&out.stdout).ok()
-}
-
-/// Calls `check` every `every` until it answers or `timeout` passes.
-fn poll<T>(timeout: Duration, every: Duration, mut check: impl FnMut() -> Option<T>) -> Option<T> {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = check() {
-            return Some(v);
-        }
-        if start.elapsed() >= timeout {
-            return None;
-        }
-        std::thread::sleep(every);
-    }
 }
 
 /// One README command line (or `for ... done` loop), run through bash in the repository
@@ -142,24 +97,6 @@ fn run_readme(statement: &str) -> (Out, Duration) {
         took.as_secs_f64()
     );
     (out, took)
-}
-
-/// The statements of a README block: each line, and a `for` loop with its body as one.
-fn statements(lines: &[String]) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
-    let mut in_loop = false;
-    for line in lines {
-        if in_loop {
-            let last = out.last_mut().expect("the loop's first line");
-            last.push('\n');
-            last.push_str(line);
-            in_loop = line.trim() != "done";
-        } else if !line.trim().is_empty() {
-            in_loop = line.trim_start().starts_with("for ");
-            out.push(line.clone());
-        }
-    }
-    out
 }
 
 /// What the test made, deleted on drop (also when the test fails).
@@ -192,11 +129,11 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         self.uninstall();
         for (ns, pod) in std::mem::take(&mut self.pods) {
-            let _ = kubectl(&["delete", "pod", "-n", &ns, &pod, "--ignore-not-found"]);
+            let _ = kubectl::run(&["delete", "pod", "-n", &ns, &pod, "--ignore-not-found"]);
         }
         let namespaces = std::mem::take(&mut self.namespaces);
         for ns in &namespaces {
-            let _ = kubectl(&[
+            let _ = kubectl::run(&[
                 "delete",
                 "namespace",
                 ns,
@@ -205,7 +142,7 @@ impl Drop for Cleanup {
             ]);
         }
         for ns in &namespaces {
-            let _ = kubectl(&[
+            let _ = kubectl::run(&[
                 "wait",
                 "--for=delete",
                 &format!("namespace/{ns}"),
@@ -218,15 +155,15 @@ impl Drop for Cleanup {
             }
         }
         if let Some(node) = self.labelled_node.take() {
-            let _ = kubectl(&["label", "node", &node, &format!("{LABEL_GPU_PRESENT}-")]);
+            let _ = kubectl::run(&["label", "node", &node, &format!("{LABEL_GPU_PRESENT}-")]);
         }
     }
 }
 
-/// The three binaries: prebuilt in `GPUWARDEN_E2E_BINARIES`, or built here (release) into
+/// The three binaries: prebuilt in `GPUWARDEN_E2E_COMPONENT_BINARIES`, or built here (release) into
 /// the `CARGO_TARGET_DIR` this test runs under.
 fn binaries(summary: &mut Vec<String>) -> Vec<PathBuf> {
-    let dir = if let Some(dir) = std::env::var_os("GPUWARDEN_E2E_BINARIES") {
+    let dir = if let Some(dir) = std::env::var_os("GPUWARDEN_E2E_COMPONENT_BINARIES") {
         summary.push(format!("binaries: prebuilt in {}", dir.to_string_lossy()));
         PathBuf::from(dir)
     } else {
@@ -253,7 +190,7 @@ fn binaries(summary: &mut Vec<String>) -> Vec<PathBuf> {
                 command.env_remove(&*name);
             }
         }
-        for binary in BINARIES {
+        for binary in COMPONENT_BINARIES {
             command.args(["-p", binary]);
         }
         let start = Instant::now();
@@ -267,7 +204,7 @@ fn binaries(summary: &mut Vec<String>) -> Vec<PathBuf> {
             .map_or_else(|| repo_root().join("target"), PathBuf::from)
             .join("release")
     };
-    BINARIES
+    COMPONENT_BINARIES
         .iter()
         .map(|b| {
             let path = dir.join(b);
@@ -492,7 +429,7 @@ fn webhook_backends() -> usize {
 }
 
 fn match_condition_names() -> String {
-    kubectl(&[
+    kubectl::run(&[
         "get",
         "mutatingwebhookconfiguration",
         MUTATING_WEBHOOK_CONFIGURATION,
@@ -508,7 +445,7 @@ fn gone(kind: &str, name: &str, namespace: Option<&str>) -> bool {
     if let Some(ns) = namespace {
         args.extend_from_slice(&["-n", ns]);
     }
-    let out = kubectl(&args);
+    let out = kubectl::run(&args);
     if out.ok {
         out.stdout.trim().is_empty()
     } else {
@@ -534,23 +471,8 @@ fn readme_install_in_cluster_on_a_real_node() {
         skip(test, &why);
         return;
     }
-    // A test before this one may have left gpuwarden-system Terminating: wait for it.
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime");
-    let installed = runtime.block_on(async {
-        let cluster = Cluster::connect().await.unwrap_or_else(|e| panic!("{e}"));
-        installed(&cluster, Duration::from_secs(120)).await
-    });
-    match installed {
-        Err(why) => panic!("cannot tell whether gpuwarden is installed: {why}"),
-        Ok(objects) if !objects.is_empty() => panic!(
-            "gpuwarden is installed here ({}); this test would delete it: uninstall it first",
-            objects.join(", ")
-        ),
-        Ok(_) => {}
-    }
+    // A test before this one may have left gpuwarden-system Terminating: it is waited for.
+    refuse_where_installed();
     let mut summary = Vec::new();
     let mut cleanup = Cleanup::default();
     let run_id = format!("{:08x}", rand::random::<u32>());
@@ -623,7 +545,7 @@ fn readme_install_in_cluster_on_a_real_node() {
         let (out, took) = run_readme(&statement);
         let first = statement.lines().next().unwrap_or_default().to_owned();
         if !out.ok {
-            let pods = kubectl(&["-n", SYSTEM_NAMESPACE, "get", "pods", "-o", "wide"]).stdout;
+            let pods = kubectl::run(&["-n", SYSTEM_NAMESPACE, "get", "pods", "-o", "wide"]).stdout;
             panic!("`{first}` failed after {took:?}: {}\n{pods}", out.stderr);
         }
         if first.starts_with("for ") {
@@ -655,7 +577,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     must(&["create", "namespace", &ns]);
     cleanup.namespaces.push(ns.clone());
     let start = Instant::now();
-    let created = kubectl_stdin(
+    let created = kubectl::run_stdin(
         &["create", "-f", "-", "-o", "json"],
         &privileged_gpu_pod(&ns, "train"),
     );
@@ -664,7 +586,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     let stored: Value = serde_json::from_str(&created.stdout).expect("the stored pod");
     assert_rewritten(&stored);
     let pod_uid = stored["metadata"]["uid"].as_str().expect("uid").to_owned();
-    let ready = kubectl(&[
+    let ready = kubectl::run(&[
         "-n",
         &ns,
         "wait",
@@ -676,11 +598,11 @@ fn readme_install_in_cluster_on_a_real_node() {
         ready.ok,
         "the rewritten pod never ran: {}\n{}",
         ready.stderr,
-        kubectl(&["-n", &ns, "describe", "pod", "train"]).stdout
+        kubectl::run(&["-n", &ns, "describe", "pod", "train"]).stdout
     );
     let running = start.elapsed();
     let log = poll(Duration::from_secs(30), Duration::from_secs(1), || {
-        let out = kubectl(&["-n", &ns, "logs", "train"]);
+        let out = kubectl::run(&["-n", &ns, "logs", "train"]);
         out.stdout
             .contains("NVIDIA_VISIBLE_DEVICES=")
             .then_some(out.stdout)
@@ -700,8 +622,8 @@ fn readme_install_in_cluster_on_a_real_node() {
     let Some(binding) = binding else {
         panic!(
             "the GpuNode never listed the pod's binding: {}\nagent log:\n{}",
-            kubectl(&["get", "gpunode", &node, "-o", "yaml"]).stdout,
-            kubectl(&[
+            kubectl::run(&["get", "gpunode", &node, "-o", "yaml"]).stdout,
+            kubectl::run(&[
                 "-n",
                 SYSTEM_NAMESPACE,
                 "logs",
@@ -760,7 +682,7 @@ fn readme_install_in_cluster_on_a_real_node() {
             "name": EXEMPT_NAMESPACE,
             "labels": {"pod-security.kubernetes.io/enforce": "privileged"},
         }});
-        let out = kubectl_stdin(&["create", "-f", "-"], &namespace.to_string());
+        let out = kubectl::run_stdin(&["create", "-f", "-"], &namespace.to_string());
         assert!(out.ok, "{}", out.stderr);
         cleanup.namespaces.push(EXEMPT_NAMESPACE.to_owned());
     }
@@ -784,7 +706,7 @@ fn readme_install_in_cluster_on_a_real_node() {
             }],
         },
     });
-    let admitted = kubectl_stdin(&["create", "-f", "-", "-o", "json"], &exporter.to_string());
+    let admitted = kubectl::run_stdin(&["create", "-f", "-", "-o", "json"], &exporter.to_string());
     assert!(
         admitted.ok,
         "the exempt NVIDIA component was refused while the webhook was down: {}",
@@ -804,7 +726,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     // webhook (a device hostPath) waits for the webhook.
     let in_api_server = !gone("mutatingadmissionpolicy", "gpuwarden-default", None);
     let waits = if in_api_server {
-        let rewritten = kubectl_stdin(
+        let rewritten = kubectl::run_stdin(
             &["create", "--dry-run=server", "-f", "-", "-o", "json"],
             &privileged_gpu_pod(&ns, "outage"),
         );
@@ -823,7 +745,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     } else {
         privileged_gpu_pod(&ns, "outage")
     };
-    let refused = kubectl_stdin(
+    let refused = kubectl::run_stdin(
         &["create", "--dry-run=server", "-f", "-", "-o", "json"],
         &waits,
     );
@@ -837,7 +759,7 @@ fn readme_install_in_cluster_on_a_real_node() {
         "{}",
         refused.stderr
     );
-    let _ = kubectl(&[
+    let _ = kubectl::run(&[
         "delete",
         "pod",
         "-n",
@@ -912,7 +834,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     let mut refusals: Vec<String> = Vec::new();
     let probe = privileged_gpu_pod(&ns, "restore-probe");
     let admitted = poll(Duration::from_secs(60), Duration::from_millis(500), || {
-        let out = kubectl_stdin(
+        let out = kubectl::run_stdin(
             &["create", "--dry-run=server", "-f", "-", "-o", "json"],
             &probe,
         );
@@ -971,7 +893,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     // 7. The README's uninstall, twice; nothing of the install and no new host path left.
     let rendered = parse_documents("kubectl kustomize", &must(&["kustomize", &overlay]))
         .expect("the rendered overlay");
-    let _ = kubectl(&["delete", "namespace", &ns, "--wait=false"]);
+    let _ = kubectl::run(&["delete", "namespace", &ns, "--wait=false"]);
     let uninstall = statements(&readme_block_in("Uninstall", "With the manifests"));
     let mut uninstall_times = Vec::new();
     for round in 1..=2 {
@@ -994,7 +916,7 @@ fn readme_install_in_cluster_on_a_real_node() {
     let ns_state = if ns_gone.is_some() {
         format!("gone after {:.1} s", start.elapsed().as_secs_f64())
     } else {
-        let phase = kubectl(&[
+        let phase = kubectl::run(&[
             "get",
             "namespace",
             SYSTEM_NAMESPACE,
