@@ -434,13 +434,18 @@ async fn delete_report(
     kind: ReportKind,
     namespace: &str,
 ) -> Result<(), ReportError> {
-    let api = report_api(&ctx.client, kind, Some(namespace));
+    if remove(&ctx.client, kind, namespace).await? {
+        ctx.metrics.write(CONTROLLER, "delete");
+    }
+    Ok(())
+}
+
+/// Deletes gpuwarden's report of `kind` in `namespace`; whether there was one.
+async fn remove(client: &Client, kind: ReportKind, namespace: &str) -> Result<bool, ReportError> {
+    let api = report_api(client, kind, Some(namespace));
     match api.delete(REPORT_NAME, &DeleteParams::default()).await {
-        Ok(_) => {
-            ctx.metrics.write(CONTROLLER, "delete");
-            Ok(())
-        }
-        Err(kube::Error::Api(status)) if status.code == 404 => Ok(()),
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
         Err(source) => Err(ReportError::Delete {
             kind: kind.kind(),
             namespace: namespace.to_owned(),
@@ -449,26 +454,30 @@ async fn delete_report(
     }
 }
 
+/// The namespaces holding gpuwarden's report of `kind` (named [`REPORT_NAME`], labelled
+/// [`LABEL_MANAGED_BY`]).
+async fn kept_in(client: &Client, kind: ReportKind) -> Result<Vec<String>, ReportError> {
+    let selector = format!("{LABEL_MANAGED_BY}={}", install::OPERATOR_NAME);
+    let list = report_api(client, kind, None)
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await
+        .map_err(|source| ReportError::List {
+            kind: kind.kind(),
+            source,
+        })?;
+    Ok((list.items.into_iter())
+        .filter(|r| r.metadata.name.as_deref() == Some(REPORT_NAME))
+        .filter_map(|r| r.metadata.namespace)
+        .collect())
+}
+
 /// Finds the reports gpuwarden keeps (by [`LABEL_MANAGED_BY`]) in every kind served, so that
 /// the next reconcile of their namespaces deletes those with nothing to report; forgets
 /// namespaces that are gone. Run on becoming the leader and on every periodic check.
 pub async fn sweep(ctx: &ReportContext) -> Result<usize, ReportError> {
-    let selector = format!("{LABEL_MANAGED_BY}={}", install::OPERATOR_NAME);
     let mut found = Vec::new();
     for kind in ctx.kinds() {
-        let api = report_api(&ctx.client, kind, None);
-        let list = api
-            .list_metadata(&ListParams::default().labels(&selector))
-            .await
-            .map_err(|source| ReportError::List {
-                kind: kind.kind(),
-                source,
-            })?;
-        found.extend(
-            (list.items.into_iter())
-                .filter(|r| r.metadata.name.as_deref() == Some(REPORT_NAME))
-                .filter_map(|r| r.metadata.namespace),
-        );
+        found.extend(kept_in(&ctx.client, kind).await?);
     }
     let mut written = ctx.written();
     for namespace in found {
@@ -482,35 +491,10 @@ pub async fn sweep(ctx: &ReportContext) -> Result<usize, ReportError> {
 /// Deletes every report gpuwarden keeps, in every kind served (an uninstall: once no
 /// GpuPolicy governs a namespace, nothing writes them again). Returns how many went.
 pub async fn delete_all(client: &Client) -> Result<usize, ReportError> {
-    let selector = format!("{LABEL_MANAGED_BY}={}", install::OPERATOR_NAME);
     let mut deleted = 0;
     for kind in discover_kinds(client).await {
-        let listed = report_api(client, kind, None)
-            .list_metadata(&ListParams::default().labels(&selector))
-            .await
-            .map_err(|source| ReportError::List {
-                kind: kind.kind(),
-                source,
-            })?;
-        for report in listed.items {
-            let (Some(namespace), Some(name)) = (report.metadata.namespace, report.metadata.name)
-            else {
-                continue;
-            };
-            match report_api(client, kind, Some(&namespace))
-                .delete(&name, &DeleteParams::default())
-                .await
-            {
-                Ok(_) => deleted += 1,
-                Err(kube::Error::Api(status)) if status.code == 404 => {}
-                Err(source) => {
-                    return Err(ReportError::Delete {
-                        kind: kind.kind(),
-                        namespace,
-                        source,
-                    });
-                }
-            }
+        for namespace in kept_in(client, kind).await? {
+            deleted += usize::from(remove(client, kind, &namespace).await?);
         }
     }
     Ok(deleted)

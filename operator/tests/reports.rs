@@ -6,66 +6,28 @@
 
 #[path = "support/fake_api.rs"]
 mod fake_api;
+#[path = "support/running.rs"]
+mod running;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fake_api::FakeApi;
+use running::{Running, free_port, wait_for};
 use serde_json::{Value, json};
 
-async fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn free_port() -> std::net::SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
-}
-
-/// The operator running against the fake until [`Running::stop`].
-struct Running {
-    stop_tx: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), gpuwarden_operator::RunError>>,
-}
-
-impl Running {
-    fn start(fake: &Arc<FakeApi>) -> Self {
-        Self::start_with(fake, None)
-    }
-
-    fn start_with(fake: &Arc<FakeApi>, leadership: Option<gpuwarden_operator::Leadership>) -> Self {
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
-        config.health_listen = free_port();
-        config.leader_election = false;
-        config.manage_webhook_certificates = false;
-        config.admission_policies = false;
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(gpuwarden_operator::run_with(
-            config,
-            fake.client(),
-            async move {
-                let _ = stop_rx.await;
-            },
-            gpuwarden_operator::system_clock(),
-            leadership,
-        ));
-        Self { stop_tx, task }
-    }
-
-    async fn stop(self) {
-        self.stop_tx.send(()).unwrap();
-        let result = tokio::time::timeout(Duration::from_secs(20), self.task)
-            .await
-            .expect("operator stops within 20 s")
-            .expect("operator task");
-        assert!(result.is_ok(), "{result:?}");
-    }
+/// The operator with the reports on and nothing else it would write to the fake: no Lease
+/// election, no webhook certificates, no admission policies; `leadership`, when given,
+/// decided by the test.
+fn start(fake: &Arc<FakeApi>, leadership: Option<gpuwarden_operator::Leadership>) -> Running {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut config = gpuwarden_operator::Config::new("gpuwarden-system");
+    config.health_listen = free_port();
+    config.leader_election = false;
+    config.manage_webhook_certificates = false;
+    config.admission_policies = false;
+    Running::start(fake, config, leadership)
 }
 
 /// An Audit-mode policy over namespaces labelled `team=ml`.
@@ -121,7 +83,7 @@ fn results_of(report: &Value) -> Vec<Value> {
 async fn a_governed_namespace_gets_a_report_that_follows_its_pods() {
     let fake = cluster();
     fake.serve_reports("wgpolicyk8s.io/v1alpha2");
-    let operator = Running::start(&fake);
+    let operator = start(&fake, None);
     let t = Duration::from_secs(30);
 
     wait_for("the report of ml", t, || {
@@ -242,7 +204,7 @@ async fn both_kinds_are_written_where_both_are_served_and_a_namespace_that_leave
             "results": [],
         }),
     );
-    let operator = Running::start(&fake);
+    let operator = start(&fake, None);
     let t = Duration::from_secs(30);
     wait_for("both reports", t, || {
         fake.get("policyreports", "ml/gpuwarden").is_some()
@@ -278,7 +240,7 @@ async fn both_kinds_are_written_where_both_are_served_and_a_namespace_that_leave
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_report_kind_nothing_is_written_no_pod_is_watched_and_the_operator_runs_on() {
     let fake = cluster();
-    let operator = Running::start(&fake);
+    let operator = start(&fake, None);
     // The operator comes up (it reports on its policies) and stays up.
     wait_for("policy status", Duration::from_secs(30), || {
         fake.get("gpupolicies", "ml-audit")
@@ -286,7 +248,7 @@ async fn without_a_report_kind_nothing_is_written_no_pod_is_watched_and_the_oper
     })
     .await;
     tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(!operator.task.is_finished(), "the operator stopped");
+    assert!(!operator.is_finished(), "the operator stopped");
     assert_eq!(fake.count("policyreports"), 0);
     assert_eq!(fake.count("reports"), 0);
     let requests = fake.requests.lock().unwrap().clone();
@@ -304,7 +266,7 @@ async fn a_standby_writes_no_report_until_it_leads() {
     let fake = cluster();
     fake.serve_reports("wgpolicyk8s.io/v1alpha2");
     let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
-    let operator = Running::start_with(&fake, Some(leadership));
+    let operator = start(&fake, Some(leadership));
     // It lists its Pods (the report kind is served) and still writes nothing.
     wait_for("the Pod watch", Duration::from_secs(30), || {
         fake.requests
@@ -340,7 +302,7 @@ async fn a_crowded_namespace_gets_a_report_cut_to_its_bound() {
         let name = format!("train-{i:03}");
         fake.insert("pods", &format!("ml/{name}"), privileged_pod("ml", &name));
     }
-    let operator = Running::start(&fake);
+    let operator = start(&fake, None);
     wait_for("the report of ml", Duration::from_secs(30), || {
         fake.get("reports", "ml/gpuwarden").is_some()
     })

@@ -3,12 +3,15 @@
 
 #[path = "support/fake_api.rs"]
 mod fake_api;
+#[path = "support/running.rs"]
+mod running;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use fake_api::{FakeApi, gpunode, lease, node};
+use running::{Running, free_port, wait_for};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -25,57 +28,6 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     (code, out)
-}
-
-async fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn free_port() -> std::net::SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
-}
-
-/// The operator running against the fake API server until [`Running::stop`].
-struct Running {
-    stop_tx: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), gpuwarden_operator::RunError>>,
-}
-
-impl Running {
-    /// Starts it; `leadership`, when given, is decided by the test instead of the Lease
-    /// election.
-    fn start(
-        fake: &Arc<FakeApi>,
-        config: gpuwarden_operator::Config,
-        leadership: Option<gpuwarden_operator::Leadership>,
-    ) -> Self {
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(gpuwarden_operator::run_with(
-            config,
-            fake.client(),
-            async move {
-                let _ = stop_rx.await;
-            },
-            gpuwarden_operator::system_clock(),
-            leadership,
-        ));
-        Self { stop_tx, task }
-    }
-
-    /// Shuts it down gracefully: it stops within 20 s, without error.
-    async fn stop(self) {
-        self.stop_tx.send(()).unwrap();
-        let result = tokio::time::timeout(Duration::from_secs(20), self.task)
-            .await
-            .expect("operator stops within 20 s")
-            .expect("operator task");
-        assert!(result.is_ok(), "{result:?}");
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
