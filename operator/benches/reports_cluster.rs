@@ -18,6 +18,9 @@
 //! the CRDs (a minimal PolicyReport CRD of its own), and deletes them at the end. Without
 //! `KUBECONFIG` it says so and does nothing.
 
+#[path = "support/measure.rs"]
+mod measure;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -27,6 +30,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, CustomResourceExt, ResourceExt};
+use measure::{env_number, mib, vm_kib};
 use serde_json::{Value, json};
 
 const LABEL: &str = "gpuwarden.io/bench";
@@ -34,44 +38,11 @@ const FIELD_MANAGER: &str = "gpuwarden-reports-bench";
 const PREFIX: &str = "gpuwarden-bench-reports-";
 const POLICY_REPORT_CRD: &str = "policyreports.wgpolicyk8s.io";
 
-fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn vm_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix(field))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn mib(kib: u64) -> String {
-    format!("{:.1} MiB", kib as f64 / 1024.0)
-}
-
+/// The operator's report writes, or -1 where it does not answer.
 async fn operator_writes(port: u16) -> f64 {
-    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return -1.0;
-    };
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let request = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return -1.0;
-    }
-    let mut out = String::new();
-    let _ = stream.read_to_string(&mut out).await;
-    out.lines()
-        .filter(|l| l.starts_with("gpuwarden_operator_writes_total{"))
-        .filter(|l| l.contains("controller=\"policyreports\""))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
+    measure::operator_writes(port, "controller=\"policyreports\"")
+        .await
+        .unwrap_or(-1.0)
 }
 
 /// Waits until the operator's report writes stop changing for `still`; returns the count and

@@ -19,6 +19,9 @@
 //! disposable cluster. Without `KUBECONFIG` it says so
 //! and does nothing.
 
+#[path = "support/measure.rs"]
+mod measure;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -29,42 +32,11 @@ use k8s_openapi::api::core::v1::{Namespace, Node};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, CustomResourceExt, ResourceExt};
+use measure::{counter_sum, env_number, mib, operator_metrics, vm_kib};
 use serde_json::json;
 
 const LABEL: &str = "gpuwarden.io/bench";
 const FIELD_MANAGER: &str = "gpuwarden-scale-bench";
-
-fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn vm_kib(pid: u32, field: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix(field))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-fn mib(kib: u64) -> String {
-    format!("{:.1} MiB", kib as f64 / 1024.0)
-}
-
-/// Sum of the Prometheus counter `name` over all its series in a text exposition.
-fn counter_sum(exposition: &str, name: &str, filter: &str) -> f64 {
-    exposition
-        .lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter(|l| l.contains(filter))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .fold(0.0, |sum, v| sum + v)
-}
 
 async fn apiserver_requests(client: &Client) -> f64 {
     let request = http::Request::get("/metrics")
@@ -74,23 +46,8 @@ async fn apiserver_requests(client: &Client) -> f64 {
     counter_sum(&text, "apiserver_request_total", "")
 }
 
-async fn operator_metrics(port: u16) -> String {
-    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return String::new();
-    };
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let request = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return String::new();
-    }
-    let mut out = String::new();
-    let _ = stream.read_to_string(&mut out).await;
-    out
-}
-
 async fn operator_writes(port: u16, kind: &str) -> f64 {
-    let text = operator_metrics(port).await;
-    counter_sum(&text, "gpuwarden_operator_writes_total", kind)
+    measure::operator_writes(port, kind).await.unwrap_or(0.0)
 }
 
 /// What [`ensure_api`] created, to delete again at the end.
@@ -294,7 +251,7 @@ async fn main() {
     let hwm = vm_kib(pid, "VmHWM:");
     let rss_end = vm_kib(pid, "VmRSS:");
     let errors = counter_sum(
-        &operator_metrics(port).await,
+        &operator_metrics(port).await.unwrap_or_default(),
         "gpuwarden_operator_reconcile_errors_total",
         "",
     );
