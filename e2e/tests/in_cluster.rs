@@ -36,7 +36,7 @@
 //! ```
 //!
 //! The binaries are built with `cargo build --release` into the same `CARGO_TARGET_DIR`;
-//! `GPUWARDEN_E2E_COMPONENT_BINARIES=<dir>` uses prebuilt ones instead.
+//! `GPUWARDEN_E2E_BINARIES=<dir>` uses prebuilt ones instead.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -160,10 +160,10 @@ impl Drop for Cleanup {
     }
 }
 
-/// The three binaries: prebuilt in `GPUWARDEN_E2E_COMPONENT_BINARIES`, or built here (release) into
+/// The three binaries: prebuilt in `GPUWARDEN_E2E_BINARIES`, or built here (release) into
 /// the `CARGO_TARGET_DIR` this test runs under.
 fn binaries(summary: &mut Vec<String>) -> Vec<PathBuf> {
-    let dir = if let Some(dir) = std::env::var_os("GPUWARDEN_E2E_COMPONENT_BINARIES") {
+    let dir = if let Some(dir) = std::env::var_os("GPUWARDEN_E2E_BINARIES") {
         summary.push(format!("binaries: prebuilt in {}", dir.to_string_lossy()));
         PathBuf::from(dir)
     } else {
