@@ -2,14 +2,14 @@
 
 use crate::manifests::repo_root;
 
-/// The README's section `## {heading}`, up to the next section.
-fn section(heading: &str) -> String {
+/// The README from the line after its heading `## {heading}` on.
+fn from_section(heading: &str) -> String {
     let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
-    let section = readme
+    readme
         .split_once(&format!("\n## {heading}\n"))
         .unwrap_or_else(|| panic!("README has no section {heading}"))
-        .1;
-    section.split("\n## ").next().unwrap_or_default().to_owned()
+        .1
+        .to_owned()
 }
 
 /// The lines of the first `sh` block in `text`; `what` names it in the panic.
@@ -24,13 +24,14 @@ fn first_sh_block(text: &str, what: &str) -> Vec<String> {
 
 /// The lines of the first `sh` block under the heading `## {heading}` of the README.
 pub fn readme_block(heading: &str) -> Vec<String> {
-    first_sh_block(&section(heading), &format!("section {heading}"))
+    first_sh_block(&from_section(heading), &format!("section {heading}"))
 }
 
 /// The lines of the first `sh` block under `### {subheading}` within the section
 /// `## {heading}` of the README.
 pub fn readme_block_in(heading: &str, subheading: &str) -> Vec<String> {
-    let section = section(heading);
+    let rest = from_section(heading);
+    let section = rest.split("\n## ").next().unwrap_or_default();
     let sub = section
         .split_once(&format!("\n### {subheading}\n"))
         .unwrap_or_else(|| panic!("README section {heading} has no subsection {subheading}"))
