@@ -22,6 +22,7 @@ pub mod reports;
 pub mod selection;
 pub mod selector;
 pub mod sharing;
+pub mod start_up;
 pub mod validation;
 
 pub use error::error_chain;

@@ -459,8 +459,14 @@ pub enum VisibleDevicesAll {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct CapabilitiesSpec {
-    /// Drop every capability (`drop: [ALL]`) before adding the kept ones back.
-    #[serde(default = "default_true")]
+    /// Stricter than an ordinary container: drop every capability (`drop: [ALL]`) before
+    /// adding the kept ones back, and set `allowPrivilegeEscalation: false`. By default
+    /// (`false`) a rewritten container keeps what an ordinary container of its namespace has:
+    /// the runtime's default capabilities, and setuid programs, within the namespace's Pod
+    /// Security level (`restricted` always drops every capability). With `true`, chown,
+    /// setuid programs (`su`, `sudo`), user switches (`gosu`, supervisord) and sshd's
+    /// privilege separation fail in the container, and the admission warning says so.
+    #[serde(default)]
     pub drop_all: bool,
 
     /// Capabilities always added to a rewritten container.
@@ -469,8 +475,9 @@ pub struct CapabilitiesSpec {
     #[schemars(length(max = 64), inner(length(max = CAPABILITY_LEN)))]
     pub default: Vec<String>,
 
-    /// Capabilities a rewritten container keeps when it asked for them (`capabilities.add`).
-    /// Anything else it asked for is dropped and named in a warning.
+    /// Capabilities a rewritten container keeps when it asked for them (`capabilities.add`),
+    /// beside the runtime's defaults, which it keeps asking for unless `dropAll`. Anything
+    /// else it asked for is dropped and named in a warning.
     #[serde(default = "default_allowed_caps")]
     #[x_kube(validation = Rule::new("self.all(c, c in ['AUDIT_CONTROL', 'AUDIT_READ', 'AUDIT_WRITE', 'BLOCK_SUSPEND', 'BPF', 'CHECKPOINT_RESTORE', 'CHOWN', 'DAC_OVERRIDE', 'DAC_READ_SEARCH', 'FOWNER', 'FSETID', 'IPC_LOCK', 'IPC_OWNER', 'KILL', 'LEASE', 'LINUX_IMMUTABLE', 'MAC_ADMIN', 'MAC_OVERRIDE', 'MKNOD', 'NET_ADMIN', 'NET_BIND_SERVICE', 'NET_BROADCAST', 'NET_RAW', 'PERFMON', 'SETFCAP', 'SETGID', 'SETPCAP', 'SETUID', 'SYS_ADMIN', 'SYS_BOOT', 'SYS_CHROOT', 'SYS_MODULE', 'SYS_NICE', 'SYS_PACCT', 'SYS_PTRACE', 'SYS_RAWIO', 'SYS_RESOURCE', 'SYS_TIME', 'SYS_TTY_CONFIG', 'SYSLOG', 'WAKE_ALARM'])").message("unknown Linux capability: names are upper case without the CAP_ prefix, e.g. IPC_LOCK (capabilities(7))"))]
     #[schemars(length(max = 64), inner(length(max = CAPABILITY_LEN)))]
@@ -480,7 +487,7 @@ pub struct CapabilitiesSpec {
 impl Default for CapabilitiesSpec {
     fn default() -> Self {
         Self {
-            drop_all: true,
+            drop_all: false,
             default: Vec::new(),
             allowed: default_allowed_caps(),
         }

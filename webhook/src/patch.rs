@@ -128,20 +128,24 @@ pub fn patch_for_view<'c>(
                 if current.is_some() {
                     let context = at(&base, ["securityContext"]);
                     ops.add(at(&context, ["privileged"]), Value::Bool(false));
-                    ops.add(
-                        at(&context, ["allowPrivilegeEscalation"]),
-                        Value::Bool(false),
-                    );
+                    if drop_all {
+                        ops.add(
+                            at(&context, ["allowPrivilegeEscalation"]),
+                            Value::Bool(false),
+                        );
+                    }
                     ops.add(at(&context, ["capabilities"]), capabilities);
                     if seccomp_default {
                         ops.add(at(&context, ["seccompProfile"]), seccomp);
                     }
                 } else {
                     let mut context = json!({
-                        "allowPrivilegeEscalation": false,
                         "capabilities": capabilities,
                         "privileged": false,
                     });
+                    if drop_all {
+                        context["allowPrivilegeEscalation"] = Value::Bool(false);
+                    }
                     if seccomp_default {
                         context["seccompProfile"] = seccomp;
                     }

@@ -330,6 +330,12 @@ pub struct Container<'a> {
     /// `image`.
     #[serde(deserialize_with = "text")]
     pub image: Option<Cow<'a, str>>,
+    /// The strings in `command` (other entries skipped): read for what it does at start.
+    #[serde(deserialize_with = "texts")]
+    pub command: Vec<Cow<'a, str>>,
+    /// The strings in `args`.
+    #[serde(deserialize_with = "texts")]
+    pub args: Vec<Cow<'a, str>>,
     /// `env`, when a list.
     #[serde(deserialize_with = "list")]
     pub env: Option<Vec<EnvVar<'a>>>,

@@ -54,11 +54,15 @@ fn privileged_training_pod_is_rewritten_by_every_rule() {
     assert_eq!(answer.summary.policy.as_deref(), Some("default@1"));
     assert_eq!(answer.summary.pod.as_deref(), Some("ml/train"));
     let c = &out["spec"]["containers"][0];
-    // Rule 1.
+    // Rule 1: privilege goes; what an ordinary container has stays (setuid programs too).
     assert_eq!(c["securityContext"]["privileged"], false);
-    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
-    // Rule 2.
-    assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+    assert!(
+        c["securityContext"]
+            .get("allowPrivilegeEscalation")
+            .is_none()
+    );
+    // Rule 2: nothing dropped beyond privilege: the runtime's defaults stay.
+    assert_eq!(c["securityContext"]["capabilities"], json!({}));
     // Rule 3: `all` with visibleDevicesAll DefaultCount → defaultCount (1).
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], "1");
     assert_eq!(
@@ -148,21 +152,130 @@ fn capabilities_keep_allowed_and_defaults_and_name_the_refused() {
         p.spec.capabilities.default = vec!["SYS_PTRACE".into()];
     })]);
     let (answer, out) = rewrite(&pod, "ml", &src);
-    let caps = &out["spec"]["containers"][0]["securityContext"]["capabilities"];
-    assert_eq!(caps["add"], json!(["SYS_PTRACE", "IPC_LOCK", "SYS_NICE"]));
-    assert_eq!(caps["drop"], json!(["ALL"]));
+    let context = &out["spec"]["containers"][0]["securityContext"];
+    assert_eq!(
+        context["capabilities"],
+        json!({"add": ["SYS_PTRACE", "IPC_LOCK", "SYS_NICE"]})
+    );
+    assert!(context.get("allowPrivilegeEscalation").is_none());
     let w = answer.warnings().join("\n");
     assert!(
         w.contains("NET_ADMIN,SYS_ADMIN dropped (not allowed)"),
         "{w}"
     );
+    assert!(!w.contains("drop ALL"), "{w}");
 
-    // dropAll false keeps the pod's own drop list.
-    pod["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"] = json!(["NET_RAW"]);
-    let src = StaticSource::new([policy("nodrop", |p| p.spec.capabilities.drop_all = false)]);
-    let (_, out) = rewrite(&pod, "ml", &src);
+    // What an ordinary container may ask for of the runtime's defaults it keeps asking for;
+    // its own drop list stays.
+    pod["spec"]["containers"][0]["securityContext"]["capabilities"] =
+        json!({"add": ["CHOWN", "setuid", "NET_ADMIN"], "drop": ["ALL"]});
+    let (answer, out) = rewrite(&pod, "ml", &src);
     let caps = &out["spec"]["containers"][0]["securityContext"]["capabilities"];
-    assert_eq!(caps["drop"], json!(["NET_RAW"]));
+    assert_eq!(
+        *caps,
+        json!({"add": ["SYS_PTRACE", "CHOWN", "SETUID"], "drop": ["ALL"]})
+    );
+    let w = answer.warnings().join("\n");
+    assert!(
+        w.contains("capabilities NET_ADMIN dropped (not allowed)"),
+        "{w}"
+    );
+
+    // dropAll: stricter than an ordinary container, and the warning says what then fails.
+    let strict = StaticSource::new([policy("strict", |p| {
+        p.spec.capabilities.drop_all = true;
+        p.spec.capabilities.default = vec!["SYS_PTRACE".into()];
+    })]);
+    let (answer, out) = rewrite(&pod, "ml", &strict);
+    let context = &out["spec"]["containers"][0]["securityContext"];
+    assert_eq!(
+        context["capabilities"],
+        json!({"add": ["SYS_PTRACE"], "drop": ["ALL"]})
+    );
+    assert_eq!(context["allowPrivilegeEscalation"], false);
+    let w = answer.warnings().join("\n");
+    assert!(
+        w.contains("capabilities CHOWN,NET_ADMIN,SETUID dropped (not allowed)"),
+        "{w}"
+    );
+    assert!(
+        answer.warnings().contains(&"gpuwarden: container trainer: drop ALL capabilities and privilege escalation (GpuPolicy capabilities.dropAll), so chown, su, sudo, gosu, supervisord and sshd's privilege separation fail there".to_owned()),
+        "{w}"
+    );
+    let report: Value = serde_json::from_str(
+        out["metadata"]["annotations"][ANNOTATION_REWRITTEN]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        report["containers"]["trainer"]["allowPrivilegeEscalation"],
+        false
+    );
+}
+
+/// What real images do at start is named at admission: each step a rewritten pod's
+/// containers show, and what they keep or lose of what it needs under the policy in force.
+#[test]
+fn start_up_steps_are_named_with_what_they_keep_and_lose() {
+    let mut pod = training_pod();
+    pod["metadata"]["labels"]["training.kubeflow.org/job-role"] = json!("worker");
+    pod["spec"]["containers"][0]["command"] = json!(["/usr/sbin/sshd", "-De"]);
+    pod["spec"]["initContainers"] = json!([{"name": "setup", "image": "busybox",
+        "command": ["sh", "-c", "chown -R 1000 /data && exec gosu app true"],
+        "securityContext": {"capabilities": {"drop": ["CHOWN"]}}}]);
+    let start_up = |answer: &Answer| {
+        let steps: Vec<String> = (answer.warnings().into_iter())
+            .filter(|w| w.starts_with("gpuwarden: at start, "))
+            .collect();
+        steps.join("\n")
+    };
+    let (answer, _) = rewrite(&pod, "ml", &source());
+    assert_eq!(
+        start_up(&answer),
+        "gpuwarden: at start, container trainer runs sshd: keeps SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)\n\
+         gpuwarden: at start, init container setup runs gosu: keeps SETUID,SETGID (switching users)\n\
+         gpuwarden: at start, init container setup runs chown: loses CHOWN (changing file owners)"
+    );
+    // Stricter: the rewritten container loses what sshd needs, and the warning says so.
+    let strict = StaticSource::new([policy("strict", |p| p.spec.capabilities.drop_all = true)]);
+    let (answer, _) = rewrite(&pod, "ml", &strict);
+    assert!(
+        start_up(&answer).contains("at start, container trainer runs sshd: loses SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"),
+        "{:?}",
+        answer.warnings()
+    );
+    // An MPI worker whose command says nothing, and a sudo under restricted.
+    pod["spec"]["containers"][0]["command"] = json!(["/entrypoint.sh"]);
+    pod["spec"]["containers"][0]["args"] = json!(["sudo -u app true"]);
+    pod["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("initContainers");
+    let src = source().with_namespace(
+        "strict",
+        &[("pod-security.kubernetes.io/enforce", "restricted")],
+    );
+    let (answer, _) = rewrite(&pod, "strict", &src);
+    assert_eq!(
+        start_up(&answer),
+        "gpuwarden: at start, container trainer runs sudo: loses SETUID,SETGID,allowPrivilegeEscalation (switching users)\n\
+         gpuwarden: at start, container trainer is an MPI worker (sshd): loses SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"
+    );
+    pod["spec"]["containers"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("args");
+    let (answer, _) = rewrite(&pod, "ml", &source());
+    assert_eq!(
+        start_up(&answer),
+        "gpuwarden: at start, container trainer is an MPI worker (sshd): keeps SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"
+    );
+    // A pod that is not rewritten gets no such warning.
+    pod["spec"]["containers"][0]["securityContext"] = json!({});
+    pod["spec"]["containers"][0]["env"] = json!([]);
+    let (answer, _) = rewrite(&pod, "ml", &source());
+    assert_eq!(start_up(&answer), "", "{:?}", answer.warnings());
 }
 
 #[test]
@@ -1667,8 +1780,8 @@ fn the_rewrite_stays_inside_the_namespaces_pod_security_level() {
     }
     // baseline: only baseline capabilities; the others are named.
     let (answer, out) = rewrite(&pod, "base", &src);
-    assert_eq!(context(&out)["capabilities"]["add"], json!(["CHOWN"]));
-    assert_eq!(context(&out)["capabilities"]["drop"], json!(["ALL"]));
+    assert_eq!(context(&out)["capabilities"], json!({"add": ["CHOWN"]}));
+    assert!(context(&out).get("allowPrivilegeEscalation").is_none());
     assert!(context(&out).get("seccompProfile").is_none());
     assert!(
         answer.warnings()[0]
@@ -1686,7 +1799,9 @@ fn the_rewrite_stays_inside_the_namespaces_pod_security_level() {
         assert_eq!(c["capabilities"]["drop"], json!(["ALL"]));
         assert_eq!(c["seccompProfile"], json!({"type": "RuntimeDefault"}));
         assert_eq!(c["allowPrivilegeEscalation"], false);
-        let pod_warning = answer.warnings().last().cloned().unwrap_or_default();
+        let pod_warning = (answer.warnings().into_iter())
+            .find(|w| w.starts_with("gpuwarden: pod: "))
+            .unwrap_or_default();
         assert_eq!(
             pod_warning,
             "gpuwarden: pod: will still fail Pod Security restricted: runAsNonRoot (container trainer)"

@@ -64,7 +64,7 @@ fn missing_parents_are_created_and_tokens_escaped() {
         patch,
         json!([
             {"op": "add", "path": "/spec/containers/0/securityContext",
-             "value": {"allowPrivilegeEscalation": false, "capabilities": {}, "privileged": false}},
+             "value": {"capabilities": {}, "privileged": false}},
             {"op": "add", "path": "/spec/containers/1/securityContext",
              "value": {"allowPrivilegeEscalation": false,
                        "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]}, "privileged": false,
@@ -130,7 +130,6 @@ fn existing_parents_get_leaf_operations() {
         written(&pod, &changes),
         json!([
             {"op": "add", "path": "/spec/containers/0/securityContext/privileged", "value": false},
-            {"op": "add", "path": "/spec/containers/0/securityContext/allowPrivilegeEscalation", "value": false},
             {"op": "add", "path": "/spec/containers/0/securityContext/capabilities", "value": {"drop": ["NET_RAW"]}},
             {"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "1"},
             {"op": "remove", "path": "/spec/containers/0/env/2"},

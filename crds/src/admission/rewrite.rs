@@ -7,7 +7,11 @@
 //! none empty and none with a space inside, or `all`), nothing else in the pod reaches GPUs
 //! around the kubelet, and no rule that needs more than the pod and its namespace's labels
 //! applies (hostPath volumes, ResourceClaims, count annotations, exempt images, `restricted`
-//! Pod Security, a denial). Every other pod is
+//! Pod Security, a denial), and nothing a container loses would go unsaid: every pod under a
+//! policy that drops every capability (`capabilities.dropAll`) gets the webhook's warning of
+//! what its containers lose. (What start-up steps keep and lose is warned of by the static
+//! start-up ValidatingAdmissionPolicy, on the stored pod, whichever path rewrote it.) Every
+//! other pod is
 //! left as it is by this mutation, and the webhook, whose matchConditions still send any
 //! privileged pod, rewrites or denies it. A pod the API server rewrote is no longer
 //! privileged and names no GPU through the runtime, so the webhook is not called for it.
@@ -22,7 +26,7 @@
 
 use super::cel::{device_list_mount, env, env_from_spells, has_env, list, literal, privileged};
 use crate::gpu::{CountFrom, ENV_VISIBLE_DEVICES, Rules, shared_gpus_text};
-use crate::pod_security::{BASELINE_CAPABILITIES, LABEL_PSA_ENFORCE};
+use crate::pod_security::{BASELINE_CAPABILITIES, LABEL_PSA_ENFORCE, RUNTIME_DEFAULT_CAPABILITIES};
 use crate::policy::{GpuPolicy, RequestAs, VisibleDevicesAll};
 use crate::rdma;
 use crate::{ANNOTATION_POLICY, ANNOTATION_PREFIX, ANNOTATION_REWRITTEN};
@@ -48,9 +52,9 @@ const RESOURCE: &str = "^[A-Za-z0-9._/-]+$";
 
 /// The rewrite's variables and its JSONPatch expression for `policy`, whose GPU resource test
 /// is `gpu` (a CEL expression of `r`); `None` when the policy asks for what CEL cannot do
-/// (`gpu.requestAs: ResourceClaim`, which needs the namespace's ResourceClaimTemplates) or
-/// names capabilities, a resource or driver capabilities the report could not write as they
-/// are.
+/// (`gpu.requestAs: ResourceClaim`, which needs the namespace's ResourceClaimTemplates),
+/// drops every capability (whose losses the webhook's warning names), or names capabilities,
+/// a resource or driver capabilities the report could not write as they are.
 pub fn rewrite(policy: &GpuPolicy, gpu: &str) -> Option<(Variables, String)> {
     if !renders(policy) {
         return None;
@@ -99,6 +103,7 @@ pub fn renders(policy: &GpuPolicy) -> bool {
     let driver = (spec.driver_capabilities.iter())
         .all(|c| c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'));
     spec.gpu.request_as != RequestAs::ResourceClaim
+        && !spec.capabilities.drop_all
         && plain(&spec.capabilities.default)
         && plain(&spec.capabilities.allowed)
         && resource
@@ -381,17 +386,17 @@ impl Rewrite<'_> {
     }
 
     /// Per regular container, the capabilities it keeps before Pod Security is applied: the
-    /// policy's defaults, then those it asked for that the policy allows, each once.
+    /// policy's defaults, then those it asked for that the policy allows or the runtime gives
+    /// an ordinary container, each once.
     fn kept(&self) -> String {
         let caps = &self.policy.spec.capabilities;
         let defaults = list(&caps.default);
-        if caps.allowed.is_empty() {
-            return format!("{C}.map(c, {defaults}.distinct())");
-        }
+        let mut allowed = caps.allowed.clone();
+        allowed.extend(RUNTIME_DEFAULT_CAPABILITIES.iter().map(|c| (*c).to_owned()));
         format!(
             "{C}.map(c, ({defaults} + {}.filter(x, x in {})).distinct())",
             asked("c"),
-            list(&caps.allowed)
+            list(&allowed)
         )
     }
 
@@ -419,14 +424,10 @@ impl Rewrite<'_> {
         )
     }
 
-    /// Container `c`'s `securityContext.capabilities` once rewritten.
+    /// Container `c`'s `securityContext.capabilities` once rewritten: what it adds, and its
+    /// own `drop` (the policy does not drop every capability, see [`renders`]).
     fn capabilities(&self, c: &str) -> String {
         let added = "variables.added[i]";
-        if self.policy.spec.capabilities.drop_all {
-            return format!(
-                "(size({added}) > 0 ? {{'add': dyn({added}), 'drop': dyn(['ALL'])}} : {{'drop': dyn(['ALL'])}})"
-            );
-        }
         // Values typed `dyn`: the API server's type check wants one value type per map.
         let drop = format!("{c}.securityContext.capabilities.drop");
         format!(
@@ -510,9 +511,11 @@ impl Rewrite<'_> {
         let base = "('/spec/containers/' + string(i))";
         // One operation where the security context holds nothing else: each operation costs
         // the API server a conversion of its value.
-        let set = ["privileged", "allowPrivilegeEscalation", "capabilities"];
+        // `allowPrivilegeEscalation` stays as the container wrote it, so setuid programs keep
+        // working (docs/design.md, "What a rewritten container keeps").
+        let set = ["privileged", "capabilities"];
         let security = format!(
-            "({c}.securityContext.all(k, k in {}) ? [JSONPatch{{op: 'add', path: {base} + '/securityContext', value: {{'privileged': dyn(false), 'allowPrivilegeEscalation': dyn(false), 'capabilities': dyn({caps})}}}}] : [JSONPatch{{op: 'add', path: {base} + '/securityContext/privileged', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/allowPrivilegeEscalation', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/capabilities', value: {caps}}}])",
+            "({c}.securityContext.all(k, k in {}) ? [JSONPatch{{op: 'add', path: {base} + '/securityContext', value: {{'privileged': dyn(false), 'capabilities': dyn({caps})}}}}] : [JSONPatch{{op: 'add', path: {base} + '/securityContext/privileged', value: false}}, JSONPatch{{op: 'add', path: {base} + '/securityContext/capabilities', value: {caps}}}])",
             list(&set.map(str::to_owned)),
             caps = self.capabilities(c)
         );
@@ -589,19 +592,13 @@ impl Rewrite<'_> {
             literal(ENV_VISIBLE_DEVICES),
             text(ENV_VISIBLE_DEVICES),
         );
-        let dropped = if self.policy.spec.capabilities.drop_all {
-            ",\"capabilitiesDropped\":[\"ALL\"]"
-        } else {
-            ""
-        };
         let asked = asked(c);
         let refused = format!(
             "({asked}.all(a, a in variables.kept[i]) ? '' : ',\"capabilitiesRefused\":[\"' + {asked}.filter(a, !(a in variables.kept[i])).distinct().sort().join('\",\"') + '\"]')"
         );
         let entry = format!(
-            "'\"' + {c}.name + '\":{{\"privileged\":false,\"gpu\":' + ({ZERO} ? 'false' : 'true') + {} + {} + {refused} + {} + {counted} + {visible_removed} + ({} ? ',\"envSet\":{{\"' + {key} + '\":\"' + {value} + '\"}}' : '') + '}}'",
+            "'\"' + {c}.name + '\":{{\"privileged\":false,\"gpu\":' + ({ZERO} ? 'false' : 'true') + {} + {refused} + {} + {counted} + {visible_removed} + ({} ? ',\"envSet\":{{\"' + {key} + '\":\"' + {value} + '\"}}' : '') + '}}'",
             json_list("capabilitiesAdded", "variables.added[i]".to_owned()),
-            literal(dropped),
             json_list("capabilitiesWithheld", self.withheld()),
             self.set_anew(),
         );

@@ -69,15 +69,15 @@ pub struct ContainerRef {
 /// nothing else is.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Change<'c> {
-    /// Rules 1 and 2: `privileged: false`, `allowPrivilegeEscalation: false`,
-    /// `capabilities.add` as given, and `capabilities.drop: [ALL]` when `drop_all` (otherwise
-    /// the container's `drop` stays as it is).
+    /// Rules 1 and 2: `privileged: false`, `capabilities.add` as given, and, when `drop_all`,
+    /// `capabilities.drop: [ALL]` and `allowPrivilegeEscalation: false` (otherwise the
+    /// container's `drop` and `allowPrivilegeEscalation` stay as they are).
     SecurityContext {
         /// The container.
         container: ContainerRef,
         /// `capabilities.add` after the rewrite.
         add: &'c [Cow<'c, str>],
-        /// Whether `capabilities.drop` becomes `[ALL]`.
+        /// Whether `capabilities.drop` becomes `[ALL]` and `allowPrivilegeEscalation` false.
         drop_all: bool,
         /// Whether `seccompProfile` becomes `{type: RuntimeDefault}`.
         seccomp_default: bool,
@@ -380,6 +380,12 @@ impl<'a> Input<'a> {
             None if sharing::asks_kai(self.pod, KAI_SCHEDULER) => Kai::Unnamed,
             _ => Kai::No,
         }
+    }
+
+    /// The value of the pod's label `key`, when a string.
+    pub(crate) fn pod_label(&self, key: &str) -> Option<&'a str> {
+        let labels = self.pod.metadata.as_ref()?.labels.as_ref()?;
+        labels.get(key)?.as_str()
     }
 
     /// The name of the DaemonSet (of any API group) that puts this pod on every node: a GPU
@@ -717,6 +723,13 @@ impl<'a> Decision<'a> {
         match (&self.detail, self.verdict) {
             (Detail::Create { plan, .. }, Verdict::Rewritten) => {
                 plan.push_warnings("gpuwarden: ", ": ", &mut warnings);
+                warnings.extend(plan.strict_warning());
+                // Word for word what the API server's start-up warnings say of the stored
+                // pod, which it then says once.
+                warnings.extend(
+                    (plan.start_up.iter())
+                        .map(|s| format!("{}{s}", gpuwarden_crds::start_up::WARNING_PREFIX)),
+                );
             }
             (Detail::Create { plan, .. }, Verdict::Audited) => {
                 plan.push_warnings("gpuwarden audit: ", " would change: ", &mut warnings);
@@ -1265,7 +1278,6 @@ mod tests {
                     "setup": {
                         "kind": "init", "privileged": false, "gpu": true,
                         "capabilitiesAdded": ["SYS_NICE", "IPC_LOCK"],
-                        "capabilitiesDropped": ["ALL"],
                         "capabilitiesRefused": ["SYS_ADMIN"],
                         "limits": {"nvidia.com/gpu": "2"},
                         "gpuCountFrom": "NVIDIA_VISIBLE_DEVICES=0,1",
@@ -1275,7 +1287,6 @@ mod tests {
                     "side": {
                         "privileged": false, "gpu": true,
                         "capabilitiesAdded": ["SYS_NICE"],
-                        "capabilitiesDropped": ["ALL"],
                         "limits": {"nvidia.com/gpu": "1"},
                         "gpuCountFrom": "policy default, GPU by an NVIDIA CDI annotation",
                         "envRemoved": ["NVIDIA_VISIBLE_DEVICES"],
@@ -1284,7 +1295,6 @@ mod tests {
                     "trainer \"a\"": {
                         "privileged": false, "gpu": true,
                         "capabilitiesAdded": ["SYS_NICE"],
-                        "capabilitiesDropped": ["ALL"],
                         "limits": {"nvidia.com/gpu": "2"},
                         "gpuCountFrom": "request",
                         "envRemoved": ["NVIDIA_MIG_CONFIG_DEVICES"],

@@ -195,6 +195,30 @@ impl Plan<'_> {
         );
     }
 
+    /// The warning that names what de-privileged containers lose beyond privilege, where
+    /// they drop every capability (the policy's `dropAll`, or Pod Security `restricted`):
+    /// `None` where none does (docs/design.md, "What a rewritten container keeps").
+    pub(super) fn strict_warning(&self) -> Option<String> {
+        let mut strict = (self.containers.iter()).filter(|c| c.deprivileged && c.drop_all);
+        let first = strict.next()?;
+        let mut out = String::from("gpuwarden: ");
+        push_label(&mut out, first.at.kind, first.name);
+        for c in strict {
+            out.push_str(", ");
+            push_label(&mut out, c.at.kind, c.name);
+        }
+        let why = if self.psa == super::psa::PsaLevel::Restricted {
+            "Pod Security restricted"
+        } else {
+            "GpuPolicy capabilities.dropAll"
+        };
+        let _ = write!(
+            out,
+            ": drop ALL capabilities and privilege escalation ({why}), so chown, su, sudo, gosu, supervisord and sshd's privilege separation fail there"
+        );
+        Some(out)
+    }
+
     /// The pod-level phrases: claims added, device hostPath volumes and annotations removed.
     fn write_pod_phrases(&self, phrases: &mut Phrases<'_>) {
         if !self.claims.is_empty() {
@@ -311,6 +335,7 @@ impl Plan<'_> {
             },
             // The container lost privilege, or never had it.
             privileged: false,
+            allow_privilege_escalation: c.drop_all.then_some(false),
             gpu: c.gpu,
             capabilities_added: &c.caps_added,
             capabilities_dropped: if c.drop_all { &["ALL"] } else { &[] },
@@ -378,6 +403,8 @@ struct ContainerReport<'p> {
     #[serde(skip_serializing_if = "Option::is_none")]
     kind: Option<&'static str>,
     privileged: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    allow_privilege_escalation: Option<bool>,
     gpu: bool,
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
     capabilities_added: &'p [std::borrow::Cow<'p, str>],
