@@ -41,7 +41,32 @@ pub fn generated_files() -> Vec<GeneratedFile> {
             path: "deploy/policies/default.yaml",
             content: yaml(&default_policy_manifest()),
         },
+        GeneratedFile {
+            path: START_UP_WARNINGS,
+            content: start_up_warnings(),
+        },
     ]
+}
+
+/// Where the start-up warning policy is written.
+pub const START_UP_WARNINGS: &str = "deploy/admission/start-up-warnings.yaml";
+
+/// The start-up warning policy and its binding ([`crate::admission::start_up`]), with a
+/// comment that says what they do.
+fn start_up_warnings() -> String {
+    let about = "# What rewritten containers keep of what their start-up steps need (docs/design.md,\n\
+# \"What a rewritten container keeps\"): for every pod gpuwarden rewrote, whichever path\n\
+# rewrote it (the webhook or the MutatingAdmissionPolicy), one warning per step its containers\n\
+# show (sshd, su, sudo, gosu, supervisord, chown, an MPI worker) saying what they keep and\n\
+# what they lose of what the step needs. Warn only; it fails open. Needs\n\
+# ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.30 and later).\n";
+    let mut out = format!("{HEADER}{about}");
+    for document in crate::admission::start_up::render() {
+        let body = serde_saphyr::to_string(&document).expect("JSON values serialise to YAML");
+        out.push_str("---\n");
+        out.push_str(&body);
+    }
+    out
 }
 
 /// The default policy as a manifest (with apiVersion and kind, no status).

@@ -1566,11 +1566,56 @@ mod generated {
         pub beyond_cel: bool,
     }
 
+    /// Commands and args: start-up steps as real images run them, and words that only look
+    /// like one.
+    pub const COMMANDS: &[&[&str]] = &[
+        &["/usr/sbin/sshd", "-De"],
+        &[
+            "sh",
+            "-c",
+            "chown -R app /data && exec gosu app python train.py",
+        ],
+        &["python", "train.py"],
+        &["sudo", "-E", "python", "train.py"],
+        &["supervisord", "-n"],
+        &["/opt/sshd/run", "--su"],
+        &["sh", "-c", "su app -s /bin/sh -c 'dropbear -F'|cat"],
+        &["/entrypoint.sh"],
+    ];
+
+    /// A `command` (and sometimes `args`) from [`COMMANDS`], or none.
+    pub fn command(rng: &mut StdRng, c: &mut Value) {
+        if rng.random_bool(0.4) {
+            let words = *COMMANDS.choose(rng).unwrap();
+            if rng.random_bool(0.3) {
+                c["command"] = json!([words[0]]);
+                c["args"] = json!(words[1..]);
+            } else {
+                c["command"] = json!(words);
+            }
+        }
+    }
+
     fn container(rng: &mut StdRng, name: String, volumes: &[String]) -> Value {
         let mut c = json!({"name": name, "image": *IMAGES.choose(rng).unwrap()});
         if rng.random_bool(0.75) {
             c["securityContext"] = json!({"privileged": rng.random_bool(0.8)});
+            // What an ordinary container drops or forbids itself.
+            match rng.random_range(0..8) {
+                0 => {
+                    c["securityContext"]["capabilities"] =
+                        json!({"drop": ["ALL"], "add": ["CHOWN"]})
+                }
+                1 => {
+                    c["securityContext"]["capabilities"] = json!({"drop": ["SETUID", "SYS_CHROOT"]})
+                }
+                2 if c["securityContext"]["privileged"] == false => {
+                    c["securityContext"]["allowPrivilegeEscalation"] = json!(false)
+                }
+                _ => {}
+            }
         }
+        command(rng, &mut c);
         let mut env = Vec::new();
         for _ in 0..rng.random_range(0..4) {
             env.push(match rng.random_range(0..8) {
@@ -1754,6 +1799,9 @@ mod generated {
                 }
                 if rng.random_bool(0.1) {
                     policy["spec"]["match"]["privilegedContainers"] = json!("All");
+                }
+                if rng.random_bool(0.1) {
+                    policy["spec"]["capabilities"]["dropAll"] = json!(true);
                 }
                 if rng.random_bool(0.3) {
                     policy["spec"]["gpu"]["resourceName"] = json!("example.com/accel");
@@ -2358,6 +2406,9 @@ fn policies_follow_the_engine() {
         "registry.example.com/team/tools:1.0",
     ];
     let may_reach = may_reach_gpus();
+    let start_up =
+        load_file(gpuwarden_crds::manifests::START_UP_WARNINGS).expect("manifest")[0].clone();
+    let mut start_up_warned = (0, 0);
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6d61_7073_6469_6666);
     let cases = generated::cases(2400);
     let total = cases.len();
@@ -2417,6 +2468,10 @@ fn policies_follow_the_engine() {
         }
         if rng.random_bool(0.5) {
             pod["metadata"]["labels"] = json!({"app": "serve"});
+        }
+        if rng.random_bool(0.15) {
+            let role = *["worker", "launcher"].choose(&mut rng).unwrap();
+            pod["metadata"]["labels"][gpuwarden_crds::start_up::LABEL_MPI_JOB_ROLE] = json!(role);
         }
         if rng.random_bool(0.1) {
             pod["metadata"]["ownerReferences"] = json!([{"apiVersion": "apps/v1",
@@ -2516,6 +2571,29 @@ fn policies_follow_the_engine() {
             .get(gpuwarden_crds::ANNOTATION_REWRITTEN)
             .is_some();
         rewritten_alone += usize::from(rewritten && !sent);
+
+        // What start-up steps keep and lose: the API server's warning on the stored pod says
+        // what the engine says, whichever path rewrote it.
+        if let Ok(stored) = &chain {
+            let vars = admission_vars(stored, namespace, &labels);
+            let api = decide(&start_up, &vars).unwrap_or_default();
+            let engine: Vec<&String> = (warnings.iter())
+                .filter(|w| w.starts_with(gpuwarden_crds::start_up::WARNING_PREFIX))
+                .collect();
+            let same = api.len() == engine.len()
+                && api.iter().zip(&engine).all(|(api, engine)| {
+                    api == *engine
+                        || (engine.ends_with("...")
+                            && api.starts_with(engine.trim_end_matches("...")))
+                });
+            assert!(
+                same,
+                "start-up: the API server warns {api:#?}, the engine {engine:#?}\n{}",
+                ctx()
+            );
+            start_up_warned.0 += usize::from(!api.is_empty() && !sent);
+            start_up_warned.1 += usize::from(api.iter().any(|w| w.contains(": loses ")));
+        }
         match (first.is_empty(), sent) {
             (false, false) => by_policy += 1,
             (false, true) => by_both += 1,
@@ -2632,7 +2710,12 @@ fn policies_follow_the_engine() {
         daemon_set_warnings += usize::from(api_says.is_some());
     }
     eprintln!(
-        "{total} pods: {by_policy} changed by the API server's policies alone ({rewritten_alone} privileged GPU pods rewritten), {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit, {daemon_set_warnings} of them for DaemonSets"
+        "{total} pods: {by_policy} changed by the API server's policies alone ({rewritten_alone} privileged GPU pods rewritten), {by_both} by them and the webhook, {by_webhook} by the webhook alone; {denied} denied on both paths; {audited} void warnings in Audit, {daemon_set_warnings} of them for DaemonSets; start-up warnings on {} pods the API server rewrote alone, {} saying what is lost",
+        start_up_warned.0, start_up_warned.1
+    );
+    assert!(
+        start_up_warned.0 >= 30 && start_up_warned.1 >= 30,
+        "start-up warnings: {start_up_warned:?}"
     );
     assert!(
         by_policy >= 150
@@ -2714,7 +2797,10 @@ fn plain_privileged(pod: &mut Value, rng: &mut rand::rngs::StdRng) {
                     }
                     context["capabilities"] = json!({"add": add});
                     if rng.random_bool(0.3) {
-                        context["capabilities"]["drop"] = json!(["NET_RAW"]);
+                        let drop = *[&["NET_RAW"][..], &["ALL"], &["SETUID", "CHOWN"]]
+                            .choose(rng)
+                            .expect("drops");
+                        context["capabilities"]["drop"] = json!(drop);
                     }
                 }
                 c.insert("securityContext".into(), context);

@@ -8,21 +8,29 @@
 //! - [`match_conditions`]: the webhook's `matchConditions`, which let exempt pods through;
 //! - [`rewrite`]: the privileged-GPU rewrite as JSONPatch CEL;
 //! - [`policies`]: the MutatingAdmissionPolicies and ValidatingAdmissionPolicies rendered
-//!   from each GpuPolicy, with the void rule and the rewrite.
+//!   from each GpuPolicy, with the void rule and the rewrite;
+//! - [`start_up`], beside them on `cel`: the one static warning of what rewritten containers
+//!   keep of what their start-up steps need.
 
 pub(crate) mod cel;
 pub mod match_conditions;
 pub mod policies;
 pub mod rewrite;
+pub mod start_up;
 
 #[cfg(test)]
 mod tests {
     /// Each module's source and the modules of this folder it may not name: the line runs
     /// `cel` ← `match_conditions`, `rewrite` ← `policies`.
-    const LAYERS: [(&str, &str, &[&str]); 4] = [
+    const LAYERS: [(&str, &str, &[&str]); 5] = [
         (
             "cel",
             include_str!("cel.rs"),
+            &["match_conditions", "rewrite", "policies", "start_up"],
+        ),
+        (
+            "start_up",
+            include_str!("start_up.rs"),
             &["match_conditions", "rewrite", "policies"],
         ),
         (
@@ -33,7 +41,7 @@ mod tests {
         (
             "rewrite",
             include_str!("rewrite.rs"),
-            &["match_conditions", "policies"],
+            &["match_conditions", "policies", "start_up"],
         ),
         (
             "policies",
