@@ -161,23 +161,26 @@ pub fn lost(
 /// separation and logging users in)`, or `... loses SYS_CHROOT,allowPrivilegeEscalation
 /// (...)` with what [`lost`] found.
 pub fn phrase(label: &str, sign: &Sign, lost: &[&str], setuid_lost: bool) -> String {
-    let shown = if sign.shown_by == MPI_WORKER_SIGN {
-        "is an MPI worker (sshd)".to_owned()
-    } else {
-        format!("runs {}", sign.shown_by)
-    };
-    let what = sign.need.what;
+    let (program, what) = (sign.shown_by, sign.need.what);
+    let mpi = program == MPI_WORKER_SIGN;
     if lost.is_empty() && !setuid_lost {
-        return format!(
-            "{label} {shown}: keeps {} ({what})",
-            sign.need.capabilities.join(",")
-        );
+        let kept = sign.need.capabilities.join(",");
+        return if mpi {
+            format!("{label} is an MPI worker (sshd): keeps {kept} ({what})")
+        } else {
+            format!("{label} runs {program}: keeps {kept} ({what})")
+        };
     }
     let mut items = lost.to_vec();
     if setuid_lost {
         items.push("allowPrivilegeEscalation");
     }
-    format!("{label} {shown}: loses {} ({what})", items.join(","))
+    let items = items.join(",");
+    if mpi {
+        format!("{label} is an MPI worker (sshd): loses {items} ({what})")
+    } else {
+        format!("{label} runs {program}: loses {items} ({what})")
+    }
 }
 
 /// An RE2 pattern that matches a `command` or `args` entry exactly where [`signs`] finds a

@@ -174,21 +174,37 @@ pub fn write_oci_layout(
         std::fs::create_dir_all(&path).map_err(io("create", &path))?;
     }
 
+    write_rootfs_layout(work, &root, out, name, Some(IMAGE_USER))
+}
+
+/// Writes an OCI image layout tar at `out`, named `name`, whose one layer is the directory
+/// `root` as it is (owners and modes kept, as `tar` archives them), run as `user` (the
+/// image's default, root, when `None`). `work` is a scratch directory. Returns the
+/// manifest's digest.
+pub fn write_rootfs_layout(
+    work: &Path,
+    root: &Path,
+    out: &Path,
+    name: &str,
+    user: Option<&str>,
+) -> Result<String, ImageError> {
     let layer = work.join("layer.tar");
-    tar(&root, &layer, &["."])?;
+    tar(root, &layer, &["."])?;
     let layout = work.join("layout");
     let (layer_digest, layer_size) = blob(&layout, &layer)?;
 
-    let config = json!({
+    let mut config = json!({
         "architecture": "amd64",
         "os": "linux",
         "config": {
-            "User": IMAGE_USER,
             "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
         },
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
-        "history": [{"created_by": "gpuwarden-e2e write_oci_layout"}],
+        "history": [{"created_by": "gpuwarden-e2e write_rootfs_layout"}],
     });
+    if let Some(user) = user {
+        config["config"]["User"] = json!(user);
+    }
     let manifest = json!({
         "schemaVersion": 2,
         "mediaType": MANIFEST,

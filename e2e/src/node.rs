@@ -322,6 +322,15 @@ pub struct Images {
     before: Option<BTreeSet<String>>,
 }
 
+impl Images {
+    /// Remembers the images there are now: those added later are removed at the end.
+    pub fn track(&mut self) {
+        if self.before.is_none() {
+            self.before = Some(image_refs());
+        }
+    }
+}
+
 impl Drop for Images {
     fn drop(&mut self) {
         if let Some(before) = self.before.take() {
@@ -335,7 +344,7 @@ impl Drop for Images {
 /// Builds an image like every CUDA base image (busybox with `ENV NVIDIA_VISIBLE_DEVICES=all`)
 /// named `name`, and imports it into the node's containerd; `images` removes it again.
 pub fn import_image(name: &str, images: &mut Images) {
-    images.before = Some(image_refs());
+    images.track();
     let work = tempfile::tempdir().expect("a temporary directory");
     let base = work.path().join("busybox.tar");
     let export = ctr(&[

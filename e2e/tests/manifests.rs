@@ -1698,13 +1698,13 @@ fn admission_policies_are_bound_and_consistent() {
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
         .collect();
-    assert_eq!(policies.len(), 4);
+    assert_eq!(policies.len(), 5);
     let names: BTreeSet<&str> = docs
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
         .map(Document::name)
         .collect();
-    assert_eq!(names.len(), 4, "one binding per policy");
+    assert_eq!(names.len(), 5, "one binding per policy");
     for policy in policies {
         let binding: ValidatingAdmissionPolicyBinding = typed(find(
             &docs,
@@ -1713,7 +1713,10 @@ fn admission_policies_are_bound_and_consistent() {
         ));
         let spec = binding.spec.expect("binding spec");
         assert_eq!(spec.policy_name.as_deref(), Some(policy.name()));
-        assert_eq!(spec.validation_actions, Some(vec!["Deny".to_string()]));
+        // The start-up warning only tells; the others refuse.
+        let warns = policy.name() == gpuwarden_crds::admission::start_up::NAME;
+        let action = if warns { "Warn" } else { "Deny" };
+        assert_eq!(spec.validation_actions, Some(vec![action.to_string()]));
         let typed_policy: ValidatingAdmissionPolicy = typed(policy);
         let pspec = typed_policy.spec.expect("policy spec");
         // The ConfigMap guards meet every ConfigMap (and Secret) write, and fail open.
@@ -1721,12 +1724,22 @@ fn admission_policies_are_bound_and_consistent() {
             "gpuwarden-kai-sharing-configmaps",
             "gpuwarden-runtime-variables",
         ];
-        let failure = if guards.contains(&policy.name()) {
+        let failure = if guards.contains(&policy.name()) || warns {
             "Ignore"
         } else {
             "Fail"
         };
         assert_eq!(pspec.failure_policy.as_deref(), Some(failure));
+        if warns {
+            // Cluster-wide, for the pods gpuwarden rewrote only.
+            assert!(spec.match_resources.is_none() && pspec.param_kind.is_none());
+            let conditions = serde_json::to_string(&pspec.match_conditions).expect("json");
+            assert!(
+                conditions.contains(gpuwarden_crds::ANNOTATION_REWRITTEN),
+                "{conditions}"
+            );
+            continue;
+        }
         if let Some(param_kind) = &pspec.param_kind {
             assert_eq!(
                 param_kind.api_version.as_deref(),

@@ -4,7 +4,8 @@
 //! start-up step what its containers keep and lose of what the step needs, word for word as
 //! the engine's [`crate::start_up::WARNING_PREFIX`] warnings say it. A MutatingAdmissionPolicy
 //! cannot warn, so a pod the API server rewrote is told here; a pod the webhook rewrote is
-//! told the same by both, and the API server returns a warning text once.
+//! told the same by both (the API server puts its own `Validation failed for ...:` before
+//! this policy's words).
 //!
 //! It reads only the stored pod and the tables of [`crate::start_up`], so it is one static
 //! policy for every GpuPolicy, written into `deploy/admission/start-up-warnings.yaml` by

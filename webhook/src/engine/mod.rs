@@ -724,8 +724,8 @@ impl<'a> Decision<'a> {
             (Detail::Create { plan, .. }, Verdict::Rewritten) => {
                 plan.push_warnings("gpuwarden: ", ": ", &mut warnings);
                 warnings.extend(plan.strict_warning());
-                // Word for word what the API server's start-up warnings say of the stored
-                // pod, which it then says once.
+                // Word for word what the API server's start-up policy says of the stored pod
+                // (docs/design.md, "What a rewritten container keeps").
                 warnings.extend(
                     (plan.start_up.iter())
                         .map(|s| format!("{}{s}", gpuwarden_crds::start_up::WARNING_PREFIX)),
