@@ -36,9 +36,9 @@ pub struct Need {
 /// sshd's need: what an MPI worker has.
 const SSHD: Need = Need {
     programs: &["sshd", "dropbear"],
-    capabilities: &["SETUID", "SETGID", "SYS_CHROOT"],
+    capabilities: &["NET_BIND_SERVICE", "SETUID", "SETGID", "SYS_CHROOT"],
     setuid: false,
-    what: "privilege separation and logging users in",
+    what: "a port below 1024, privilege separation and logging users in",
 };
 
 /// Each start-up step gpuwarden names, by the programs that show it.
@@ -157,7 +157,7 @@ pub fn lost(
 }
 
 /// What the warning says of one step of the container called `label` (`container main`,
-/// `init container setup`): `<label> runs sshd: keeps SETUID,SETGID,SYS_CHROOT (privilege
+/// `init container setup`): `<label> runs sshd: keeps NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (privilege
 /// separation and logging users in)`, or `... loses SYS_CHROOT,allowPrivilegeEscalation
 /// (...)` with what [`lost`] found.
 pub fn phrase(label: &str, sign: &Sign, lost: &[&str], setuid_lost: bool) -> String {
@@ -247,7 +247,7 @@ mod tests {
         assert_eq!(signs.len(), 1);
         assert_eq!(
             signs[0].need.capabilities,
-            ["SETUID", "SETGID", "SYS_CHROOT"]
+            ["NET_BIND_SERVICE", "SETUID", "SETGID", "SYS_CHROOT"]
         );
         assert!(shown(&[], Some("launcher")).is_empty());
         assert_eq!(shown(&["sshd"], Some("worker")), ["sshd"]);
@@ -259,11 +259,11 @@ mod tests {
         assert_eq!(lost(&sshd, &[], &[], false), (vec![], false));
         assert_eq!(
             phrase("container worker", &sshd, &[], false),
-            "container worker runs sshd: keeps SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"
+            "container worker runs sshd: keeps NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (a port below 1024, privilege separation and logging users in)"
         );
         assert_eq!(
             lost(&sshd, &["SETUID"], &["ALL"], true),
-            (vec!["SETGID", "SYS_CHROOT"], false)
+            (vec!["NET_BIND_SERVICE", "SETGID", "SYS_CHROOT"], false)
         );
         assert_eq!(lost(&sshd, &[], &["SYS_CHROOT"], false).0, ["SYS_CHROOT"]);
         let sudo = signs(["sudo"], None)[0];
@@ -275,7 +275,7 @@ mod tests {
         let worker = signs([], Some(MPI_WORKER))[0];
         assert_eq!(
             phrase("container w", &worker, &[], false),
-            "container w is an MPI worker (sshd): keeps SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"
+            "container w is an MPI worker (sshd): keeps NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (a port below 1024, privilege separation and logging users in)"
         );
     }
 

@@ -323,10 +323,23 @@ pub struct Images {
 }
 
 impl Images {
-    /// Remembers the images there are now: those added later are removed at the end.
-    pub fn track(&mut self) {
+    /// Imports the OCI image layout tar `layout` into the node's containerd; the images it
+    /// adds are removed at the end.
+    pub fn import(&mut self, layout: &std::path::Path) -> Result<(), String> {
         if self.before.is_none() {
             self.before = Some(image_refs());
+        }
+        let import = ctr(&[
+            "images",
+            "import",
+            "--platform",
+            "linux/amd64",
+            &layout.to_string_lossy(),
+        ]);
+        if import.ok {
+            Ok(())
+        } else {
+            Err(format!("ctr images import: {}", import.stderr))
         }
     }
 }
@@ -344,7 +357,6 @@ impl Drop for Images {
 /// Builds an image like every CUDA base image (busybox with `ENV NVIDIA_VISIBLE_DEVICES=all`)
 /// named `name`, and imports it into the node's containerd; `images` removes it again.
 pub fn import_image(name: &str, images: &mut Images) {
-    images.track();
     let work = tempfile::tempdir().expect("a temporary directory");
     let base = work.path().join("busybox.tar");
     let export = ctr(&[
@@ -373,14 +385,7 @@ pub fn import_image(name: &str, images: &mut Images) {
         ],
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let import = ctr(&[
-        "images",
-        "import",
-        "--platform",
-        "linux/amd64",
-        &out.to_string_lossy(),
-    ]);
-    assert!(import.ok, "ctr images import: {}", import.stderr);
+    images.import(&out).unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "image {name} ({digest}): {} with NVIDIA_VISIBLE_DEVICES=all in its config",
         busybox()

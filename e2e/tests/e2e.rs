@@ -88,10 +88,11 @@ async fn enforce_rewrites_privileged_gpu_pods_with_warnings() {
         .expect("the pod is stored");
     let c = &stored.spec.as_ref().expect("spec").containers[0];
     let sc = c.security_context.as_ref().expect("securityContext");
+    // Privilege goes; what an ordinary container has stays (the default policy).
     assert_eq!(sc.privileged, Some(false));
-    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.allow_privilege_escalation, None);
     let drop = sc.capabilities.as_ref().and_then(|c| c.drop.clone());
-    assert_eq!(drop, Some(vec!["ALL".to_string()]));
+    assert_eq!(drop, None);
     let limits = c
         .resources
         .as_ref()
@@ -1884,7 +1885,8 @@ fn both_paths_pods() -> Vec<(Value, bool)> {
 
 /// The privileged-GPU rewrite in the API server: with no webhook registered, the
 /// MutatingAdmissionPolicy rendered from the default GpuPolicy stores privileged GPU pods
-/// rewritten (unprivileged, `drop: [ALL]`, the GPU limit, no NVIDIA_VISIBLE_DEVICES) and
+/// rewritten (unprivileged with what an ordinary container has, the GPU limit, no
+/// NVIDIA_VISIBLE_DEVICES) and
 /// leaves the pods it cannot rewrite as they are; with the webhook registered too, the
 /// stored pods are those the webhook alone stores, field for field and report byte for byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1971,14 +1973,21 @@ async fn api_server_rewrite_stores_what_the_webhook_stores() {
             continue;
         }
         assert_eq!(train["securityContext"]["privileged"], false, "{name}");
-        assert_eq!(
-            train["securityContext"]["allowPrivilegeEscalation"], false,
+        // What an ordinary container has stays: escalation and the runtime's defaults.
+        assert!(
+            train["securityContext"]
+                .get("allowPrivilegeEscalation")
+                .is_none(),
             "{name}"
         );
+        let own_drop = if name == "limit" {
+            json!(["NET_RAW"])
+        } else {
+            Value::Null
+        };
         assert_eq!(
-            train["securityContext"]["capabilities"]["drop"],
-            json!(["ALL"]),
-            "{name}"
+            train["securityContext"]["capabilities"]["drop"], own_drop,
+            "{name}: the container's own drop, nothing more"
         );
         assert!(gpu_limit.is_string(), "{name}: no GPU limit: {train}");
         let visible = (train["env"].as_array().into_iter().flatten())

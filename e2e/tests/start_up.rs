@@ -42,7 +42,7 @@ use gpuwarden_e2e::cluster::{LocalWebhook, namespaces_named, skip, wait_for};
 use gpuwarden_e2e::env::Env;
 use gpuwarden_e2e::image::write_rootfs_layout;
 use gpuwarden_e2e::node::{
-    Images, NEEDS_GPU_NODE, SEEN_ONCE_COMMAND, Seen, ctr, exec, gpu_node, kubelet_gpus,
+    Images, NEEDS_GPU_NODE, SEEN_ONCE_COMMAND, Seen, exec, gpu_node, kubelet_gpus,
     local_node_problem, pod_resources_socket,
 };
 use k8s_openapi::api::core::v1::Pod;
@@ -117,7 +117,7 @@ fn scenarios() -> Vec<Scenario> {
             gpus: 1,
             client: Some(launcher),
             markers: &["SSH-OK-app"],
-            warned: &["runs sshd: keeps SETUID,SETGID,SYS_CHROOT"],
+            warned: &["runs sshd: keeps NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT"],
         },
         Scenario {
             name: "chown-gosu-su",
@@ -222,12 +222,13 @@ fn run(command: &mut Command) -> Result<String, String> {
 }
 
 /// Which recipe made a root filesystem: one made by another is made again.
-const RECIPE: &str = "2";
+const RECIPE: &str = "3";
 
-/// The root filesystem of the image, made once into `dir` (a complete one has
-/// `dir/.complete`, holding its [`RECIPE`], beside its files).
+/// The root filesystem of the image, made once into `dir` (a complete one has the file
+/// `<dir>.complete` beside it, holding its [`RECIPE`]).
 fn rootfs(dir: &Path) -> Result<(), String> {
-    if std::fs::read_to_string(dir.join(".complete")).is_ok_and(|r| r == RECIPE) {
+    let complete = dir.with_extension("complete");
+    if std::fs::read_to_string(&complete).is_ok_and(|r| r == RECIPE) {
         return Ok(());
     }
     if dir.exists() {
@@ -303,7 +304,7 @@ fn rootfs(dir: &Path) -> Result<(), String> {
             };
         }
     }
-    std::fs::write(dir.join(".complete"), RECIPE).map_err(|e| e.to_string())
+    std::fs::write(&complete, RECIPE).map_err(|e| e.to_string())
 }
 
 /// Builds the image `name` and imports it into the node's containerd.
@@ -314,20 +315,9 @@ fn import(name: &str, images: &mut Images) -> Result<(), String> {
     rootfs(&dir)?;
     let work = tempfile::tempdir().map_err(|e| e.to_string())?;
     let out = work.path().join("image.tar");
-    // The root filesystem beside its marker: the layer is the directory itself.
     let digest =
         write_rootfs_layout(work.path(), &dir, &out, name, None).map_err(|e| e.to_string())?;
-    images.track();
-    let import = ctr(&[
-        "images",
-        "import",
-        "--platform",
-        "linux/amd64",
-        &out.to_string_lossy(),
-    ]);
-    if !import.ok {
-        return Err(format!("ctr images import: {}", import.stderr));
-    }
+    images.import(&out)?;
     eprintln!("image {name} ({digest}): Debian bookworm with openssh, sudo, gosu, supervisor");
     Ok(())
 }
@@ -638,7 +628,9 @@ async fn rewritten_pods_start_as_they_do_unprivileged_on_a_real_node() {
         .get(&strict)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let policies = [GpuPolicy::default_policy(), strict];
+    // The policy that governs the namespace: its MutatingAdmissionPolicy rewrites nothing
+    // (a dropAll policy's pods are the webhook's) and voids the rest.
+    let policies = [strict];
     let webhook = admission(&env, Way::Webhook, &ns, api, "start-dropall", &policies).await;
     let worker = &scenarios[0];
     let strict = run_one(&env, &ns, &image, &socket, worker, Form::Privileged).await;
@@ -659,7 +651,7 @@ async fn rewritten_pods_start_as_they_do_unprivileged_on_a_real_node() {
         webhook.stop().await;
     }
     // The webhook says it, and the API server's policy in the same words.
-    let named = "gpuwarden: at start, container main runs sshd: loses SETUID,SETGID,SYS_CHROOT";
+    let named = "gpuwarden: at start, container main runs sshd: loses NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT";
     let said = (strict.warnings.iter())
         .filter(|w| w.contains(named))
         .count();

@@ -233,7 +233,7 @@ fn start_up_steps_are_named_with_what_they_keep_and_lose() {
     let (answer, _) = rewrite(&pod, "ml", &source());
     assert_eq!(
         start_up(&answer),
-        "gpuwarden: at start, container trainer runs sshd: keeps SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)\n\
+        "gpuwarden: at start, container trainer runs sshd: keeps NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (a port below 1024, privilege separation and logging users in)\n\
          gpuwarden: at start, init container setup runs gosu: keeps SETUID,SETGID (switching users)\n\
          gpuwarden: at start, init container setup runs chown: loses CHOWN (changing file owners)"
     );
@@ -241,7 +241,7 @@ fn start_up_steps_are_named_with_what_they_keep_and_lose() {
     let strict = StaticSource::new([policy("strict", |p| p.spec.capabilities.drop_all = true)]);
     let (answer, _) = rewrite(&pod, "ml", &strict);
     assert!(
-        start_up(&answer).contains("at start, container trainer runs sshd: loses SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"),
+        start_up(&answer).contains("at start, container trainer runs sshd: loses NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (a port below 1024, privilege separation and logging users in)"),
         "{:?}",
         answer.warnings()
     );
@@ -260,7 +260,7 @@ fn start_up_steps_are_named_with_what_they_keep_and_lose() {
     assert_eq!(
         start_up(&answer),
         "gpuwarden: at start, container trainer runs sudo: loses SETUID,SETGID,allowPrivilegeEscalation (switching users)\n\
-         gpuwarden: at start, container trainer is an MPI worker (sshd): loses SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"
+         gpuwarden: at start, container trainer is an MPI worker (sshd): loses NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (a port below 1024, privilege separation and logging users in)"
     );
     pod["spec"]["containers"][0]
         .as_object_mut()
@@ -269,7 +269,7 @@ fn start_up_steps_are_named_with_what_they_keep_and_lose() {
     let (answer, _) = rewrite(&pod, "ml", &source());
     assert_eq!(
         start_up(&answer),
-        "gpuwarden: at start, container trainer is an MPI worker (sshd): keeps SETUID,SETGID,SYS_CHROOT (privilege separation and logging users in)"
+        "gpuwarden: at start, container trainer is an MPI worker (sshd): keeps NET_BIND_SERVICE,SETUID,SETGID,SYS_CHROOT (a port below 1024, privilege separation and logging users in)"
     );
     // A pod that is not rewritten gets no such warning.
     pod["spec"]["containers"][0]["securityContext"] = json!({});
