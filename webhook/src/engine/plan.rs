@@ -13,13 +13,13 @@ use gpuwarden_crds::gpu::{
     self, ContainerSpec as _, CountFrom, HostDevice, PodSignals, VisibleDevices,
 };
 use gpuwarden_crds::pod_security::RUNTIME_DEFAULT_CAPABILITIES;
-use gpuwarden_crds::{rdma, start_up};
+use gpuwarden_crds::rdma;
 
 use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts};
 use super::psa::{self, PsaLevel};
 use super::{ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_VISIBLE_DEVICES, Input};
-use crate::pod::{Container, PodView, Scalar};
+use crate::pod::{Container, Scalar};
 
 /// The plan for one pod.
 #[derive(Debug)]
@@ -48,7 +48,8 @@ pub(super) struct Plan<'a> {
     /// that must now come from a pod network.
     pub(super) notes: Vec<String>,
     /// What the containers keep and lose of what their start-up steps need, once rewritten:
-    /// one phrase per step (docs/design.md, "What a rewritten container keeps").
+    /// one phrase per step (docs/design.md, "What a rewritten container keeps"), written by
+    /// `start_up::phrases`.
     pub(super) start_up: Vec<String>,
 }
 
@@ -483,7 +484,6 @@ pub(super) fn plan_pod<'a>(
         plan.annotations_removed = facts.pod.cdi_keys().to_vec();
     }
     plan.device_volumes = facts.pod.clone();
-    plan.start_up = start_up_phrases(&plan, pod, input.pod_label(start_up::LABEL_MPI_JOB_ROLE));
     plan
 }
 
@@ -988,71 +988,6 @@ fn capabilities<'a>(
         p.caps_withheld = withheld;
     }
     p.drop_all = caps.drop_all || psa == PsaLevel::Restricted;
-}
-
-/// What the pod's containers keep and lose, once rewritten as `plan` says, of what their
-/// start-up steps need (docs/design.md, "What a rewritten container keeps"): per step, in
-/// the order of [`start_up::NEEDS`] (the MPI role last), the [`start_up::phrase`] of each
-/// container that shows it (init containers first) joined by `; `. Each container is read
-/// from its `securityContext` as the rewrite leaves it, as the API server's warning reads the
-/// stored pod.
-pub(super) fn start_up_phrases(
-    plan: &Plan<'_>,
-    pod: &PodView<'_>,
-    role: Option<&str>,
-) -> Vec<String> {
-    let mut steps: Vec<(start_up::Sign, String)> = Vec::new();
-    for kind in [ContainerKind::Init, ContainerKind::Regular] {
-        for (index, c) in pod.containers(kind).iter().enumerate() {
-            // The MPI operator's worker runs sshd in its first container.
-            let role = role.filter(|_| kind == ContainerKind::Regular && index == 0);
-            let words = (c.command.iter().chain(&c.args)).map(|w| w.as_ref());
-            let signs = start_up::signs(words, role);
-            if signs.is_empty() {
-                continue;
-            }
-            let at = ContainerRef { kind, index };
-            let context = c.security_context.as_ref();
-            let caps = context.and_then(|s| s.capabilities.as_ref());
-            let own_add: Vec<&str> = caps.map_or(Vec::new(), |caps| {
-                caps.add.iter().map(|a| a.as_ref()).collect()
-            });
-            let own_drop: Vec<&str> = (caps.and_then(|caps| caps.drop.as_ref()?.as_array()))
-                .into_iter()
-                .flatten()
-                .filter_map(|d| d.as_str())
-                .collect();
-            let own_no_escalation =
-                context.and_then(|s| s.allow_privilege_escalation) == Some(false);
-            let planned = (plan.containers.iter()).find(|p| p.at == at && p.deprivileged);
-            let (add, drop, no_escalation) = match planned {
-                Some(p) => (
-                    p.caps_added.iter().map(|a| a.as_ref()).collect(),
-                    if p.drop_all { vec!["ALL"] } else { own_drop },
-                    p.drop_all || own_no_escalation,
-                ),
-                None => (own_add, own_drop, own_no_escalation),
-            };
-            let label = format!("{} {}", kind.noun(), c.name.as_deref().unwrap_or_default());
-            for sign in signs {
-                let (lost, setuid_lost) = start_up::lost(&sign, &add, &drop, no_escalation);
-                steps.push((sign, start_up::phrase(&label, &sign, &lost, setuid_lost)));
-            }
-        }
-    }
-    // Grouped by step, in the order the API server's policy writes its validations.
-    let order = start_up::steps();
-    let mut out = Vec::new();
-    for step in order {
-        let phrases: Vec<&str> = (steps.iter())
-            .filter(|(sign, _)| sign.shown_by == step)
-            .map(|(_, phrase)| phrase.as_str())
-            .collect();
-        if !phrases.is_empty() {
-            out.push(phrases.join("; "));
-        }
-    }
-    out
 }
 
 /// The edit that removes the `remove` names from a container's env and sets `set`, or `None`
