@@ -3,7 +3,9 @@
 //! and gpuwarden's webhook (in this process, over TLS), with no policy; and of a pod without
 //! privilege through the policy (the void rule; the webhook is not sent such a pod). Beside
 //! them, the floor of the machine: the same privileged pod through a policy of two constant
-//! operations (privileged off, a GPU limit), the least a rewrite by the API server costs.
+//! operations (privileged off, a GPU limit), the least a rewrite by the API server costs; and
+//! what the shipped start-up warning (`deploy/admission/start-up-warnings.yaml`) adds beside
+//! the policy, to a pod it reads (rewritten) and to one it only matches against.
 //! Each is interleaved with the same create in a namespace that nothing touches, in rotating
 //! order, as server-side dry-run creates over one client; the stored pods of both paths are
 //! compared.
@@ -35,6 +37,13 @@ fn pod(i: usize) -> Value {
             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0,1"}]}]}})
 }
 
+/// The same pod as an MPI worker starts it: `sshd`, a step the start-up warning names.
+fn sshd(i: usize) -> Value {
+    let mut pod = pod(i);
+    pod["spec"]["containers"][0]["command"] = json!(["/usr/sbin/sshd", "-De"]);
+    pod
+}
+
 /// A pod without privilege, two containers holding no GPU: what the void rule is for.
 fn ordinary(i: usize) -> Value {
     json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": format!("plain-{i}")},
@@ -55,9 +64,9 @@ async fn run(rounds: usize) -> Result<(), String> {
     let cleanup = Cleanup::new(cluster.client.clone());
     let name = |suffix: &str| format!("gpuwarden-bench-{}-{suffix}", cluster.run_id);
     let (policy_ns, webhook_ns, plain_ns) = (name("policy"), name("webhook"), name("plain"));
-    let floor_ns = name("floor");
+    let (floor_ns, warned_ns) = (name("floor"), name("warned"));
     let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
-    for ns in [&policy_ns, &webhook_ns, &plain_ns, &floor_ns] {
+    for ns in [&policy_ns, &webhook_ns, &plain_ns, &floor_ns, &warned_ns] {
         let object: Namespace =
             serde_json::from_value(json!({"metadata": {"name": ns}})).map_err(|e| e.to_string())?;
         (namespaces.create(&PostParams::default(), &object).await)
@@ -72,9 +81,19 @@ async fn run(rounds: usize) -> Result<(), String> {
     floor[0].object["spec"]["variables"] = json!([]);
     floor[0].object["spec"]["mutations"] = json!([{"patchType": "JSONPatch", "jsonPatch": {
         "expression": "[JSONPatch{op: 'add', path: '/spec/containers/0/securityContext/privileged', value: false}, JSONPatch{op: 'add', path: '/spec/containers/0/resources', value: {'limits': {'nvidia.com/gpu': '2'}}}]"}}]);
-    (cluster.install_mutating_policy(rendered, api, &name("policy"), &[&policy_ns], &cleanup))
+    (cluster.install_mutating_policy(
+        rendered.clone(),
+        api,
+        &name("policy"),
+        &[&policy_ns],
+        &cleanup,
+    ))
+    .await
+    .map_err(|e| e.to_string())?;
+    (cluster.install_mutating_policy(rendered, api, &name("warned"), &[&warned_ns], &cleanup))
         .await
         .map_err(|e| e.to_string())?;
+    install_start_up_warning(&cluster, &name("warned"), &warned_ns, &cleanup).await?;
     (cluster.install_mutating_policy(floor, api, &name("floor"), &[&floor_ns], &cleanup))
         .await
         .map_err(|e| e.to_string())?;
@@ -108,7 +127,7 @@ async fn run(rounds: usize) -> Result<(), String> {
     let result = measure(
         &cluster,
         rounds,
-        [&policy_ns, &webhook_ns, &plain_ns, &floor_ns],
+        [&policy_ns, &webhook_ns, &plain_ns, &floor_ns, &warned_ns],
     )
     .await;
     webhook.stop().await;
@@ -116,7 +135,43 @@ async fn run(rounds: usize) -> Result<(), String> {
     result
 }
 
-async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 4]) -> Result<(), String> {
+/// The shipped start-up warning, renamed `name` and bound to namespace `ns`.
+async fn install_start_up_warning(
+    cluster: &Cluster,
+    name: &str,
+    ns: &str,
+    cleanup: &Cleanup,
+) -> Result<(), String> {
+    use k8s_openapi::api::admissionregistration::v1::{
+        ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+    };
+    let docs =
+        load_file(gpuwarden_crds::manifests::START_UP_WARNINGS).map_err(|e| e.to_string())?;
+    let mut policy = docs[0].value.clone();
+    policy["metadata"] = json!({"name": name});
+    let mut binding = docs[1].value.clone();
+    binding["metadata"] = json!({"name": name});
+    binding["spec"]["policyName"] = json!(name);
+    binding["spec"]["matchResources"] = json!({"namespaceSelector":
+        {"matchLabels": {gpuwarden_crds::LABEL_NAMESPACE_NAME: ns}}});
+    let policy: ValidatingAdmissionPolicy =
+        serde_json::from_value(policy).map_err(|e| e.to_string())?;
+    let binding: ValidatingAdmissionPolicyBinding =
+        serde_json::from_value(binding).map_err(|e| e.to_string())?;
+    (Api::<ValidatingAdmissionPolicy>::all(cluster.client.clone()))
+        .create(&PostParams::default(), &policy)
+        .await
+        .map_err(|e| format!("create the start-up warning: {e}"))?;
+    cleanup.own_typed::<ValidatingAdmissionPolicy>(None, name);
+    (Api::<ValidatingAdmissionPolicyBinding>::all(cluster.client.clone()))
+        .create(&PostParams::default(), &binding)
+        .await
+        .map_err(|e| format!("bind the start-up warning: {e}"))?;
+    cleanup.own_typed::<ValidatingAdmissionPolicyBinding>(None, name);
+    Ok(())
+}
+
+async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 5]) -> Result<(), String> {
     let create = |ns: &str, body: Value| {
         let ns = ns.to_owned();
         async move {
@@ -141,7 +196,12 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 4]) -> 
         let (_, by_policy) = create(namespaces[0], pod(0)).await?;
         let (_, by_webhook) = create(namespaces[1], pod(0)).await?;
         let (_, by_floor) = create(namespaces[3], pod(0)).await?;
-        if rewritten(&by_policy) && rewritten(&by_webhook) && rewritten(&by_floor) {
+        let (_, warned) = create(namespaces[4], pod(0)).await?;
+        if rewritten(&by_policy)
+            && rewritten(&by_webhook)
+            && rewritten(&by_floor)
+            && rewritten(&warned)
+        {
             if admitted(&by_policy) != admitted(&by_webhook) {
                 return Err(format!(
                     "the paths store different pods:\n{}\n{}",
@@ -177,6 +237,26 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 4]) -> 
             false,
         ),
         ("pod without privilege, untouched", namespaces[2], false),
+        (
+            "privileged GPU pod, policy and start-up warning",
+            namespaces[4],
+            true,
+        ),
+        (
+            "pod without privilege, policy and start-up warning",
+            namespaces[4],
+            false,
+        ),
+        (
+            "privileged GPU pod running sshd, policy",
+            namespaces[0],
+            true,
+        ),
+        (
+            "privileged GPU pod running sshd, policy and warning",
+            namespaces[4],
+            true,
+        ),
     ];
     let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); series.len()];
     let warmup = 50;
@@ -184,7 +264,11 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 4]) -> 
         for k in 0..series.len() {
             let at = (i + k) % series.len();
             let (label, ns, privileged) = series[at];
-            let body = if privileged { pod(i) } else { ordinary(i) };
+            let body = match (privileged, label.contains("sshd")) {
+                (true, true) => sshd(i),
+                (true, false) => pod(i),
+                (false, _) => ordinary(i),
+            };
             let (ms, stored) = create(ns, body).await?;
             let touched = ns != namespaces[2];
             if privileged && touched && !rewritten(&stored) {
@@ -207,7 +291,7 @@ async fn measure(cluster: &Cluster, rounds: usize, namespaces: [&String; 4]) -> 
         let base = &times[if *privileged { 2 } else { 5 }];
         let (p50, p95) = (quantile(&times[at], 0.5), quantile(&times[at], 0.95));
         println!(
-            "{label:44} p50 {p50:.3} ms  p95 {p95:.3} ms  added p50 {:+.3} ms  p95 {:+.3} ms",
+            "{label:50} p50 {p50:.3} ms  p95 {p95:.3} ms  added p50 {:+.3} ms  p95 {:+.3} ms",
             p50 - quantile(base, 0.5),
             p95 - quantile(base, 0.95)
         );

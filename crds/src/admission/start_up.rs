@@ -117,6 +117,18 @@ fn steps() -> Vec<(String, String)> {
     out
 }
 
+/// CEL: some init or regular container's words name a program of [`NEEDS`], or the pod is
+/// an MPI worker.
+fn shows_a_step() -> String {
+    let all = literal(&crate::start_up::pattern());
+    let role = literal(LABEL_MPI_JOB_ROLE);
+    format!(
+        "(has(object.metadata.labels) && {role} in object.metadata.labels && object.metadata.labels[{role}] == {}) || ({INIT} + object.spec.containers).exists(c, {}.exists(w, w.matches({all})))",
+        literal(MPI_WORKER),
+        words("c"),
+    )
+}
+
 /// The policy and its binding, as they are applied.
 pub fn render() -> [Value; 2] {
     let labels = json!({"app.kubernetes.io/part-of": "gpuwarden"});
@@ -146,13 +158,18 @@ pub fn render() -> [Value; 2] {
                 "operations": ["CREATE"],
                 "resources": ["pods"],
             }]},
-            "matchConditions": [{
-                "name": "rewritten-by-gpuwarden",
-                "expression": format!(
-                    "has(object.metadata.annotations) && {} in object.metadata.annotations",
-                    literal(ANNOTATION_REWRITTEN)
-                ),
-            }],
+            // Most rewritten pods show no step: one pattern over their words tells, and the
+            // steps' variables are read only for those that do.
+            "matchConditions": [
+                {
+                    "name": "rewritten-by-gpuwarden",
+                    "expression": format!(
+                        "has(object.metadata.annotations) && {} in object.metadata.annotations",
+                        literal(ANNOTATION_REWRITTEN)
+                    ),
+                },
+                {"name": "shows-a-start-up-step", "expression": shows_a_step()},
+            ],
             "variables": variables,
             "validations": validations,
         },
@@ -183,7 +200,11 @@ mod tests {
         );
         assert_eq!(policy["spec"]["failurePolicy"], "Ignore");
         assert_eq!(binding["spec"]["validationActions"], json!(["Warn"]));
-        // Only pods gpuwarden rewrote are read.
+        // Only pods gpuwarden rewrote that show a step are read.
+        let step = policy["spec"]["matchConditions"][1]["expression"]
+            .as_str()
+            .unwrap();
+        assert!(step.contains("'training.kubeflow.org/job-role'"), "{step}");
         let condition = policy["spec"]["matchConditions"][0]["expression"]
             .as_str()
             .unwrap();
