@@ -875,8 +875,21 @@ impl<'de: 'a, 'a> Deserialize<'de> for Wrapped<Option<Cow<'a, str>>> {
 
 /// The strings of a list; other entries are skipped.
 fn texts<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Cow<'de, str>>, D::Error> {
-    let entries: Option<Vec<Option<Cow<'de, str>>>> = list(d)?;
-    Ok(entries.into_iter().flatten().flatten().collect())
+    Ok(read(d, TextsReader)?.unwrap_or_default())
+}
+
+/// A list's strings, read into one vector as they come (each entry as [`TextReader`] reads
+/// it, others skipped).
+struct TextsReader;
+impl<'de> Reader<'de> for TextsReader {
+    type Out = Vec<Cow<'de, str>>;
+    fn seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Self::Out>, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some(Wrapped(text)) = seq.next_element::<Wrapped<Option<Cow<'de, str>>>>()? {
+            out.extend(text);
+        }
+        Ok(Some(out))
+    }
 }
 
 /// `valueFrom`: an object is read, any other value but `null` reads as set with nothing in it.
