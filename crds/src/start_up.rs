@@ -6,8 +6,8 @@
 //! A tenant writes every one of these signs, so they grant nothing: the engine reads them
 //! only to say, at admission, what a de-privileged container keeps of what it needs and what
 //! it loses under the policy in force, so that a failure at run time is never silent. The
-//! API server's rewrite leaves a pod that shows one to the webhook, which can warn
-//! ([`pattern`] is the same test in CEL).
+//! API server says the same of the pods it rewrote itself, through the policy that
+//! `admission::start_up` renders from these tables ([`pattern`] is the same test in CEL).
 
 use crate::pod_security::RUNTIME_DEFAULT_CAPABILITIES;
 

@@ -475,8 +475,11 @@ fn decide_create<'a>(
     let strip = plan::volumes_to_strip(&facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
     let mut plan = plan::plan_pod(input, &facts, policy, strip, level);
-    let role = input.pod_label(gpuwarden_crds::start_up::LABEL_MPI_JOB_ROLE);
-    plan.start_up = start_up::phrases(&plan, input.pod, role);
+    // Only a rewrite (Enforce) warns of what its start-up steps keep.
+    if policy.spec.mode == PolicyMode::Enforce {
+        let role = input.pod_label(gpuwarden_crds::start_up::LABEL_MPI_JOB_ROLE);
+        plan.start_up = start_up::phrases(&plan, input.pod, role);
+    }
     let mut notes = facts.injections.notes.clone();
     notes.append(&mut plan.notes);
     // In Enforce the rule holds for the pod as the rewrite leaves it; Audit reports it for
