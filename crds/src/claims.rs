@@ -10,6 +10,27 @@ pub const DEVICE_CLASS_GPU: &str = "gpu.nvidia.com";
 /// GPUs passed through with VFIO). Its ComputeDomain classes hand out IMEX channels, not GPUs.
 pub const NVIDIA_GPU_DEVICE_CLASSES: [&str; 3] =
     [DEVICE_CLASS_GPU, "mig.nvidia.com", "vfio.gpu.nvidia.com"];
+/// The DeviceClass of the NVIDIA DRA driver's ComputeDomain daemon devices. The driver's
+/// controller starts the IMEX daemon pods with claims on it, in the driver's namespace;
+/// preparing such a claim hands the container every GPU, `nvidiactl`, `nvidia-uvm*` and IMEX
+/// channel of the node (the CDI device `k8s.compute-domain.nvidia.com/device=all`), and
+/// checks no namespace (`applyComputeDomainDaemonConfig`, v25.3 to v25.12).
+pub const DEVICE_CLASS_CD_DAEMON: &str = "compute-domain-daemon.nvidia.com";
+/// The DeviceClass of the NVIDIA DRA driver's IMEX channels, which the ComputeDomain
+/// controller's ResourceClaimTemplates in a workload's namespace name.
+pub const DEVICE_CLASS_CD_CHANNEL: &str = "compute-domain-default-channel.nvidia.com";
+/// The opaque driver config the ComputeDomain daemon's claims carry (`resource.nvidia.com`).
+pub const CONFIG_KIND_CD_DAEMON: &str = "ComputeDomainDaemonConfig";
+/// DeviceClasses of drivers known to hand out no RDMA device: the NVIDIA DRA driver's GPU and
+/// ComputeDomain classes. A claim on any other class may hold NICs.
+const CLASSES_WITHOUT_RDMA: [&str; 5] = [
+    DEVICE_CLASS_GPU,
+    "mig.nvidia.com",
+    "vfio.gpu.nvidia.com",
+    DEVICE_CLASS_CD_DAEMON,
+    DEVICE_CLASS_CD_CHANNEL,
+];
+
 /// Prefix of the ResourceClaimTemplates gpuwarden keeps.
 pub const TEMPLATE_PREFIX: &str = "gpuwarden-";
 /// Label on every ResourceClaimTemplate the operator keeps: its watch and its clean-up select
@@ -49,6 +70,73 @@ pub fn device_classes(spec: &ResourceClaimSpec) -> impl Iterator<Item = &str> {
             (r.first_available.iter().flatten()).map(|s| s.device_class_name.as_str());
         exact.chain(alternatives)
     })
+}
+
+/// The kinds of the opaque driver configs a claim carries
+/// (`spec.devices.config[].opaque.parameters.kind`).
+pub fn config_kinds(spec: &ResourceClaimSpec) -> impl Iterator<Item = &str> {
+    let configs = spec.devices.as_ref().and_then(|d| d.config.as_ref());
+    (configs.into_iter().flatten())
+        .filter_map(|c| c.opaque.as_ref()?.parameters.0.get("kind")?.as_str())
+}
+
+/// Whether a claim on `class` may hold RDMA devices: any class but those known to hand out
+/// none (the NVIDIA DRA driver's GPU and ComputeDomain classes, and the policy's own GPU
+/// class `policy_class`).
+pub fn may_hold_rdma(class: &str, policy_class: &str) -> bool {
+    class != policy_class && !CLASSES_WITHOUT_RDMA.contains(&class)
+}
+
+/// What a claim's devices are, as far as admission judges them: the DeviceClasses its
+/// requests name and the kinds of its opaque driver configs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimDevices {
+    /// [`device_classes`], in order.
+    pub classes: Vec<String>,
+    /// [`config_kinds`], in order.
+    pub config_kinds: Vec<String>,
+}
+
+impl ClaimDevices {
+    /// Reads a claim's spec (a ResourceClaim's, or a ResourceClaimTemplate's `spec.spec`).
+    pub fn of(spec: &ResourceClaimSpec) -> Self {
+        Self {
+            classes: device_classes(spec).map(str::to_owned).collect(),
+            config_kinds: config_kinds(spec).map(str::to_owned).collect(),
+        }
+    }
+
+    /// What of it only a driver's own pods may hold under `rules`, for messages: each listed
+    /// class as `DeviceClass <name>`, each listed config kind as `opaque config <kind>`.
+    pub fn driver_only(&self, rules: &crate::DriverClaims) -> Vec<String> {
+        let classes = (self.classes.iter())
+            .filter(|c| rules.device_classes.contains(c))
+            .map(|c| format!("DeviceClass {c}"));
+        let kinds = (self.config_kinds.iter())
+            .filter(|k| rules.config_kinds.contains(k))
+            .map(|k| format!("opaque config {k}"));
+        let mut out: Vec<String> = classes.chain(kinds).collect();
+        out.dedup();
+        out
+    }
+
+    /// Whether it may hold RDMA devices ([`may_hold_rdma`]): a class that may, or no class
+    /// at all (nothing says what it holds).
+    pub fn may_hold_rdma(&self, policy_class: &str) -> bool {
+        self.classes.is_empty() || (self.classes.iter()).any(|c| may_hold_rdma(c, policy_class))
+    }
+}
+
+/// What follows the things a claim names that only a driver's own pods may hold, in every
+/// refusal of it: the engine's, `mutate`'s and the API server's
+/// (`deploy/admission/driver-claims.yaml`).
+pub const DRIVER_ONLY_REASON: &str = "meant only for a DRA driver's own pods: the driver prepares such a claim in any namespace, and the NVIDIA DRA driver's ComputeDomain daemon device hands its container every GPU and IMEX channel of the node, whatever the scheduler allocated (GpuPolicy driverClaims)";
+
+/// Why a claim is refused: what of it is a driver's only ([`ClaimDevices::driver_only`]),
+/// then [`DRIVER_ONLY_REASON`].
+pub fn driver_only_reason(what: &[String]) -> String {
+    let verb = if what.len() == 1 { "is" } else { "are" };
+    format!("{} {verb} {DRIVER_ONLY_REASON}", what.join(", "))
 }
 
 #[cfg(test)]

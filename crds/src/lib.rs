@@ -31,9 +31,9 @@ pub use node::{
     GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice, PodRef, RuntimeStatus, Truncated,
 };
 pub use policy::{
-    CapabilitiesSpec, ContainerExemption, EnvFromGpu, Exemptions, GPU_OPERATOR_NAMESPACE,
-    GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, KaiSharing, MatchSpec, PolicyMode,
-    PrivilegedMatch, RequestAs, RuntimeFeature, SharingSpec, VisibleDevicesAll,
+    CapabilitiesSpec, ContainerExemption, DriverClaims, EnvFromGpu, Exemptions,
+    GPU_OPERATOR_NAMESPACE, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, KaiSharing, MatchSpec,
+    PolicyMode, PrivilegedMatch, RequestAs, RuntimeFeature, SharingSpec, VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 

@@ -45,7 +45,29 @@ pub fn generated_files() -> Vec<GeneratedFile> {
             path: START_UP_WARNINGS,
             content: start_up_warnings(),
         },
+        GeneratedFile {
+            path: DRIVER_CLAIMS,
+            content: driver_claims(),
+        },
     ]
+}
+
+/// Where the claim guard is written.
+pub const DRIVER_CLAIMS: &str = "deploy/admission/driver-claims.yaml";
+
+/// The claim guard and its binding ([`crate::admission::driver_claims`]), with a comment
+/// that says what they do.
+fn driver_claims() -> String {
+    let about = "# DRA claims only a driver's own pods may hold (docs/design.md, \"Claims only a driver's own\n\
+# pods may hold\"): in a namespace the default GpuPolicy governs, outside the namespaces its\n\
+# driverClaims names, creating a ResourceClaim or ResourceClaimTemplate that names one of its\n\
+# driverClaims.deviceClasses (in any request or firstAvailable alternative), or carries an\n\
+# opaque config of one of its driverClaims.configKinds, is refused. The NVIDIA DRA driver\n\
+# prepares a claim on its ComputeDomain daemon class for any namespace, and hands its\n\
+# container every GPU and IMEX channel of the node. An update that leaves the claim as it was\n\
+# passes. Audit mode and exempt namespaces check nothing; it fails open. Needs\n\
+# ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.30 and later).\n";
+    documents(about, crate::admission::driver_claims::render())
 }
 
 /// Where the start-up warning policy is written.
@@ -60,8 +82,13 @@ fn start_up_warnings() -> String {
 # show (sshd, su, sudo, gosu, supervisord, chown, an MPI worker) saying what they keep and\n\
 # what they lose of what the step needs. Warn only; it fails open. Needs\n\
 # ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1, Kubernetes 1.30 and later).\n";
+    documents(about, crate::admission::start_up::render())
+}
+
+/// The generated header, `about`, then each document.
+fn documents(about: &str, documents: impl IntoIterator<Item = serde_json::Value>) -> String {
     let mut out = format!("{HEADER}{about}");
-    for document in crate::admission::start_up::render() {
+    for document in documents {
         let body = serde_saphyr::to_string(&document).expect("JSON values serialise to YAML");
         out.push_str("---\n");
         out.push_str(&body);

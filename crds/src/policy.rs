@@ -135,6 +135,13 @@ pub struct GpuPolicySpec {
     #[serde(default = "default_true")]
     pub void_non_gpu_containers: bool,
 
+    /// DRA claims that only a driver's own pods may hold: a ResourceClaim or
+    /// ResourceClaimTemplate naming one of these DeviceClasses, or carrying an opaque config
+    /// of one of these kinds, is refused in a governed namespace outside `namespaces`, and so
+    /// is a pod using one (docs/design.md, "Claims only a driver's own pods may hold").
+    #[serde(default)]
+    pub driver_claims: DriverClaims,
+
     /// What this policy never touches. Pods cannot exempt themselves.
     #[serde(default)]
     pub exemptions: Exemptions,
@@ -494,6 +501,55 @@ impl Default for CapabilitiesSpec {
     }
 }
 
+/// See [`GpuPolicySpec::driver_claims`].
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverClaims {
+    /// DeviceClasses whose devices a driver hands only to its own pods. The default is the
+    /// NVIDIA DRA driver's `compute-domain-daemon.nvidia.com`: preparing a claim on it hands
+    /// the container every GPU and IMEX channel of the node, checking no namespace.
+    #[serde(default = "default_driver_classes")]
+    #[x_kube(validation = Rule::new(DNS_SUBDOMAINS_RULE).message("deviceClasses are DNS subdomains such as compute-domain-daemon.nvidia.com"))]
+    #[schemars(length(max = 32), inner(length(max = DNS_SUBDOMAIN_LEN)))]
+    pub device_classes: Vec<String>,
+
+    /// Kinds of opaque driver config (`spec.devices.config[].opaque.parameters.kind`) meant
+    /// only for a driver's own pods, whatever class the claim names. The default is the
+    /// NVIDIA DRA driver's `ComputeDomainDaemonConfig`.
+    #[serde(default = "default_driver_config_kinds")]
+    #[schemars(length(max = 32), inner(length(min = 1, max = DNS_LABEL_LEN)))]
+    pub config_kinds: Vec<String>,
+
+    /// The namespaces the drivers' own pods run in, where such claims are theirs. The
+    /// default is the namespaces of NVIDIA's official installs.
+    #[serde(default = "default_driver_namespaces")]
+    #[schemars(length(max = 64), inner(length(max = DNS_LABEL_LEN)))]
+    pub namespaces: Vec<String>,
+}
+
+impl Default for DriverClaims {
+    fn default() -> Self {
+        Self {
+            device_classes: default_driver_classes(),
+            config_kinds: default_driver_config_kinds(),
+            namespaces: default_driver_namespaces(),
+        }
+    }
+}
+
+fn default_driver_classes() -> Vec<String> {
+    vec![crate::claims::DEVICE_CLASS_CD_DAEMON.to_owned()]
+}
+fn default_driver_config_kinds() -> Vec<String> {
+    vec![crate::claims::CONFIG_KIND_CD_DAEMON.to_owned()]
+}
+fn default_driver_namespaces() -> Vec<String> {
+    NVIDIA_COMPONENT_NAMESPACES.map(String::from).to_vec()
+}
+
+/// CEL: every item of a list is a DNS subdomain.
+const DNS_SUBDOMAINS_RULE: &str = "self.all(c, c.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$'))";
+
 /// What a policy never touches.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
@@ -762,6 +818,7 @@ impl GpuPolicy {
                 strip_cdi_annotations: true,
                 void_non_gpu_containers: true,
                 rdma_resources: default_rdma_resources(),
+                driver_claims: DriverClaims::default(),
                 exemptions: Exemptions {
                     namespaces: ["kube-system", crate::SYSTEM_NAMESPACE]
                         .map(String::from)

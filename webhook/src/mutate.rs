@@ -23,6 +23,8 @@ use std::sync::Arc;
 use gpuwarden_crds::{GpuPolicy, validation};
 use serde_json::{Value, json};
 
+use gpuwarden_crds::claims::ClaimDevices;
+
 use crate::engine::{self, ClaimSource, ClaimStore, Decision, Input, Operation, Verdict};
 use crate::manifest::{self, Document, ManifestError};
 use crate::nim;
@@ -194,6 +196,9 @@ struct Outcome {
     /// For a ConfigMap or Secret: its keys that spell an NVIDIA runtime variable the policy
     /// governing its namespace does not let a container set ([`runtime_variable_keys`]).
     runtime_keys: Vec<String>,
+    /// For a ResourceClaim or ResourceClaimTemplate: what of it only a DRA driver's own pods
+    /// may hold in its namespace ([`driver_only_claim`]).
+    driver_only: Vec<String>,
 }
 
 /// The decision for one pod of an object.
@@ -378,6 +383,19 @@ fn run_inner(
     })
 }
 
+/// Which claim a `resource.k8s.io/v1` ResourceClaim or ResourceClaimTemplate is, and where
+/// its claim spec sits; `None` for any other document.
+fn claim_spec(doc: &Document) -> Option<(ClaimSource, &'static str)> {
+    let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
+    match (api_version, doc.kind()) {
+        (Some("resource.k8s.io/v1"), "ResourceClaim") => Some((ClaimSource::Claim, "/spec")),
+        (Some("resource.k8s.io/v1"), "ResourceClaimTemplate") => {
+            Some((ClaimSource::Template, "/spec/spec"))
+        }
+        _ => None,
+    }
+}
+
 /// Keeps a `resource.k8s.io/v1` ResourceClaim or ResourceClaimTemplate for the pods that use
 /// it; other documents are not claims.
 fn read_claim(
@@ -385,13 +403,8 @@ fn read_claim(
     default_namespace: &str,
     claims: &mut ClaimStore,
 ) -> Result<(), MutateError> {
-    let api_version = doc.object.get("apiVersion").and_then(Value::as_str);
-    let (source, pointer) = match (api_version, doc.kind()) {
-        (Some("resource.k8s.io/v1"), "ResourceClaim") => (ClaimSource::Claim, "/spec"),
-        (Some("resource.k8s.io/v1"), "ResourceClaimTemplate") => {
-            (ClaimSource::Template, "/spec/spec")
-        }
-        _ => return Ok(()),
+    let Some((source, pointer)) = claim_spec(doc) else {
+        return Ok(());
     };
     let spec = doc.object.pointer(pointer).cloned().unwrap_or(Value::Null);
     let spec = serde_json::from_value(spec).map_err(|e| MutateError::BadClaim {
@@ -627,6 +640,7 @@ fn judge(
         });
     }
     let runtime_keys = runtime_variable_keys(&doc, &namespace, labels, policies);
+    let driver_only = driver_only_claim(&doc, &namespace, labels, policies);
     Ok(Outcome {
         doc,
         after,
@@ -634,6 +648,7 @@ fn judge(
         decisions,
         namespace,
         runtime_keys,
+        driver_only,
     })
 }
 
@@ -756,6 +771,7 @@ fn judge_nim_service(doc: Document, scope: &Scope<'_>) -> Result<Outcome, Mutate
         decisions,
         namespace: scope.namespace.to_owned(),
         runtime_keys: Vec::new(),
+        driver_only: Vec::new(),
     })
 }
 
@@ -773,19 +789,9 @@ fn runtime_variable_keys(
     if !matches!(doc.kind(), "ConfigMap" | "Secret") {
         return Vec::new();
     }
-    let selection = engine::select_policy(policies, labels, &BTreeMap::new());
-    let Some(policy) = selection.policy else {
+    let Some(policy) = governing(namespace, labels, policies) else {
         return Vec::new();
     };
-    if policy
-        .spec
-        .exemptions
-        .namespaces
-        .iter()
-        .any(|n| n == namespace)
-    {
-        return Vec::new();
-    }
     let rules = gpuwarden_crds::gpu::Rules::of(policy);
     let mut keys: Vec<String> = ["data", "binaryData", "stringData"]
         .iter()
@@ -797,6 +803,49 @@ fn runtime_variable_keys(
     keys.sort();
     keys.dedup();
     keys
+}
+
+/// The policy that governs objects of `namespace` other than pods (ConfigMaps, claims): the
+/// one its labels select, unless it exempts the namespace. The API server's guards read the
+/// default policy; offline, the policy a pod of the namespace would get.
+fn governing<'p>(
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+    policies: &'p [Arc<GpuPolicy>],
+) -> Option<&'p GpuPolicy> {
+    let policy = engine::select_policy(policies, labels, &BTreeMap::new()).policy?;
+    let exempt = (policy.spec.exemptions.namespaces.iter()).any(|n| n == namespace);
+    (!exempt).then_some(policy)
+}
+
+/// What of a ResourceClaim or ResourceClaimTemplate only a DRA driver's own pods may hold
+/// (docs/design.md, "Claims only a driver's own pods may hold"), in a namespace its policy
+/// governs outside the drivers' own; the API server refuses to create it
+/// (`deploy/admission/driver-claims.yaml`).
+fn driver_only_claim(
+    doc: &Document,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+    policies: &[Arc<GpuPolicy>],
+) -> Vec<String> {
+    let Some((_, pointer)) = claim_spec(doc) else {
+        return Vec::new();
+    };
+    let Some(policy) = governing(namespace, labels, policies) else {
+        return Vec::new();
+    };
+    let rules = &policy.spec.driver_claims;
+    // Audit mode refuses nothing; the pod that uses the claim is told.
+    if policy.spec.mode == gpuwarden_crds::PolicyMode::Audit
+        || rules.namespaces.iter().any(|n| n == namespace)
+    {
+        return Vec::new();
+    }
+    let spec = doc.object.pointer(pointer).cloned().unwrap_or(Value::Null);
+    // A spec that does not read was refused where the claims were gathered.
+    serde_json::from_value(spec)
+        .map(|spec| ClaimDevices::of(&spec).driver_only(rules))
+        .unwrap_or_default()
 }
 
 /// The patch of a pod wrapped around a bare pod spec, against the spec itself: paths under
@@ -868,6 +917,16 @@ impl Explainer {
                 stderr,
                 "  {object}: RUNTIME VARIABLE KEYS {}: a container that reads it through envFrom is handed devices beyond the GPUs the kubelet allocated; gpuwarden refuses a new such key, and this one stays until you rename it",
                 o.runtime_keys.join(", ")
+            );
+            return;
+        }
+        if !o.driver_only.is_empty() {
+            *self.counts.entry("denied").or_default() += 1;
+            self.denied = true;
+            let _ = writeln!(
+                stderr,
+                "  {object}: DENIED: {}; the API server refuses it in this namespace, and gpuwarden denies a pod that uses it",
+                gpuwarden_crds::claims::driver_only_reason(&o.driver_only)
             );
             return;
         }

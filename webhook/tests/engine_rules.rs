@@ -2495,3 +2495,166 @@ fn a_rewrite_never_leaves_a_container_without_the_host_devices_it_mounts() {
         Outcome::Rewritten
     );
 }
+
+/// A claim spec on `class` carrying an opaque config of `kind` for the ComputeDomain driver.
+fn claim_with_config(class: &str, kind: &str) -> k8s_openapi::api::resource::v1::ResourceClaimSpec {
+    serde_json::from_value(json!({"devices": {
+        "requests": [{"name": "r", "exactly": {"deviceClassName": class}}],
+        "config": [{"requests": ["r"], "opaque": {
+            "driver": "compute-domain.nvidia.com",
+            "parameters": {"apiVersion": "resource.nvidia.com/v1beta1", "kind": kind, "domainID": "x"}}}]
+    }}))
+    .unwrap()
+}
+
+#[test]
+fn claims_only_a_drivers_own_pods_may_hold_are_denied_outside_its_namespaces() {
+    let mut source = source();
+    for namespace in ["ml", "nvidia-dra-driver-gpu"] {
+        let claims = &mut source.claims;
+        claims.insert(
+            ClaimSource::Template,
+            namespace,
+            "daemon",
+            &claim_spec(&["compute-domain-daemon.nvidia.com"]),
+        );
+        // The daemon's config on a channel class: the driver reads the config, not the name.
+        claims.insert(
+            ClaimSource::Claim,
+            namespace,
+            "disguised",
+            &claim_with_config(
+                "compute-domain-default-channel.nvidia.com",
+                "ComputeDomainDaemonConfig",
+            ),
+        );
+        claims.insert(
+            ClaimSource::Template,
+            namespace,
+            "channel",
+            &claim_with_config(
+                "compute-domain-default-channel.nvidia.com",
+                "ComputeDomainChannelConfig",
+            ),
+        );
+    }
+    let pod = |entry: Value| {
+        json!({
+            "metadata": {"name": "tenant"},
+            "spec": {
+                "resourceClaims": [entry],
+                "containers": [{"name": "c", "image": "busybox",
+                                "resources": {"claims": [{"name": "x"}]}}]
+            }
+        })
+    };
+    for (entry, what) in [
+        (
+            json!({"name": "x", "resourceClaimTemplateName": "daemon"}),
+            "resourceClaims entry x uses ResourceClaimTemplate ml/daemon: DeviceClass compute-domain-daemon.nvidia.com is meant only for a DRA driver's own pods",
+        ),
+        (
+            json!({"name": "x", "resourceClaimName": "disguised"}),
+            "resourceClaims entry x uses ResourceClaim ml/disguised: opaque config ComputeDomainDaemonConfig is meant only",
+        ),
+    ] {
+        // A pod that is neither privileged nor asks for a GPU is denied all the same.
+        let answer = review_pod(&pod(entry.clone()), "ml", &source);
+        assert_eq!(answer.summary.outcome, Outcome::Denied);
+        let message = answer.message();
+        assert!(message.contains(what), "{what:?} not in {message}");
+        assert!(
+            message.contains("every GPU and IMEX channel of the node"),
+            "{message}"
+        );
+        // In the driver's own namespace the same claim is the driver's.
+        let answer = review_pod(&pod(entry), "nvidia-dra-driver-gpu", &source);
+        assert_ne!(
+            answer.summary.outcome,
+            Outcome::Denied,
+            "{}",
+            answer.message()
+        );
+    }
+    // A workload's IMEX channel claim is what ComputeDomains are for.
+    let channel = pod(json!({"name": "x", "resourceClaimTemplateName": "channel"}));
+    let answer = review_pod(&channel, "ml", &source);
+    assert_ne!(
+        answer.summary.outcome,
+        Outcome::Denied,
+        "{}",
+        answer.message()
+    );
+
+    // A policy that lists no class judges by what the rest of the rules say.
+    let mut policy = default_policy();
+    policy.spec.driver_claims.device_classes.clear();
+    policy.spec.driver_claims.config_kinds.clear();
+    let mut open = StaticSource::new([policy]);
+    open.claims = source.claims.clone();
+    let daemon = pod(json!({"name": "x", "resourceClaimTemplateName": "daemon"}));
+    let answer = review_pod(&daemon, "ml", &open);
+    assert_ne!(
+        answer.summary.outcome,
+        Outcome::Denied,
+        "{}",
+        answer.message()
+    );
+}
+
+#[test]
+fn an_imex_channel_claim_is_no_source_of_rdma_devices() {
+    let mut source = source();
+    source.claims.insert(
+        ClaimSource::Template,
+        "ml",
+        "channel",
+        &claim_with_config(
+            "compute-domain-default-channel.nvidia.com",
+            "ComputeDomainChannelConfig",
+        ),
+    );
+    source.claims.insert(
+        ClaimSource::Claim,
+        "ml",
+        "nic",
+        &claim_spec(&["rdma.example.com"]),
+    );
+    // A privileged host-network NCCL worker on InfiniBand with an IMEX channel claim: the
+    // channel hands it no verbs device, so losing privilege would cut it off the HCAs.
+    let worker = |claims: Value| {
+        json!({
+            "metadata": {"name": "nccl"},
+            "spec": {
+                "hostNetwork": true,
+                "resourceClaims": [
+                    {"name": "imex", "resourceClaimTemplateName": "channel"},
+                    {"name": "net", "resourceClaimName": "nic"}
+                ],
+                "containers": [{"name": "worker", "image": "nccl-tests",
+                    "securityContext": {"privileged": true},
+                    "env": [{"name": "NCCL_IB_HCA", "value": "mlx5_0"}],
+                    "resources": {"limits": {"nvidia.com/gpu": 4}, "claims": claims}}]
+            }
+        })
+    };
+    let answer = review_pod(&worker(json!([{"name": "imex"}])), "ml", &source);
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    let message = answer.message();
+    assert!(
+        message.contains("shows RDMA use (NCCL_IB_HCA=mlx5_0)"),
+        "{message}"
+    );
+    // A claim of a class that may hold NICs is a source.
+    let answer = review_pod(
+        &worker(json!([{"name": "imex"}, {"name": "net"}])),
+        "ml",
+        &source,
+    );
+    assert_eq!(
+        answer.summary.outcome,
+        Outcome::Rewritten,
+        "{}",
+        answer.message()
+    );
+}

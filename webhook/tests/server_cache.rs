@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuwarden_crds::claims::ClaimDevices;
 use gpuwarden_webhook::admission::PolicySource;
 use gpuwarden_webhook::cache::{ReflectorCache, SyncFlag};
 use gpuwarden_webhook::engine::{ClaimLookup, ClaimSource};
@@ -251,11 +252,17 @@ async fn caches_sync_from_lists_and_answer_from_memory() {
 
     // Claims, by namespace and name: a GPU claim, a NIC claim, gpuwarden's template.
     let claims = cache.claims();
-    let gpu = ClaimLookup::Found(vec!["gpu.nvidia.com".to_owned()]);
+    let gpu = ClaimLookup::Found(ClaimDevices {
+        classes: vec!["gpu.nvidia.com".to_owned()],
+        config_kinds: Vec::new(),
+    });
     assert_eq!(claims.lookup(ClaimSource::Claim, "ml", "gpu"), gpu);
     assert_eq!(
         claims.lookup(ClaimSource::Claim, "ml", "nic"),
-        ClaimLookup::Found(vec!["nic.example.com".to_owned()])
+        ClaimLookup::Found(ClaimDevices {
+            classes: vec!["nic.example.com".to_owned()],
+            config_kinds: Vec::new()
+        })
     );
     let template = "gpuwarden-gpu.nvidia.com-1";
     assert_eq!(claims.lookup(ClaimSource::Template, "ml", template), gpu);

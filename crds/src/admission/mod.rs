@@ -10,9 +10,12 @@
 //! - [`policies`]: the MutatingAdmissionPolicies and ValidatingAdmissionPolicies rendered
 //!   from each GpuPolicy, with the void rule and the rewrite;
 //! - [`start_up`], beside them on `cel`: the one static warning of what rewritten containers
-//!   keep of what their start-up steps need.
+//!   keep of what their start-up steps need;
+//! - [`driver_claims`], beside them on `cel`: the one static guard on claims only a DRA
+//!   driver's own pods may hold.
 
 pub(crate) mod cel;
+pub mod driver_claims;
 pub mod match_conditions;
 pub mod policies;
 pub mod rewrite;
@@ -22,11 +25,22 @@ pub mod start_up;
 mod tests {
     /// Each module's source and the modules of this folder it may not name: the line runs
     /// `cel` ← `match_conditions`, `rewrite` ← `policies`.
-    const LAYERS: [(&str, &str, &[&str]); 5] = [
+    const LAYERS: [(&str, &str, &[&str]); 6] = [
+        (
+            "driver_claims",
+            include_str!("driver_claims.rs"),
+            &["match_conditions", "rewrite", "policies", "start_up"],
+        ),
         (
             "cel",
             include_str!("cel.rs"),
-            &["match_conditions", "rewrite", "policies", "start_up"],
+            &[
+                "match_conditions",
+                "rewrite",
+                "policies",
+                "start_up",
+                "driver_claims",
+            ],
         ),
         (
             "start_up",

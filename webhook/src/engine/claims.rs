@@ -6,7 +6,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use gpuwarden_crds::claims;
+use gpuwarden_crds::claims::{self, ClaimDevices};
 use k8s_openapi::api::resource::v1::ResourceClaimSpec;
 
 /// Which object a pod `resourceClaims` entry stands for.
@@ -31,8 +31,8 @@ impl ClaimSource {
 /// What a lookup found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ClaimLookup {
-    /// The object exists; the device classes its requests name.
-    Found(Vec<String>),
+    /// The object exists; the device classes its requests name and its opaque configs' kinds.
+    Found(ClaimDevices),
     /// The object does not exist.
     Missing,
     /// It cannot be known: why (the API is not served, the cache is not synced, ...).
@@ -42,7 +42,7 @@ pub enum ClaimLookup {
 impl ClaimLookup {
     /// The lookup of an object with this spec.
     pub fn of(spec: &ResourceClaimSpec) -> Self {
-        Self::Found(claims::device_classes(spec).map(str::to_owned).collect())
+        Self::Found(ClaimDevices::of(spec))
     }
 }
 
@@ -114,7 +114,10 @@ impl Claims for ClaimStore {
             .then(|| claims::template_parts(name))
             .flatten();
         match own {
-            Some((class, _)) => ClaimLookup::Found(vec![class.to_owned()]),
+            Some((class, _)) => ClaimLookup::Found(ClaimDevices {
+                classes: vec![class.to_owned()],
+                config_kinds: Vec::new(),
+            }),
             None => ClaimLookup::Unknown(Cow::Borrowed("not in the manifest")),
         }
     }

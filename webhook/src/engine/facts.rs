@@ -3,6 +3,7 @@
 //! [`gpuwarden_crds::gpu`]. Everything here borrows from the pod's view and the policy.
 
 use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::claims;
 use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals, VisibleDevices};
 use gpuwarden_crds::injection;
 
@@ -74,6 +75,11 @@ pub(super) struct PodFacts<'a> {
     pub(super) annotations: Option<&'a Map<'a>>,
     /// The pod's `resourceClaims` entries whose claim could not be read: name, and why.
     pub(super) unread_claims: Vec<(&'a str, String)>,
+    /// The pod's `resourceClaims` entries whose claim is known to hold no RDMA device.
+    pub(super) claims_without_rdma: Vec<&'a str>,
+    /// What the pod asks for that no rewrite can make safe, whatever its containers are
+    /// (docs/design.md, "Claims only a driver's own pods may hold"): each a denial.
+    pub(super) refusals: Vec<String>,
     /// The pod's device-injection annotations, judged against the GPUs it holds (those
     /// that reach only image-exempt containers left out).
     pub(super) injections: injection::Judgement,
@@ -193,6 +199,8 @@ pub(super) fn read_pod<'a>(
         pod: signals,
         annotations,
         unread_claims: claims_read.unread,
+        claims_without_rdma: claims_read.without_rdma,
+        refusals: claims_read.driver_only,
         injections,
     }
 }
@@ -238,6 +246,10 @@ struct ClaimsRead<'a> {
     /// Those that could not be read, and why: not counted, the container's other signals
     /// still judge it, and the rewrite says so.
     unread: Vec<(&'a str, String)>,
+    /// Those known to hold no RDMA device ([`gpuwarden_crds::claims::ClaimDevices::may_hold_rdma`]).
+    without_rdma: Vec<&'a str>,
+    /// Why the pod may not use those only a driver's own pods may hold.
+    driver_only: Vec<String>,
 }
 
 fn read_claims<'a>(
@@ -247,9 +259,13 @@ fn read_claims<'a>(
     claims: &dyn Claims,
 ) -> ClaimsRead<'a> {
     let class = policy.spec.gpu.device_class_name.as_str();
+    let rules = &policy.spec.driver_claims;
+    let drivers_own = rules.namespaces.iter().any(|n| n == namespace);
     let mut read = ClaimsRead {
         gpu: Vec::new(),
         unread: Vec::new(),
+        without_rdma: Vec::new(),
+        driver_only: Vec::new(),
     };
     for entry in pod.resource_claims() {
         let Some(name) = entry.name.as_deref() else {
@@ -263,17 +279,29 @@ fn read_claims<'a>(
             (None, Some(template)) => (ClaimSource::Template, template),
             (None, None) => continue,
         };
+        let kind = source.kind();
         let why = match claims.lookup(source, namespace, target) {
-            ClaimLookup::Found(classes) => {
-                if (classes.iter()).any(|c| gpuwarden_crds::claims::is_gpu_device_class(c, class)) {
+            ClaimLookup::Found(devices) => {
+                if (devices.classes.iter()).any(|c| claims::is_gpu_device_class(c, class)) {
                     read.gpu.push(name);
+                }
+                if !devices.may_hold_rdma(class) {
+                    read.without_rdma.push(name);
+                }
+                let driver_only = devices.driver_only(rules);
+                if !drivers_own && !driver_only.is_empty() {
+                    read.driver_only.push(format!(
+                        "resourceClaims entry {name} uses {kind} {namespace}/{target}: {}. Outside the driver's namespaces ({}) use the ComputeDomain's channel claim ({}) for IMEX channels, or a GPU claim",
+                        claims::driver_only_reason(&driver_only),
+                        rules.namespaces.join(", "),
+                        claims::DEVICE_CLASS_CD_CHANNEL,
+                    ));
                 }
                 continue;
             }
             ClaimLookup::Missing => "does not exist".to_owned(),
             ClaimLookup::Unknown(why) => format!("cannot be read: {why}"),
         };
-        let kind = source.kind();
         read.unread
             .push((name, format!("{kind} {namespace}/{target} {why}")));
     }

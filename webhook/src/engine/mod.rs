@@ -440,7 +440,8 @@ fn decide_create<'a>(
     }
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
     let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()))
-        || !facts.injections.uncovered.is_empty();
+        || !facts.injections.uncovered.is_empty()
+        || !facts.refusals.is_empty();
     // The API server's policy is rendered from valid policies in Enforce and Audit only.
     let voids =
         matches!(policy.spec.mode, PolicyMode::Enforce | PolicyMode::Audit) && invalid.is_none();

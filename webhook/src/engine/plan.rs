@@ -255,6 +255,8 @@ pub(super) fn plan_pod<'a>(
     // the container's privilege or limits.
     plan.denials
         .extend(facts.injections.uncovered.iter().map(|u| u.message.clone()));
+    // Claims only a driver's own pods may hold, and the like: no rewrite makes them safe.
+    plan.denials.extend(facts.refusals.iter().cloned());
     // What Pod Security Admission would still refuse once the rewrite is done.
     plan.psa_left = psa::still_fails(
         psa,
@@ -311,7 +313,9 @@ pub(super) fn plan_pod<'a>(
         if target {
             if let Some(denial) = host_device_denial(c, &host_paths, input, policy) {
                 plan.denials.push(denial);
-            } else if let Some(rdma) = rdma_left_behind(c, &host_paths, input, policy) {
+            } else if let Some(rdma) =
+                rdma_left_behind(c, &facts.claims_without_rdma, &host_paths, input, policy)
+            {
                 match rdma {
                     RdmaUse::Lost(denial) => plan.denials.push(denial),
                     RdmaUse::FromNetwork(note) => plan.notes.push(note),
@@ -610,6 +614,7 @@ enum RdmaUse {
 /// network may hand the devices over, and the rewrite says so.
 fn rdma_left_behind(
     c: &ContainerFacts<'_>,
+    claims_without_rdma: &[&str],
     host_paths: &[(&str, &str)],
     input: &Input<'_>,
     policy: &GpuPolicy,
@@ -619,9 +624,9 @@ fn rdma_left_behind(
     }
     let mut requested = c.value.limit_names().chain(c.value.request_names());
     if requested.any(|r| (policy.spec.rdma_resources.iter()).any(|p| glob_match(p, r)))
-        || (c.value.resources.as_ref())
-            .and_then(|r| r.claims.as_ref())
-            .is_some_and(|claims| !claims.is_empty())
+        || c.value
+            .claim_names()
+            .any(|n| !claims_without_rdma.contains(&n))
     {
         return None;
     }
