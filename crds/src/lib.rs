@@ -13,6 +13,7 @@ mod error;
 pub mod exemptions;
 pub mod gpu;
 pub mod injection;
+pub mod kata;
 pub mod manifests;
 pub mod node;
 pub mod pod_security;

@@ -1698,13 +1698,13 @@ fn admission_policies_are_bound_and_consistent() {
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicy")
         .collect();
-    assert_eq!(policies.len(), 5);
+    assert_eq!(policies.len(), 6);
     let names: BTreeSet<&str> = docs
         .iter()
         .filter(|d| d.kind() == "ValidatingAdmissionPolicyBinding")
         .map(Document::name)
         .collect();
-    assert_eq!(names.len(), 5, "one binding per policy");
+    assert_eq!(names.len(), 6, "one binding per policy");
     for policy in policies {
         let binding: ValidatingAdmissionPolicyBinding = typed(find(
             &docs,
@@ -1719,10 +1719,12 @@ fn admission_policies_are_bound_and_consistent() {
         assert_eq!(spec.validation_actions, Some(vec![action.to_string()]));
         let typed_policy: ValidatingAdmissionPolicy = typed(policy);
         let pspec = typed_policy.spec.expect("policy spec");
-        // The ConfigMap guards meet every ConfigMap (and Secret) write, and fail open.
+        // The ConfigMap guards meet every ConfigMap (and Secret) write, and the claim guard
+        // every claim write: they fail open.
         let guards = [
             "gpuwarden-kai-sharing-configmaps",
             "gpuwarden-runtime-variables",
+            gpuwarden_crds::admission::driver_claims::NAME,
         ];
         let failure = if guards.contains(&policy.name()) || warns {
             "Ignore"

@@ -2658,3 +2658,94 @@ fn an_imex_channel_claim_is_no_source_of_rdma_devices() {
         answer.message()
     );
 }
+
+#[test]
+fn kata_annotations_and_visible_cdi_devices_that_hand_devices_are_denied() {
+    let pod = |annotations: Value, sidecar_env: Value| {
+        json!({
+            "metadata": {"name": "kata", "annotations": annotations},
+            "spec": {
+                "runtimeClassName": "kata-qemu-nvidia-gpu",
+                "containers": [
+                    {"name": "gpu", "image": "nvcr.io/nvidia/k8s/cuda-sample:vectoradd-cuda12.5.0",
+                     "resources": {"limits": {"nvidia.com/pgpu": "1", "memory": "16Gi"}}},
+                    {"name": "sidecar", "image": "busybox", "env": sidecar_env}
+                ]
+            }
+        })
+    };
+    // Kata's documented GPU pod, and its confidential NIM's agent settings, stay as they are.
+    let documented = pod(
+        json!({"io.katacontainers.config.hypervisor.kernel_params":
+               "agent.guest_components_procs=confidential-data-hub agent.aa_kbc_params=cc_kbc::http://kbs",
+               "io.katacontainers.config.hypervisor.default_memory": "16384"}),
+        json!([]),
+    );
+    let answer = review_pod(&documented, "ml", &source());
+    assert_ne!(
+        answer.summary.outcome,
+        Outcome::Denied,
+        "{}",
+        answer.message()
+    );
+    assert!(answer.patch.is_none(), "{:?}", answer.patch);
+    for (annotations, env, what) in [
+        (
+            json!({"io.katacontainers.config.hypervisor.kernel_params": "agent.visible_cdi_devices=true"}),
+            json!([]),
+            "annotation io.katacontainers.config.hypervisor.kernel_params sets agent.visible_cdi_devices for Kata's agent",
+        ),
+        (
+            json!({"io.katacontainers.config.hypervisor.cold_plug_vfio": "root-port"}),
+            json!([]),
+            "annotation io.katacontainers.config.hypervisor.cold_plug_vfio changes which devices",
+        ),
+        (
+            json!({}),
+            json!([{"name": "VISIBLE_CDI_DEVICES", "value": "nvidia.com/gpu=all"}]),
+            "container sidecar sets VISIBLE_CDI_DEVICES and holds no GPU",
+        ),
+    ] {
+        let answer = review_pod(&pod(annotations, env), "ml", &source());
+        assert_eq!(answer.summary.outcome, Outcome::Denied);
+        let message = answer.message();
+        assert!(message.contains(what), "{what:?} not in {message}");
+    }
+    // A container holding its own GPU may name what the agent hands it.
+    let mut own = pod(json!({}), json!([]));
+    own["spec"]["containers"][0]["env"] =
+        json!([{"name": "VISIBLE_CDI_DEVICES", "value": "nvidia.com/gpu=0"}]);
+    let answer = review_pod(&own, "ml", &source());
+    assert_ne!(
+        answer.summary.outcome,
+        Outcome::Denied,
+        "{}",
+        answer.message()
+    );
+}
+
+#[test]
+fn a_pod_read_offline_with_a_gpu_naming_debug_container_gets_the_debug_answer() {
+    // `kubectl get pod -o yaml` after `kubectl debug --env NVIDIA_VISIBLE_DEVICES=all`.
+    let pod = json!({
+        "metadata": {"name": "running"},
+        "spec": {
+            "containers": [{"name": "app", "image": "busybox"}],
+            "ephemeralContainers": [{"name": "debugger", "image": "nvidia/cuda:12.4.0-base-ubuntu22.04",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]
+        }
+    });
+    let answer = review_pod(&pod, "ml", &source());
+    assert_eq!(answer.summary.outcome, Outcome::Denied);
+    let message = answer.message();
+    assert!(
+        message.contains("ephemeral container debugger on pod"),
+        "{message}"
+    );
+    assert!(
+        message.contains("kubectl debug --profile=general` without NVIDIA_VISIBLE_DEVICES"),
+        "{message}"
+    );
+    // No GPU resource is given to an ephemeral container, which the API server refuses.
+    assert!(answer.patch.is_none(), "{:?}", answer.patch);
+}

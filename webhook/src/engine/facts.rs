@@ -4,8 +4,8 @@
 
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::claims;
-use gpuwarden_crds::gpu::{self, PodSignals, Rules, Signals, VisibleDevices};
-use gpuwarden_crds::injection;
+use gpuwarden_crds::gpu::{self, ContainerSpec, PodSignals, Rules, Signals, VisibleDevices};
+use gpuwarden_crds::{injection, kata};
 
 use super::claims::{ClaimLookup, ClaimSource, Claims};
 use super::sharing;
@@ -194,13 +194,15 @@ pub(super) fn read_pod<'a>(
         }
     }
     let injections = judge_injections(annotations, &containers, policy);
+    let mut refusals = claims_read.driver_only;
+    refusals.extend(kata_refusals(annotations, &containers, policy));
     PodFacts {
         containers,
         pod: signals,
         annotations,
         unread_claims: claims_read.unread,
         claims_without_rdma: claims_read.without_rdma,
-        refusals: claims_read.driver_only,
+        refusals,
         injections,
     }
 }
@@ -236,6 +238,37 @@ fn judge_injections<'a>(
         .filter_map(|c| super::plan::limited_gpus(c, policy))
         .fold(0u32, u32::saturating_add);
     injection::judge(&all, held, &policy.spec.runtime_features)
+}
+
+/// What Kata Containers would hand the pod's containers beyond their own devices
+/// (docs/design.md, "Kata Containers"): its annotations that change the devices, and
+/// `VISIBLE_CDI_DEVICES` in a container that holds no GPU. A container whose image is exempt
+/// keeps its variable; the annotations are the pod's, judged unless every container is exempt.
+fn kata_refusals(
+    annotations: Option<&Map<'_>>,
+    containers: &[ContainerFacts<'_>],
+    policy: &GpuPolicy,
+) -> Vec<String> {
+    let every_exempt = !containers.is_empty() && containers.iter().all(|c| c.image_exempt);
+    let mut out: Vec<String> = (annotations.into_iter().flatten())
+        .filter(|_| !every_exempt)
+        .filter_map(|(k, v)| kata::judge(k.as_ref(), v.as_str()?))
+        .collect();
+    let resource = policy.spec.gpu.resource_name.as_str();
+    for c in containers.iter().filter(|c| !c.image_exempt) {
+        let value = c.value;
+        let sets = (value.env_entries()).any(|e| e.name == kata::ENV_VISIBLE_CDI_DEVICES);
+        let resources = value.limit_names().chain(value.request_names());
+        let claims = value.claim_names().next().is_some();
+        if sets && !kata::holds_gpu_of_its_own(resources, claims, resource) {
+            out.push(kata::visible_cdi_reason(&format!(
+                "{} {}",
+                c.at.kind.noun(),
+                c.name
+            )));
+        }
+    }
+    out
 }
 
 /// The pod's `resourceClaims` entries, read.

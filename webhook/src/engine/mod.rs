@@ -439,6 +439,27 @@ fn decide_create<'a>(
             .with(Detail::Exempt(reason.into()));
     }
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
+    // A pod read offline may carry ephemeral containers (`kubectl get pod -o yaml` after
+    // `kubectl debug`): they cannot request GPUs, so one that is privileged or names GPUs
+    // gets the answer its `pods/ephemeralcontainers` update got.
+    let offending: Vec<&'a str> = (facts.containers.iter())
+        .filter(|c| ephemeral_offends(c, &facts, invalid.is_none()))
+        .map(|c| c.name)
+        .collect();
+    if !offending.is_empty() {
+        let mode = policy.spec.mode;
+        if let Some(why) = invalid {
+            return Decision::new(Verdict::Denied, Some(policy), reference, input)
+                .with(Detail::Invalid(why));
+        }
+        let verdict = if mode == PolicyMode::Audit {
+            Verdict::Audited
+        } else {
+            Verdict::Denied
+        };
+        return Decision::new(verdict, Some(policy), reference, input)
+            .with(Detail::Ephemeral { offending, mode });
+    }
     let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()))
         || !facts.injections.uncovered.is_empty()
         || !facts.refusals.is_empty();
@@ -545,13 +566,9 @@ fn decide_ephemeral<'a>(
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
     // request GPUs, so they cannot be rewritten.
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
-    // An ephemeral container a device-injection annotation reaches gets what it names.
-    let injected = |name: &str| (facts.injections.uncovered.iter()).any(|u| u.reaches(name));
     let offending: Vec<&'a str> = (facts.containers.iter())
         .filter(|c| {
-            void::added_by_update(c, old)
-                && (c.privileged || c.signals.leaks() || injected(c.name))
-                && (invalid.is_some() || !c.image_exempt)
+            void::added_by_update(c, old) && ephemeral_offends(c, &facts, invalid.is_none())
         })
         .map(|c| c.name)
         .collect();
@@ -575,6 +592,21 @@ fn decide_ephemeral<'a>(
         Verdict::Denied
     };
     new(verdict).with(Detail::Ephemeral { offending, mode })
+}
+
+/// Whether `c` is an ephemeral container that cannot be admitted: privileged, naming GPUs
+/// itself, or reached by a device-injection annotation that names devices the pod does not
+/// hold (it gets what the annotation names); its image exempts it unless `images_count` is
+/// false (an invalid policy).
+fn ephemeral_offends(
+    c: &facts::ContainerFacts<'_>,
+    facts: &facts::PodFacts<'_>,
+    images_count: bool,
+) -> bool {
+    let injected = (facts.injections.uncovered.iter()).any(|u| u.reaches(c.name));
+    c.at.kind == ContainerKind::Ephemeral
+        && (c.privileged || c.signals.leaks() || injected)
+        && (!images_count || !c.image_exempt)
 }
 
 /// Namespace or service-account exemption of the whole pod, with the reason.
