@@ -116,6 +116,29 @@ struct Attempt {
     then: Then,
 }
 
+/// Replaces every string `uid-of:<Kind>/<name>` in `object` with the uid of that object
+/// among `created` (a setup object names one created before it, as a ComputeDomain's
+/// claim config does).
+fn with_uids(object: &mut Value, created: &[Value]) {
+    match object {
+        Value::String(text) => {
+            let Some((kind, name)) = text.strip_prefix("uid-of:").and_then(|r| r.split_once('/'))
+            else {
+                return;
+            };
+            if let Some(uid) = (created.iter())
+                .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+                .and_then(|o| o["metadata"]["uid"].as_str())
+            {
+                *text = uid.to_owned();
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| with_uids(v, created)),
+        Value::Object(map) => map.values_mut().for_each(|v| with_uids(v, created)),
+        _ => {}
+    }
+}
+
 /// What became of an attempt.
 #[derive(Debug)]
 enum Outcome {
@@ -369,6 +392,16 @@ fn attempts(image: &str, node: &str, device_class: Option<&str>) -> Vec<Attempt>
                 "imagePullPolicy": "Never", "targetContainerName": "main",
                 "command": ["sh", "-c", SEEN_COMMAND]})),
         },
+        // `kubectl debug --env NVIDIA_VISIBLE_DEVICES=all`.
+        Attempt {
+            name: "ephemeral-debug-env-all",
+            setup: vec![],
+            object: pod("ephemeral-debug-env-all", json!({"containers": [main()]})),
+            then: Then::Debug(json!({"name": "debugger", "image": image,
+                "imagePullPolicy": "Never", "targetContainerName": "main",
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+                "command": ["sh", "-c", SEEN_COMMAND]})),
+        },
         of("node-name", pod(
                 "node-name",
                 json!({"nodeName": node, "containers": [main()]}),
@@ -555,6 +588,89 @@ fn attempts(image: &str, node: &str, device_class: Option<&str>) -> Vec<Attempt>
     tcpxo["metadata"]["annotations"] =
         json!({"devices.noderesource.dev/container.daemon": tcpxo_devices});
     out.push(of("tcpxo-shaped", tcpxo));
+    // Kata Containers' annotations and its agent's variable (docs/design.md, "Kata
+    // Containers"): inert under runc, judged at admission.
+    for (name, key, value) in [
+        (
+            "kata-agent-visible-cdi",
+            gpuwarden_crds::kata::KERNEL_PARAMS,
+            "agent.visible_cdi_devices=true",
+        ),
+        (
+            "kata-cold-plug",
+            "io.katacontainers.config.hypervisor.cold_plug_vfio",
+            "root-port",
+        ),
+    ] {
+        out.push(annotated(name, key, value, main()));
+    }
+    out.push(simple(
+        "kata-visible-cdi-env",
+        with(json!({"env": [{"name": "VISIBLE_CDI_DEVICES", "value": "nvidia.com/gpu=all"}]})),
+    ));
+    if device_class.is_some() {
+        // Claims on the ComputeDomain daemon's devices (docs/design.md, "Claims only a
+        // driver's own pods may hold"), for a ComputeDomain of the tenant's own.
+        let domain = |name: &str| {
+            json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
+                "metadata": {"name": name},
+                "spec": {"numNodes": 1, "channel": {"resourceClaimTemplate": {"name": format!("{name}-channel")}}}})
+        };
+        let daemon_spec = |name: &str, class: &str| {
+            json!({"devices": {"requests": [{"name": "daemon", "exactly": {"deviceClassName": class}}],
+                "config": [{"opaque": {"driver": "compute-domain.nvidia.com",
+                    "parameters": {"apiVersion": "resource.nvidia.com/v1beta1",
+                        "kind": gpuwarden_crds::claims::CONFIG_KIND_CD_DAEMON,
+                        "domainID": format!("uid-of:ComputeDomain/{name}")}}}]}})
+        };
+        let claim_pod = |name: &'static str, entry: Value| {
+            pod(
+                name,
+                json!({"resourceClaims": [entry],
+                    "containers": [with(json!({"resources": {"claims": [{"name": "cd"}]}}))]}),
+            )
+        };
+        for (name, kind, class) in [
+            (
+                "cd-daemon-claim",
+                "ResourceClaim",
+                gpuwarden_crds::claims::DEVICE_CLASS_CD_DAEMON,
+            ),
+            (
+                "cd-daemon-template",
+                "ResourceClaimTemplate",
+                gpuwarden_crds::claims::DEVICE_CLASS_CD_DAEMON,
+            ),
+            // The daemon's config on the channel class: the driver reads the config.
+            (
+                "cd-daemon-config-on-channel",
+                "ResourceClaim",
+                gpuwarden_crds::claims::DEVICE_CLASS_CD_CHANNEL,
+            ),
+        ] {
+            let (spec, entry) = if kind == "ResourceClaim" {
+                (
+                    daemon_spec(name, class),
+                    json!({"name": "cd", "resourceClaimName": name}),
+                )
+            } else {
+                (
+                    json!({"spec": daemon_spec(name, class)}),
+                    json!({"name": "cd", "resourceClaimTemplateName": name}),
+                )
+            };
+            out.push(Attempt {
+                name,
+                setup: vec![
+                    domain(name),
+                    json!({"apiVersion": "resource.k8s.io/v1", "kind": kind,
+                        "metadata": {"name": name}, "spec": spec}),
+                ],
+                object: claim_pod(name, entry),
+                then: Then::Nothing,
+            });
+        }
+    }
     if let Some(class) = device_class {
         out.push(Attempt {
             name: "resource-claim-nic",
@@ -923,7 +1039,10 @@ impl Suite<'_> {
         post(
             format!("{rbac}/roles"),
             json!({"metadata": {"name": "tenant-debug"}, "rules": [{"apiGroups": [""],
-                "resources": ["pods/ephemeralcontainers"], "verbs": ["get", "patch", "update"]}]}),
+                "resources": ["pods/ephemeralcontainers"], "verbs": ["get", "patch", "update"]},
+                // A tenant may create ComputeDomains: they are made for workloads.
+                {"apiGroups": ["resource.nvidia.com"], "resources": ["computedomains"],
+                "verbs": ["create", "get", "list", "delete"]}]}),
         )
         .await;
         post(
@@ -1032,8 +1151,11 @@ impl Suite<'_> {
             claims: Vec::new(),
             debug: None,
         };
-        let mut created = Vec::new();
+        let mut created: Vec<Value> = Vec::new();
         for object in &attempt.setup {
+            let mut object = object.clone();
+            with_uids(&mut object, &created);
+            let object = &object;
             let r = self.create(t, object).await;
             if !r.status.is_success() {
                 let stage = format!(
@@ -1512,6 +1634,19 @@ async fn admission(
         let map = json!({"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": "probe-guard"}, "data": {"NVIDIA_VISIBLE_DEVICES": "all"}});
         until_refused(&t.tenant, &t.ns, &map, "the ConfigMap guard").await;
+        if suite.device_class.is_some() {
+            env.install_policy(
+                gpuwarden_crds::manifests::DRIVER_CLAIMS,
+                &format!("{}-driver-claims", t.way.suffix()),
+                Some(only.clone()),
+            )
+            .await;
+            let claim = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": "probe-guard"},
+                "spec": {"devices": {"requests": [{"name": "d", "exactly": {
+                    "deviceClassName": gpuwarden_crds::claims::DEVICE_CLASS_CD_DAEMON}}]}}});
+            until_refused(&t.tenant, &t.ns, &claim, "the claim guard").await;
+        }
     }
     match (t.way, webhook) {
         (Way::Webhook, Some(webhook)) => {
