@@ -1156,6 +1156,13 @@ impl Suite<'_> {
             let mut object = object.clone();
             with_uids(&mut object, &created);
             let object = &object;
+            // What the tenant submitted, refused or not, is what the offline engine reads.
+            if matches!(
+                object["kind"].as_str(),
+                Some("ResourceClaim" | "ResourceClaimTemplate")
+            ) {
+                submitted.claims.push(object.clone());
+            }
             let r = self.create(t, object).await;
             if !r.status.is_success() {
                 let stage = format!(
@@ -1164,9 +1171,6 @@ impl Suite<'_> {
                     name_of(object)
                 );
                 return (denied(stage, &r), submitted);
-            }
-            if object["kind"] == "ResourceClaim" {
-                submitted.claims.push(object.clone());
             }
             created.push(r.body);
         }
@@ -1423,6 +1427,15 @@ impl Suite<'_> {
                     && message.contains("a variable of the NVIDIA container runtime") =>
             {
                 Ok("its ConfigMap/Secret refused by the guard".into())
+            }
+            // The claim guard refused the claim the pod would use; the engine denies the
+            // claim and the pod.
+            (Outcome::Denied { stage, message }, Offline::Denied(why))
+                if stage.starts_with("setup")
+                    && message.contains(gpuwarden_crds::claims::DRIVER_ONLY_REASON)
+                    && why.contains(gpuwarden_crds::claims::DRIVER_ONLY_REASON) =>
+            {
+                Ok("its claim refused by the claim guard; denies the claim and the pod too".into())
             }
             (Outcome::Denied { message, .. }, Offline::Denied(why)) => {
                 if message.contains("pods.gpuwarden.io") {
