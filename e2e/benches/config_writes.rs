@@ -13,12 +13,9 @@
 
 use std::process::ExitCode;
 
-use gpuwarden_e2e::bench::quantile;
 use gpuwarden_e2e::cluster::Cleanup;
 use gpuwarden_e2e::env::Env;
 use http::Method;
-use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
 /// An object of `kind` with ten keys, one of them `key`.
@@ -40,38 +37,12 @@ async fn run(rounds: usize) -> Result<(), String> {
     let env = Env::new().await;
     let cluster = &env.cluster;
     let cleanup = Cleanup::new(cluster.client.clone());
-    let (guarded, floor, plain) = (env.name("guarded"), env.name("floor"), env.name("plain"));
-    let namespaces: Api<Namespace> = Api::all(cluster.client.clone());
-    for (ns, label) in [(&guarded, "true"), (&floor, "floor"), (&plain, "false")] {
-        let object: Namespace = serde_json::from_value(json!({"metadata": {"name": ns,
-            "labels": {"gpuwarden.io/e2e-guarded": label}}}))
-        .map_err(|e| e.to_string())?;
-        (namespaces.create(&PostParams::default(), &object).await)
-            .map_err(|e| format!("create namespace {ns}: {e}"))?;
-        cleanup.own_typed::<Namespace>(None, ns);
-    }
-    env.install_policy(
+    let [guarded, floor, plain] = gpuwarden_e2e::bench::guard_namespaces(
+        &env,
+        &cleanup,
         "deploy/admission/runtime-variables.yaml",
-        "guard",
-        Some(json!({"matchLabels": {"gpuwarden.io/e2e-guarded": "true"}})),
     )
-    .await;
-    // The floor: the same policy kind, parameter and match, with one constant validation.
-    let mut docs = gpuwarden_e2e::manifests::load_file("deploy/admission/runtime-variables.yaml")
-        .map_err(|e| e.to_string())?;
-    let spec = &mut docs[0].value["spec"];
-    spec["matchConditions"] = json!([]);
-    spec["variables"] = json!([]);
-    spec["validations"] = json!([{"expression": "true"}]);
-    let file = tempfile::NamedTempFile::new().map_err(|e| e.to_string())?;
-    let text: Vec<String> = docs.iter().map(|d| d.value.to_string()).collect();
-    std::fs::write(file.path(), text.join("\n---\n")).map_err(|e| e.to_string())?;
-    env.install_policy(
-        &file.path().display().to_string(),
-        "floor",
-        Some(json!({"matchLabels": {"gpuwarden.io/e2e-guarded": "floor"}})),
-    )
-    .await;
+    .await?;
     let write = |method: Method, ns: &str, kind: &str, body: Value| {
         let plural = if kind == "Secret" {
             "secrets"
@@ -177,26 +148,9 @@ async fn run(rounds: usize) -> Result<(), String> {
             }
         }
     }
-    for t in &mut times {
-        t.sort_by(f64::total_cmp);
-    }
     println!("{rounds} rounds of server-side dry-run writes of 10-key objects, interleaved");
-    // The guarded and the constant-policy series, each against the same write unguarded.
-    let unguarded = 2 * series.len() / 3;
-    for (at, (label, ..)) in series.iter().enumerate() {
-        let (p50, p95) = (quantile(&times[at], 0.5), quantile(&times[at], 0.95));
-        let base = &times[unguarded + at % (series.len() / 3)];
-        let delta = if at < unguarded {
-            format!(
-                "  added p50 {:+.3} ms  p95 {:+.3} ms",
-                p50 - quantile(base, 0.5),
-                p95 - quantile(base, 0.95)
-            )
-        } else {
-            String::new()
-        };
-        println!("{label:32} p50 {p50:.3} ms  p95 {p95:.3} ms{delta}");
-    }
+    let labels: Vec<String> = series.into_iter().map(|(label, ..)| label).collect();
+    gpuwarden_e2e::bench::report_guard(&labels, &mut times);
     drop(env);
     Ok(())
 }
