@@ -439,26 +439,8 @@ fn decide_create<'a>(
             .with(Detail::Exempt(reason.into()));
     }
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
-    // A pod read offline may carry ephemeral containers (`kubectl get pod -o yaml` after
-    // `kubectl debug`): they cannot request GPUs, so one that is privileged or names GPUs
-    // gets the answer its `pods/ephemeralcontainers` update got.
-    let offending: Vec<&'a str> = (facts.containers.iter())
-        .filter(|c| ephemeral_offends(c, &facts, invalid.is_none()))
-        .map(|c| c.name)
-        .collect();
-    if !offending.is_empty() {
-        let mode = policy.spec.mode;
-        if let Some(why) = invalid {
-            return Decision::new(Verdict::Denied, Some(policy), reference, input)
-                .with(Detail::Invalid(why));
-        }
-        let verdict = if mode == PolicyMode::Audit {
-            Verdict::Audited
-        } else {
-            Verdict::Denied
-        };
-        return Decision::new(verdict, Some(policy), reference, input)
-            .with(Detail::Ephemeral { offending, mode });
+    if let Some(decision) = carried_ephemeral(input, &facts, policy, &invalid) {
+        return decision;
     }
     let triggered = (facts.containers.iter()).any(|c| c.offends(invalid.is_none()))
         || !facts.injections.uncovered.is_empty()
@@ -592,6 +574,33 @@ fn decide_ephemeral<'a>(
         Verdict::Denied
     };
     new(verdict).with(Detail::Ephemeral { offending, mode })
+}
+
+/// A pod read offline may carry ephemeral containers (`kubectl get pod -o yaml` after
+/// `kubectl debug`): they cannot request GPUs, so one that is privileged or names GPUs gets
+/// the answer its `pods/ephemeralcontainers` update got, rather than a rewrite.
+fn carried_ephemeral<'a>(
+    input: &Input<'a>,
+    facts: &facts::PodFacts<'a>,
+    policy: &'a GpuPolicy,
+    invalid: &Option<String>,
+) -> Option<Decision<'a>> {
+    let offending: Vec<&'a str> = (facts.containers.iter())
+        .filter(|c| ephemeral_offends(c, facts, invalid.is_none()))
+        .map(|c| c.name)
+        .collect();
+    if offending.is_empty() {
+        return None;
+    }
+    let new = |verdict| Decision::new(verdict, Some(policy), policy.reference(), input);
+    let mode = policy.spec.mode;
+    Some(match invalid {
+        Some(why) => new(Verdict::Denied).with(Detail::Invalid(why.clone())),
+        None if mode == PolicyMode::Audit => {
+            new(Verdict::Audited).with(Detail::Ephemeral { offending, mode })
+        }
+        None => new(Verdict::Denied).with(Detail::Ephemeral { offending, mode }),
+    })
 }
 
 /// Whether `c` is an ephemeral container that cannot be admitted: privileged, naming GPUs
