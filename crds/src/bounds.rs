@@ -209,6 +209,10 @@ pub fn fit_status(status: &mut GpuNodeStatus) {
         cut.bindings = keep(bindings, MAX_BINDINGS, Binding::is_out_of_band);
         for binding in bindings.iter_mut() {
             cut.binding_devices += keep(&mut binding.gpu_uuids, MAX_BINDING_DEVICES, |_| false);
+            cut.binding_devices += keep(&mut binding.device_nodes, MAX_BINDING_DEVICES, |_| false);
+            if let Some(exempt) = binding.exempt.as_mut() {
+                truncate_chars(exempt, REASON_LEN);
+            }
         }
     }
     if let Some(pods) = status.privileged_pods.as_mut() {
@@ -266,7 +270,7 @@ mod tests {
             claims: vec![],
             gpu_uuids: vec![format!("GPU-{}", i % 8)],
             source,
-            shared_from: vec![],
+            ..Binding::default()
         }
     }
 

@@ -271,6 +271,11 @@ pub enum BindingSource {
     /// pod: a node plugin hands them over around the kubelet (docs/design.md,
     /// "Device-injection annotations").
     Injected,
+    /// The CDI spec a DRA driver wrote for one of the container's ResourceClaims gives it
+    /// these GPUs (or `deviceNodes`), which the kubelet allocated to none of the
+    /// container's claims or resources: the driver hands out more than the claim was
+    /// allocated (docs/design.md, "What a claim's CDI spec hands out").
+    BeyondClaim,
 }
 
 /// GPUs held by one container of one pod.
@@ -303,27 +308,41 @@ pub struct Binding {
     /// `truncated.bindingDevices`.
     #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = UUID_LEN)))]
     pub gpu_uuids: Vec<String>,
-    /// `Allocated`, `Observed` (out of band), `AllocatedAndObserved`, `Shared` or `Injected`
-    /// (named by a device-injection annotation, not allocated).
+    /// `Allocated`, `Observed` (out of band), `AllocatedAndObserved`, `Shared`, `Injected`
+    /// (named by a device-injection annotation, not allocated) or `BeyondClaim` (given by
+    /// a claim's CDI spec, not allocated).
     pub source: BindingSource,
     /// For a `Shared` binding: the reservation pods (`namespace/name`) the kubelet allocated
     /// these GPUs to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 16), inner(length(max = CLAIM_REF_LEN)))]
     pub shared_from: Vec<String>,
+    /// For a `BeyondClaim` binding: the device nodes (GPUs, IMEX channels) its claims' CDI
+    /// specs give it beyond what was allocated to it, as the host paths the runtime opens.
+    /// At most 64; the rest are counted in `truncated.bindingDevices`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = PATH_LEN)))]
+    pub device_nodes: Vec<String>,
+    /// Why this binding does not count against the node's isolation: the GpuPolicy that
+    /// lets the pod's namespace hold a driver's own claims, or exempts the pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = REASON_LEN))]
+    pub exempt: Option<String>,
 }
 
 /// Longest `namespace/name` of a ResourceClaim or a pod.
 const CLAIM_REF_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
 impl Binding {
-    /// A binding nobody allocated: the container uses GPUs it never requested, or an
-    /// annotation has a node plugin hand them to it.
+    /// A binding nobody allocated and no policy allows: the container uses GPUs it never
+    /// requested, an annotation has a node plugin hand them to it, or a claim's CDI spec
+    /// gives it more than the claim was allocated.
     pub fn is_out_of_band(&self) -> bool {
-        matches!(
-            self.source,
-            BindingSource::Observed | BindingSource::Injected
-        )
+        self.exempt.is_none()
+            && matches!(
+                self.source,
+                BindingSource::Observed | BindingSource::Injected | BindingSource::BeyondClaim
+            )
     }
 }
 

@@ -1286,26 +1286,40 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
     );
     let host_root = env["GPUWARDEN_HOST_ROOT"].value.as_deref();
     assert_eq!(host_root, Some("/host"));
-    // The agent itself, root, sees no host directory but the kubelet's pod-resources.
-    let agent_host_paths: Vec<&str> = c
+    // The agent itself, root, sees no host directory but the kubelet's pod-resources and
+    // the directory DRA drivers write their claims' CDI specs into (root's, mode 0600),
+    // both read-only, neither holding the container runtime's socket.
+    let agent_host_paths: Vec<(&str, &str, Option<bool>)> = c
         .volume_mounts
         .iter()
         .flatten()
-        .filter(|m| {
-            pod.volumes
-                .iter()
-                .flatten()
-                .any(|v| v.name == m.name && v.host_path.is_some())
+        .filter_map(|m| {
+            let volume = (pod.volumes.iter().flatten()).find(|v| v.name == m.name)?;
+            let host = volume.host_path.as_ref()?;
+            Some((host.path.as_str(), m.mount_path.as_str(), m.read_only))
         })
-        .map(|m| m.mount_path.as_str())
         .collect();
-    assert_eq!(agent_host_paths, [socket_dir.as_str()]);
+    let claim_specs = format!("/host{}", gpuwarden_node_agent::cdi::CLAIM_SPEC_DIR);
+    assert_eq!(
+        agent_host_paths,
+        [
+            (socket_dir.as_str(), socket_dir.as_str(), Some(true)),
+            (
+                gpuwarden_node_agent::cdi::CLAIM_SPEC_DIR,
+                claim_specs.as_str(),
+                Some(true)
+            )
+        ]
+    );
 }
 
 /// A hostPath whose type is unset, DirectoryOrCreate or FileOrCreate makes a missing path
 /// on the node (the kubelet creates it, or the container runtime does for an unset type).
 /// No manifest of the base or of a component may change the host that way: every hostPath
-/// names what it expects to find.
+/// names what it expects to find. The one exception is the CDI spec directory DRA drivers
+/// write their claims into, which only the root agent may read and whose parent holds the
+/// runtime's socket: an empty `/var/run/cdi` (on tmpfs, root's) is what every CDI runtime
+/// already reads specs from, and NVIDIA's DRA driver mounts it the same way.
 #[test]
 fn no_host_path_is_created_on_the_node() {
     let mut docs = base();
@@ -1330,6 +1344,11 @@ fn no_host_path_is_created_on_the_node() {
             };
             seen += 1;
             let kind = host_path["type"].as_str().unwrap_or_default();
+            if host_path["path"] == gpuwarden_node_agent::cdi::CLAIM_SPEC_DIR
+                && kind == "DirectoryOrCreate"
+            {
+                continue;
+            }
             assert!(
                 ["Directory", "File", "Socket", "CharDevice", "BlockDevice"].contains(&kind),
                 "{}: hostPath {} has type {kind:?}, which creates it where it is missing",

@@ -93,6 +93,7 @@ fn pods() -> Vec<PodInfo> {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            claims_exempt: None,
             kai: None,
             injected: Vec::new(),
             containers: vec![ContainerInfo {

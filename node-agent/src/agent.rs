@@ -23,6 +23,7 @@ use kube::{Api, Resource};
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::backend::{BackendError, GpuBackend};
+use crate::cdi::CdiDevices;
 use crate::cgroup::{self, ContainerRef};
 use crate::fake::{FakeBackend, FakeNode};
 use crate::health::{HealthRules, HealthTracker};
@@ -31,8 +32,8 @@ use crate::lease::{LeaseKeeper, RENEW_INTERVAL};
 use crate::metrics::{CallLabels, ErrorSource, Metrics};
 use crate::nvml::NvmlBackend;
 use crate::podresources::{
-    ContainerDevices, DeviceMap, PodResources, PodResourcesClient, PodResourcesError, Timeouts,
-    gpu_allocations,
+    ClaimUse, ContainerDevices, DeviceMap, PodResources, PodResourcesClient, PodResourcesError,
+    Timeouts, claim_uses, gpu_allocations,
 };
 use crate::pods::{PodIndex, PodInfo};
 use crate::status::{Computed, ObservedProcess, StatusInput};
@@ -100,6 +101,8 @@ pub struct Sweeper {
     metrics: Arc<Metrics>,
     /// KAI-Scheduler's binds of fraction pods on this node, as last read.
     kai: KaiBinds,
+    /// What was wrong with the CDI specs at the last sweep that read them.
+    cdi_problems: Vec<String>,
 }
 
 impl Sweeper {
@@ -128,6 +131,7 @@ impl Sweeper {
             cgroups: HashMap::new(),
             metrics,
             kai: KaiBinds::default(),
+            cdi_problems: Vec::new(),
         }
     }
 
@@ -180,8 +184,11 @@ impl Sweeper {
         }
 
         let devices = DeviceMap::new(&reading.gpus);
-        let allocations = gpu_allocations(self.list_allocations().await?, &devices);
+        let list = self.list_allocations().await?;
+        let allocations = gpu_allocations(list, &devices);
+        let claims = claim_uses(list);
         self.check_allocatable(now, &devices).await;
+        let cdi = self.read_cdi(&claims);
 
         let mut observed = Vec::new();
         let mut live = HashMap::with_capacity(self.cgroups.len());
@@ -247,9 +254,50 @@ impl Sweeper {
             devices: &devices,
             runtime: &runtime,
             kai: &self.kai,
+            claims: &claims,
+            cdi: &cdi,
         });
         self.metrics.update(&reading, &self.health, &computed);
         Ok(computed)
+    }
+
+    /// The CDI specs on the node, read when a container uses a claim (docs/design.md, "What
+    /// a claim's CDI spec hands out"). Specs that cannot be read, and CDI devices the kubelet
+    /// names that no spec defines, are logged when they change and counted as errors.
+    fn read_cdi(&mut self, claims: &[ClaimUse]) -> CdiDevices {
+        if claims.iter().all(|c| c.cdi_devices.is_empty()) {
+            self.cdi_problems.clear();
+            return CdiDevices::default();
+        }
+        let cdi = CdiDevices::read(&self.host_root);
+        let mut problems = cdi.problems.clone();
+        for claim in claims {
+            let undefined: Vec<&str> = (claim.cdi_devices.iter())
+                .filter(|name| cdi.nodes(name).is_none())
+                .map(String::as_str)
+                .collect();
+            if !undefined.is_empty() {
+                problems.push(format!(
+                    "claim {} of {}/{} names CDI devices no spec in {} defines, so what \
+                     they hand out is not judged: {}",
+                    claim.claim,
+                    claim.namespace,
+                    claim.pod,
+                    crate::cdi::CLAIM_SPEC_DIR,
+                    undefined.join(", ")
+                ));
+            }
+        }
+        if !problems.is_empty() {
+            self.metrics.error(ErrorSource::cdi);
+        }
+        if problems != self.cdi_problems {
+            for problem in &problems {
+                warn!(%problem, "CDI specs");
+            }
+            self.cdi_problems = problems;
+        }
+        cdi
     }
 
     async fn list_allocations(&mut self) -> Result<&[PodResources], AgentError> {

@@ -298,6 +298,7 @@ impl FakeNode {
                 service_account: p.service_account.clone(),
                 labels: Default::default(),
                 exempt: None,
+                claims_exempt: None,
                 kai: None,
                 injected: Vec::new(),
                 containers: p

@@ -11,6 +11,7 @@
 pub mod agent;
 pub mod backend;
 pub mod backoff;
+pub mod cdi;
 pub mod cgroup;
 pub mod fake;
 pub mod health;

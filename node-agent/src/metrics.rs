@@ -85,6 +85,8 @@ pub enum ErrorSource {
     pod_resources,
     /// Reading `/proc/<pid>/cgroup`.
     proc,
+    /// Reading the CDI specs of the devices prepared for claims.
+    cdi,
     /// Writing status to the API server.
     status,
     /// Renewing the Lease.

@@ -112,6 +112,10 @@ pub struct CdiDevice {
 /// devices). Its `compute-domain.nvidia.com` hands out IMEX channels, not GPUs.
 pub const GPU_DRA_DRIVERS: &[&str] = &["gpu.nvidia.com"];
 
+/// NVIDIA's compute-domain DRA driver, and the prefix of the devices it publishes for IMEX
+/// channels (`channel-0`); its other device is the IMEX daemon's (`daemon-0`).
+pub const IMEX_CHANNEL_DEVICES: (&str, &str) = ("compute-domain.nvidia.com", "channel-");
+
 /// `ContainerDevices`: devices of one resource.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct ContainerDevices {
@@ -321,6 +325,57 @@ pub struct Allocation {
     /// The ResourceClaim (`namespace/name`) the devices were allocated for, when DRA
     /// allocated them.
     pub claim: Option<String>,
+}
+
+/// One ResourceClaim one container uses, as the kubelet lists it: what was allocated for it
+/// and the CDI devices the runtime injects for it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimUse {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Container name.
+    pub container: String,
+    /// The claim, `namespace/name`.
+    pub claim: String,
+    /// The DRA drivers of its devices, sorted.
+    pub drivers: Vec<String>,
+    /// Whether an IMEX channel was allocated for it.
+    pub imex_channel: bool,
+    /// The fully qualified CDI devices of its devices.
+    pub cdi_devices: Vec<String>,
+}
+
+/// The claims each container uses, with their CDI devices (docs/design.md, "What a claim's
+/// CDI spec hands out"). The GPUs allocated for them are in [`gpu_allocations`].
+pub fn claim_uses(list: &[PodResources]) -> Vec<ClaimUse> {
+    let mut out = Vec::new();
+    for pod in list {
+        for container in &pod.containers {
+            for claim in &container.dynamic_resources {
+                let mut drivers: Vec<String> = (claim.claim_resources.iter())
+                    .map(|r| r.driver_name.clone())
+                    .collect();
+                drivers.sort();
+                drivers.dedup();
+                let (cd_driver, channel) = IMEX_CHANNEL_DEVICES;
+                out.push(ClaimUse {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    container: container.name.clone(),
+                    claim: format!("{}/{}", claim.claim_namespace, claim.claim_name),
+                    drivers,
+                    imex_channel: (claim.claim_resources.iter())
+                        .any(|r| r.driver_name == cd_driver && r.device_name.starts_with(channel)),
+                    cdi_devices: (claim.claim_resources.iter())
+                        .flat_map(|r| r.cdi_devices.iter().map(|d| d.name.clone()))
+                        .collect(),
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Maps device plugin IDs to GPU and MIG device UUIDs.

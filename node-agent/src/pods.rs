@@ -37,6 +37,10 @@ pub struct PodInfo {
     pub containers: Vec<ContainerInfo>,
     /// The GpuPolicy exemption that lets it keep its privilege, set by [`PodInfo::exempt_by`].
     pub exempt: Option<String>,
+    /// Why devices its claims' CDI specs give it beyond their allocation do not count
+    /// against the node: it runs where a DRA driver's own pods run, or is exempt
+    /// ([`claims_exemption`]).
+    pub claims_exempt: Option<String>,
     /// It asks KAI-Scheduler for part of a GPU, under a policy that names KAI.
     pub kai: Option<KaiFraction>,
     /// The GPUs its device-injection annotations name, per container they reach (`None`:
@@ -166,6 +170,7 @@ impl PodInfo {
             labels: pod.metadata.labels.clone().unwrap_or_default(),
             containers: Vec::new(),
             exempt: None,
+            claims_exempt: None,
             kai: None,
             injected: injected_gpus(pod),
         };
@@ -182,6 +187,7 @@ impl PodInfo {
             })
             .collect();
         info.exempt = policy.and_then(|policy| info.exemption(policy));
+        info.claims_exempt = claims_exemption(policy, &info.namespace, &info.service_account);
         info.kai = policy.and_then(|policy| KaiFraction::of(pod, policy));
         Some(info)
     }
@@ -218,6 +224,7 @@ impl PodInfo {
     ) -> Self {
         let policy = self.governing_policy(policies, namespace_labels);
         self.exempt = policy.and_then(|policy| self.exemption(policy));
+        self.claims_exempt = claims_exemption(policy, &self.namespace, &self.service_account);
         self
     }
 
@@ -259,6 +266,35 @@ impl PodInfo {
     pub fn has_privileged_gpu_container(&self) -> bool {
         self.containers.iter().any(|c| c.privileged && c.gpu)
     }
+}
+
+/// Why a pod in `namespace` under `service_account` may hold what its claims' CDI specs give
+/// beyond their allocation: the policy that governs it lists the namespace in
+/// `driverClaims.namespaces` (a DRA driver's own pods, such as the IMEX daemons, get every
+/// GPU of the node by design), or exempts the pod. A pod no policy governs is judged by the
+/// built-in `driverClaims`, so that a driver's own namespace left out of every policy does
+/// not mark its nodes.
+pub fn claims_exemption(
+    policy: Option<&GpuPolicy>,
+    namespace: &str,
+    service_account: &str,
+) -> Option<String> {
+    let Some(policy) = policy else {
+        return (gpuwarden_crds::DriverClaims::default().namespaces.iter())
+            .any(|n| n == namespace)
+            .then(|| {
+                format!("built-in driverClaims: namespace {namespace} runs DRA drivers' own pods")
+            });
+    };
+    let name = policy.name_any();
+    if (policy.spec.driver_claims.namespaces.iter()).any(|n| n == namespace) {
+        return Some(format!(
+            "GpuPolicy {name}: namespace {namespace} runs DRA drivers' own pods (driverClaims.namespaces)"
+        ));
+    }
+    (policy.spec.exemptions)
+        .pod_exemption(namespace, service_account)
+        .map(|why| format!("GpuPolicy {name}: {why}"))
 }
 
 /// Lookups over the pods on the node, built once per sweep.

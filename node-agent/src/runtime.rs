@@ -136,7 +136,7 @@ pub fn parse_config(text: &str) -> Result<RuntimeConfig, RuntimeConfigError> {
     })
 }
 
-fn under(host_root: &Path, path: &str) -> PathBuf {
+pub(crate) fn under(host_root: &Path, path: &str) -> PathBuf {
     host_root.join(path.trim_start_matches('/'))
 }
 

@@ -11,10 +11,11 @@ use gpuwarden_crds::{
 use gpuwarden_crds::injection::GpuName;
 
 use crate::backend::Reading;
+use crate::cdi::{CdiDevices, NvidiaNode};
 use crate::cgroup::ContainerRef;
 use crate::health::HealthTracker;
 use crate::kai::KaiBinds;
-use crate::podresources::{Allocation, DeviceMap};
+use crate::podresources::{Allocation, ClaimUse, DeviceMap};
 use crate::pods::PodIndex;
 use gpuwarden_crds::sharing::{KAI_GPU_GROUP_LABEL, KAI_RESERVATION_APP};
 
@@ -119,6 +120,10 @@ pub struct StatusInput<'a> {
     pub runtime: &'a RuntimeStatus,
     /// KAI-Scheduler's binds of fraction pods on this node.
     pub kai: &'a KaiBinds,
+    /// The claims each container uses, from the kubelet.
+    pub claims: &'a [ClaimUse],
+    /// The CDI devices defined on the node.
+    pub cdi: &'a CdiDevices,
 }
 
 #[derive(Default)]
@@ -337,12 +342,15 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             gpu_uuids,
             source,
             shared_from: shared_from.unwrap_or_default(),
+            device_nodes: Vec::new(),
+            exempt: None,
         });
     }
     for list in holders.values_mut() {
         list.sort_by(|a, b| a.holder.cmp(&b.holder));
     }
     injected_bindings(input, &mut bindings);
+    beyond_claim_bindings(input, &mut bindings);
 
     let mut privileged: BTreeMap<String, PodRef> = BTreeMap::new();
     for uid in privileged_observed {
@@ -439,18 +447,125 @@ fn injected_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
     }
 }
 
+/// Adds what the containers' claims' CDI specs give them beyond what the kubelet allocated
+/// to them (docs/design.md, "What a claim's CDI spec hands out"). For each claim, the
+/// device nodes of its CDI devices (each device's edits and its spec's) are judged by the
+/// host node the runtime opens: a GPU no resource or claim of the container was allocated,
+/// or an IMEX channel where none of its claims was allocated a channel, is beyond the
+/// allocation. The compute-domain driver hands a channel claim in `AllocationMode: All`
+/// every channel of the node, all of them the one domain's: a container allocated a
+/// channel holds them. The container becomes a `BeyondClaim` holder naming the claims, the
+/// GPUs among its `gpuUuids` and every node beyond in `deviceNodes`, exempt where its pod
+/// runs in a driver's own namespace. A CDI device no spec
+/// defines gives nothing here (the agent says which in its log).
+fn beyond_claim_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
+    type Key<'k> = (&'k str, &'k str, &'k str);
+    let mut per_container: BTreeMap<Key<'_>, Vec<&ClaimUse>> = BTreeMap::new();
+    for c in input.claims {
+        (per_container
+            .entry((&c.namespace, &c.pod, &c.container))
+            .or_default())
+        .push(c);
+    }
+    for ((namespace, pod_name, container), claims) in per_container {
+        let pod = input.pods.by_name(namespace, pod_name);
+        if pod.is_none() && input.pods.authoritative() {
+            continue;
+        }
+        let allocated: BTreeSet<String> = (input.allocations.iter())
+            .filter(|a| a.namespace == namespace && a.pod == pod_name && a.container == container)
+            .flat_map(|a| a.device_uuids.iter().map(|u| parent(input.devices, u)))
+            .collect();
+        let holds_channel = claims.iter().any(|c| c.imex_channel);
+        let mut gpus = BTreeSet::new();
+        let mut nodes = BTreeSet::new();
+        let mut by = BTreeSet::new();
+        let mut drivers = BTreeSet::new();
+        for claim in &claims {
+            let mut beyond = false;
+            for node in (claim.cdi_devices.iter())
+                .filter_map(|name| input.cdi.nodes(name))
+                .flatten()
+            {
+                match node.nvidia() {
+                    Some(NvidiaNode::Gpu(minor)) => {
+                        if let Some(uuid) = gpu_by_minor(input, minor)
+                            && !allocated.contains(&uuid)
+                        {
+                            beyond = true;
+                            gpus.insert(uuid);
+                            nodes.insert(node.host().to_owned());
+                        }
+                    }
+                    Some(NvidiaNode::ImexChannel(_)) if !holds_channel => {
+                        beyond = true;
+                        nodes.insert(node.host().to_owned());
+                    }
+                    _ => {}
+                }
+            }
+            if beyond {
+                by.insert(claim.claim.clone());
+                drivers.extend(claim.drivers.iter().cloned());
+            }
+        }
+        if by.is_empty() {
+            continue;
+        }
+        let pod_uid = pod.map(|p| p.uid.clone()).unwrap_or_default();
+        let exempt = pod.and_then(|p| p.claims_exempt.clone());
+        let binding = match (bindings.iter_mut())
+            .position(|b| b.pod_uid == pod_uid && b.container == container)
+        {
+            Some(i) => &mut bindings[i],
+            None => {
+                bindings.push(Binding {
+                    pod_uid,
+                    container: container.to_owned(),
+                    namespace: namespace.to_owned(),
+                    pod: pod_name.to_owned(),
+                    resource_name: drivers.into_iter().next(),
+                    ..Binding::default()
+                });
+                bindings.last_mut().expect("pushed")
+            }
+        };
+        binding.source = BindingSource::BeyondClaim;
+        binding.exempt = exempt;
+        for claim in by {
+            if !binding.claims.contains(&claim) {
+                binding.claims.push(claim);
+            }
+        }
+        for uuid in gpus {
+            if !binding.gpu_uuids.contains(&uuid) {
+                binding.gpu_uuids.push(uuid);
+            }
+        }
+        binding.device_nodes.extend(nodes);
+    }
+}
+
+/// The UUID of the GPU of this node with `minor` (`/dev/nvidia<minor>`). Where NVML gave no
+/// minor numbers, the minor is read as the GPU's index, which it is on most machines.
+fn gpu_by_minor(input: &StatusInput<'_>, minor: u32) -> Option<String> {
+    let gpus = &input.reading.gpus;
+    let known = gpus.iter().any(|g| g.info.minor_number.is_some());
+    (gpus.iter())
+        .find(|g| match known {
+            true => g.info.minor_number == Some(minor),
+            false => g.info.index == minor,
+        })
+        .map(|g| g.info.uuid.clone())
+}
+
 /// The UUID of the GPU of this node an injection names: by minor number (`/dev/nvidia<N>`,
 /// `195:<N>`), or by what follows `=` in a CDI name: an index, a GPU UUID, a MIG device
 /// (its GPU), or NVIDIA's DRA driver's `gpu-<minor>`.
 fn named_gpu(input: &StatusInput<'_>, name: &GpuName) -> Option<String> {
     let gpus = &input.reading.gpus;
-    let by_minor = |n: u32| {
-        (gpus.iter())
-            .find(|g| g.info.minor_number == Some(n))
-            .map(|g| g.info.uuid.clone())
-    };
     match name {
-        GpuName::Minor(n) => by_minor(*n),
+        GpuName::Minor(n) => gpu_by_minor(input, *n),
         // The plugin resolves no such path to a GPU of this node.
         GpuName::Text(_) => None,
         GpuName::Cdi(id) => {
@@ -460,7 +575,7 @@ fn named_gpu(input: &StatusInput<'_>, name: &GpuName) -> Option<String> {
                     .map(|g| g.info.uuid.clone());
             }
             if let Some(minor) = id.strip_prefix("gpu-").and_then(|m| m.parse().ok()) {
-                return by_minor(minor);
+                return gpu_by_minor(input, minor);
             }
             let uuid = parent(input.devices, id);
             (gpus.iter()).find(|g| g.info.uuid == uuid).map(|_| uuid)
@@ -564,6 +679,7 @@ mod tests {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            claims_exempt: None,
             kai: None,
             injected: Vec::new(),
             containers: vec![ContainerInfo {
@@ -596,6 +712,8 @@ mod tests {
             devices: &DeviceMap::new(&r.gpus),
             runtime: &RuntimeStatus::default(),
             kai: &KaiBinds::default(),
+            claims: &[],
+            cdi: &CdiDevices::default(),
         })
     }
 
@@ -628,6 +746,165 @@ mod tests {
         let privileged = c.status.privileged_pods.unwrap_or_default();
         assert_eq!(privileged.len(), 1, "{privileged:?}");
         assert_eq!(privileged[0].name, "train");
+    }
+
+    /// The compute-domain driver's daemon claim, as v25.12.0 prepares it: its own CDI
+    /// device gives a capability node, and the driver's `device=all` every GPU and channel.
+    const DAEMON_SPECS: [&str; 2] = [
+        r#"
+kind: k8s.compute-domain.nvidia.com/claim
+devices:
+  - name: c1-daemon-0
+    containerEdits:
+      deviceNodes: [{path: /dev/nvidia-caps/nvidia-cap3, major: 235, minor: 3}]
+"#,
+        r#"
+kind: k8s.compute-domain.nvidia.com/device
+devices:
+  - name: all
+    containerEdits:
+      deviceNodes:
+        - {path: /dev/nvidia0, hostPath: /run/nvidia/driver/dev/nvidia0}
+        - {path: /dev/nvidia1, hostPath: /run/nvidia/driver/dev/nvidia1}
+        - {path: /dev/nvidiactl}
+        - {path: /dev/nvidia-caps-imex-channels/channel0}
+        - {path: /dev/nvidia-caps-imex-channels/channel1}
+  - name: channel-0
+    containerEdits:
+      deviceNodes: [{path: /dev/nvidia-caps-imex-channels/channel0}]
+"#,
+    ];
+
+    #[test]
+    fn a_claim_whose_cdi_spec_hands_out_more_than_its_allocation_is_beyond_claim() {
+        let mut r = reading();
+        r.gpus[0].info.minor_number = Some(0);
+        let mut other = r.gpus[0].clone();
+        other.info.uuid = "GPU-b".into();
+        other.info.index = 1;
+        other.info.minor_number = Some(1);
+        r.gpus.push(other);
+        let mut cdi = CdiDevices::default();
+        for spec in DAEMON_SPECS {
+            cdi.add(spec, false).unwrap();
+        }
+        let claim = |name: &str, device: &str, cdi: &[&str]| ClaimUse {
+            namespace: "ml".into(),
+            pod: "train".into(),
+            container: "main".into(),
+            claim: format!("ml/{name}"),
+            drivers: vec!["compute-domain.nvidia.com".into()],
+            imex_channel: device.starts_with("channel-"),
+            cdi_devices: cdi.iter().map(|s| s.to_string()).collect(),
+        };
+        let daemon = claim(
+            "steal",
+            "daemon-0",
+            &[
+                "k8s.compute-domain.nvidia.com/device=all",
+                "k8s.compute-domain.nvidia.com/claim=c1-daemon-0",
+            ],
+        );
+        let channel = claim(
+            "channel",
+            "channel-0",
+            &["k8s.compute-domain.nvidia.com/device=channel-0"],
+        );
+        let gpu_a = Allocation {
+            namespace: "ml".into(),
+            pod: "train".into(),
+            container: "main".into(),
+            resource_name: "nvidia.com/gpu".into(),
+            device_uuids: vec!["GPU-a".into()],
+            claim: None,
+        };
+        let run = |pods: &[PodInfo], claims: &[ClaimUse], allocations: &[Allocation]| {
+            let index = PodIndex::new(pods, true);
+            compute(&StatusInput {
+                reading: &r,
+                health: &HealthTracker::new(),
+                allocations,
+                observed: &[],
+                pods: &index,
+                devices: &DeviceMap::new(&r.gpus),
+                runtime: &RuntimeStatus::default(),
+                kai: &KaiBinds::default(),
+                claims,
+                cdi: &cdi,
+            })
+            .status
+            .bindings
+            .unwrap_or_default()
+        };
+        let pods = one_pod("ml", "train", "containerd://abc");
+
+        // A tenant's daemon claim: every GPU and channel of the node, allocated nothing.
+        let bindings = run(&pods, std::slice::from_ref(&daemon), &[]);
+        assert_eq!(bindings.len(), 1, "{bindings:?}");
+        let b = &bindings[0];
+        assert_eq!(b.source, BindingSource::BeyondClaim);
+        assert!(b.is_out_of_band());
+        assert_eq!((b.pod_uid.as_str(), b.container.as_str()), ("u1", "main"));
+        assert_eq!(b.claims, ["ml/steal"]);
+        assert_eq!(
+            b.resource_name.as_deref(),
+            Some("compute-domain.nvidia.com")
+        );
+        assert_eq!(b.gpu_uuids, ["GPU-a", "GPU-b"]);
+        assert_eq!(
+            b.device_nodes,
+            [
+                "/dev/nvidia-caps-imex-channels/channel0",
+                "/dev/nvidia-caps-imex-channels/channel1",
+                "/run/nvidia/driver/dev/nvidia0",
+                "/run/nvidia/driver/dev/nvidia1",
+            ]
+        );
+
+        // Beside a GPU the device plugin allocated it, the rest is beyond; the binding keeps
+        // both GPUs and names only the other's node.
+        let bindings = run(
+            &pods,
+            std::slice::from_ref(&daemon),
+            std::slice::from_ref(&gpu_a),
+        );
+        assert_eq!(bindings.len(), 1, "{bindings:?}");
+        assert_eq!(bindings[0].source, BindingSource::BeyondClaim);
+        assert_eq!(bindings[0].gpu_uuids, ["GPU-a", "GPU-b"]);
+        assert_eq!(bindings[0].resource_name.as_deref(), Some("nvidia.com/gpu"));
+        assert!(
+            (bindings[0].device_nodes.iter()).all(|n| !n.ends_with("/nvidia0")),
+            "{bindings:?}"
+        );
+
+        // A channel claim gets its channel; with it, the other channels of the domain
+        // (AllocationMode: All) are its too, and only the GPUs are beyond.
+        let bindings = run(&pods, std::slice::from_ref(&channel), &[]);
+        assert!(bindings.is_empty(), "{bindings:?}");
+        let bindings = run(
+            &pods,
+            &[channel.clone(), daemon.clone()],
+            std::slice::from_ref(&gpu_a),
+        );
+        assert_eq!(bindings[0].device_nodes, ["/run/nvidia/driver/dev/nvidia1"]);
+        assert_eq!(bindings[0].claims, ["ml/steal"]);
+
+        // The driver's own namespace: reported, and exempt.
+        let mut own = one_pod("nvidia-dra-driver-gpu", "imex-daemon", "containerd://abc");
+        own[0].claims_exempt = Some("built-in driverClaims".into());
+        let mut mine = daemon.clone();
+        mine.namespace = "nvidia-dra-driver-gpu".into();
+        mine.pod = "imex-daemon".into();
+        let bindings = run(&own, &[mine], &[]);
+        assert_eq!(bindings.len(), 1, "{bindings:?}");
+        assert_eq!(bindings[0].source, BindingSource::BeyondClaim);
+        assert!(!bindings[0].is_out_of_band());
+
+        // A CDI device no spec defines gives nothing to judge; a pod gone from the API is
+        // skipped.
+        let unknown = claim("x", "daemon-0", &["vendor.example.com/x=y"]);
+        assert!(run(&pods, &[unknown], &[]).is_empty());
+        assert!(run(&[], std::slice::from_ref(&daemon), &[]).is_empty());
     }
 
     #[test]
@@ -666,6 +943,8 @@ mod tests {
                 devices: &DeviceMap::new(&r.gpus),
                 runtime: &RuntimeStatus::default(),
                 kai: &KaiBinds::default(),
+                claims: &[],
+                cdi: &CdiDevices::default(),
             })
             .status
             .bindings
@@ -758,6 +1037,8 @@ mod tests {
             devices: &DeviceMap::new(&r.gpus),
             runtime: &RuntimeStatus::default(),
             kai,
+            claims: &[],
+            cdi: &CdiDevices::default(),
         });
         let bindings = c.status.bindings.unwrap_or_default();
         let b = bindings
@@ -884,6 +1165,8 @@ mod tests {
             devices: &devices,
             runtime: &RuntimeStatus::default(),
             kai: &KaiBinds::default(),
+            claims: &[],
+            cdi: &CdiDevices::default(),
         });
         let bindings = c.status.bindings.unwrap_or_default();
         let source = |pod: &str| {
@@ -948,6 +1231,7 @@ mod tests {
                 service_account: String::new(),
                 labels: Default::default(),
                 exempt: None,
+                claims_exempt: None,
                 kai: None,
                 injected: Vec::new(),
                 containers: vec![],

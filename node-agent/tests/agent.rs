@@ -489,3 +489,137 @@ async fn the_runtime_comes_from_the_report_once_it_is_written() {
         .unwrap();
     assert_eq!(next.status.runtime, Some(written));
 }
+
+/// The compute-domain driver's specs for a daemon claim prepared on the node: the claim's
+/// own device, and the driver's `device=all` with every GPU (v25.12.0).
+const DAEMON_CLAIM_SPECS: [(&str, &str); 2] = [
+    (
+        "k8s.compute-domain.nvidia.com-claim_c1.yaml",
+        r#"
+cdiVersion: 0.5.0
+kind: k8s.compute-domain.nvidia.com/claim
+devices:
+  - name: c1-daemon-0
+    containerEdits:
+      deviceNodes: [{path: /dev/nvidia-caps/nvidia-cap3, type: c, major: 235, minor: 3}]
+"#,
+    ),
+    (
+        "k8s.compute-domain.nvidia.com-device_base.yaml",
+        r#"
+cdiVersion: 0.5.0
+kind: k8s.compute-domain.nvidia.com/device
+devices:
+  - name: all
+    containerEdits:
+      deviceNodes:
+        - {path: /dev/nvidia-uvm}
+        - {path: /dev/nvidia0}
+        - {path: /dev/nvidia1}
+        - {path: /dev/nvidiactl}
+"#,
+    ),
+];
+
+/// A tenant's pod holding a claim on the compute-domain daemon class, which requests no GPU:
+/// the kubelet allocates it `daemon-0`, and the CDI spec the driver prepared hands it every
+/// GPU. The agent reads the spec and reports the container as holding them beyond its claim;
+/// a CDI device no spec defines is counted as an error.
+#[tokio::test]
+async fn a_claim_whose_cdi_spec_hands_out_every_gpu_is_reported_beyond_it() {
+    use gpuwarden_node_agent::podresources::{
+        CdiDevice, ClaimResource, ContainerResources, DynamicResource, PodResources,
+    };
+    let host = host_root();
+    let cdi = host.path().join("var/run/cdi");
+    std::fs::create_dir_all(&cdi).unwrap();
+    for (name, text) in DAEMON_CLAIM_SPECS {
+        std::fs::write(cdi.join(name), text).unwrap();
+    }
+    let claim = |name: &str, cdi: &[&str]| DynamicResource {
+        claim_name: name.into(),
+        claim_namespace: "research".into(),
+        claim_resources: vec![ClaimResource {
+            cdi_devices: (cdi.iter())
+                .map(|n| CdiDevice {
+                    name: n.to_string(),
+                })
+                .collect(),
+            driver_name: "compute-domain.nvidia.com".into(),
+            pool_name: NODE.into(),
+            device_name: "daemon-0".into(),
+        }],
+    };
+    let mut list = allocations();
+    list.push(PodResources {
+        name: "legacy".into(),
+        namespace: "research".into(),
+        containers: vec![ContainerResources {
+            name: "render".into(),
+            devices: vec![],
+            dynamic_resources: vec![claim(
+                "steal",
+                &[
+                    "k8s.compute-domain.nvidia.com/device=all",
+                    "k8s.compute-domain.nvidia.com/claim=c1-daemon-0",
+                ],
+            )],
+        }],
+    });
+    let mut node = fake_node();
+    node.processes.clear();
+    let metrics = Arc::new(Metrics::new());
+    let mut s = Sweeper::new(
+        Arc::new(FakeBackend::new(node, t0())),
+        AllocationSource::Static(list.clone()),
+        host.path(),
+        Duration::from_secs(600),
+        metrics.clone(),
+    );
+    let mut pods = pods();
+    pods[1].containers[0].privileged = false;
+    let c = s
+        .sweep(t0(), &pods, true, &HealthRules::default())
+        .await
+        .unwrap();
+    let bindings = c.status.bindings.unwrap();
+    let thief = bindings.iter().find(|b| b.pod == "legacy").unwrap();
+    assert_eq!(thief.source, BindingSource::BeyondClaim);
+    assert!(thief.is_out_of_band());
+    assert_eq!(thief.claims, ["research/steal"]);
+    assert_eq!(thief.gpu_uuids, ["GPU-aaaa", "GPU-bbbb"]);
+    assert_eq!(thief.device_nodes, ["/dev/nvidia0", "/dev/nvidia1"]);
+    // The trainer's own GPU is its allocation, nothing beyond.
+    let trainer = bindings.iter().find(|b| b.pod == "trainer-0").unwrap();
+    assert_eq!(trainer.source, BindingSource::Allocated);
+    assert!(!metrics.encode().contains(r#"source="cdi""#));
+
+    // A CDI device no spec defines: nothing to judge, said and counted.
+    list[1].containers[0].dynamic_resources = vec![claim(
+        "other",
+        &["k8s.compute-domain.nvidia.com/claim=gone-daemon-0"],
+    )];
+    let mut s = Sweeper::new(
+        Arc::new(FakeBackend::new(fake_node(), t0())),
+        AllocationSource::Static(list),
+        host.path(),
+        Duration::from_secs(600),
+        metrics.clone(),
+    );
+    let c = s
+        .sweep(t0(), &pods, true, &HealthRules::default())
+        .await
+        .unwrap();
+    let bindings = c.status.bindings.unwrap();
+    assert!(
+        bindings
+            .iter()
+            .all(|b| b.source != BindingSource::BeyondClaim),
+        "{bindings:?}"
+    );
+    let text = metrics.encode();
+    assert!(
+        text.contains(r#"gpuwarden_node_agent_errors_total{source="cdi"} 1"#),
+        "{text}"
+    );
+}

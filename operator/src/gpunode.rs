@@ -12,8 +12,8 @@ use gpuwarden_crds::condition_types::{
 };
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{
-    BindingSource, GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState, LABEL_GPU_PRESENT,
-    RESOURCE_GPU, Truncated, gpu,
+    Binding, BindingSource, GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState,
+    LABEL_GPU_PRESENT, RESOURCE_GPU, Truncated, gpu,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -152,6 +152,26 @@ fn list_limited(items: &[String]) -> String {
     out
 }
 
+/// How a `BeyondClaim` binding came to be, for the Isolated message: which claims' CDI specs
+/// hand the container which device nodes beyond its allocation.
+fn beyond_claim(b: &Binding) -> String {
+    const NODES_LISTED: usize = 4;
+    let mut nodes = (b.device_nodes.iter().take(NODES_LISTED))
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if b.device_nodes.len() > NODES_LISTED {
+        nodes.push_str(&format!(
+            " and {} more",
+            b.device_nodes.len() - NODES_LISTED
+        ));
+    }
+    format!(
+        " (the CDI spec of claim {} hands it {nodes}, beyond what was allocated to it)",
+        b.claims.join(", ")
+    )
+}
+
 fn format_ts(ts: Timestamp) -> String {
     ts.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
@@ -172,8 +192,12 @@ fn allocated_twice(status: &GpuNodeStatus) -> Vec<String> {
     // Per physical GPU: who holds it through a device plugin, and who through a claim.
     let mut held: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
     for b in status.bindings.iter().flatten() {
-        // Out-of-band use is its own condition; a shared GPU is its reservation's.
-        if matches!(b.source, BindingSource::Observed | BindingSource::Shared) {
+        // Out-of-band use is its own condition, as is what a claim's CDI spec hands out
+        // beyond its allocation; a shared GPU is its reservation's.
+        if matches!(
+            b.source,
+            BindingSource::Observed | BindingSource::Shared | BindingSource::BeyondClaim
+        ) {
             continue;
         }
         let from_claim = !b.claims.is_empty();
@@ -308,12 +332,15 @@ pub fn desired_conditions(
                 .filter(|b| b.is_out_of_band())
                 .map(|b| {
                     let how = match b.source {
-                        BindingSource::Injected => " (by a device-injection annotation)",
-                        _ => "",
+                        BindingSource::Injected => " (by a device-injection annotation)".into(),
+                        BindingSource::BeyondClaim => beyond_claim(b),
+                        _ => String::new(),
                     };
                     format!("{}/{} container {}{how}", b.namespace, b.pod, b.container)
                 })
                 .collect();
+            let beyond = (s.bindings.iter().flatten())
+                .any(|b| b.is_out_of_band() && b.source == BindingSource::BeyondClaim);
             let privileged: Vec<String> = s
                 .privileged_pods
                 .iter()
@@ -326,7 +353,11 @@ pub fn desired_conditions(
                 DesiredCondition::new(
                     ISOLATED,
                     false,
-                    "OutOfBandGpuUse",
+                    if beyond {
+                        "DevicesBeyondClaim"
+                    } else {
+                        "OutOfBandGpuUse"
+                    },
                     format!(
                         "containers use GPUs the kubelet never allocated to them: {}",
                         list_limited(&out_of_band)
@@ -490,10 +521,10 @@ pub fn summary(status: Option<&GpuNodeStatus>, node: Option<&Node>) -> Option<Gp
         .iter()
         .filter(|g| g.health.state == HealthState::Healthy)
         .count();
-    let held: BTreeSet<&str> = status
-        .bindings
-        .iter()
-        .flatten()
+    // A driver's own pod handed every GPU by its claim's CDI spec (the IMEX daemon) holds
+    // none of them for the summary.
+    let held: BTreeSet<&str> = (status.bindings.iter().flatten())
+        .filter(|b| !(b.source == BindingSource::BeyondClaim && b.exempt.is_some()))
         .flat_map(|b| b.gpu_uuids.iter().map(String::as_str))
         .collect();
     // A GPU counts as allocated when it, or one of its MIG devices, is bound to a container.
@@ -834,7 +865,7 @@ mod tests {
                 claims: vec![],
                 gpu_uuids: vec!["GPU-1".into()],
                 source: BindingSource::Allocated,
-                shared_from: vec![],
+                ..Binding::default()
             }]),
             runtime: Some(RuntimeStatus {
                 accept_env_var_when_unprivileged: Some(false),
@@ -870,7 +901,7 @@ mod tests {
             claims: vec![],
             gpu_uuids: vec!["GPU-0".into()],
             source: BindingSource::Observed,
-            shared_from: vec![],
+            ..Binding::default()
         });
         status.privileged_pods = Some(vec![
             PodRef {
@@ -921,7 +952,7 @@ mod tests {
                 claims: vec![],
                 gpu_uuids: vec!["GPU-0".into()],
                 source: BindingSource::Allocated,
-                shared_from: vec![],
+                ..Binding::default()
             },
             Binding {
                 pod_uid: "u5".into(),
@@ -932,7 +963,7 @@ mod tests {
                 claims: vec!["ml/claim-0-gpu-x7k2p".into()],
                 gpu_uuids: vec!["GPU-0".into()],
                 source: BindingSource::AllocatedAndObserved,
-                shared_from: vec![],
+                ..Binding::default()
             },
         ]);
         let i = desired_conditions(Some(&status), &live);
@@ -974,6 +1005,7 @@ mod tests {
                 gpu_uuids: vec!["GPU-0".into()],
                 source: BindingSource::Shared,
                 shared_from: vec!["kai-resource-reservation/gpu-reservation-1".into()],
+                ..Binding::default()
             },
         ]);
         let i = desired_conditions(Some(&status), &live);
@@ -983,6 +1015,62 @@ mod tests {
             i.message.contains("KAI-Scheduler's reservation"),
             "{}",
             i.message
+        );
+        assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(1));
+        status.privileged_pods = saved;
+
+        // A claim whose CDI spec hands a tenant's container every GPU: named with its
+        // devices, under its own reason; the IMEX daemon in the driver's namespace is not.
+        let daemon = |namespace: &str, exempt: Option<&str>| Binding {
+            pod_uid: "u7".into(),
+            container: "main".into(),
+            namespace: namespace.into(),
+            pod: "thief".into(),
+            resource_name: Some("compute-domain.nvidia.com".into()),
+            claims: vec![format!("{namespace}/steal")],
+            gpu_uuids: vec!["GPU-0".into(), "GPU-1".into()],
+            source: BindingSource::BeyondClaim,
+            device_nodes: (0..6).map(|i| format!("/dev/nvidia{i}")).collect(),
+            exempt: exempt.map(Into::into),
+            ..Binding::default()
+        };
+        status.bindings = Some(vec![daemon("ml", None)]);
+        let i = desired_conditions(Some(&status), &live);
+        let i = find(&i, ISOLATED);
+        assert_eq!(
+            (i.status, i.reason.as_str()),
+            ("False", "DevicesBeyondClaim")
+        );
+        assert!(
+            i.message.contains(
+                "ml/thief container main (the CDI spec of claim ml/steal hands it /dev/nvidia0, /dev/nvidia1, /dev/nvidia2, /dev/nvidia3 and 2 more, beyond what was allocated to it)"
+            ),
+            "{}",
+            i.message
+        );
+        assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(2));
+        let own = daemon(
+            "nvidia-dra-driver-gpu",
+            Some("GpuPolicy default: namespace nvidia-dra-driver-gpu runs DRA drivers' own pods"),
+        );
+        let plugin = Binding {
+            pod_uid: "u8".into(),
+            container: "main".into(),
+            namespace: "ml".into(),
+            pod: "plugin-0".into(),
+            resource_name: Some("nvidia.com/gpu".into()),
+            gpu_uuids: vec!["GPU-0".into()],
+            source: BindingSource::Allocated,
+            ..Binding::default()
+        };
+        status.bindings = Some(vec![own, plugin]);
+        let saved = status.privileged_pods.take();
+        let i = desired_conditions(Some(&status), &live);
+        assert_eq!(
+            find(&i, ISOLATED).status,
+            "True",
+            "{:?}",
+            find(&i, ISOLATED)
         );
         assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(1));
         status.privileged_pods = saved;

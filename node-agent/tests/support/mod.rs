@@ -78,6 +78,7 @@ pub fn pods() -> Vec<PodInfo> {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            claims_exempt: None,
             kai: None,
             injected: Vec::new(),
             containers: vec![ContainerInfo {
@@ -96,6 +97,7 @@ pub fn pods() -> Vec<PodInfo> {
             service_account: String::new(),
             labels: Default::default(),
             exempt: None,
+            claims_exempt: None,
             kai: None,
             injected: Vec::new(),
             containers: vec![ContainerInfo {
