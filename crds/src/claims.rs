@@ -107,7 +107,8 @@ impl ClaimDevices {
     }
 
     /// What of it only a driver's own pods may hold under `rules`, for messages: each listed
-    /// class as `DeviceClass <name>`, each listed config kind as `opaque config <kind>`.
+    /// class as `DeviceClass <name>`, each listed config kind as `opaque config <kind>`, once
+    /// each, in the claim's order.
     pub fn driver_only(&self, rules: &crate::DriverClaims) -> Vec<String> {
         let classes = (self.classes.iter())
             .filter(|c| rules.device_classes.contains(c))
@@ -115,8 +116,12 @@ impl ClaimDevices {
         let kinds = (self.config_kinds.iter())
             .filter(|k| rules.config_kinds.contains(k))
             .map(|k| format!("opaque config {k}"));
-        let mut out: Vec<String> = classes.chain(kinds).collect();
-        out.dedup();
+        let mut out: Vec<String> = Vec::new();
+        for item in classes.chain(kinds) {
+            if !out.contains(&item) {
+                out.push(item);
+            }
+        }
         out
     }
 

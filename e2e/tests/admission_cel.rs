@@ -7,19 +7,28 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use cel_interpreter::extractors::This;
+use cel_interpreter::extractors::{Arguments, This};
 use cel_interpreter::{Context, ExecutionError, FunctionContext, IdedExpr, Value as Cel};
 use gpuwarden_e2e::manifests::{Document, load_file};
 use serde_json::{Value, json};
 
 /// Kubernetes' CEL has the strings extension; these are the parts the policies use.
+/// `substring(start)` runs to the end, `substring(start, end)` to `end`.
 fn substring(
     ftx: &FunctionContext,
     This(s): This<Arc<String>>,
-    start: i64,
-    end: i64,
+    Arguments(args): Arguments,
 ) -> Result<Cel, ExecutionError> {
     let chars: Vec<char> = s.chars().collect();
+    let int = |v: &Cel| match v {
+        Cel::Int(i) => Ok(*i),
+        other => Err(ftx.error(format!("substring index {other:?}"))),
+    };
+    let (start, end) = match args.as_slice() {
+        [start] => (int(start)?, i64::try_from(chars.len()).unwrap_or(i64::MAX)),
+        [start, end] => (int(start)?, int(end)?),
+        _ => return Err(ftx.error("substring takes one or two indexes")),
+    };
     let (Ok(start), Ok(end)) = (usize::try_from(start), usize::try_from(end)) else {
         return Err(ftx.error("negative substring index"));
     };
@@ -160,9 +169,22 @@ fn sum(ftx: &FunctionContext, This(list): This<Arc<Vec<Cel>>>) -> Result<Cel, Ex
     Ok(Cel::Int(total))
 }
 
-/// Kubernetes' list library's `indexOf()`: the first index of an equal element, or -1.
-fn index_of(This(list): This<Arc<Vec<Cel>>>, item: Cel) -> i64 {
-    (list.iter().position(|x| *x == item)).map_or(-1, |i| i64::try_from(i).unwrap_or(-1))
+/// Kubernetes' `indexOf()`: of a list (the lists library), the first index of an equal
+/// element; of a string (the strings extension), the first code point index of a substring;
+/// -1 where there is none.
+fn index_of(
+    ftx: &FunctionContext,
+    This(target): This<Cel>,
+    item: Cel,
+) -> Result<i64, ExecutionError> {
+    let found = match (&target, &item) {
+        (Cel::List(list), _) => list.iter().position(|x| *x == item),
+        (Cel::String(s), Cel::String(sub)) => {
+            (s.find(sub.as_str())).map(|byte| s[..byte].chars().count())
+        }
+        _ => return Err(ftx.error(format!("indexOf of {item:?} in {target:?}"))),
+    };
+    Ok(found.map_or(-1, |i| i64::try_from(i).unwrap_or(-1)))
 }
 
 /// The strings extension's `trim()` (Unicode white space), `lowerAscii()` and `replace()`.
@@ -2831,4 +2853,401 @@ fn plain_privileged(pod: &mut Value, rng: &mut rand::rngs::StdRng) {
             }
         }
     }
+}
+
+/// The claim guard (`deploy/admission/driver-claims.yaml`) refuses a ResourceClaim or
+/// ResourceClaimTemplate exactly where the engine's reading of claims
+/// (`ClaimDevices::driver_only`, which the engine denies a pod for and offline `mutate`
+/// marks a claim for) finds something only a driver's own pods may hold, names the same
+/// classes and config kinds, and says why in the engine's words: on generated claims and
+/// templates with `exactly` and `firstAvailable` requests, opaque configs with and without
+/// a kind, in tenant, driver and exempt namespaces, under default, custom, missing and
+/// Audit `driverClaims`, created and updated.
+#[test]
+fn the_claim_guard_follows_the_engine() {
+    use gpuwarden_crds::GpuPolicy;
+    use gpuwarden_crds::claims::{
+        CONFIG_KIND_CD_DAEMON, ClaimDevices, DEVICE_CLASS_CD_CHANNEL, DEVICE_CLASS_CD_DAEMON,
+        driver_only_reason,
+    };
+    use k8s_openapi::api::resource::v1::ResourceClaimSpec;
+    use rand::seq::IndexedRandom;
+    use rand::{Rng, SeedableRng};
+
+    const CLASSES: &[&str] = &[
+        DEVICE_CLASS_CD_DAEMON,
+        DEVICE_CLASS_CD_CHANNEL,
+        "gpu.nvidia.com",
+        "mig.nvidia.com",
+        "nic.example.com",
+        "compute-domain-daemon.nvidia.com.example.com",
+    ];
+    const KINDS: &[&str] = &[
+        CONFIG_KIND_CD_DAEMON,
+        "ComputeDomainChannelConfig",
+        "GpuConfig",
+        "computedomaindaemonconfig",
+    ];
+    const NAMESPACES: &[&str] = &["team-a", "ml", "nvidia-dra-driver-gpu"];
+    let guard = load_file(gpuwarden_crds::manifests::DRIVER_CLAIMS).expect("manifest")[0].clone();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x636c_6169_6d73);
+    let (mut refused, mut passed_in_driver_namespaces, mut unchanged_updates) = (0, 0, 0);
+    for i in 0..3000 {
+        let mut requests = Vec::new();
+        for r in 0..rng.random_range(0..4) {
+            let class = *CLASSES.choose(&mut rng).unwrap();
+            requests.push(if rng.random_bool(0.7) {
+                json!({"name": format!("r{r}"), "exactly": {"deviceClassName": class}})
+            } else {
+                let alternatives: Vec<Value> = (0..rng.random_range(1..4))
+                    .map(|s| {
+                        json!({"name": format!("s{s}"),
+                            "deviceClassName": *CLASSES.choose(&mut rng).unwrap()})
+                    })
+                    .collect();
+                json!({"name": format!("r{r}"), "firstAvailable": alternatives})
+            });
+        }
+        let mut configs = Vec::new();
+        for _ in 0..rng.random_range(0..3) {
+            let mut parameters = json!({"apiVersion": "resource.nvidia.com/v1beta1"});
+            if rng.random_bool(0.8) {
+                parameters["kind"] = json!(*KINDS.choose(&mut rng).unwrap());
+            }
+            configs.push(json!({"requests": ["r0"], "opaque": {
+                "driver": "compute-domain.nvidia.com", "parameters": parameters}}));
+        }
+        let mut spec = json!({});
+        if rng.random_bool(0.95) {
+            spec["devices"] = json!({});
+            if !requests.is_empty() {
+                spec["devices"]["requests"] = Value::Array(requests);
+            }
+            if !configs.is_empty() {
+                spec["devices"]["config"] = Value::Array(configs);
+            }
+        }
+        let template = rng.random_bool(0.4);
+        let (kind, resource, object) = if template {
+            (
+                "ResourceClaimTemplate",
+                "resourceclaimtemplates",
+                json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                    "metadata": {"name": format!("c{i}")}, "spec": {"spec": spec}}),
+            )
+        } else {
+            (
+                "ResourceClaim",
+                "resourceclaims",
+                json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                    "metadata": {"name": format!("c{i}")}, "spec": spec}),
+            )
+        };
+        let namespace = *NAMESPACES.choose(&mut rng).unwrap();
+        let mut params = default_params();
+        match rng.random_range(0..10) {
+            0 => {
+                params["spec"]
+                    .as_object_mut()
+                    .map(|s| s.remove("driverClaims"));
+            }
+            1 | 2 => {
+                let some = |rng: &mut rand::rngs::StdRng, from: &[&str]| -> Vec<String> {
+                    (from.iter())
+                        .filter(|_| rng.random_bool(0.5))
+                        .map(|s| s.to_string())
+                        .collect()
+                };
+                params["spec"]["driverClaims"] = json!({
+                    "deviceClasses": some(&mut rng, CLASSES),
+                    "configKinds": some(&mut rng, KINDS),
+                    "namespaces": some(&mut rng, NAMESPACES),
+                });
+            }
+            3 => params["spec"]["mode"] = json!("Audit"),
+            4 => params["spec"]["exemptions"]["namespaces"] = json!([namespace]),
+            _ => {}
+        }
+        let (operation, old) = match rng.random_range(0..10) {
+            0 => ("UPDATE", Some(object.clone())),
+            1 => {
+                let mut old = object.clone();
+                if template {
+                    old["spec"]["spec"] = json!({});
+                } else {
+                    old["spec"] = json!({});
+                }
+                ("UPDATE", Some(old))
+            }
+            _ => ("CREATE", None),
+        };
+        let mut request = request(namespace);
+        request["operation"] = json!(operation);
+        request["kind"] = json!({"group": "resource.k8s.io", "version": "v1", "kind": kind});
+        request["resource"] =
+            json!({"group": "resource.k8s.io", "version": "v1", "resource": resource});
+        let mut vars = BTreeMap::from([
+            ("object", object.clone()),
+            ("request", request),
+            ("params", params.clone()),
+        ]);
+        if let Some(old) = &old {
+            vars.insert("oldObject", old.clone());
+        }
+        let failures = decide(&guard, &vars).expect("the guard has no matchConditions");
+
+        // The engine's reading, under the same policy.
+        let policy: GpuPolicy = serde_json::from_value(params.clone()).expect("a policy");
+        let rules = &policy.spec.driver_claims;
+        let claim_spec: ResourceClaimSpec = serde_json::from_value(spec).expect("a claim spec");
+        let unchanged = old.as_ref() == Some(&object);
+        let judged = policy.spec.mode != gpuwarden_crds::PolicyMode::Audit
+            && !(policy.spec.exemptions.namespaces.iter()).any(|n| n == namespace)
+            && !rules.namespaces.iter().any(|n| n == namespace)
+            && !unchanged;
+        let engine = ClaimDevices::of(&claim_spec).driver_only(rules);
+        let ctx = || format!("case {i} in {namespace}, {operation}\n{object:#}\n{params:#}");
+        if !judged || engine.is_empty() {
+            assert_eq!(failures, Vec::<String>::new(), "{}", ctx());
+            passed_in_driver_namespaces +=
+                usize::from(!engine.is_empty() && rules.namespaces.iter().any(|n| n == namespace));
+            unchanged_updates += usize::from(!engine.is_empty() && unchanged);
+            continue;
+        }
+        refused += 1;
+        let evaluated = with_variables(&guard.value, &vars);
+        let named: Vec<String> =
+            serde_json::from_value(evaluated["variables"]["named"].clone()).expect("named");
+        let configs: Vec<String> =
+            serde_json::from_value(evaluated["variables"]["configs"].clone()).expect("configs");
+        let mut cel: Vec<String> = (named.iter().map(|c| format!("DeviceClass {c}")))
+            .chain(configs.iter().map(|k| format!("opaque config {k}")))
+            .collect();
+        let mut sorted_engine = engine.clone();
+        sorted_engine.sort();
+        cel.sort();
+        assert_eq!(cel, sorted_engine, "{}", ctx());
+        assert_eq!(failures.len(), 1, "{failures:?}\n{}", ctx());
+        // Listed in the policy's order by the API server, the claim's by the engine.
+        let ordered: Vec<String> = (named.iter().map(|c| format!("DeviceClass {c}")))
+            .chain(configs.iter().map(|k| format!("opaque config {k}")))
+            .collect();
+        assert_eq!(
+            failures[0],
+            format!("gpuwarden: {kind} c{i}: {}", driver_only_reason(&ordered)),
+            "{}",
+            ctx()
+        );
+    }
+    eprintln!(
+        "3000 claims: {refused} refused, {passed_in_driver_namespaces} of a driver's own namespace passed, {unchanged_updates} unchanged updates passed"
+    );
+    assert!(
+        refused >= 500 && passed_in_driver_namespaces >= 100 && unchanged_updates >= 50,
+        "{refused} {passed_in_driver_namespaces} {unchanged_updates}"
+    );
+}
+
+/// Kata Containers' annotations and `VISIBLE_CDI_DEVICES` (docs/design.md, "Kata
+/// Containers"): the backstop's `kata` and `visibleCdi` name exactly the annotations
+/// `kata::judge` refuses and the containers that set the variable holding no GPU of their
+/// own; the engine denies exactly those pods, naming each; and the webhook's matchConditions
+/// send every pod the engine denies. On generated pods with device and agent annotations
+/// (agent settings split by tabs, no-break spaces and runs of spaces, the settings Kata's
+/// own GPU manifests use, look-alike keys), containers with and without GPUs of their own,
+/// in governed and exempt namespaces.
+#[test]
+fn kata_and_visible_cdi_follow_the_engine() {
+    use gpuwarden_crds::kata::{
+        DEVICE_ANNOTATIONS, ENV_VISIBLE_CDI_DEVICES, KERNEL_PARAMS, holds_gpu_of_its_own, judge,
+    };
+    use gpuwarden_webhook::admission::StaticSource;
+    use rand::seq::IndexedRandom;
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeSet;
+
+    const KERNEL_PARAM_VALUES: &[&str] = &[
+        "agent.visible_cdi_devices=true",
+        "agent.log=debug",
+        "console=ttyS0  agent.log=debug",
+        "agent.log=debug\u{a0}agent.devmode",
+        "agent.guest_components_procs=confidential-data-hub agent.aa_kbc_params=cc_kbc::http://kbs",
+        "agent.hotplug_timeout=5s\tagent.debug_console",
+        "quiet",
+        "xagent.devmode",
+        "agent.",
+        "agent.log",
+    ];
+    const OTHER_KEYS: &[&str] = &[
+        "io.katacontainers.config.hypervisor.default_memory",
+        "io.katacontainers.config_path.x",
+        "katacontainers.config_path",
+        "io.katacontainers.config.hypervisor.kernel_params.x",
+    ];
+    const RESOURCES: &[Option<(&str, &str)>] = &[
+        None,
+        Some(("limits", "nvidia.com/gpu")),
+        Some(("requests", "nvidia.com/pgpu")),
+        Some(("limits", "cpu")),
+        Some(("limits", "example.com/accel")),
+    ];
+    let backstop = backstop();
+    let may_reach = may_reach_gpus();
+    let policy = gpuwarden_crds::GpuPolicy::default_policy();
+    let mut source = StaticSource::new([policy.clone()]);
+    for ns in ["team-a", "gpu-operator"] {
+        source.namespaces.insert(ns.into(), Default::default());
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b61_7461);
+    let (mut kata_denied, mut visible_denied, mut admitted) = (0, 0, 0);
+    for i in 0..1500 {
+        let mut containers = Vec::new();
+        for c in 0..rng.random_range(1..4) {
+            let mut container = json!({"name": format!("c{c}"),
+                "image": "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"});
+            if rng.random_bool(0.3) {
+                container["env"] =
+                    json!([{"name": ENV_VISIBLE_CDI_DEVICES, "value": "nvidia.com/gpu=all"}]);
+            }
+            if let Some((field, resource)) = *RESOURCES.choose(&mut rng).unwrap() {
+                container["resources"] = json!({ field: { resource: "1" } });
+            }
+            containers.push(container);
+        }
+        let mut annotations = serde_json::Map::new();
+        for _ in 0..rng.random_range(0..3) {
+            match rng.random_range(0..3) {
+                0 => {
+                    annotations.insert(
+                        (*DEVICE_ANNOTATIONS.choose(&mut rng).unwrap()).to_owned(),
+                        json!("true"),
+                    );
+                }
+                1 => {
+                    annotations.insert(
+                        KERNEL_PARAMS.to_owned(),
+                        json!(*KERNEL_PARAM_VALUES.choose(&mut rng).unwrap()),
+                    );
+                }
+                _ => {
+                    annotations.insert(
+                        (*OTHER_KEYS.choose(&mut rng).unwrap()).to_owned(),
+                        json!("1"),
+                    );
+                }
+            }
+        }
+        let mut spec = json!({"containers": containers});
+        if rng.random_bool(0.5) {
+            spec["runtimeClassName"] = json!("kata-qemu-nvidia-gpu");
+        }
+        let mut pod = pod(spec);
+        if !annotations.is_empty() {
+            pod["metadata"]["annotations"] = Value::Object(annotations.clone());
+        }
+        let namespace = if rng.random_bool(0.15) {
+            "gpu-operator"
+        } else {
+            "team-a"
+        };
+        let ctx = || format!("case {i} in {namespace}\n{pod:#}");
+
+        let vars = BTreeMap::from([
+            ("object", pod.clone()),
+            ("request", request(namespace)),
+            ("namespaceObject", json!({"metadata": {"name": namespace}})),
+            ("params", default_params()),
+        ]);
+        let evaluated = with_variables(&backstop.value, &vars);
+        let names = |variable: &str| -> BTreeSet<String> {
+            serde_json::from_value(evaluated["variables"][variable].clone())
+                .unwrap_or_else(|e| panic!("{variable}: {e}\n{}", ctx()))
+        };
+        let kata: BTreeSet<String> = (annotations.iter())
+            .filter(|(k, v)| judge(k, v.as_str().unwrap_or_default()).is_some())
+            .map(|(k, _)| k.clone())
+            .collect();
+        assert_eq!(names("kata"), kata, "{}", ctx());
+        let exemptions = &policy.spec.exemptions;
+        let image_exempt = |c: &Value| {
+            let image = c["image"].as_str().unwrap_or_default();
+            exemptions
+                .container_exemption(image, namespace, "")
+                .is_some()
+        };
+        let containers = pod["spec"]["containers"].as_array().expect("containers");
+        let all_exempt = containers.iter().all(image_exempt);
+        assert_eq!(
+            evaluated["variables"]["allExempt"],
+            json!(all_exempt),
+            "{}",
+            ctx()
+        );
+        let visible: BTreeSet<String> = (containers.iter())
+            .filter(|c| c.get("env").is_some() && !image_exempt(c))
+            .filter(|c| {
+                let resources = (["limits", "requests"].iter())
+                    .filter_map(|f| c["resources"][f].as_object())
+                    .flat_map(|m| m.keys().map(String::as_str));
+                !holds_gpu_of_its_own(resources, false, gpuwarden_crds::RESOURCE_GPU)
+            })
+            .map(|c| c["name"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        assert_eq!(names("visibleCdi"), visible, "{}", ctx());
+
+        let exempt = evaluated["variables"]["exempt"] == json!(true);
+        let failures = decide(&backstop, &vars).expect("matched");
+        let (engine, _) = engine_answer(&pod, namespace, &source);
+        let refused = !exempt && ((!all_exempt && !kata.is_empty()) || !visible.is_empty());
+        assert_eq!(failures.is_empty(), !refused, "{failures:?}\n{}", ctx());
+        match &engine {
+            Err(message) => {
+                assert!(
+                    refused,
+                    "the engine denies what the backstop admits: {message}\n{}",
+                    ctx()
+                );
+                for key in kata.iter().filter(|_| !all_exempt) {
+                    assert!(
+                        message.contains(&format!("annotation {key}")),
+                        "{message}\n{}",
+                        ctx()
+                    );
+                }
+                for name in &visible {
+                    assert!(
+                        message.contains(&format!("container {name} sets")),
+                        "{message}\n{}",
+                        ctx()
+                    );
+                }
+                let sent = eval_bool(
+                    &may_reach,
+                    &admission_vars(&pod, namespace, &BTreeMap::new()),
+                );
+                assert!(
+                    sent,
+                    "the webhook is not sent a pod the engine denies\n{}",
+                    ctx()
+                );
+                kata_denied += usize::from(!kata.is_empty() && !all_exempt);
+                visible_denied += usize::from(!visible.is_empty());
+            }
+            Ok(_) => {
+                assert!(
+                    !refused,
+                    "the backstop refuses what the engine admits: {failures:?}\n{}",
+                    ctx()
+                );
+                admitted += 1;
+            }
+        }
+    }
+    eprintln!(
+        "1500 pods: {kata_denied} denied for Kata annotations, {visible_denied} for VISIBLE_CDI_DEVICES, {admitted} admitted"
+    );
+    assert!(
+        kata_denied >= 300 && visible_denied >= 200 && admitted >= 300,
+        "{kata_denied} {visible_denied} {admitted}"
+    );
 }
