@@ -539,6 +539,12 @@ fn the_conditions_table_is_what_the_operator_sets() {
         Some(status(&|v| {
             v["privilegedPods"] = serde_json::json!([{"uid": "u", "namespace": "ns", "name": "p"}]);
         })),
+        // A claim whose CDI spec hands out GPUs beyond its allocation.
+        Some(status(&|v| {
+            v["bindings"] = serde_json::json!([{"podUid": "u", "container": "c", "namespace": "ns",
+                "pod": "p", "resourceName": "compute-domain.nvidia.com", "claims": ["ns/d"],
+                "gpuUuids": ["GPU-0"], "deviceNodes": ["/dev/nvidia0"], "source": "BeyondClaim"}]);
+        })),
         // A device plugin and a DRA driver handing out the same GPU.
         Some(status(&|v| {
             v["bindings"] = serde_json::json!([
