@@ -24,12 +24,14 @@ pub mod selection;
 pub mod selector;
 pub mod sharing;
 pub mod start_up;
+pub mod toolkit;
 pub mod validation;
 
 pub use error::error_chain;
 pub use node::{
-    Binding, BindingSource, DriverInfo, GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus,
-    GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice, PodRef, RuntimeStatus, Truncated,
+    Binding, BindingSource, CdiKindStatus, ContainerRuntimeStatus, DriverInfo, GpuHealth, GpuNode,
+    GpuNodeSpec, GpuNodeStatus, GpuNodeSummary, GpuStatus, GpusFrom, HealthState, MigDevice,
+    PodRef, RuntimeStatus, ToolkitStatus, Truncated, UnknownField,
 };
 pub use policy::{
     CapabilitiesSpec, ContainerExemption, DriverClaims, EnvFromGpu, Exemptions,

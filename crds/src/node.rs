@@ -393,6 +393,109 @@ pub struct RuntimeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = MESSAGE_LEN))]
     pub error: Option<String>,
+    /// The NVIDIA Container Toolkit's version and where it was read; absent when unknown
+    /// (`unknown` says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub toolkit: Option<ToolkitStatus>,
+    /// The mode the runtime runs in: `mode`, with `auto` resolved by the toolkit's version
+    /// (`jit-cdi` from 1.18, `legacy` before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    pub resolved_mode: Option<String>,
+    /// `accept-nvidia-visible-devices-as-volume-mounts` (NVIDIA's default: false): whether
+    /// the runtime takes a container's devices from mounts under
+    /// `/var/run/nvidia-container-devices`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accept_volume_mounts: Option<bool>,
+    /// `features.ignore-imex-channel-requests`: whether the runtime ignores
+    /// `NVIDIA_IMEX_CHANNELS` (and its volume mounts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_imex_channel_requests: Option<bool>,
+    /// `features.disable-imex-channel-creation`: whether the runtime creates no IMEX channel
+    /// nodes in containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disable_imex_channel_creation: Option<bool>,
+    /// The CRI runtime (containerd or CRI-O) and how it runs NVIDIA's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_runtime: Option<ContainerRuntimeStatus>,
+    /// The CDI kinds (`vendor/class`) defined in the spec directories, with their device
+    /// counts. At most 32.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub cdi_kinds: Vec<CdiKindStatus>,
+    /// NRI plugins known to inject devices named by pod annotations, found running on the
+    /// node. At most 16.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16), inner(length(max = REASON_LEN)))]
+    pub device_injectors: Vec<String>,
+    /// Why a field above is absent or partial. At most 16.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub unknown: Vec<UnknownField>,
+}
+
+/// The NVIDIA Container Toolkit's version on a node.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolkitStatus {
+    /// The version as its source gives it (`1.17.8-1`, `v1.17.8-ubuntu20.04`, `1.18.2`).
+    #[schemars(length(max = 64))]
+    pub version: String,
+    /// Where it was read: the package database, a binary's build flags, or the GPU
+    /// Operator's toolkit pod on the node.
+    #[schemars(length(max = REASON_LEN))]
+    pub source: String,
+}
+
+/// The CRI runtime of a node, as its configuration reads.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerRuntimeStatus {
+    /// `containerd` or `cri-o`.
+    #[schemars(length(max = 32))]
+    pub name: String,
+    /// The configuration file read.
+    #[schemars(length(max = PATH_LEN))]
+    pub config_path: String,
+    /// The CRI's default runtime handler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = DNS_LABEL_LEN))]
+    pub default_runtime: Option<String>,
+    /// Whether the default handler runs NVIDIA's runtime: every container then goes through
+    /// it, with no RuntimeClass.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvidia_default: Option<bool>,
+    /// Whether the CRI injects CDI devices (`cdi.k8s.io/` annotations, DRA claims).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdi_enabled: Option<bool>,
+    /// Whether NRI plugins may change containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nri_enabled: Option<bool>,
+}
+
+/// One CDI kind in a node's spec directories.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CdiKindStatus {
+    /// `vendor/class`, e.g. `nvidia.com/gpu`.
+    #[schemars(length(max = QUALIFIED_NAME_LEN))]
+    pub kind: String,
+    /// Devices it defines, over all its spec files.
+    pub devices: u32,
+    /// Spec files that define it.
+    pub files: u32,
+}
+
+/// A posture field the agent could not fill in, and why.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct UnknownField {
+    /// The field (`toolkit`, `containerRuntime`, `cdiKinds`, `deviceInjectors`).
+    #[schemars(length(max = 64))]
+    pub field: String,
+    /// Why.
+    #[schemars(length(max = REASON_LEN))]
+    pub reason: String,
 }
 
 impl RuntimeStatus {

@@ -1252,6 +1252,12 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
             .iter()
             .map(|d| format!("{d}/nvidia.yaml")),
     );
+    // The node's posture: the CRI's configs, the toolkit's binaries, the package database.
+    let posture = gpuwarden_node_agent::posture::Paths::default();
+    paths.extend(posture.containerd_configs.iter().cloned());
+    paths.extend(posture.crio_configs.iter().cloned());
+    paths.extend(posture.toolkit_binaries.iter().cloned());
+    paths.push(gpuwarden_node_agent::posture::DPKG_STATUS.to_owned());
     for host in paths {
         let mount = dir_of(reader, &format!("/host{host}"));
         assert_eq!(mount.read_only, Some(true), "{host}");
@@ -1268,7 +1274,7 @@ fn node_agent_reaches_nvml_and_the_kubelet() {
             "{host}: the host path and where it is mounted differ"
         );
         assert!(
-            ["/etc", "/usr", "/var/run"].contains(&volume.path.as_str()),
+            ["/etc", "/usr", "/var/run", "/var/lib"].contains(&volume.path.as_str()),
             "{host}: {} is not a directory every node has",
             volume.path
         );

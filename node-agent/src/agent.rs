@@ -95,6 +95,8 @@ pub struct Sweeper {
     host_root: PathBuf,
     /// The report of the runtime-report container, read instead of `host_root`'s files.
     runtime_report: Option<PathBuf>,
+    /// Where the toolkit's and the CRI's configs are, when read under `host_root`.
+    posture_paths: crate::posture::Paths,
     runtime: Option<(Timestamp, RuntimeStatus)>,
     runtime_refresh: Duration,
     cgroups: HashMap<u32, Option<ContainerRef>>,
@@ -126,6 +128,7 @@ impl Sweeper {
             proc_root: host_root.join("proc"),
             host_root: host_root.to_path_buf(),
             runtime_report: None,
+            posture_paths: crate::posture::Paths::default(),
             runtime: None,
             runtime_refresh,
             cgroups: HashMap::new(),
@@ -139,6 +142,13 @@ impl Sweeper {
     /// [`crate::runtime::report_loop`] in another container) instead of under the host root.
     pub fn with_runtime_report(mut self, report: Option<PathBuf>) -> Self {
         self.runtime_report = report;
+        self
+    }
+
+    /// Where the toolkit's and the CRI's configs are, when they are read under the host root
+    /// (no runtime report).
+    pub fn with_posture_paths(mut self, paths: crate::posture::Paths) -> Self {
+        self.posture_paths = paths;
         self
     }
 
@@ -226,7 +236,7 @@ impl Sweeper {
             Some((at, r)) if elapsed(*at, now) < self.runtime_refresh => r.clone(),
             _ => match &self.runtime_report {
                 None => {
-                    let r = crate::runtime::read_runtime(&self.host_root);
+                    let r = crate::runtime::read_runtime(&self.host_root, &self.posture_paths);
                     self.runtime = Some((now, r.clone()));
                     r
                 }
@@ -239,11 +249,13 @@ impl Sweeper {
                     // again at the next sweep, not after the whole refresh interval.
                     Err(r) => {
                         self.runtime = None;
-                        r
+                        *r
                     }
                 },
             },
         };
+        let mut runtime = runtime;
+        crate::posture::from_pods(&mut runtime, pods);
         let index = PodIndex::new(pods, authoritative);
         let computed = crate::status::compute(&StatusInput {
             reading: &reading,
@@ -403,6 +415,8 @@ pub struct Config {
     pub host_root: PathBuf,
     /// Read the NVIDIA runtime's configuration from this report instead of under `host_root`.
     pub runtime_report: Option<PathBuf>,
+    /// Where the toolkit's and the CRI's configs are, when read under `host_root`.
+    pub posture_paths: crate::posture::Paths,
     /// Metrics and probes listener.
     pub listen: SocketAddr,
     /// Time between sweeps.
@@ -422,6 +436,7 @@ impl Config {
             pod_resources_socket: PathBuf::from(crate::podresources::DEFAULT_SOCKET),
             host_root: PathBuf::from("/"),
             runtime_report: None,
+            posture_paths: crate::posture::Paths::default(),
             listen: SocketAddr::from(([0, 0, 0, 0], gpuwarden_crds::install::NODE_AGENT_PORT)),
             poll_interval: Duration::from_secs(10),
             resync_interval: Duration::from_secs(600),
@@ -559,7 +574,8 @@ async fn run_inner(
         config.resync_interval,
         metrics.clone(),
     )
-    .with_runtime_report(config.runtime_report.clone());
+    .with_runtime_report(config.runtime_report.clone())
+    .with_posture_paths(config.posture_paths.clone());
     let kai_client = client.clone();
     let mut writer = StatusWriter::new(
         KubeSink::new(client, &node),
@@ -746,6 +762,8 @@ pub struct InspectConfig {
     pub pod_resources_socket: Option<PathBuf>,
     /// Host root for `/proc` and the runtime config.
     pub host_root: PathBuf,
+    /// Where the toolkit's and the CRI's configs are under `host_root`.
+    pub posture_paths: crate::posture::Paths,
 }
 
 /// One sweep without a cluster: the status the agent would apply, with its pods taken from
@@ -782,7 +800,8 @@ pub async fn inspect(config: &InspectConfig) -> Result<GpuNodeStatus, AgentError
         &config.host_root,
         Duration::from_secs(600),
         Arc::new(Metrics::new()),
-    );
+    )
+    .with_posture_paths(config.posture_paths.clone());
     let computed = sweeper
         .sweep(now, &pods, false, &HealthRules::default())
         .await?;

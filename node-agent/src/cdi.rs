@@ -41,6 +41,72 @@ struct Spec {
     container_edits: Edits,
 }
 
+impl Spec {
+    /// A spec's text (`json`: JSON, else YAML), with a `vendor/class` kind.
+    fn parse(text: &str, json: bool) -> Result<Self, SpecError> {
+        let spec: Spec = if json {
+            serde_json::from_str(text).map_err(|e| SpecError::Invalid(e.to_string()))?
+        } else {
+            serde_saphyr::from_str(text).map_err(|e| SpecError::Invalid(e.to_string()))?
+        };
+        if !spec.kind.contains('/') {
+            return Err(SpecError::Invalid(format!(
+                "kind {:?} is not vendor/class",
+                spec.kind
+            )));
+        }
+        Ok(spec)
+    }
+}
+
+/// What one CDI spec directory holds, for the node's posture: each kind with its devices and
+/// files, and the files that could not be read or parsed.
+#[derive(Debug, Default)]
+pub struct Census {
+    /// Per kind: (devices, files).
+    pub kinds: std::collections::BTreeMap<String, (u32, u32)>,
+    /// Files that could not be read (the drivers write theirs mode 0600), by name, with why.
+    pub unreadable: Vec<(String, String)>,
+    /// Files that are not CDI specs, by name, with why.
+    pub invalid: Vec<(String, String)>,
+}
+
+/// Counts the kinds and devices of the spec files in `dir`.
+pub fn census(dir: &Path) -> std::io::Result<Census> {
+    let mut out = Census::default();
+    let mut files: Vec<_> = std::fs::read_dir(dir)?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    for path in files {
+        let json = match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => true,
+            Some("yaml" | "yml") => false,
+            _ => continue,
+        };
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        match read_bounded(&path) {
+            Ok(Some(text)) => match Spec::parse(&text, json) {
+                Ok(spec) => {
+                    let entry = out.kinds.entry(spec.kind).or_default();
+                    let devices = u32::try_from(spec.devices.len()).unwrap_or(u32::MAX);
+                    entry.0 = entry.0.saturating_add(devices);
+                    entry.1 = entry.1.saturating_add(1);
+                }
+                Err(e) => out.invalid.push((name, e.to_string())),
+            },
+            Ok(None) => {}
+            Err(e) => out.unreadable.push((name, e.to_string())),
+        }
+    }
+    Ok(out)
+}
+
 #[derive(Deserialize)]
 struct SpecDevice {
     name: String,
@@ -176,17 +242,7 @@ impl CdiDevices {
 
     /// Adds the devices of one spec (`json`: JSON, else YAML).
     pub fn add(&mut self, text: &str, json: bool) -> Result<(), SpecError> {
-        let spec: Spec = if json {
-            serde_json::from_str(text).map_err(|e| SpecError::Invalid(e.to_string()))?
-        } else {
-            serde_saphyr::from_str(text).map_err(|e| SpecError::Invalid(e.to_string()))?
-        };
-        if !spec.kind.contains('/') {
-            return Err(SpecError::Invalid(format!(
-                "kind {:?} is not vendor/class",
-                spec.kind
-            )));
-        }
+        let spec = Spec::parse(text, json)?;
         let mut duplicate = None;
         for device in spec.devices {
             let name = format!("{}={}", spec.kind, device.name);

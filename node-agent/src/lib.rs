@@ -23,6 +23,7 @@ pub mod nvml;
 pub mod podresources;
 pub mod pods;
 pub mod policy;
+pub mod posture;
 pub mod runtime;
 pub mod status;
 pub mod testing;

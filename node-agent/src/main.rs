@@ -32,8 +32,39 @@ enum Command {
     RuntimeReport(RuntimeReportArgs),
 }
 
+/// Where the node keeps the configs the posture is read from, when not where packages and the
+/// GPU Operator put them.
+#[derive(clap::Args)]
+struct PostureArgs {
+    /// NVIDIA runtime config.toml to read before the usual places (comma-separated).
+    #[arg(
+        long = "toolkit-config",
+        env = "GPUWARDEN_TOOLKIT_CONFIG",
+        value_delimiter = ','
+    )]
+    toolkit_config: Vec<String>,
+    /// containerd config.toml to read before the usual places (comma-separated).
+    #[arg(
+        long = "containerd-config",
+        env = "GPUWARDEN_CONTAINERD_CONFIG",
+        value_delimiter = ','
+    )]
+    containerd_config: Vec<String>,
+}
+
+impl PostureArgs {
+    fn paths(&self) -> gpuwarden_node_agent::posture::Paths {
+        gpuwarden_node_agent::posture::Paths::with_first(
+            &self.toolkit_config,
+            &self.containerd_config,
+        )
+    }
+}
+
 #[derive(clap::Args)]
 struct RunArgs {
+    #[command(flatten)]
+    posture: PostureArgs,
     /// Name of the node this agent runs on (the downward API's spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
@@ -68,6 +99,8 @@ struct RunArgs {
 
 #[derive(clap::Args)]
 struct InspectArgs {
+    #[command(flatten)]
+    posture: PostureArgs,
     /// Read GPUs from this fake YAML file instead of NVML.
     #[arg(long, env = "GPUWARDEN_FAKE")]
     fake: Option<PathBuf>,
@@ -84,6 +117,8 @@ struct InspectArgs {
 
 #[derive(clap::Args)]
 struct RuntimeReportArgs {
+    #[command(flatten)]
+    posture: PostureArgs,
     /// Where the host's filesystem is mounted: the runtime's config.toml and the CDI spec
     /// directories are read under it.
     #[arg(long, env = "GPUWARDEN_HOST_ROOT", default_value = "/")]
@@ -157,6 +192,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         pod_resources_socket: args.pod_resources_socket,
         host_root: args.host_root,
         runtime_report: args.runtime_report,
+        posture_paths: args.posture.paths(),
         listen: args.listen,
         poll_interval: args.poll_interval,
         resync_interval: args.resync_interval,
@@ -186,6 +222,7 @@ async fn runtime_report(args: RuntimeReportArgs) -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
     gpuwarden_node_agent::runtime::report_loop(
         &args.host_root,
+        &args.posture.paths(),
         &args.report,
         args.interval,
         shutdown_signal(),
@@ -202,6 +239,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         fake: args.fake,
         pod_resources_socket: args.pod_resources_socket,
         host_root: args.host_root,
+        posture_paths: args.posture.paths(),
     };
     let status = gpuwarden_node_agent::inspect(&config).await?;
     let body = gpuwarden_node_agent::writer::apply_object(&args.node_name, &status);

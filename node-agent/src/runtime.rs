@@ -97,6 +97,10 @@ pub struct RuntimeConfig {
     pub mode: Option<String>,
     /// `accept-nvidia-visible-devices-as-volume-mounts`.
     pub accept_volume_mounts: Option<bool>,
+    /// `features.ignore-imex-channel-requests`.
+    pub ignore_imex_channel_requests: Option<bool>,
+    /// `features.disable-imex-channel-creation`.
+    pub disable_imex_channel_creation: Option<bool>,
 }
 
 /// Parses the text of `config.toml`.
@@ -127,12 +131,29 @@ pub fn parse_config(text: &str) -> Result<RuntimeConfig, RuntimeConfigError> {
                 .to_owned(),
         ),
     };
+    let feature = |key: &'static str, name: &str| -> Result<Option<bool>, RuntimeConfigError> {
+        match table.get("features").and_then(|f| f.get(name)) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or(RuntimeConfigError::Type {
+                key,
+                expected: "boolean",
+            }),
+        }
+    };
     Ok(RuntimeConfig {
         accept_env_var_when_unprivileged: boolean(
             "accept-nvidia-visible-devices-envvar-when-unprivileged",
         )?,
         mode,
         accept_volume_mounts: boolean("accept-nvidia-visible-devices-as-volume-mounts")?,
+        ignore_imex_channel_requests: feature(
+            "features.ignore-imex-channel-requests",
+            "ignore-imex-channel-requests",
+        )?,
+        disable_imex_channel_creation: feature(
+            "features.disable-imex-channel-creation",
+            "disable-imex-channel-creation",
+        )?,
     })
 }
 
@@ -140,26 +161,37 @@ pub(crate) fn under(host_root: &Path, path: &str) -> PathBuf {
     host_root.join(path.trim_start_matches('/'))
 }
 
-/// Reads the runtime diagnostics under `host_root` (`/` on the host, `/host` in the pod).
-/// Problems, missing paths among them (named as on the host), go into `error`; the rest is
+/// Reads the runtime diagnostics under `host_root` (`/` on the host, `/host` in the pod), the
+/// toolkit's config and the CRI's from `paths`, and the node's posture
+/// ([`crate::posture::fill`]). Problems, missing paths among them (named as on the host), go
+/// into `error` (the config and the CDI directories) or `unknown` (the posture); the rest is
 /// still filled in.
-pub fn read_runtime(host_root: &Path) -> RuntimeStatus {
+pub fn read_runtime(host_root: &Path, paths: &crate::posture::Paths) -> RuntimeStatus {
     let mut status = RuntimeStatus::default();
     let mut errors = Vec::new();
-    for path in CONFIG_PATHS {
+    let mut configured_mode = None;
+    for path in &paths.toolkit_configs {
         let full = under(host_root, path);
         match std::fs::read_to_string(&full) {
             Ok(text) => {
-                status.config_path = Some((*path).to_owned());
+                status.config_path = Some(path.clone());
                 match parse_config(&text) {
                     Ok(cfg) => {
                         // NVIDIA's default when the key is absent is `true`.
                         status.accept_env_var_when_unprivileged =
                             Some(cfg.accept_env_var_when_unprivileged.unwrap_or(true));
-                        status.mode = Some(cfg.mode.unwrap_or_else(|| "auto".to_owned()));
+                        status.mode = Some(cfg.mode.clone().unwrap_or_else(|| "auto".to_owned()));
+                        configured_mode = status.mode.clone();
                         if cfg.accept_volume_mounts == Some(true) {
                             status.device_list_strategy = Some("volume-mounts".to_owned());
                         }
+                        // NVIDIA's defaults when the keys are absent are all `false`.
+                        status.accept_volume_mounts =
+                            Some(cfg.accept_volume_mounts.unwrap_or(false));
+                        status.ignore_imex_channel_requests =
+                            Some(cfg.ignore_imex_channel_requests.unwrap_or(false));
+                        status.disable_imex_channel_creation =
+                            Some(cfg.disable_imex_channel_creation.unwrap_or(false));
                     }
                     Err(e) => errors.push(format!("{path}: {e}")),
                 }
@@ -175,7 +207,7 @@ pub fn read_runtime(host_root: &Path) -> RuntimeStatus {
     if status.config_path.is_none() && errors.is_empty() {
         errors.push(format!(
             "no NVIDIA container runtime config found on the node ({} do not exist)",
-            CONFIG_PATHS.join(" and ")
+            paths.toolkit_configs.join(" and ")
         ));
     }
     let mut missing_cdi = Vec::new();
@@ -202,6 +234,7 @@ pub fn read_runtime(host_root: &Path) -> RuntimeStatus {
     if !errors.is_empty() {
         status.error = Some(errors.join("; "));
     }
+    crate::posture::fill(&mut status, host_root, paths, configured_mode.as_deref());
     status
 }
 
@@ -276,19 +309,23 @@ pub fn read_report(path: &Path) -> Result<RuntimeStatus, ReportError> {
 
 /// The runtime status the agent reports from `path`: the report, or, when it cannot be
 /// read, a status whose `error` says why (the condition is then Unknown and names it).
-pub fn status_from_report(path: &Path) -> Result<RuntimeStatus, RuntimeStatus> {
-    read_report(path).map_err(|e| RuntimeStatus {
-        error: Some(match &e {
-            ReportError::Read { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                format!(
-                    "the runtime report {} has not been written yet (the runtime-report \
+pub fn status_from_report(path: &Path) -> Result<RuntimeStatus, Box<RuntimeStatus>> {
+    read_report(path).map_err(|e| {
+        Box::new(RuntimeStatus {
+            error: Some(match &e {
+                ReportError::Read { source, .. }
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    format!(
+                        "the runtime report {} has not been written yet (the runtime-report \
                      container of the node agent's pod writes it)",
-                    path.display()
-                )
-            }
-            other => gpuwarden_crds::error_chain(other),
-        }),
-        ..RuntimeStatus::default()
+                        path.display()
+                    )
+                }
+                other => gpuwarden_crds::error_chain(other),
+            }),
+            ..RuntimeStatus::default()
+        })
     })
 }
 
@@ -316,6 +353,7 @@ pub fn check_report(path: &Path, max_age: Duration) -> Result<(), ReportError> {
 /// (the probes see the report go stale); what is read is logged when it changes.
 pub async fn report_loop(
     host_root: &Path,
+    paths: &crate::posture::Paths,
     report: &Path,
     interval: Duration,
     shutdown: impl std::future::Future<Output = ()>,
@@ -329,7 +367,7 @@ pub async fn report_loop(
             () = &mut shutdown => return,
             _ = tick.tick() => {}
         }
-        let status = read_runtime(host_root);
+        let status = read_runtime(host_root, paths);
         if last.as_ref() != Some(&status) {
             info!(
                 config = status.config_path.as_deref().unwrap_or("none"),
@@ -382,7 +420,7 @@ log-level = "info"
     #[test]
     fn reads_host_root_with_defaults_and_cdi() {
         let root = tempfile::tempdir().unwrap();
-        let status = read_runtime(root.path());
+        let status = read_runtime(root.path(), &crate::posture::Paths::default());
         assert!(status.config_path.is_none());
         assert!(!status.cdi_enabled);
         // Nothing there at all: each missing path named as on the host, and nothing created.
@@ -407,7 +445,7 @@ log-level = "info"
             "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices: []\n",
         )
         .unwrap();
-        let status = read_runtime(root.path());
+        let status = read_runtime(root.path(), &crate::posture::Paths::default());
         assert_eq!(
             status.config_path.as_deref(),
             Some("/etc/nvidia-container-runtime/config.toml")
@@ -421,7 +459,10 @@ log-level = "info"
         assert_eq!(status.error.as_deref(), Some("/etc/cdi does not exist"));
 
         std::fs::create_dir_all(root.path().join("etc/cdi")).unwrap();
-        assert_eq!(read_runtime(root.path()).error, None);
+        assert_eq!(
+            read_runtime(root.path(), &crate::posture::Paths::default()).error,
+            None
+        );
     }
 
     /// The GPU Operator's toolkit puts its config under /usr/local/nvidia; a node with only
@@ -438,7 +479,7 @@ log-level = "info"
             "accept-nvidia-visible-devices-envvar-when-unprivileged = false\n",
         )
         .unwrap();
-        let status = read_runtime(root.path());
+        let status = read_runtime(root.path(), &crate::posture::Paths::default());
         assert_eq!(status.config_path.as_deref(), Some(CONFIG_PATHS[1]));
         assert_eq!(status.accept_env_var_when_unprivileged, Some(false));
         assert!(!status.cdi_enabled);
@@ -457,14 +498,14 @@ log-level = "info"
         let cdi = root.path().join("var/run/cdi");
         std::fs::create_dir_all(&cdi).unwrap();
         std::fs::write(cdi.join("vendor.example.com-nic.json"), [0xff, 0xfe]).unwrap();
-        let status = read_runtime(root.path());
+        let status = read_runtime(root.path(), &crate::posture::Paths::default());
         assert!(!status.cdi_enabled);
         std::fs::write(
             cdi.join("k8s.device-plugin.nvidia.com-gpu.json"),
             [0xff, 0xfe],
         )
         .unwrap();
-        let status = read_runtime(root.path());
+        let status = read_runtime(root.path(), &crate::posture::Paths::default());
         assert!(status.cdi_enabled);
         let error = status.error.unwrap();
         assert!(
@@ -495,6 +536,7 @@ log-level = "info"
             device_list_strategy: None,
             cdi_enabled: true,
             error: Some("/etc/cdi does not exist".to_owned()),
+            ..Default::default()
         };
         write_report(&report, &status).unwrap();
         assert_eq!(status_from_report(&report), Ok(status));
@@ -528,9 +570,15 @@ log-level = "info"
         let task = {
             let (root, report) = (root.path().to_owned(), report.clone());
             tokio::spawn(async move {
-                report_loop(&root, &report, Duration::from_millis(50), async {
-                    let _ = rx.await;
-                })
+                report_loop(
+                    &root,
+                    &crate::posture::Paths::default(),
+                    &report,
+                    Duration::from_millis(50),
+                    async {
+                        let _ = rx.await;
+                    },
+                )
                 .await;
             })
         };

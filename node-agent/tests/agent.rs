@@ -481,6 +481,7 @@ async fn the_runtime_comes_from_the_report_once_it_is_written() {
         device_list_strategy: None,
         cdi_enabled: true,
         error: Some("/etc/cdi does not exist".to_owned()),
+        ..Default::default()
     };
     gpuwarden_node_agent::runtime::write_report(&report, &written).unwrap();
     let next = s

@@ -158,6 +158,7 @@ async fn the_sample_status_is_under_8_kib() {
         fake: Some(sample()),
         pod_resources_socket: None,
         host_root: PathBuf::from("/nonexistent-host-root"),
+        posture_paths: Default::default(),
     })
     .await
     .unwrap();
