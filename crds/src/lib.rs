@@ -114,6 +114,9 @@ pub mod condition_types {
     pub const ISOLATED: &str = "Isolated";
     /// The NVIDIA runtime does not hand GPUs to unprivileged containers by environment variable.
     pub const RUNTIME_ISOLATION: &str = "RuntimeIsolation";
+    /// The node's NVIDIA Container Toolkit is affected by no advisory gpuwarden knows of
+    /// (`gpuwarden_crds::toolkit::ADVISORIES`).
+    pub const RUNTIME_PATCHED: &str = "RuntimePatched";
     /// The node agent listed everything it found: no list was cut to its bound.
     pub const STATUS_COMPLETE: &str = "StatusComplete";
     /// `GpuPolicy`: the spec is valid and in force.

@@ -174,6 +174,8 @@ mod tests {
                 "Allocated",
                 "Model",
                 "Driver",
+                "Toolkit",
+                "Patched",
                 "Age"
             ]
         );

@@ -48,6 +48,16 @@ use crate::bounds::{
         json_path = ".status.driver.driverVersion"
     ),
     printcolumn(
+        name = "Toolkit",
+        type_ = "string",
+        json_path = ".status.summary.toolkit"
+    ),
+    printcolumn(
+        name = "Patched",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"RuntimePatched\")].status"
+    ),
+    printcolumn(
         name = "Age",
         type_ = "date",
         json_path = ".metadata.creationTimestamp"
@@ -527,6 +537,11 @@ pub struct GpuNodeSummary {
     /// until the agent reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub privileged_pods: Option<u32>,
+    /// The NVIDIA Container Toolkit's version, as the agent read it; absent when unknown
+    /// (`RuntimePatched` says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub toolkit: Option<String>,
 }
 
 /// See [`GpuNodeSummary::gpus_from`].

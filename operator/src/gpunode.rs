@@ -8,12 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use gpuwarden_crds::condition_types::{
-    AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION, STATUS_COMPLETE,
+    AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION, RUNTIME_PATCHED, STATUS_COMPLETE,
 };
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{
     Binding, BindingSource, GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState,
-    LABEL_GPU_PRESENT, RESOURCE_GPU, Truncated, gpu,
+    LABEL_GPU_PRESENT, RESOURCE_GPU, RuntimeStatus, Truncated, gpu,
 };
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -241,7 +241,7 @@ fn allocated_twice(status: &GpuNodeStatus) -> Vec<String> {
         .collect()
 }
 
-/// The five GpuNode conditions, computed from the agent's status and Lease.
+/// The six GpuNode conditions, computed from the agent's status and Lease.
 pub fn desired_conditions(
     status: Option<&GpuNodeStatus>,
     liveness: &AgentLiveness,
@@ -406,58 +406,8 @@ pub fn desired_conditions(
         ),
     };
 
-    let runtime = match status.and_then(|s| s.runtime.as_ref()) {
-        None => DesiredCondition::unknown(
-            RUNTIME_ISOLATION,
-            "NotReported",
-            "the node agent has not reported the NVIDIA runtime configuration yet",
-        ),
-        Some(r) if r.error.is_some() && r.accept_env_var_when_unprivileged.is_none() => {
-            DesiredCondition::unknown(
-                RUNTIME_ISOLATION,
-                "RuntimeConfigUnreadable",
-                format!(
-                    "the node agent could not read the NVIDIA runtime configuration: {}",
-                    r.error.as_deref().unwrap_or_default()
-                ),
-            )
-        }
-        Some(r) => {
-            let cdi = if r.cdi_enabled {
-                "NVIDIA CDI specs are present, so cdi.k8s.io annotations can inject GPUs"
-            } else {
-                "no NVIDIA CDI specs found"
-            };
-            // What the agent could not read beside the config (a CDI directory the node does
-            // not have, a spec it may not open) qualifies the CDI part.
-            let cdi = match &r.error {
-                Some(e) => format!("{cdi} ({e})"),
-                None => cdi.to_owned(),
-            };
-            if r.env_var_leak() {
-                DesiredCondition::new(
-                    RUNTIME_ISOLATION,
-                    false,
-                    "EnvVarAcceptedWhenUnprivileged",
-                    format!(
-                        "the NVIDIA runtime honours NVIDIA_VISIBLE_DEVICES in unprivileged containers \
-                         (accept-nvidia-visible-devices-envvar-when-unprivileged is true or unset); {cdi}; \
-                         before setting it to false, give the node agent NVML another way \
-                         (the node-agent-privileged component)"
-                    ),
-                )
-            } else {
-                DesiredCondition::new(
-                    RUNTIME_ISOLATION,
-                    true,
-                    "EnvVarIgnoredWhenUnprivileged",
-                    format!(
-                        "unprivileged containers get GPUs only through the device plugin; {cdi}"
-                    ),
-                )
-            }
-        }
-    };
+    let runtime = runtime_isolation(status.and_then(|s| s.runtime.as_ref()));
+    let patched = runtime_patched(status.and_then(|s| s.runtime.as_ref()));
 
     let complete = match status {
         Some(s) if s.gpus.is_some() => match &s.truncated {
@@ -485,7 +435,195 @@ pub fn desired_conditions(
         ),
     };
 
-    vec![agent, healthy, isolated, runtime, complete]
+    vec![agent, healthy, isolated, runtime, patched, complete]
+}
+
+/// `RuntimeIsolation`: whether the NVIDIA runtime hands GPUs to unprivileged containers on
+/// request of an environment variable, and, channel by channel, which doors the node closes
+/// itself and which only admission closes ([`doors`]).
+fn runtime_isolation(runtime: Option<&RuntimeStatus>) -> DesiredCondition {
+    let r = match runtime {
+        None => {
+            return DesiredCondition::unknown(
+                RUNTIME_ISOLATION,
+                "NotReported",
+                "the node agent has not reported the NVIDIA runtime configuration yet",
+            );
+        }
+        Some(r) if r.error.is_some() && r.accept_env_var_when_unprivileged.is_none() => {
+            return DesiredCondition::unknown(
+                RUNTIME_ISOLATION,
+                "RuntimeConfigUnreadable",
+                format!(
+                    "the node agent could not read the NVIDIA runtime configuration: {}",
+                    r.error.as_deref().unwrap_or_default()
+                ),
+            );
+        }
+        Some(r) => r,
+    };
+    let cdi = if r.cdi_enabled {
+        "NVIDIA CDI specs are present, so cdi.k8s.io annotations can inject GPUs"
+    } else {
+        "no NVIDIA CDI specs found"
+    };
+    // What the agent could not read beside the config (a CDI directory the node does not
+    // have, a spec it may not open) qualifies the CDI part.
+    let cdi = match &r.error {
+        Some(e) => format!("{cdi} ({e})"),
+        None => cdi.to_owned(),
+    };
+    let doors = doors(r);
+    if r.env_var_leak() {
+        DesiredCondition::new(
+            RUNTIME_ISOLATION,
+            false,
+            "EnvVarAcceptedWhenUnprivileged",
+            format!(
+                "the NVIDIA runtime honours NVIDIA_VISIBLE_DEVICES in unprivileged containers \
+                 (accept-nvidia-visible-devices-envvar-when-unprivileged is true or unset); {cdi}; \
+                 before setting it to false, give the node agent NVML another way \
+                 (the node-agent-privileged component). {doors}"
+            ),
+        )
+    } else {
+        DesiredCondition::new(
+            RUNTIME_ISOLATION,
+            true,
+            "EnvVarIgnoredWhenUnprivileged",
+            format!(
+                "unprivileged containers get GPUs only through the device plugin; {cdi}. {doors}"
+            ),
+        )
+    }
+}
+
+/// Each way around the kubelet to a device, and whether the node's own settings close it
+/// or only admission does: "Closed by the node: ...; closed only by admission: ...; not
+/// known: ...".
+fn doors(r: &RuntimeStatus) -> String {
+    let (mut node, mut admission, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
+    let mut door = |known: Option<bool>, what: &str| match known {
+        Some(true) => node.push(what.to_owned()),
+        Some(false) => admission.push(what.to_owned()),
+        None => unknown.push(what.to_owned()),
+    };
+    door(
+        r.accept_env_var_when_unprivileged.map(|a| !a),
+        "NVIDIA_VISIBLE_DEVICES in unprivileged containers",
+    );
+    door(
+        r.accept_volume_mounts.map(|a| !a),
+        "device-list volume mounts (/var/run/nvidia-container-devices)",
+    );
+    door(
+        r.ignore_imex_channel_requests,
+        "NVIDIA_IMEX_CHANNELS requests",
+    );
+    let cri = r.container_runtime.as_ref();
+    door(
+        cri.and_then(|c| c.cdi_enabled)
+            .map(|on| !(on && r.cdi_enabled)),
+        "cdi.k8s.io annotations naming NVIDIA CDI devices",
+    );
+    let injectors = !r.device_injectors.is_empty();
+    door(
+        cri.and_then(|c| c.nri_enabled).map(|on| !(on && injectors)),
+        &if injectors {
+            format!(
+                "device-injection annotations ({})",
+                r.device_injectors.join(", ")
+            )
+        } else {
+            "device-injection annotations (NRI)".to_owned()
+        },
+    );
+    let mut parts = Vec::new();
+    if !node.is_empty() {
+        parts.push(format!("Closed by the node: {}", node.join(", ")));
+    }
+    if !admission.is_empty() {
+        parts.push(format!(
+            "closed only by admission: {}",
+            admission.join(", ")
+        ));
+    }
+    if !unknown.is_empty() {
+        parts.push(format!("not known: {}", unknown.join(", ")));
+    }
+    let mut out = parts.join("; ");
+    if let Some(first) = out.get(..1) {
+        out = first.to_uppercase() + &out[1..];
+    }
+    if cri.and_then(|c| c.nvidia_default) == Some(true) {
+        out.push_str(". Every container runs through NVIDIA's runtime (it is the CRI's default)");
+    }
+    out
+}
+
+/// `RuntimePatched`: whether the node's NVIDIA Container Toolkit is one NVIDIA's advisories
+/// ([`gpuwarden_crds::toolkit::ADVISORIES`]) name as affected. Never True without a known
+/// version.
+fn runtime_patched(runtime: Option<&RuntimeStatus>) -> DesiredCondition {
+    use gpuwarden_crds::toolkit::{ADVISORIES, Version, describe};
+    let Some(r) = runtime else {
+        return DesiredCondition::unknown(
+            RUNTIME_PATCHED,
+            "NotReported",
+            "the node agent has not reported the NVIDIA Container Toolkit yet",
+        );
+    };
+    let Some(toolkit) = &r.toolkit else {
+        let why = (r.unknown.iter())
+            .find(|u| u.field == "toolkit")
+            .map_or("the node agent found none", |u| u.reason.as_str());
+        return DesiredCondition::unknown(
+            RUNTIME_PATCHED,
+            "VersionUnknown",
+            format!("the NVIDIA Container Toolkit's version is not known: {why}"),
+        );
+    };
+    let Some(version) = Version::parse(&toolkit.version) else {
+        return DesiredCondition::unknown(
+            RUNTIME_PATCHED,
+            "VersionUnreadable",
+            format!(
+                "the NVIDIA Container Toolkit's version {:?} ({}) is not one the agent can compare",
+                toolkit.version, toolkit.source
+            ),
+        );
+    };
+    let affected = version.advisories();
+    if affected.is_empty() {
+        DesiredCondition::new(
+            RUNTIME_PATCHED,
+            true,
+            "NoKnownVulnerabilities",
+            format!(
+                "NVIDIA Container Toolkit {} ({}) has the fixes of all {} advisories known to gpuwarden",
+                toolkit.version,
+                toolkit.source,
+                ADVISORIES.len()
+            ),
+        )
+    } else {
+        let newest = affected
+            .iter()
+            .map(|a| a.fixed_in)
+            .max()
+            .expect("not empty");
+        DesiredCondition::new(
+            RUNTIME_PATCHED,
+            false,
+            "KnownVulnerabilities",
+            format!(
+                "NVIDIA Container Toolkit {} ({}) is affected by {}; upgrade to {newest} or later",
+                toolkit.version,
+                toolkit.source,
+                describe(&affected).join("; ")
+            ),
+        )
+    }
 }
 
 /// "3 bindings, 2 privileged pods" for the counts that are not zero.
@@ -548,6 +686,9 @@ pub fn summary(status: Option<&GpuNodeStatus>, node: Option<&Node>) -> Option<Gp
         healthy: Some(clamp(healthy)),
         allocated: Some(clamp(allocated)),
         privileged_pods: Some(clamp(privileged_pods)),
+        toolkit: (status.runtime.as_ref())
+            .and_then(|r| r.toolkit.as_ref())
+            .map(|t| t.version.clone()),
     })
 }
 
@@ -574,6 +715,7 @@ fn node_summary(node: &Node) -> Option<GpuNodeSummary> {
         healthy: None,
         allocated: None,
         privileged_pods: None,
+        toolkit: None,
     })
 }
 
@@ -887,7 +1029,8 @@ mod tests {
                 gpus_from: GpusFrom::Agent,
                 healthy: Some(2),
                 allocated: Some(1),
-                privileged_pods: Some(0)
+                privileged_pods: Some(0),
+                toolkit: None,
             })
         );
 
@@ -937,7 +1080,8 @@ mod tests {
                 gpus_from: GpusFrom::Agent,
                 healthy: Some(1),
                 allocated: Some(2),
-                privileged_pods: Some(1)
+                privileged_pods: Some(1),
+                toolkit: None,
             })
         );
 
@@ -1141,7 +1285,118 @@ mod tests {
         assert_eq!(
             r.message,
             "unprivileged containers get GPUs only through the device plugin; no NVIDIA CDI \
-             specs found (/etc/cdi and /var/run/cdi do not exist)"
+             specs found (/etc/cdi and /var/run/cdi do not exist). Closed by the node: \
+             NVIDIA_VISIBLE_DEVICES in unprivileged containers; not known: device-list volume \
+             mounts (/var/run/nvidia-container-devices), NVIDIA_IMEX_CHANNELS requests, \
+             cdi.k8s.io annotations naming NVIDIA CDI devices, device-injection annotations (NRI)"
+        );
+    }
+
+    /// Each door is said to be closed by the node or only by admission, from what the agent
+    /// read of the toolkit and the CRI.
+    #[test]
+    fn runtime_isolation_names_each_door() {
+        let live = AgentLiveness::Live { expires: ts(100) };
+        let status = |runtime: RuntimeStatus| GpuNodeStatus {
+            gpus: Some(vec![gpu(0, true)]),
+            runtime: Some(runtime),
+            ..Default::default()
+        };
+        let gpu_operator = RuntimeStatus {
+            accept_env_var_when_unprivileged: Some(false),
+            accept_volume_mounts: Some(true),
+            ignore_imex_channel_requests: Some(false),
+            cdi_enabled: true,
+            container_runtime: Some(gpuwarden_crds::ContainerRuntimeStatus {
+                name: "containerd".into(),
+                config_path: "/etc/containerd/config.toml".into(),
+                default_runtime: Some("nvidia".into()),
+                nvidia_default: Some(true),
+                cdi_enabled: Some(true),
+                nri_enabled: Some(true),
+            }),
+            device_injectors: vec!["pod kube-system/nri-device-injector-x".into()],
+            ..Default::default()
+        };
+        let c = desired_conditions(Some(&status(gpu_operator)), &live);
+        let r = find(&c, RUNTIME_ISOLATION);
+        assert_eq!(r.status, "True");
+        assert!(
+            r.message.ends_with(
+                "Closed by the node: NVIDIA_VISIBLE_DEVICES in unprivileged containers; closed only \
+                 by admission: device-list volume mounts (/var/run/nvidia-container-devices), \
+                 NVIDIA_IMEX_CHANNELS requests, cdi.k8s.io annotations naming NVIDIA CDI devices, \
+                 device-injection annotations (pod kube-system/nri-device-injector-x). Every \
+                 container runs through NVIDIA's runtime (it is the CRI's default)"
+            ),
+            "{}",
+            r.message
+        );
+    }
+
+    /// RuntimePatched: False naming each advisory and the version to upgrade to, True only
+    /// for a known version past every fix, Unknown with why otherwise.
+    #[test]
+    fn runtime_patched_follows_the_advisories() {
+        use gpuwarden_crds::{ToolkitStatus, UnknownField};
+        let live = AgentLiveness::Live { expires: ts(100) };
+        let patched = |toolkit: Option<&str>, unknown: &[(&str, &str)]| {
+            let status = GpuNodeStatus {
+                gpus: Some(vec![gpu(0, true)]),
+                runtime: Some(RuntimeStatus {
+                    toolkit: toolkit.map(|v| ToolkitStatus {
+                        version: v.into(),
+                        source: "package nvidia-container-toolkit in /var/lib/dpkg/status".into(),
+                    }),
+                    unknown: (unknown.iter())
+                        .map(|(f, r)| UnknownField {
+                            field: (*f).into(),
+                            reason: (*r).into(),
+                        })
+                        .collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            find(&desired_conditions(Some(&status), &live), RUNTIME_PATCHED).clone()
+        };
+        let old = patched(Some("1.17.3-1"), &[]);
+        assert_eq!(
+            (old.status, old.reason.as_str()),
+            ("False", "KnownVulnerabilities")
+        );
+        assert!(
+            old.message.starts_with(
+                "NVIDIA Container Toolkit 1.17.3-1 (package nvidia-container-toolkit in /var/lib/dpkg/status) is affected by CVE-2025-23359 (fixed in 1.17.4): "
+            ) && old.message.contains("CVE-2025-23267 (fixed in 1.17.8)")
+                && old.message.ends_with("upgrade to 1.17.8 or later"),
+            "{}",
+            old.message
+        );
+        let new = patched(Some("1.18.2"), &[]);
+        assert_eq!(
+            (new.status, new.reason.as_str()),
+            ("True", "NoKnownVulnerabilities")
+        );
+        let rc = patched(Some("1.17.8~rc.1-1"), &[]);
+        assert_eq!(rc.status, "False");
+        let unknown = patched(
+            None,
+            &[("toolkit", "the RPM database in /var/lib/rpm is not read")],
+        );
+        assert_eq!(
+            (unknown.status, unknown.reason.as_str()),
+            ("Unknown", "VersionUnknown")
+        );
+        assert!(
+            unknown
+                .message
+                .ends_with("the RPM database in /var/lib/rpm is not read")
+        );
+        let odd = patched(Some("latest"), &[]);
+        assert_eq!(
+            (odd.status, odd.reason.as_str()),
+            ("Unknown", "VersionUnreadable")
         );
     }
 
@@ -1178,7 +1433,7 @@ mod tests {
             ts(10),
         );
         let applied = first.apply.clone().unwrap();
-        assert_eq!(first.transitions.len(), 5);
+        assert_eq!(first.transitions.len(), 6);
         assert!(
             applied
                 .conditions
@@ -1231,6 +1486,7 @@ mod tests {
             healthy: None,
             allocated: None,
             privileged_pods: None,
+            toolkit: None,
         });
         assert_eq!(summary(None, Some(&n)), from_node);
         assert_eq!(
