@@ -241,6 +241,16 @@ fn allocated_twice(status: &GpuNodeStatus) -> Vec<String> {
         .collect()
 }
 
+/// The types of the conditions [`desired_conditions`] sets, in its order.
+pub const CONDITION_TYPES: [&str; 6] = [
+    AGENT_READY,
+    HEALTHY,
+    ISOLATED,
+    RUNTIME_ISOLATION,
+    RUNTIME_PATCHED,
+    STATUS_COMPLETE,
+];
+
 /// The six GpuNode conditions, computed from the agent's status and Lease.
 pub fn desired_conditions(
     status: Option<&GpuNodeStatus>,
@@ -1398,6 +1408,13 @@ mod tests {
             (odd.status, odd.reason.as_str()),
             ("Unknown", "VersionUnreadable")
         );
+    }
+
+    #[test]
+    fn condition_types_are_those_desired_conditions_sets() {
+        let desired = desired_conditions(None, &AgentLiveness::NoLease);
+        let types: Vec<&str> = desired.iter().map(|c| c.type_.as_str()).collect();
+        assert_eq!(types, CONDITION_TYPES);
     }
 
     #[test]

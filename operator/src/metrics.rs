@@ -1,6 +1,8 @@
 //! The operator's Prometheus metrics, registered under the `gpuwarden_operator_` prefix.
 //!
-//! Labels are bounded: controller names, error kinds and write kinds are fixed sets.
+//! Labels are bounded: controller names, error kinds and write kinds are fixed sets; the
+//! per-node condition gauge has one series per GPU node, condition and status, and a node's
+//! series go when its GpuNode does.
 
 use std::time::Duration;
 
@@ -26,6 +28,16 @@ struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeConditionLabels {
+    node: String,
+    condition: String,
+    status: &'static str,
+}
+
+/// The statuses a condition may have, one series each.
+const CONDITION_STATUSES: [&str; 3] = ["True", "False", "Unknown"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WriteLabels {
     controller: &'static str,
     kind: &'static str,
@@ -41,6 +53,7 @@ pub struct Metrics {
     duration: Family<ControllerLabels, Histogram>,
     leader: Gauge,
     caches_synced: Gauge,
+    node_conditions: Family<NodeConditionLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -61,6 +74,7 @@ impl Metrics {
         });
         let leader = Gauge::default();
         let caches_synced = Gauge::default();
+        let node_conditions = Family::<NodeConditionLabels, Gauge>::default();
         registry.register(
             "reconciles",
             "Reconciles run, by controller",
@@ -91,6 +105,11 @@ impl Metrics {
             "1 once every watch cache has finished its first list",
             caches_synced.clone(),
         );
+        registry.register(
+            "gpunode_condition",
+            "1 for the status each condition of a GpuNode has (kube-state-metrics style: one series per status), by node and condition",
+            node_conditions.clone(),
+        );
         Self {
             registry,
             reconciles,
@@ -99,6 +118,7 @@ impl Metrics {
             duration,
             leader,
             caches_synced,
+            node_conditions,
         }
     }
 
@@ -146,6 +166,39 @@ impl Metrics {
         self.caches_synced.set(i64::from(synced));
     }
 
+    /// Sets node `node`'s condition series from `conditions` (`type`, `status`).
+    pub fn set_node_conditions<'c>(
+        &self,
+        node: &str,
+        conditions: impl IntoIterator<Item = (&'c str, &'c str)>,
+    ) {
+        for (condition, status) in conditions {
+            for s in CONDITION_STATUSES {
+                let labels = NodeConditionLabels {
+                    node: node.to_owned(),
+                    condition: condition.to_owned(),
+                    status: s,
+                };
+                self.node_conditions
+                    .get_or_create(&labels)
+                    .set(i64::from(s == status));
+            }
+        }
+    }
+
+    /// Drops node `node`'s condition series (its GpuNode is gone).
+    pub fn forget_node(&self, node: &str, conditions: &[&str]) {
+        for condition in conditions {
+            for status in CONDITION_STATUSES {
+                self.node_conditions.remove(&NodeConditionLabels {
+                    node: node.to_owned(),
+                    condition: (*condition).to_owned(),
+                    status,
+                });
+            }
+        }
+    }
+
     /// OpenMetrics text of every metric.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -175,5 +228,20 @@ mod tests {
         ));
         assert!(text.contains("gpuwarden_operator_reconcile_duration_seconds_bucket"));
         assert_eq!(m.writes("gpunode", "status"), 1);
+    }
+
+    #[test]
+    fn each_node_condition_has_one_series_per_status() {
+        let m = Metrics::new();
+        m.set_node_conditions("gpu-1", [("RuntimePatched", "False"), ("Isolated", "True")]);
+        let text = m.encode();
+        for (status, value) in [("True", 0), ("False", 1), ("Unknown", 0)] {
+            let line = format!(
+                r#"gpuwarden_operator_gpunode_condition{{node="gpu-1",condition="RuntimePatched",status="{status}"}} {value}"#
+            );
+            assert!(text.contains(&line), "{line}\n{text}");
+        }
+        m.forget_node("gpu-1", &["RuntimePatched", "Isolated"]);
+        assert!(!m.encode().contains("gpu-1"));
     }
 }

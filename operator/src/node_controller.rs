@@ -141,6 +141,7 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
                     }),
                     ..Default::default()
                 };
+                ctx.metrics.forget_node(name, &gpunode::CONDITION_TYPES);
                 match api.delete(name, &dp).await {
                     Ok(_) => ctx.metrics.write(CONTROLLER, "delete"),
                     Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
@@ -210,6 +211,10 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
                     .and_then(|s| s.conditions.clone())
                     .unwrap_or_default(),
             };
+            (ctx.metrics).set_node_conditions(
+                name,
+                (conditions.iter()).map(|c| (c.type_.as_str(), c.status.as_str())),
+            );
             if ctx.taint_unhealthy_nodes {
                 sync_taint(ctx, &node, gpunode::wants_unhealthy_taint(&conditions)).await?;
             }
