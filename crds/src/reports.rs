@@ -21,6 +21,19 @@ pub const OPEN_REPORT_KIND: &str = "Report";
 /// Its resource name.
 pub const OPEN_REPORT_PLURAL: &str = "reports";
 
+/// `wgpolicyk8s.io`'s cluster-scoped kind.
+pub const CLUSTER_POLICY_REPORT_KIND: &str = "ClusterPolicyReport";
+/// Its resource name.
+pub const CLUSTER_POLICY_REPORT_PLURAL: &str = "clusterpolicyreports";
+/// `openreports.io`'s cluster-scoped kind.
+pub const CLUSTER_OPEN_REPORT_KIND: &str = "ClusterReport";
+/// Its resource name.
+pub const CLUSTER_OPEN_REPORT_PLURAL: &str = "clusterreports";
+/// Name of gpuwarden's cluster-scoped report of the GPU nodes' posture.
+pub const NODES_REPORT_NAME: &str = "gpuwarden-nodes";
+/// Policy name of the nodes' posture results.
+pub const NODE_POSTURE_POLICY: &str = "gpuwarden-node-posture";
+
 /// Name of gpuwarden's report in each namespace it reports on.
 pub const REPORT_NAME: &str = "gpuwarden";
 /// `source` of every result, as Policy Reporter groups them.

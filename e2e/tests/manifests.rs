@@ -543,6 +543,23 @@ const EXPECTED_GRANTS: &[Row] = &[
         &["list", "create", "patch", "delete"],
         &[],
     ),
+    // The GPU nodes' posture report (operator::node_reports): applied and deleted by name.
+    (
+        install::OPERATOR_NAME,
+        None,
+        "wgpolicyk8s.io",
+        "clusterpolicyreports",
+        &["patch", "delete"],
+        &[gpuwarden_crds::reports::NODES_REPORT_NAME],
+    ),
+    (
+        install::OPERATOR_NAME,
+        None,
+        "openreports.io",
+        "clusterreports",
+        &["patch", "delete"],
+        &[gpuwarden_crds::reports::NODES_REPORT_NAME],
+    ),
     // kube::runtime::events::Recorder (events.k8s.io/v1: create, then patch for a series).
     (
         install::OPERATOR_NAME,
@@ -2016,6 +2033,11 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
         if text.contains("Api::<DynamicObject>") && text.contains("ReportKind::") {
             out.insert(gpuwarden_crds::reports::POLICY_REPORT_PLURAL.into());
             out.insert(gpuwarden_crds::reports::OPEN_REPORT_PLURAL.into());
+        }
+        // Their cluster-scoped kinds, for the nodes' posture report.
+        if text.contains("cluster_plural()") {
+            out.insert(gpuwarden_crds::reports::CLUSTER_POLICY_REPORT_PLURAL.into());
+            out.insert(gpuwarden_crds::reports::CLUSTER_OPEN_REPORT_PLURAL.into());
         }
         if text.contains("LeaseManagerBuilder") {
             out.insert("leases".into());

@@ -19,6 +19,7 @@ pub mod health;
 pub mod leader;
 pub mod metrics;
 pub mod node_controller;
+pub mod node_reports;
 pub mod policy_controller;
 pub mod reports;
 mod runner;

@@ -717,6 +717,7 @@ where
                 node_ctx.clone(),
             )
     };
+    let gpunodes_for_reports = gpunodes.clone();
     let orphan_controller = {
         let (reconcile, backoffs) = (reconcile_by_name, node_backoff);
         Controller::for_stream(orphan_changes, gpunodes)
@@ -766,6 +767,9 @@ where
             reports_tx,
             sd_rx.clone(),
         );
+        // The GPU nodes' posture, in one cluster-scoped report.
+        let nodes_report = (config.policy_reports)
+            .then(|| crate::node_reports::run(ctx.clone(), gpunodes_for_reports, sd_rx.clone()));
         let all = stream::unfold(reports_all, |mut rx| async move {
             rx.recv().await.map(|()| ((), rx))
         });
@@ -803,7 +807,12 @@ where
                 ctx,
             );
         async move {
-            tokio::join!(drain(controller), keeper);
+            let nodes_report = async {
+                if let Some(run) = nodes_report {
+                    run.await;
+                }
+            };
+            tokio::join!(drain(controller), keeper, nodes_report);
         }
     };
     let policies_for_templates = policies.clone();

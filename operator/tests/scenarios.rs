@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use gpuwarden_crds::condition_types::{AGENT_READY, HEALTHY, ISOLATED, READY, RUNTIME_ISOLATION};
+use gpuwarden_crds::condition_types::{
+    AGENT_READY, HEALTHY, ISOLATED, READY, RUNTIME_ISOLATION, RUNTIME_PATCHED,
+};
 use gpuwarden_crds::{
     GpuHealth, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuPolicy, GpuStatus, HealthState,
     RuntimeStatus,
@@ -199,6 +201,10 @@ fn agent_status() -> GpuNodeStatus {
         bindings: Some(vec![]),
         runtime: Some(RuntimeStatus {
             accept_env_var_when_unprivileged: Some(false),
+            toolkit: Some(gpuwarden_crds::ToolkitStatus {
+                version: "1.18.2".into(),
+                source: "package nvidia-container-toolkit in /var/lib/dpkg/status".into(),
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -458,12 +464,19 @@ async fn agent_ready_flips_to_false_when_the_lease_expires_with_an_event() {
         .as_array()
         .unwrap()
         .clone();
-    for t in [AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION] {
+    for t in [
+        AGENT_READY,
+        HEALTHY,
+        ISOLATED,
+        RUNTIME_ISOLATION,
+        RUNTIME_PATCHED,
+    ] {
         assert_eq!(condition(&first, t)["status"], "True", "{t}");
     }
     assert_eq!(
         writes[0].body["status"]["summary"],
-        json!({"gpus": 8, "gpusFrom": "Agent", "healthy": 8, "allocated": 0, "privilegedPods": 0})
+        json!({"gpus": 8, "gpusFrom": "Agent", "healthy": 8, "allocated": 0, "privilegedPods": 0,
+            "toolkit": "1.18.2"})
     );
     apply_status(&mut w, &writes[0].body);
 

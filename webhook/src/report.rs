@@ -10,9 +10,11 @@
 use std::collections::BTreeMap;
 
 use gpuwarden_crds::reports::{
-    ANNOTATION_RESULTS_OMITTED, LABEL_MANAGED_BY, MAX_MESSAGE_LEN, OPEN_REPORT_GROUP,
-    OPEN_REPORT_KIND, OPEN_REPORT_PLURAL, OPEN_REPORT_VERSION, POLICY_REPORT_GROUP,
-    POLICY_REPORT_KIND, POLICY_REPORT_PLURAL, POLICY_REPORT_VERSION, REPORT_NAME, SOURCE,
+    ANNOTATION_RESULTS_OMITTED, CLUSTER_OPEN_REPORT_KIND, CLUSTER_OPEN_REPORT_PLURAL,
+    CLUSTER_POLICY_REPORT_KIND, CLUSTER_POLICY_REPORT_PLURAL, LABEL_MANAGED_BY, MAX_MESSAGE_LEN,
+    NODES_REPORT_NAME, OPEN_REPORT_GROUP, OPEN_REPORT_KIND, OPEN_REPORT_PLURAL,
+    OPEN_REPORT_VERSION, POLICY_REPORT_GROUP, POLICY_REPORT_KIND, POLICY_REPORT_PLURAL,
+    POLICY_REPORT_VERSION, REPORT_NAME, SOURCE,
 };
 use gpuwarden_crds::{PolicyMode, install};
 use serde::{Deserialize, Serialize};
@@ -72,15 +74,36 @@ impl ReportKind {
             Self::OpenReport => OPEN_REPORT_PLURAL,
         }
     }
+
+    /// The cluster-scoped kind of the same group (`ClusterPolicyReport`, `ClusterReport`),
+    /// which its CRDs install beside the namespaced one.
+    pub fn cluster_kind(self) -> &'static str {
+        match self {
+            Self::PolicyReport => CLUSTER_POLICY_REPORT_KIND,
+            Self::OpenReport => CLUSTER_OPEN_REPORT_KIND,
+        }
+    }
+
+    /// The cluster-scoped kind's resource name.
+    pub fn cluster_plural(self) -> &'static str {
+        match self {
+            Self::PolicyReport => CLUSTER_POLICY_REPORT_PLURAL,
+            Self::OpenReport => CLUSTER_OPEN_REPORT_PLURAL,
+        }
+    }
 }
 
 /// `result` of a report result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Outcome {
+    /// The object passes the rule: only a node's posture reports these, so that every node
+    /// has its line.
+    Pass,
     /// The pod breaks the rule: it is (or would be) changed or refused.
     Fail,
-    /// The pod is (or would be) changed to harden it, and breaks nothing (not scored).
+    /// The pod is (or would be) changed to harden it, and breaks nothing (not scored); or a
+    /// node's posture is not known.
     Warn,
 }
 
@@ -260,7 +283,8 @@ pub fn results(decision: &Decision<'_>, subject: &Subject, found: Timestamp) -> 
 /// Counts of a report's results by outcome (`summary`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Summary {
-    /// Always 0: gpuwarden reports only what it changes or refuses.
+    /// Results that pass (only in the nodes' report: a namespace's reports only what is
+    /// changed or refused).
     pub pass: usize,
     /// Results that fail.
     pub fail: usize,
@@ -270,6 +294,46 @@ pub struct Summary {
     pub error: usize,
     /// Always 0.
     pub skip: usize,
+}
+
+impl Summary {
+    /// Counts one result.
+    pub fn count(&mut self, outcome: Outcome) {
+        match outcome {
+            Outcome::Pass => self.pass += 1,
+            Outcome::Fail => self.fail += 1,
+            Outcome::Warn => self.warn += 1,
+        }
+    }
+}
+
+/// The cluster-scoped report of the GPU nodes' posture (docs/design.md, "Node posture"):
+/// one result per node and condition, as an object of `kind`'s cluster kind named
+/// [`NODES_REPORT_NAME`].
+pub fn nodes_report_object(kind: ReportKind, results: &[ReportResult]) -> Value {
+    let mut summary = Summary::default();
+    for r in results {
+        summary.count(r.result);
+    }
+    let mut object = json!({
+        "apiVersion": kind.api_version(),
+        "kind": kind.cluster_kind(),
+        "metadata": {
+            "name": NODES_REPORT_NAME,
+            "labels": { LABEL_MANAGED_BY: install::OPERATOR_NAME },
+        },
+        "summary": summary,
+        "results": results,
+    });
+    if kind == ReportKind::OpenReport {
+        object["source"] = json!(SOURCE);
+    }
+    object
+}
+
+/// `text` cut to the longest message a result holds.
+pub fn clip_message(text: String) -> String {
+    clip(text)
 }
 
 /// One namespace's report, before it is written as an object of either kind.
@@ -291,10 +355,7 @@ impl NamespaceReport {
     pub fn new(namespace: &str, mut results: Vec<ReportResult>, cap: usize) -> Self {
         let mut summary = Summary::default();
         for r in &results {
-            match r.result {
-                Outcome::Fail => summary.fail += 1,
-                Outcome::Warn => summary.warn += 1,
-            }
+            summary.count(r.result);
         }
         results.sort_by(|a, b| {
             let key = |r: &ReportResult| {
