@@ -674,6 +674,8 @@ async fn operator_keeps_one_gpunode_per_gpu_node() {
                 "Allocated",
                 "Model",
                 "Driver",
+                "Toolkit",
+                "Patched",
                 "Age"
             ]
         );

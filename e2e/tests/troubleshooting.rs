@@ -18,7 +18,7 @@ use std::path::Path;
 
 use gpuwarden_crds::RuntimeStatus;
 use gpuwarden_crds::condition_types::{
-    AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION, STATUS_COMPLETE,
+    AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION, RUNTIME_PATCHED, STATUS_COMPLETE,
 };
 use gpuwarden_crds::install;
 use gpuwarden_e2e::manifests::{load_file, repo_root};
@@ -486,6 +486,7 @@ fn the_conditions_table_is_what_the_operator_sets() {
         HEALTHY,
         ISOLATED,
         RUNTIME_ISOLATION,
+        RUNTIME_PATCHED,
         STATUS_COMPLETE,
     ];
     let mut documented = BTreeSet::new();
@@ -574,7 +575,21 @@ fn the_conditions_table_is_what_the_operator_sets() {
                 ..Default::default()
             },
         ),
-    ] {
+    ]
+    .into_iter()
+    // The toolkit: affected, patched, a version that does not read.
+    .chain(["1.17.3-1", "1.18.2", "latest"].map(|version| {
+        (
+            true,
+            RuntimeStatus {
+                toolkit: Some(gpuwarden_crds::ToolkitStatus {
+                    version: version.into(),
+                    source: "dpkg".into(),
+                }),
+                ..Default::default()
+            },
+        )
+    })) {
         let mut s = status(&|_| {});
         s.gpus = Some(vec![gpu(healthy)]);
         s.runtime = Some(runtime);
