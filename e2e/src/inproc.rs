@@ -66,6 +66,18 @@ pub fn start_real_agent(
         .expect("a free port");
     let mut config = gpuwarden_node_agent::Config::new(node);
     config.listen = listen;
+    // A test node may keep its containerd and toolkit configs elsewhere (the rig's do).
+    let list = |var: &str| -> Vec<String> {
+        (std::env::var(var).unwrap_or_default().split(','))
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    config.posture_paths = gpuwarden_node_agent::posture::Paths::with_first(
+        &list("GPUWARDEN_E2E_TOOLKIT_CONFIG"),
+        &list("GPUWARDEN_E2E_CONTAINERD_CONFIG"),
+    );
     let (stop, task) = spawn_agent(env, config);
     (stop, task, listen)
 }
