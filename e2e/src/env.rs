@@ -9,9 +9,9 @@ use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode};
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ServiceAccount};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, LogParams, PostParams};
 use kube::{CustomResourceExt, ResourceExt};
 use serde_json::{Value, json};
 
@@ -131,6 +131,52 @@ impl Env {
             self.cleanup
                 .own_typed::<GpuPolicy>(None, gpuwarden_crds::DEFAULT_POLICY_NAME);
         }
+    }
+
+    /// Whether this machine is the cluster's Ready GPU node, as the node suites need; where
+    /// it is not, prints `SKIPPED` for `test` and why.
+    pub async fn on_this_gpu_node(&self, test: &str) -> bool {
+        let node = crate::node::gpu_node(&self.cluster)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let Some(node) = node else {
+            crate::cluster::skip(test, "no Ready node with 2 allocatable nvidia.com/gpu");
+            return false;
+        };
+        if let Some(problem) = crate::node::local_node_problem(&node, &[]) {
+            crate::cluster::skip(test, &problem);
+            return false;
+        }
+        true
+    }
+
+    /// Creates `pod` in `ns` as the cluster admin and returns it with what its container
+    /// `container` (the only one, when `None`) printed ([`crate::node::SEEN_COMMAND`]);
+    /// panics after 120 s.
+    pub async fn run_seen(
+        &self,
+        ns: &str,
+        pod: &Value,
+        container: Option<&str>,
+    ) -> (Pod, crate::node::Seen) {
+        let r = (self.cluster.create_pod(ns, pod, false).await).unwrap_or_else(|e| panic!("{e}"));
+        assert!(r.status.is_success(), "create: {}", r.message());
+        let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(self.client(), ns);
+        let params = LogParams {
+            container: container.map(str::to_owned),
+            ..LogParams::default()
+        };
+        let seen = wait_for(Duration::from_secs(120), || {
+            let (pods, params) = (pods.clone(), params.clone());
+            async move {
+                let p = pods.get(name).await.ok()?;
+                let seen = crate::node::Seen::parse(&pods.logs(name, &params).await.ok()?)?;
+                Some((p, seen))
+            }
+        })
+        .await;
+        seen.unwrap_or_else(|| panic!("{ns}/{name}: the container never printed what it sees"))
     }
 
     /// A fresh namespace labelled with this run's id (the e2e webhook configuration only

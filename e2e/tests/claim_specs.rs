@@ -21,9 +21,9 @@ use gpuwarden_crds::claims::DEVICE_CLASS_CD_DAEMON;
 use gpuwarden_e2e::cluster::{skip, wait_for};
 use gpuwarden_e2e::env::Env;
 use gpuwarden_e2e::inproc::{RealNode, binding, inventory, isolated};
-use gpuwarden_e2e::node::{SEEN_COMMAND, Seen, busybox, gpu_node, local_node_problem};
+use gpuwarden_e2e::node::{SEEN_COMMAND, Seen, busybox};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ApiResource, DeleteParams, LogParams};
+use kube::api::{Api, ApiResource, DeleteParams};
 use serde_json::{Value, json};
 
 const TEST: &str = "the_agent_names_what_a_claims_cdi_spec_hands_out_beyond_its_allocation";
@@ -101,20 +101,9 @@ async fn run(env: &Env, ns: &str, name: &str, claim: &str) -> (Pod, Seen) {
             "resourceClaims": [{"name": "d", "resourceClaimName": claim}],
             "containers": [{"name": "c", "image": busybox(), "imagePullPolicy": "Never",
                 "command": ["sh", "-c", SEEN_COMMAND], "resources": {"claims": [{"name": "d"}]}}]}});
-    let r = (env.cluster.create_pod(ns, &pod, false).await).unwrap_or_else(|e| panic!("{e}"));
-    assert!(r.status.is_success(), "create: {}", r.message());
+    let seen = env.run_seen(ns, &pod, None).await;
     env.cleanup.own_typed::<Pod>(Some(ns), name);
-    let pods: Api<Pod> = Api::namespaced(env.client(), ns);
-    let seen = wait_for(Duration::from_secs(120), || {
-        let pods = pods.clone();
-        async move {
-            let p = pods.get(name).await.ok()?;
-            let seen = Seen::parse(&pods.logs(name, &LogParams::default()).await.ok()?)?;
-            Some((p, seen))
-        }
-    })
-    .await;
-    seen.unwrap_or_else(|| panic!("{ns}/{name}: the container never printed what it sees"))
+    seen
 }
 
 /// Deletes pod `ns/name` and waits until it is gone.
@@ -136,15 +125,7 @@ async fn delete(env: &Env, ns: &str, name: &str) {
 #[ignore = "needs a node: this machine as a Ready GPU node with NVIDIA's DRA driver (GPU and compute-domain kubelet plugins), NVML, busybox imported; KUBECONFIG=... cargo test -p gpuwarden-e2e --test claim_specs -- --ignored --nocapture --test-threads=1"]
 async fn the_agent_names_what_a_claims_cdi_spec_hands_out_beyond_its_allocation() {
     let env = Env::new().await;
-    let node = gpu_node(&env.cluster)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let Some(node) = node else {
-        skip(TEST, "no Ready node with 2 allocatable nvidia.com/gpu");
-        return;
-    };
-    if let Some(problem) = local_node_problem(&node, &[]) {
-        skip(TEST, &problem);
+    if !env.on_this_gpu_node(TEST).await {
         return;
     }
     let classes = (env.cluster)

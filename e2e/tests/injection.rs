@@ -20,9 +20,9 @@ use gpuwarden_crds::BindingSource;
 use gpuwarden_e2e::cluster::{skip, wait_for};
 use gpuwarden_e2e::env::Env;
 use gpuwarden_e2e::inproc::{RealNode, binding, inventory, isolated};
-use gpuwarden_e2e::node::{SEEN_COMMAND, Seen, busybox, gpu_node, local_node_problem};
+use gpuwarden_e2e::node::{SEEN_COMMAND, Seen, busybox};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, LogParams};
+use kube::api::{Api, DeleteParams};
 use serde_json::{Value, json};
 
 const TEST: &str = "the_agent_names_gpus_an_annotation_injects_beyond_the_pods_allocation";
@@ -48,39 +48,14 @@ fn pod(name: &str, gpus: usize, minors: &[u32]) -> Value {
 
 /// Runs `pod` in `ns` and returns it with what its daemon container sees.
 async fn run(env: &Env, ns: &str, pod: &Value) -> (Pod, Seen) {
-    let r = (env.cluster.create_pod(ns, pod, false).await).unwrap_or_else(|e| panic!("{e}"));
-    assert!(r.status.is_success(), "create: {}", r.message());
-    let name = pod["metadata"]["name"].as_str().unwrap_or_default();
-    let pods: Api<Pod> = Api::namespaced(env.client(), ns);
-    let seen = wait_for(Duration::from_secs(120), || {
-        let pods = pods.clone();
-        async move {
-            let p = pods.get(name).await.ok()?;
-            let params = LogParams {
-                container: Some("daemon".into()),
-                ..LogParams::default()
-            };
-            let seen = Seen::parse(&pods.logs(name, &params).await.ok()?)?;
-            Some((p, seen))
-        }
-    })
-    .await;
-    seen.unwrap_or_else(|| panic!("{ns}/{name}: the daemon never printed what it sees"))
+    env.run_seen(ns, pod, Some("daemon")).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a node: this machine as a Ready GPU node with containerd's NRI device injector, NVML, busybox imported; KUBECONFIG=... cargo test -p gpuwarden-e2e --test injection -- --ignored --nocapture --test-threads=1"]
 async fn the_agent_names_gpus_an_annotation_injects_beyond_the_pods_allocation() {
     let env = Env::new().await;
-    let node = gpu_node(&env.cluster)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let Some(node) = node else {
-        skip(TEST, "no Ready node with 2 allocatable nvidia.com/gpu");
-        return;
-    };
-    if let Some(problem) = local_node_problem(&node, &[]) {
-        skip(TEST, &problem);
+    if !env.on_this_gpu_node(TEST).await {
         return;
     }
     let Some(real) = RealNode::start(&env, TEST).await else {

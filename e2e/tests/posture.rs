@@ -21,12 +21,11 @@ use std::time::Duration;
 use gpuwarden_crds::condition_types::{RUNTIME_ISOLATION, RUNTIME_PATCHED};
 use gpuwarden_crds::toolkit::Version;
 use gpuwarden_crds::{GpuNode, RuntimeStatus};
-use gpuwarden_e2e::cluster::{skip, wait_for};
+use gpuwarden_e2e::cluster::wait_for;
 use gpuwarden_e2e::env::Env;
 use gpuwarden_e2e::inproc::RealNode;
-use gpuwarden_e2e::node::{SEEN_COMMAND, Seen, busybox, gpu_node, local_node_problem};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, LogParams};
+use gpuwarden_e2e::node::{SEEN_COMMAND, busybox};
+use kube::api::Api;
 use serde_json::{Value, json};
 
 const TEST: &str = "the_node_says_which_doors_it_closes_and_processes_get_what_it_says";
@@ -37,24 +36,6 @@ fn pod(name: &str, env: Value) -> Value {
         "spec": {"terminationGracePeriodSeconds": 1, "restartPolicy": "Never",
             "containers": [{"name": "c", "image": busybox(), "imagePullPolicy": "Never",
                 "command": ["sh", "-c", SEEN_COMMAND], "env": env}]}})
-}
-
-/// Runs `pod` in `ns` and returns what its container sees, and the pod as stored.
-async fn run(env: &Env, ns: &str, pod: &Value) -> (Pod, Seen) {
-    let r = (env.cluster.create_pod(ns, pod, false).await).unwrap_or_else(|e| panic!("{e}"));
-    assert!(r.status.is_success(), "create: {}", r.message());
-    let name = pod["metadata"]["name"].as_str().unwrap_or_default();
-    let pods: Api<Pod> = Api::namespaced(env.client(), ns);
-    let seen = wait_for(Duration::from_secs(120), || {
-        let pods = pods.clone();
-        async move {
-            let p = pods.get(name).await.ok()?;
-            let seen = Seen::parse(&pods.logs(name, &LogParams::default()).await.ok()?)?;
-            Some((p, seen))
-        }
-    })
-    .await;
-    seen.unwrap_or_else(|| panic!("{ns}/{name}: the container never printed what it sees"))
 }
 
 /// The GpuNode once the agent has reported its runtime and the operator judged it.
@@ -81,15 +62,7 @@ async fn judged(env: &Env, node: &str) -> GpuNode {
 #[ignore = "needs a node: this machine as a Ready GPU node, NVML, busybox imported; GPUWARDEN_E2E_CONTAINERD_CONFIG / GPUWARDEN_E2E_TOOLKIT_CONFIG where the node keeps them elsewhere; KUBECONFIG=... cargo test -p gpuwarden-e2e --test posture -- --ignored --nocapture --test-threads=1"]
 async fn the_node_says_which_doors_it_closes_and_processes_get_what_it_says() {
     let env = Env::new().await;
-    let node = gpu_node(&env.cluster)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let Some(node) = node else {
-        skip(TEST, "no Ready node with 2 allocatable nvidia.com/gpu");
-        return;
-    };
-    if let Some(problem) = local_node_problem(&node, &[]) {
-        skip(TEST, &problem);
+    if !env.on_this_gpu_node(TEST).await {
         return;
     }
     let Some(real) = RealNode::start(&env, TEST).await else {
@@ -165,7 +138,9 @@ async fn the_node_says_which_doors_it_closes_and_processes_get_what_it_says() {
     // NVIDIA_VISIBLE_DEVICES=all, created with no gpuwarden admission in the way.
     let ns = env.namespace("posture").await;
     let env_all = json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]);
-    let (_, bare) = run(&env, &ns, &pod("env-all", env_all.clone())).await;
+    let (_, bare) = env
+        .run_seen(&ns, &pod("env-all", env_all.clone()), None)
+        .await;
     let leak = runtime.env_var_leak() && nvidia_default;
     let expected = if leak { gpus } else { 0 };
     assert_eq!(
@@ -183,7 +158,9 @@ async fn the_node_says_which_doors_it_closes_and_processes_get_what_it_says() {
 
     // The same pod through gpuwarden's webhook: voided, it sees no GPU whatever the node.
     let (webhook, _) = env.webhook().await;
-    let (stored, through) = run(&env, &ns, &pod("env-all-admitted", env_all)).await;
+    let (stored, through) = env
+        .run_seen(&ns, &pod("env-all-admitted", env_all), None)
+        .await;
     assert_eq!(
         through.gpu_devices,
         Vec::<String>::new(),

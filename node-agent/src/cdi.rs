@@ -71,37 +71,55 @@ pub struct Census {
     pub invalid: Vec<(String, String)>,
 }
 
-/// Counts the kinds and devices of the spec files in `dir`.
-pub fn census(dir: &Path) -> std::io::Result<Census> {
-    let mut out = Census::default();
-    let mut files: Vec<_> = std::fs::read_dir(dir)?
+/// One spec file of a directory: its name, its text (or why it could not be read; `None`
+/// for one too large), and whether it is JSON.
+struct SpecFile {
+    name: String,
+    text: std::io::Result<Option<String>>,
+    json: bool,
+}
+
+/// The spec files (`.json`, `.yaml`, `.yml`) in `dir`, in the order the runtime reads them,
+/// so that a duplicate is the later one.
+fn spec_files(dir: &Path) -> std::io::Result<Vec<SpecFile>> {
+    let mut paths: Vec<_> = std::fs::read_dir(dir)?
         .flatten()
         .map(|e| e.path())
         .collect();
-    files.sort();
-    for path in files {
-        let json = match path.extension().and_then(|e| e.to_str()) {
-            Some("json") => true,
-            Some("yaml" | "yml") => false,
-            _ => continue,
-        };
-        let name = path
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
-        match read_bounded(&path) {
-            Ok(Some(text)) => match Spec::parse(&text, json) {
+    paths.sort();
+    Ok((paths.into_iter())
+        .filter_map(|path| {
+            let json = match path.extension().and_then(|e| e.to_str()) {
+                Some("json") => true,
+                Some("yaml" | "yml") => false,
+                _ => return None,
+            };
+            let name = path.file_name()?.to_string_lossy().into_owned();
+            Some(SpecFile {
+                name,
+                text: read_bounded(&path),
+                json,
+            })
+        })
+        .collect())
+}
+
+/// Counts the kinds and devices of the spec files in `dir`.
+pub fn census(dir: &Path) -> std::io::Result<Census> {
+    let mut out = Census::default();
+    for file in spec_files(dir)? {
+        match file.text {
+            Ok(Some(text)) => match Spec::parse(&text, file.json) {
                 Ok(spec) => {
                     let entry = out.kinds.entry(spec.kind).or_default();
                     let devices = u32::try_from(spec.devices.len()).unwrap_or(u32::MAX);
                     entry.0 = entry.0.saturating_add(devices);
                     entry.1 = entry.1.saturating_add(1);
                 }
-                Err(e) => out.invalid.push((name, e.to_string())),
+                Err(e) => out.invalid.push((file.name, e.to_string())),
             },
             Ok(None) => {}
-            Err(e) => out.unreadable.push((name, e.to_string())),
+            Err(e) => out.unreadable.push((file.name, e.to_string())),
         }
     }
     Ok(out)
@@ -206,30 +224,19 @@ impl CdiDevices {
     pub fn read(host_root: &Path) -> Self {
         let mut out = Self::default();
         let dir = CLAIM_SPEC_DIR;
-        let entries = match std::fs::read_dir(under(host_root, dir)) {
-            Ok(entries) => entries,
+        let files = match spec_files(&under(host_root, dir)) {
+            Ok(files) => files,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return out,
             Err(e) => {
                 out.problems.push(format!("{dir}: {e}"));
                 return out;
             }
         };
-        let mut files: Vec<_> = entries.flatten().map(|e| e.path()).collect();
-        // The order the runtime reads them in, so that a duplicate is the later one.
-        files.sort();
-        for path in files {
-            let json = match path.extension().and_then(|e| e.to_str()) {
-                Some("json") => true,
-                Some("yaml" | "yml") => false,
-                _ => continue,
-            };
-            let shown = format!(
-                "{dir}/{}",
-                path.file_name().unwrap_or_default().to_string_lossy()
-            );
-            match read_bounded(&path) {
+        for file in files {
+            let shown = format!("{dir}/{}", file.name);
+            match file.text {
                 Ok(Some(text)) => {
-                    if let Err(e) = out.add(&text, json) {
+                    if let Err(e) = out.add(&text, file.json) {
                         out.problems.push(format!("{shown}: {e}"));
                     }
                 }
