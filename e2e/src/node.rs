@@ -252,13 +252,16 @@ impl Seen {
     /// it): its `NVIDIA_VISIBLE_DEVICES` names them (none, where it got none), no MIG access
     /// variable is set, no other device variable the runtime would act on (IMEX channels,
     /// NVSwitch, MOFED, GDS; gdrcopy without a GPU), and it has one GPU device node per
-    /// allocated GPU. `Err` says what
-    /// it sees beyond that.
+    /// allocated GPU. Under NVIDIA's runtime the process's own variable reads `void` (every
+    /// CDI spec the toolkit generates sets it): there its device nodes are what it got, and
+    /// `void` with one node per allocated GPU holds. `Err` says what it sees beyond that.
     pub fn holds_exactly(&self, allocated: &[String]) -> Result<(), String> {
         let mut allocated = allocated.to_vec();
         allocated.sort();
         let mut wrong = Vec::new();
-        if self.visible_ids() != allocated {
+        let toolkit_void = self.visible.as_deref().map(str::trim) == Some("void")
+            && self.gpu_devices.len() == allocated.len();
+        if self.visible_ids() != allocated && !toolkit_void {
             wrong.push(format!(
                 "NVIDIA_VISIBLE_DEVICES={} where the kubelet allocated {allocated:?}",
                 self.visible.as_deref().unwrap_or("(unset)")
@@ -539,6 +542,21 @@ mod tests {
         assert!(all.holds_exactly(&[]).is_err());
         let unset = Seen::parse("PATH=/bin\n==devices==\n/dev/nvidia3\n==end==").expect("seen");
         assert!(unset.holds_exactly(&[]).is_err(), "a GPU device node");
+
+        // Under NVIDIA's runtime: void in the process, the allocated GPUs as device nodes.
+        let toolkit = Seen::parse(
+            "NVIDIA_VISIBLE_DEVICES=void\n==devices==\n/dev/nvidia4\n/dev/nvidia5\n==end==",
+        )
+        .expect("seen");
+        assert_eq!(toolkit.holds_exactly(&allocated), Ok(()));
+        assert!(
+            toolkit.holds_exactly(&allocated[..1]).is_err(),
+            "one node too many"
+        );
+        assert!(
+            toolkit.holds_exactly(&[]).is_err(),
+            "nodes with nothing allocated"
+        );
     }
 
     #[test]
