@@ -232,7 +232,29 @@ impl Sweeper {
         // Only PIDs still on a GPU stay cached, so a reused PID is read afresh.
         self.cgroups = live;
 
-        let runtime = match &self.runtime {
+        let mut runtime = self.runtime_status(now);
+        crate::posture::from_pods(&mut runtime, pods);
+        let index = PodIndex::new(pods, authoritative);
+        let computed = crate::status::compute(&StatusInput {
+            reading: &reading,
+            health: &self.health,
+            allocations: &allocations,
+            observed: &observed,
+            pods: &index,
+            devices: &devices,
+            runtime: &runtime,
+            kai: &self.kai,
+            claims: &claims,
+            cdi: &cdi,
+        });
+        self.metrics.update(&reading, &self.health, &computed);
+        Ok(computed)
+    }
+
+    /// The runtime's configuration and the node's posture: read under the host root, or
+    /// from the runtime-report container's report, at most every `runtime_refresh`.
+    fn runtime_status(&mut self, now: Timestamp) -> RuntimeStatus {
+        match &self.runtime {
             Some((at, r)) if elapsed(*at, now) < self.runtime_refresh => r.clone(),
             _ => match &self.runtime_report {
                 None => {
@@ -253,24 +275,7 @@ impl Sweeper {
                     }
                 },
             },
-        };
-        let mut runtime = runtime;
-        crate::posture::from_pods(&mut runtime, pods);
-        let index = PodIndex::new(pods, authoritative);
-        let computed = crate::status::compute(&StatusInput {
-            reading: &reading,
-            health: &self.health,
-            allocations: &allocations,
-            observed: &observed,
-            pods: &index,
-            devices: &devices,
-            runtime: &runtime,
-            kai: &self.kai,
-            claims: &claims,
-            cdi: &cdi,
-        });
-        self.metrics.update(&reading, &self.health, &computed);
-        Ok(computed)
+        }
     }
 
     /// The CDI specs on the node, read when a container uses a claim (docs/design.md, "What
