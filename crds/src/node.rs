@@ -475,6 +475,11 @@ pub struct ContainerRuntimeStatus {
     /// it, with no RuntimeClass.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nvidia_default: Option<bool>,
+    /// The handlers that run NVIDIA's runtime (a pod reaches one by its RuntimeClass), the
+    /// default first. None: no container goes through NVIDIA's runtime. At most 8.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 8), inner(length(max = DNS_LABEL_LEN)))]
+    pub nvidia_handlers: Vec<String>,
     /// Whether the CRI injects CDI devices (`cdi.k8s.io/` annotations, DRA claims).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cdi_enabled: Option<bool>,

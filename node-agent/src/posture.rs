@@ -322,15 +322,12 @@ pub fn containerd(
             .and_then(toml::Value::as_str)
             .map(str::to_owned)
     };
-    let default_binary = binary_of(&default_runtime);
-    let nvidia_binary = binary_of("nvidia").or_else(|| {
-        default_binary
-            .clone()
-            .filter(|b| b.contains("nvidia-container-runtime"))
-    });
-    let nvidia_default = default_binary
-        .as_deref()
-        .is_some_and(|b| b.contains("nvidia-container-runtime"));
+    let handlers: Vec<String> = (runtimes.and_then(|r| r.get("runtimes")))
+        .and_then(toml::Value::as_table)
+        .map(|t| t.keys().cloned().collect())
+        .unwrap_or_default();
+    let (nvidia_handlers, nvidia_binary) = nvidia_runtimes(&handlers, &default_runtime, binary_of);
+    let nvidia_default = nvidia_handlers.contains(&default_runtime);
     let cdi_enabled = (cri.and_then(|c| c.get("enable_cdi")))
         .and_then(toml::Value::as_bool)
         .unwrap_or(cdi_default);
@@ -347,6 +344,7 @@ pub fn containerd(
             config_path: path.to_owned(),
             default_runtime: Some(default_runtime),
             nvidia_default: Some(nvidia_default),
+            nvidia_handlers,
             cdi_enabled: Some(cdi_enabled),
             nri_enabled: Some(nri_enabled),
         },
@@ -406,8 +404,11 @@ fn crio(host_root: &Path, configs: &[String]) -> Result<Option<CriFound>, String
             .and_then(toml::Value::as_str)
             .map(str::to_owned)
     };
-    let default_path = path_of(&default_runtime);
-    let nvidia_binary = path_of("nvidia");
+    let handlers: Vec<String> = (runtime.and_then(|r| r.get("runtimes")))
+        .and_then(toml::Value::as_table)
+        .map(|t| t.keys().cloned().collect())
+        .unwrap_or_default();
+    let (nvidia_handlers, nvidia_binary) = nvidia_runtimes(&handlers, &default_runtime, path_of);
     let nri_enabled = (crio.and_then(|c| c.get("nri")))
         .and_then(|n| n.get("enable_nri"))
         .and_then(toml::Value::as_bool);
@@ -415,17 +416,31 @@ fn crio(host_root: &Path, configs: &[String]) -> Result<Option<CriFound>, String
         Ok(ContainerRuntimeStatus {
             name: "cri-o".into(),
             config_path: files[0].0.clone(),
-            nvidia_default: Some(
-                default_path
-                    .as_deref()
-                    .is_some_and(|p| p.contains("nvidia-container-runtime")),
-            ),
+            nvidia_default: Some(nvidia_handlers.contains(&default_runtime)),
+            nvidia_handlers,
             default_runtime: Some(default_runtime),
             cdi_enabled: Some(true),
             nri_enabled,
         }),
         nvidia_binary,
     )))
+}
+
+/// Which of the CRI's `handlers` run NVIDIA's runtime (`binary_of` each runs it), the
+/// default first, at most 8; and the binary of the first.
+fn nvidia_runtimes(
+    handlers: &[String],
+    default: &str,
+    binary_of: impl Fn(&str) -> Option<String>,
+) -> (Vec<String>, Option<String>) {
+    let mut found: Vec<(String, String)> = (handlers.iter())
+        .filter_map(|h| Some((h.clone(), binary_of(h)?)))
+        .filter(|(_, binary)| binary.contains("nvidia-container-runtime"))
+        .collect();
+    found.sort_by_key(|(h, _)| (h != default, h.clone()));
+    found.truncate(8);
+    let binary = found.first().map(|(_, b)| b.clone());
+    (found.into_iter().map(|(h, _)| h).collect(), binary)
 }
 
 /// The binaries to read the toolkit's version from: the CRI's NVIDIA runtime binary (and,

@@ -484,7 +484,10 @@ fn runtime_isolation(runtime: Option<&RuntimeStatus>) -> DesiredCondition {
         None => cdi.to_owned(),
     };
     let doors = doors(r);
-    if r.env_var_leak() {
+    // A node where no CRI handler runs NVIDIA's runtime hands out nothing by variable,
+    // whatever the toolkit's config says.
+    let runs_nvidia = !(r.container_runtime.as_ref()).is_some_and(|c| c.nvidia_handlers.is_empty());
+    if r.env_var_leak() && runs_nvidia {
         DesiredCondition::new(
             RUNTIME_ISOLATION,
             false,
@@ -513,24 +516,30 @@ fn runtime_isolation(runtime: Option<&RuntimeStatus>) -> DesiredCondition {
 /// known: ...".
 fn doors(r: &RuntimeStatus) -> String {
     let (mut node, mut admission, mut unknown) = (Vec::new(), Vec::new(), Vec::new());
+    let cri = r.container_runtime.as_ref();
+    // Where no CRI handler runs NVIDIA's runtime, nothing acts on its variables and mounts.
+    let no_nvidia_runtime = cri.is_some_and(|c| c.nvidia_handlers.is_empty());
     let mut door = |known: Option<bool>, what: &str| match known {
         Some(true) => node.push(what.to_owned()),
         Some(false) => admission.push(what.to_owned()),
         None => unknown.push(what.to_owned()),
     };
+    let runtime_door = |setting: Option<bool>| match no_nvidia_runtime {
+        true => Some(true),
+        false => setting,
+    };
     door(
-        r.accept_env_var_when_unprivileged.map(|a| !a),
+        runtime_door(r.accept_env_var_when_unprivileged.map(|a| !a)),
         "NVIDIA_VISIBLE_DEVICES in unprivileged containers",
     );
     door(
-        r.accept_volume_mounts.map(|a| !a),
+        runtime_door(r.accept_volume_mounts.map(|a| !a)),
         "device-list volume mounts (/var/run/nvidia-container-devices)",
     );
     door(
-        r.ignore_imex_channel_requests,
+        runtime_door(r.ignore_imex_channel_requests),
         "NVIDIA_IMEX_CHANNELS requests",
     );
-    let cri = r.container_runtime.as_ref();
     door(
         cri.and_then(|c| c.cdi_enabled)
             .map(|on| !(on && r.cdi_enabled)),
@@ -567,6 +576,13 @@ fn doors(r: &RuntimeStatus) -> String {
     }
     if cri.and_then(|c| c.nvidia_default) == Some(true) {
         out.push_str(". Every container runs through NVIDIA's runtime (it is the CRI's default)");
+    } else if let Some(c) = cri.filter(|c| !c.nvidia_handlers.is_empty()) {
+        out.push_str(&format!(
+            ". Pods reach NVIDIA's runtime through the RuntimeClass handlers {}",
+            c.nvidia_handlers.join(", ")
+        ));
+    } else if no_nvidia_runtime {
+        out.push_str(". No CRI handler runs NVIDIA's runtime");
     }
     out
 }
@@ -1322,6 +1338,7 @@ mod tests {
                 config_path: "/etc/containerd/config.toml".into(),
                 default_runtime: Some("nvidia".into()),
                 nvidia_default: Some(true),
+                nvidia_handlers: vec!["nvidia".into()],
                 cdi_enabled: Some(true),
                 nri_enabled: Some(true),
             }),
@@ -1339,6 +1356,29 @@ mod tests {
                  device-injection annotations (pod kube-system/nri-device-injector-x). Every \
                  container runs through NVIDIA's runtime (it is the CRI's default)"
             ),
+            "{}",
+            r.message
+        );
+        // No handler runs NVIDIA's runtime: nothing acts on its variables or mounts.
+        let runc = RuntimeStatus {
+            accept_env_var_when_unprivileged: Some(true),
+            container_runtime: Some(gpuwarden_crds::ContainerRuntimeStatus {
+                name: "containerd".into(),
+                default_runtime: Some("runc".into()),
+                nvidia_default: Some(false),
+                cdi_enabled: Some(false),
+                nri_enabled: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let c = desired_conditions(Some(&status(runc)), &live);
+        let r = find(&c, RUNTIME_ISOLATION);
+        assert_eq!(r.status, "True", "{}", r.message);
+        assert!(
+            r.message.contains(
+                "Closed by the node: NVIDIA_VISIBLE_DEVICES in unprivileged containers, device-list volume mounts"
+            ) && r.message.ends_with("No CRI handler runs NVIDIA's runtime"),
             "{}",
             r.message
         );
