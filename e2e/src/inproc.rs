@@ -263,3 +263,21 @@ pub async fn isolated(env: &Env, node: &str, status: &str) -> Option<Condition> 
     })
     .await
 }
+
+/// The GPUs a container's device nodes are, by the minor numbers NVML reports, sorted.
+pub fn device_uuids(gn: &GpuNode, seen: &crate::node::Seen) -> Vec<String> {
+    let gpus = gn.status.as_ref().and_then(|s| s.gpus.as_ref());
+    let by_path: std::collections::BTreeMap<String, &str> = (gpus.into_iter().flatten())
+        .filter_map(|g| Some((format!("/dev/nvidia{}", g.minor_number?), g.uuid.as_str())))
+        .collect();
+    let mut uuids: Vec<String> = (seen.gpu_devices.iter())
+        .map(|path| {
+            by_path
+                .get(path)
+                .unwrap_or_else(|| panic!("{path} is no GPU NVML reports: {by_path:?}"))
+                .to_string()
+        })
+        .collect();
+    uuids.sort();
+    uuids
+}

@@ -25,7 +25,7 @@
 //! KUBECONFIG=... cargo test -p gpuwarden-e2e --test dra -- --ignored --nocapture --test-threads=1
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use gpuwarden_crds::admission::policies::render;
@@ -223,30 +223,12 @@ fn claim_ref(claim: &Value) -> String {
     )
 }
 
-/// The GPUs a container's device nodes are, by the minor numbers NVML reports, sorted.
-fn device_uuids(gn: &GpuNode, seen: &Seen) -> Vec<String> {
-    let gpus = gn.status.as_ref().and_then(|s| s.gpus.as_ref());
-    let by_path: BTreeMap<String, &str> = (gpus.into_iter().flatten())
-        .filter_map(|g| Some((format!("/dev/nvidia{}", g.minor_number?), g.uuid.as_str())))
-        .collect();
-    let mut uuids: Vec<String> = (seen.gpu_devices.iter())
-        .map(|path| {
-            by_path
-                .get(path)
-                .unwrap_or_else(|| panic!("{path} is no GPU NVML reports: {by_path:?}"))
-                .to_string()
-        })
-        .collect();
-    uuids.sort();
-    uuids
-}
-
 /// The GPUs a container sees: its device nodes are exactly `uuids`, and its
 /// `NVIDIA_VISIBLE_DEVICES` names nothing else (the driver's CDI spec sets `void`; a
 /// runtime that reads it anyway must find no other GPU), and no MIG access variable is set.
 fn assert_sees_exactly(gn: &GpuNode, what: &str, seen: &Seen, uuids: &[String]) {
     assert_eq!(
-        device_uuids(gn, seen),
+        gpuwarden_e2e::inproc::device_uuids(gn, seen),
         uuids,
         "{what}: its device nodes are not its allocation ({})",
         seen.summary()
@@ -741,7 +723,10 @@ async fn the_device_plugin_beside_the_driver_is_named_where_both_hand_out_a_gpu(
         "{}",
         plugin_seen[0].summary()
     );
-    assert_eq!(device_uuids(&gn, &plugin_seen[0]), plugin_gave);
+    assert_eq!(
+        gpuwarden_e2e::inproc::device_uuids(&gn, &plugin_seen[0]),
+        plugin_gave
+    );
     assert!(
         plugin_gave.contains(&claimed[0]),
         "every GPU of the device plugin, the claimed one among them: {plugin_gave:?}"

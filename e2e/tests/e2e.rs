@@ -17,10 +17,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpuwarden_crds::{GpuNode, GpuPolicy, PolicyMode, condition_types};
-use gpuwarden_e2e::cluster::{RawResponse, admitted, skip, visible_in_log, wait_for};
+use gpuwarden_e2e::cluster::{RawResponse, admitted, skip, wait_for};
 use gpuwarden_e2e::env::{Env, LABEL_RUN, SHORT};
 use gpuwarden_e2e::inproc::{RealNode, spawn_agent, start_operator};
-use gpuwarden_e2e::node::busybox;
+use gpuwarden_e2e::node::{SEEN_COMMAND, Seen, busybox};
 use http::Method;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -1491,7 +1491,7 @@ async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
     let mut pod = privileged_gpu_pod("train");
     pod["spec"]["containers"][0]["image"] = json!(busybox());
     pod["spec"]["containers"][0]["imagePullPolicy"] = json!("IfNotPresent");
-    pod["spec"]["containers"][0]["command"] = json!(["sh", "-c", "env; sleep 3600"]);
+    pod["spec"]["containers"][0]["command"] = json!(["sh", "-c", SEEN_COMMAND]);
     pod["spec"]["terminationGracePeriodSeconds"] = json!(1);
     env.until_admission(&ns, &pod, "rewrite on the node", rewritten)
         .await;
@@ -1537,18 +1537,23 @@ async fn privileged_pod_runs_with_exactly_its_gpus_on_a_real_node() {
         Some(node.as_str())
     );
     let pod_uid = running.metadata.uid.clone().expect("uid");
-    let log = wait_for(SHORT, || {
+    let printed = wait_for(SHORT, || {
         let pods = pods.clone();
-        async move {
-            let log = pods.logs("train", &Default::default()).await.ok()?;
-            log.contains("NVIDIA_VISIBLE_DEVICES=").then_some(log)
-        }
+        async move { Seen::parse(&pods.logs("train", &Default::default()).await.ok()?) }
     })
     .await
-    .expect("the container printed its environment");
-    let seen = visible_in_log(&log);
-    assert_eq!(seen.len(), 2, "the process sees {seen:?}");
-    assert!(seen.iter().all(|id| id.starts_with("GPU-")), "{seen:?}");
+    .expect("the container printed what it sees");
+    // The GPUs it holds, by its device nodes. On plain runc the device plugin's variable
+    // names them too; under NVIDIA's runtime the process's own variable reads void.
+    let inventory = gpuwarden_e2e::inproc::inventory(&env, &node).await;
+    let seen = gpuwarden_e2e::inproc::device_uuids(&inventory, &printed);
+    assert_eq!(seen.len(), 2, "the process sees {}", printed.summary());
+    let visible = printed.visible_ids();
+    assert!(
+        visible == seen || printed.visible.as_deref() == Some("void"),
+        "{}",
+        printed.summary()
+    );
 
     // The kubelet's allocation, as the agent reports it, is what the process sees.
     let gpunodes: Api<GpuNode> = Api::all(env.client());
