@@ -47,6 +47,19 @@ fn policy_report_crd() -> CustomResourceDefinition {
     .expect("CRD")
 }
 
+const CLUSTER_CRD_NAME: &str = "clusterpolicyreports.wgpolicyk8s.io";
+
+/// The same of the ClusterPolicyReport CRD: cluster-scoped, short name `cpolr`.
+fn cluster_policy_report_crd() -> CustomResourceDefinition {
+    let mut crd = serde_json::to_value(policy_report_crd()).expect("json");
+    crd["metadata"]["name"] = json!(CLUSTER_CRD_NAME);
+    crd["spec"]["scope"] = json!("Cluster");
+    crd["spec"]["names"] = json!({"plural": "clusterpolicyreports",
+        "singular": "clusterpolicyreport", "kind": "ClusterPolicyReport",
+        "listKind": "ClusterPolicyReportList", "shortNames": ["cpolr"]});
+    serde_json::from_value(crd).expect("CRD")
+}
+
 fn reports_api(env: &Env, namespace: &str) -> Api<DynamicObject> {
     let gvk = GroupVersionKind::gvk("wgpolicyk8s.io", "v1alpha2", "PolicyReport");
     let resource = ApiResource::from_gvk_with_plural(&gvk, "policyreports");
@@ -134,23 +147,33 @@ async fn reports_list_what_mutate_would_change_and_empty_when_the_pods_go() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let env = Env::new().await;
     let crds: Api<CustomResourceDefinition> = Api::all(env.client());
-    let existing = settled(&crds, CRD_NAME, Duration::from_secs(90))
-        .await
-        .expect("the PolicyReport CRD is stuck terminating");
-    if existing.is_none() {
-        crds.create(&PostParams::default(), &policy_report_crd())
+    for (name, crd, plural) in [
+        (CRD_NAME, policy_report_crd(), "policyreports"),
+        (
+            CLUSTER_CRD_NAME,
+            cluster_policy_report_crd(),
+            "clusterpolicyreports",
+        ),
+    ] {
+        let existing = settled(&crds, name, Duration::from_secs(90))
             .await
-            .expect("create the PolicyReport CRD");
+            .unwrap_or_else(|| panic!("the CRD {name} is stuck terminating"));
+        if existing.is_some() {
+            continue;
+        }
+        crds.create(&PostParams::default(), &crd)
+            .await
+            .unwrap_or_else(|e| panic!("create the CRD {name}: {e}"));
         env.cleanup
-            .own_typed::<CustomResourceDefinition>(None, CRD_NAME);
+            .own_typed::<CustomResourceDefinition>(None, name);
         let served = wait_for(SHORT, || async {
             env.cluster
-                .serves("wgpolicyk8s.io/v1alpha2", "policyreports")
+                .serves("wgpolicyk8s.io/v1alpha2", plural)
                 .await
                 .then_some(())
         })
         .await;
-        assert!(served.is_some(), "the PolicyReport CRD is not served");
+        assert!(served.is_some(), "the CRD {name} is not served");
     }
     let gpunodes: Vec<String> = Api::<GpuNode>::all(env.client())
         .list(&ListParams::default())
@@ -289,6 +312,64 @@ async fn reports_list_what_mutate_would_change_and_empty_when_the_pods_go() {
         assert!(
             gone.is_some(),
             "the report in {ns} stayed after its pods went"
+        );
+    }
+
+    // The GPU nodes' posture: one cluster-scoped report, a RuntimePatched and a
+    // RuntimeIsolation result per GpuNode (Unknown until an agent reports: warn).
+    let nodes: Vec<String> = Api::<GpuNode>::all(env.client())
+        .list(&ListParams::default())
+        .await
+        .expect("GpuNodes")
+        .iter()
+        .map(|g| g.spec.node_name.clone())
+        .collect();
+    let gvk = GroupVersionKind::gvk("wgpolicyk8s.io", "v1alpha2", "ClusterPolicyReport");
+    let cluster: Api<DynamicObject> = Api::all_with(
+        env.client(),
+        &ApiResource::from_gvk_with_plural(&gvk, "clusterpolicyreports"),
+    );
+    let report = wait_for(Duration::from_secs(90), || {
+        let (cluster, nodes) = (cluster.clone(), nodes.clone());
+        async move {
+            let report = cluster.get_opt("gpuwarden-nodes").await.ok()??;
+            let results = report.data["results"].as_array()?.clone();
+            let lines: Vec<(String, String)> = (results.iter())
+                .map(|r| {
+                    let rule = r["rule"].as_str().unwrap_or_default().to_owned();
+                    (
+                        r["resources"][0]["name"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                        rule,
+                    )
+                })
+                .collect();
+            let every = nodes.iter().all(|n| {
+                ["RuntimePatched", "RuntimeIsolation"]
+                    .iter()
+                    .all(|rule| lines.contains(&(n.clone(), (*rule).to_owned())))
+            });
+            (every && lines.len() == 2 * nodes.len()).then_some(report)
+        }
+    })
+    .await;
+    if nodes.is_empty() {
+        eprintln!("no GpuNode: no nodes' report to check");
+    } else {
+        let report = report.unwrap_or_else(|| {
+            panic!("the ClusterPolicyReport gpuwarden-nodes never listed the GpuNodes {nodes:?}")
+        });
+        eprintln!(
+            "ClusterPolicyReport gpuwarden-nodes: summary {}, {} results for {nodes:?}",
+            report.data["summary"],
+            report.data["results"].as_array().map_or(0, Vec::len)
+        );
+        env.cleanup.own(
+            ApiResource::from_gvk_with_plural(&gvk, "clusterpolicyreports"),
+            None,
+            "gpuwarden-nodes",
         );
     }
 

@@ -20,7 +20,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams
 use kube::runtime::reflector::Store;
 use kube::{Api, Client, ResourceExt};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::reports::ReportContext;
 
@@ -146,13 +146,26 @@ pub async fn reconcile(
         }
         let object = report::nodes_report_object(*kind, &results);
         let params = PatchParams::apply(FIELD_MANAGER_REPORTS).force();
-        api.patch(NODES_REPORT_NAME, &params, &Patch::Apply(object))
+        match api
+            .patch(NODES_REPORT_NAME, &params, &Patch::Apply(object))
             .await
-            .map_err(|source| NodeReportError::Apply {
-                kind: kind.cluster_kind(),
-                source,
-            })?;
-        metrics.write(CONTROLLER, "apply");
+        {
+            Ok(_) => metrics.write(CONTROLLER, "apply"),
+            // The namespaced kind is served and the cluster kind is not (a cluster that
+            // installed only one CRD): nothing to keep there.
+            Err(kube::Error::Api(s)) if s.code == 404 => {
+                debug!(
+                    kind = kind.cluster_kind(),
+                    "not served; no nodes' report there"
+                );
+            }
+            Err(source) => {
+                return Err(NodeReportError::Apply {
+                    kind: kind.cluster_kind(),
+                    source,
+                });
+            }
+        }
     }
     Ok(Some(hash))
 }
