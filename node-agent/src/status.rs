@@ -656,6 +656,18 @@ mod tests {
         }
     }
 
+    /// GPU-a and GPU-b, minor numbers 0 and 1.
+    fn two_gpus() -> Reading {
+        let mut r = reading();
+        r.gpus[0].info.minor_number = Some(0);
+        let mut other = r.gpus[0].clone();
+        other.info.uuid = "GPU-b".into();
+        other.info.index = 1;
+        other.info.minor_number = Some(1);
+        r.gpus.push(other);
+        r
+    }
+
     fn observed(uid: &str, id: &str) -> ObservedProcess {
         ObservedProcess {
             device_uuid: "GPU-a".into(),
@@ -777,13 +789,7 @@ devices:
 
     #[test]
     fn a_claim_whose_cdi_spec_hands_out_more_than_its_allocation_is_beyond_claim() {
-        let mut r = reading();
-        r.gpus[0].info.minor_number = Some(0);
-        let mut other = r.gpus[0].clone();
-        other.info.uuid = "GPU-b".into();
-        other.info.index = 1;
-        other.info.minor_number = Some(1);
-        r.gpus.push(other);
+        let r = two_gpus();
         let mut cdi = CdiDevices::default();
         for spec in DAEMON_SPECS {
             cdi.add(spec, false).unwrap();
@@ -910,13 +916,7 @@ devices:
     #[test]
     fn an_annotation_naming_a_gpu_the_pod_was_not_allocated_is_injected_use() {
         use gpuwarden_crds::injection::GpuName;
-        let mut r = reading();
-        r.gpus[0].info.minor_number = Some(0);
-        let mut other = r.gpus[0].clone();
-        other.info.uuid = "GPU-b".into();
-        other.info.index = 1;
-        other.info.minor_number = Some(1);
-        r.gpus.push(other);
+        let r = two_gpus();
         let allocated = |uuid: &str| Allocation {
             namespace: "ml".into(),
             pod: "train".into(),
