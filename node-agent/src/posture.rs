@@ -80,8 +80,11 @@ const TOOLKIT_PACKAGES: [&str; 3] = [
 ];
 /// What NVIDIA's build links into the toolkit's binaries, before their version.
 const VERSION_MARKER: &[u8] = b"nvidia-container-toolkit/internal/info.version=";
-/// Binaries larger than this are not scanned.
+/// Binaries are scanned up to this many bytes.
 const MAX_BINARY: u64 = 256 * 1024 * 1024;
+/// A dpkg database larger than this is not read (a busy host's is a few MiB; the reader's
+/// memory limit is 64 MiB).
+const MAX_DPKG_STATUS: u64 = 16 * 1024 * 1024;
 /// containerd's files larger than this are not read.
 const MAX_CONFIG: u64 = 1024 * 1024;
 
@@ -89,7 +92,7 @@ const MAX_CONFIG: u64 = 1024 * 1024;
 /// build flags in its runtime binary (`binaries`, in order). `Err` says why none was found.
 pub fn toolkit_version(host_root: &Path, binaries: &[String]) -> Result<ToolkitStatus, String> {
     let mut why = Vec::new();
-    match read_limited(&under(host_root, DPKG_STATUS), 64 * 1024 * 1024) {
+    match read_limited(&under(host_root, DPKG_STATUS), MAX_DPKG_STATUS) {
         Ok(text) => match dpkg_version(&String::from_utf8_lossy(&text)) {
             Some((package, version)) => {
                 return Ok(ToolkitStatus {
@@ -156,10 +159,31 @@ pub fn dpkg_version(status: &str) -> Option<(String, String)> {
 }
 
 /// The version NVIDIA's build linked into a toolkit binary (`-X .../info.version=1.18.2`),
-/// read without running it.
+/// read without running it, a chunk at a time (the reader's memory is small; the binary is
+/// not).
 pub fn binary_version(path: &Path) -> std::io::Result<Option<String>> {
-    let bytes = read_limited(path, MAX_BINARY)?;
-    Ok(version_after_marker(&bytes))
+    const CHUNK: usize = 1024 * 1024;
+    // What a chunk keeps of the one before: a marker and a version cut at the seam.
+    const CARRY: usize = VERSION_MARKER.len() + 64;
+    let file = std::fs::File::open(path)?;
+    let mut file = file.take(MAX_BINARY);
+    let mut window: Vec<u8> = Vec::with_capacity(CHUNK + CARRY);
+    let mut chunk = vec![0u8; CHUNK];
+    loop {
+        let n = file.read(&mut chunk)?;
+        window.extend_from_slice(&chunk[..n]);
+        if let Some(version) = version_after_marker(&window) {
+            // A version at the very end may go on in the next chunk.
+            if n == 0 || !window.ends_with(version.as_bytes()) {
+                return Ok(Some(version));
+            }
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        let keep = window.len().saturating_sub(CARRY);
+        window.drain(..keep);
+    }
 }
 
 fn version_after_marker(bytes: &[u8]) -> Option<String> {
@@ -668,6 +692,39 @@ mod tests {
             None
         );
         assert_eq!(dpkg_version(""), None);
+    }
+
+    #[test]
+    fn a_binarys_version_is_found_across_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        for at in [
+            0usize,
+            1024 * 1024 - 10,
+            1024 * 1024 - 50,
+            3 * 1024 * 1024 + 7,
+        ] {
+            let mut bytes = vec![0u8; at];
+            bytes.extend_from_slice(VERSION_MARKER);
+            bytes.extend_from_slice(b"1.17.8 ");
+            bytes.extend(std::iter::repeat_n(0u8, 100));
+            let path = dir.path().join(format!("bin-{at}"));
+            std::fs::write(&path, &bytes).unwrap();
+            assert_eq!(
+                binary_version(&path).unwrap().as_deref(),
+                Some("1.17.8"),
+                "{at}"
+            );
+        }
+        // The version is the file's last bytes.
+        let path = dir.path().join("tail");
+        let mut bytes = vec![1u8; 1024 * 1024 - VERSION_MARKER.len() - 2];
+        bytes.extend_from_slice(VERSION_MARKER);
+        bytes.extend_from_slice(b"1.18.2");
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(binary_version(&path).unwrap().as_deref(), Some("1.18.2"));
+        let none = dir.path().join("none");
+        std::fs::write(&none, vec![7u8; 2 * 1024 * 1024]).unwrap();
+        assert_eq!(binary_version(&none).unwrap(), None);
     }
 
     #[test]
