@@ -713,10 +713,28 @@ mod tests {
         allocations: &[Allocation],
         observed: &[ObservedProcess],
     ) -> Computed {
-        let r = reading();
+        compute_on(
+            &reading(),
+            pods,
+            allocations,
+            observed,
+            &[],
+            &CdiDevices::default(),
+        )
+    }
+
+    /// [`compute`] on `r` and `pods`, with no health history, runtime or KAI binds.
+    fn compute_on(
+        r: &Reading,
+        pods: &[PodInfo],
+        allocations: &[Allocation],
+        observed: &[ObservedProcess],
+        claims: &[ClaimUse],
+        cdi: &CdiDevices,
+    ) -> Computed {
         let index = PodIndex::new(pods, true);
         compute(&StatusInput {
-            reading: &r,
+            reading: r,
             health: &HealthTracker::new(),
             allocations,
             observed,
@@ -724,8 +742,8 @@ mod tests {
             devices: &DeviceMap::new(&r.gpus),
             runtime: &RuntimeStatus::default(),
             kai: &KaiBinds::default(),
-            claims: &[],
-            cdi: &CdiDevices::default(),
+            claims,
+            cdi,
         })
     }
 
@@ -825,22 +843,10 @@ devices:
             claim: None,
         };
         let run = |pods: &[PodInfo], claims: &[ClaimUse], allocations: &[Allocation]| {
-            let index = PodIndex::new(pods, true);
-            compute(&StatusInput {
-                reading: &r,
-                health: &HealthTracker::new(),
-                allocations,
-                observed: &[],
-                pods: &index,
-                devices: &DeviceMap::new(&r.gpus),
-                runtime: &RuntimeStatus::default(),
-                kai: &KaiBinds::default(),
-                claims,
-                cdi: &cdi,
-            })
-            .status
-            .bindings
-            .unwrap_or_default()
+            compute_on(&r, pods, allocations, &[], claims, &cdi)
+                .status
+                .bindings
+                .unwrap_or_default()
         };
         let pods = one_pod("ml", "train", "containerd://abc");
 
@@ -933,22 +939,10 @@ devices:
             };
             pods[0].containers.push(daemon);
             pods[0].injected = vec![(target.map(str::to_owned), vec![named])];
-            let index = PodIndex::new(&pods, true);
-            compute(&StatusInput {
-                reading: &r,
-                health: &HealthTracker::new(),
-                allocations,
-                observed: &[],
-                pods: &index,
-                devices: &DeviceMap::new(&r.gpus),
-                runtime: &RuntimeStatus::default(),
-                kai: &KaiBinds::default(),
-                claims: &[],
-                cdi: &CdiDevices::default(),
-            })
-            .status
-            .bindings
-            .unwrap_or_default()
+            compute_on(&r, &pods, allocations, &[], &[], &CdiDevices::default())
+                .status
+                .bindings
+                .unwrap_or_default()
         };
         // The daemon sidecar is handed /dev/nvidia0, which the kubelet allocated to its pod.
         let held = run(GpuName::Minor(0), Some("daemon"), &[allocated("GPU-a")]);
