@@ -337,20 +337,11 @@ pub fn containerd(
         .and_then(toml::Value::as_str)
         .unwrap_or("runc")
         .to_owned();
-    let binary_of = |name: &str| {
-        runtimes
-            .and_then(|r| r.get("runtimes"))
-            .and_then(|r| r.get(name))
-            .and_then(|r| r.get("options"))
-            .and_then(|o| o.get("BinaryName"))
-            .and_then(toml::Value::as_str)
-            .map(str::to_owned)
-    };
-    let handlers: Vec<String> = (runtimes.and_then(|r| r.get("runtimes")))
-        .and_then(toml::Value::as_table)
-        .map(|t| t.keys().cloned().collect())
-        .unwrap_or_default();
-    let (nvidia_handlers, nvidia_binary) = nvidia_runtimes(&handlers, &default_runtime, binary_of);
+    let (nvidia_handlers, nvidia_binary) = nvidia_runtimes(
+        runtimes.and_then(|r| r.get("runtimes")),
+        &default_runtime,
+        |entry| entry.get("options")?.get("BinaryName")?.as_str(),
+    );
     let nvidia_default = nvidia_handlers.contains(&default_runtime);
     let cdi_enabled = (cri.and_then(|c| c.get("enable_cdi")))
         .and_then(toml::Value::as_bool)
@@ -420,19 +411,11 @@ fn crio(host_root: &Path, configs: &[String]) -> Result<Option<CriFound>, String
         .and_then(toml::Value::as_str)
         .unwrap_or("crun")
         .to_owned();
-    let path_of = |name: &str| {
-        runtime
-            .and_then(|r| r.get("runtimes"))
-            .and_then(|r| r.get(name))
-            .and_then(|r| r.get("runtime_path"))
-            .and_then(toml::Value::as_str)
-            .map(str::to_owned)
-    };
-    let handlers: Vec<String> = (runtime.and_then(|r| r.get("runtimes")))
-        .and_then(toml::Value::as_table)
-        .map(|t| t.keys().cloned().collect())
-        .unwrap_or_default();
-    let (nvidia_handlers, nvidia_binary) = nvidia_runtimes(&handlers, &default_runtime, path_of);
+    let (nvidia_handlers, nvidia_binary) = nvidia_runtimes(
+        runtime.and_then(|r| r.get("runtimes")),
+        &default_runtime,
+        |entry| entry.get("runtime_path")?.as_str(),
+    );
     let nri_enabled = (crio.and_then(|c| c.get("nri")))
         .and_then(|n| n.get("enable_nri"))
         .and_then(toml::Value::as_bool);
@@ -450,21 +433,23 @@ fn crio(host_root: &Path, configs: &[String]) -> Result<Option<CriFound>, String
     )))
 }
 
-/// Which of the CRI's `handlers` run NVIDIA's runtime (`binary_of` each runs it), the
-/// default first, at most 8; and the binary of the first.
+/// Which handlers of a CRI's `runtimes` table run NVIDIA's runtime (`binary` reads the
+/// binary an entry runs), the default first, at most 8; and the binary of the first.
 fn nvidia_runtimes(
-    handlers: &[String],
+    runtimes: Option<&toml::Value>,
     default: &str,
-    binary_of: impl Fn(&str) -> Option<String>,
+    binary: impl Fn(&toml::Value) -> Option<&str>,
 ) -> (Vec<String>, Option<String>) {
-    let mut found: Vec<(String, String)> = (handlers.iter())
-        .filter_map(|h| Some((h.clone(), binary_of(h)?)))
+    let mut found: Vec<(&String, &str)> = (runtimes.and_then(toml::Value::as_table))
+        .into_iter()
+        .flatten()
+        .filter_map(|(handler, entry)| Some((handler, binary(entry)?)))
         .filter(|(_, binary)| binary.contains("nvidia-container-runtime"))
         .collect();
-    found.sort_by_key(|(h, _)| (h != default, h.clone()));
+    found.sort_by_key(|(h, _)| (h.as_str() != default, h.as_str()));
     found.truncate(8);
-    let binary = found.first().map(|(_, b)| b.clone());
-    (found.into_iter().map(|(h, _)| h).collect(), binary)
+    let first = found.first().map(|(_, b)| (*b).to_owned());
+    (found.into_iter().map(|(h, _)| h.clone()).collect(), first)
 }
 
 /// The binaries to read the toolkit's version from: the CRI's NVIDIA runtime binary (and,
