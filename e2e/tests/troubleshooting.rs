@@ -17,12 +17,9 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use gpuwarden_crds::RuntimeStatus;
-use gpuwarden_crds::condition_types::{
-    AGENT_READY, HEALTHY, ISOLATED, RUNTIME_ISOLATION, RUNTIME_PATCHED, STATUS_COMPLETE,
-};
 use gpuwarden_crds::install;
 use gpuwarden_e2e::manifests::{load_file, repo_root};
-use gpuwarden_operator::gpunode::{AgentLiveness, desired_conditions};
+use gpuwarden_operator::gpunode::{AgentLiveness, CONDITION_TYPES, desired_conditions};
 
 /// The README's `## Troubleshooting` section.
 fn troubleshooting() -> String {
@@ -481,14 +478,7 @@ fn a_message_that_drifted_is_noticed() {
 #[test]
 fn the_conditions_table_is_what_the_operator_sets() {
     let section = troubleshooting();
-    let types = [
-        AGENT_READY,
-        HEALTHY,
-        ISOLATED,
-        RUNTIME_ISOLATION,
-        RUNTIME_PATCHED,
-        STATUS_COMPLETE,
-    ];
+    let types = CONDITION_TYPES;
     let mut documented = BTreeSet::new();
     for row in table_rows(&section, "condition") {
         let names: Vec<String> = quoted(&row[0])
