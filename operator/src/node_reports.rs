@@ -75,7 +75,7 @@ pub fn results(gpunodes: &[Arc<GpuNode>]) -> Vec<ReportResult> {
                     name: gn.spec.node_name.clone(),
                     uid: None,
                 }],
-                message: report::clip_message(c.message.clone()),
+                message: report::clip(c.message.clone()),
                 properties,
             });
         }

@@ -225,7 +225,7 @@ fn grade(rule: Rule) -> (Outcome, Severity) {
 }
 
 /// `text` cut to [`MAX_MESSAGE_LEN`] bytes on a character boundary, with `...`.
-fn clip(mut text: String) -> String {
+pub fn clip(mut text: String) -> String {
     if text.len() > MAX_MESSAGE_LEN {
         let mut end = MAX_MESSAGE_LEN - 3;
         while !text.is_char_boundary(end) {
@@ -329,11 +329,6 @@ pub fn nodes_report_object(kind: ReportKind, results: &[ReportResult]) -> Value 
         object["source"] = json!(SOURCE);
     }
     object
-}
-
-/// `text` cut to the longest message a result holds.
-pub fn clip_message(text: String) -> String {
-    clip(text)
 }
 
 /// One namespace's report, before it is written as an object of either kind.
