@@ -449,6 +449,19 @@ impl DeviceMap {
         None
     }
 
+    /// The UUID of the GPU whose device node is `/dev/nvidia<minor>`. Where NVML gave no
+    /// minor numbers, `minor` is read as the GPU's index, which it is on most machines.
+    pub fn by_minor(&self, minor: u32) -> Option<String> {
+        if self.minors.is_empty() {
+            return (self.gpus.iter())
+                .find(|(index, _, _)| *index == minor)
+                .map(|(_, uuid, _)| uuid.clone());
+        }
+        (self.minors.iter())
+            .find(|(m, _)| *m == minor)
+            .map(|(_, uuid)| uuid.clone())
+    }
+
     /// The GPU or MIG UUID a DRA device names: its device name (`gpu-3`, a UUID) or one of
     /// its CDI device names (`k8s.gpu.nvidia.com/device=gpu-3`). NVIDIA's driver names a
     /// full GPU `gpu-<minor>`, after its `/dev/nvidia<minor>`, and a MIG device
@@ -460,13 +473,7 @@ impl DeviceMap {
             self.resolve(name).or_else(|| {
                 let minor = name.strip_prefix("gpu-")?;
                 let minor = minor.split_once("-mig-").map_or(minor, |(gpu, _)| gpu);
-                let minor = minor.parse::<u32>().ok()?;
-                if self.minors.is_empty() {
-                    return self.resolve(&minor.to_string());
-                }
-                (self.minors.iter())
-                    .find(|(m, _)| *m == minor)
-                    .map(|(_, uuid)| uuid.clone())
+                self.by_minor(minor.parse().ok()?)
             })
         };
         named(device_name).or_else(|| {

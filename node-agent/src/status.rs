@@ -489,7 +489,7 @@ fn beyond_claim_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
             {
                 match node.nvidia() {
                     Some(NvidiaNode::Gpu(minor)) => {
-                        if let Some(uuid) = gpu_by_minor(input, minor)
+                        if let Some(uuid) = input.devices.by_minor(minor)
                             && !allocated.contains(&uuid)
                         {
                             beyond = true;
@@ -546,26 +546,13 @@ fn beyond_claim_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
     }
 }
 
-/// The UUID of the GPU of this node with `minor` (`/dev/nvidia<minor>`). Where NVML gave no
-/// minor numbers, the minor is read as the GPU's index, which it is on most machines.
-fn gpu_by_minor(input: &StatusInput<'_>, minor: u32) -> Option<String> {
-    let gpus = &input.reading.gpus;
-    let known = gpus.iter().any(|g| g.info.minor_number.is_some());
-    (gpus.iter())
-        .find(|g| match known {
-            true => g.info.minor_number == Some(minor),
-            false => g.info.index == minor,
-        })
-        .map(|g| g.info.uuid.clone())
-}
-
 /// The UUID of the GPU of this node an injection names: by minor number (`/dev/nvidia<N>`,
 /// `195:<N>`), or by what follows `=` in a CDI name: an index, a GPU UUID, a MIG device
 /// (its GPU), or NVIDIA's DRA driver's `gpu-<minor>`.
 fn named_gpu(input: &StatusInput<'_>, name: &GpuName) -> Option<String> {
     let gpus = &input.reading.gpus;
     match name {
-        GpuName::Minor(n) => gpu_by_minor(input, *n),
+        GpuName::Minor(n) => input.devices.by_minor(*n),
         // The plugin resolves no such path to a GPU of this node.
         GpuName::Text(_) => None,
         GpuName::Cdi(id) => {
@@ -575,7 +562,7 @@ fn named_gpu(input: &StatusInput<'_>, name: &GpuName) -> Option<String> {
                     .map(|g| g.info.uuid.clone());
             }
             if let Some(minor) = id.strip_prefix("gpu-").and_then(|m| m.parse().ok()) {
-                return gpu_by_minor(input, minor);
+                return input.devices.by_minor(minor);
             }
             let uuid = parent(input.devices, id);
             (gpus.iter()).find(|g| g.info.uuid == uuid).map(|_| uuid)
