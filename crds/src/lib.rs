@@ -26,6 +26,7 @@ pub mod sharing;
 pub mod start_up;
 pub mod toolkit;
 pub mod validation;
+pub mod vm;
 
 pub use error::error_chain;
 pub use node::{

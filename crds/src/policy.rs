@@ -142,6 +142,11 @@ pub struct GpuPolicySpec {
     #[serde(default)]
     pub driver_claims: DriverClaims,
 
+    /// GPUs handed whole to virtual machines through VFIO (docs/design.md, "GPUs handed to
+    /// VMs"): which resources only a VM's pod may hold, and who makes such pods.
+    #[serde(default)]
+    pub virtual_machines: crate::vm::VirtualMachines,
+
     /// What this policy never touches. Pods cannot exempt themselves.
     #[serde(default)]
     pub exemptions: Exemptions,
@@ -763,9 +768,9 @@ fn default_rdma_resources() -> Vec<String> {
 
 /// CEL for a list of extended-resource globs: a literal domain, then a name that may hold
 /// `*` and `?`. A pattern without a domain would match `cpu` or `memory`.
-const RESOURCE_PATTERN_RULE: &str =
+pub(crate) const RESOURCE_PATTERN_RULE: &str =
     "self.all(p, p.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9_.*?]+$'))";
-const RESOURCE_PATTERN_MESSAGE: &str =
+pub(crate) const RESOURCE_PATTERN_MESSAGE: &str =
     "resource patterns are domain/name, with * and ? only in the name, such as rdma/*";
 
 fn default_runtime_features() -> Vec<RuntimeFeature> {
@@ -819,6 +824,7 @@ impl GpuPolicy {
                 void_non_gpu_containers: true,
                 rdma_resources: default_rdma_resources(),
                 driver_claims: DriverClaims::default(),
+                virtual_machines: crate::vm::VirtualMachines::default(),
                 exemptions: Exemptions {
                     namespaces: ["kube-system", crate::SYSTEM_NAMESPACE]
                         .map(String::from)

@@ -378,6 +378,10 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
     let resource_lists = [
         ("match.gpuResources", &spec.match_.gpu_resources),
         ("rdmaResources", &spec.rdma_resources),
+        (
+            "virtualMachines.deviceResources",
+            &spec.virtual_machines.device_resources,
+        ),
     ];
     for (field, patterns) in resource_lists {
         for pattern in patterns {
@@ -387,6 +391,28 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
                     format!("spec.{field}: pattern {pattern:?} {why}"),
                 ));
             }
+        }
+    }
+    for user in &spec.virtual_machines.controllers {
+        if user.is_empty() || user.trim() != user {
+            out.push(problem(
+                "InvalidPattern",
+                format!("spec.virtualMachines.controllers: {user:?} is not a user name"),
+            ));
+        }
+    }
+    for pattern in &spec.virtual_machines.runtime_classes {
+        let why = match image_pattern_problem(pattern) {
+            _ if pattern.chars().all(|c| c == '*') && !pattern.is_empty() => {
+                Some("matches every runtime class, so any pod could hold VM devices")
+            }
+            why => why,
+        };
+        if let Some(why) = why {
+            out.push(problem(
+                "InvalidPattern",
+                format!("spec.virtualMachines.runtimeClasses: pattern {pattern:?} {why}"),
+            ));
         }
     }
     // Checked on every admission review (fail closed), so the valid path allocates nothing.
@@ -721,6 +747,18 @@ mod tests {
             "{}",
             c.message
         );
+        let mut p = policy("p", 1, LabelSelector::default());
+        p.spec.virtual_machines.runtime_classes.push("*".into());
+        p.spec.virtual_machines.controllers.push(String::new());
+        p.spec
+            .virtual_machines
+            .device_resources
+            .push("GRID_*".into());
+        let c = ready_condition(&p, &[&p]);
+        assert_eq!(c.reason, "InvalidPattern");
+        for field in ["runtimeClasses", "controllers", "deviceResources"] {
+            assert!(c.message.contains(field), "{field}: {}", c.message);
+        }
         // The removed field: a policy that still relies on it is invalid, and says how to move.
         let mut p = policy("p", 1, LabelSelector::default());
         p.spec

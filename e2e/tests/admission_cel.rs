@@ -3099,7 +3099,7 @@ fn kata_and_visible_cdi_follow_the_engine() {
         source.namespaces.insert(ns.into(), Default::default());
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6b61_7461);
-    let (mut kata_denied, mut visible_denied, mut admitted) = (0, 0, 0);
+    let (mut kata_denied, mut visible_denied, mut vm_denied, mut admitted) = (0, 0, 0, 0);
     for i in 0..1500 {
         let mut containers = Vec::new();
         for c in 0..rng.random_range(1..4) {
@@ -3198,7 +3198,30 @@ fn kata_and_visible_cdi_follow_the_engine() {
         let exempt = evaluated["variables"]["exempt"] == json!(true);
         let failures = decide(&backstop, &vars).expect("matched");
         let (engine, _) = engine_answer(&pod, namespace, &source);
-        let refused = !exempt && ((!all_exempt && !kata.is_empty()) || !visible.is_empty());
+        // A VM device (the default policy's virtualMachines) outside a VM runtime class:
+        // alice is not KubeVirt's virt-controller.
+        let vm_held: BTreeSet<String> = (containers.iter())
+            .filter(|c| !image_exempt(c))
+            .filter(|c| {
+                (["limits", "requests"].iter())
+                    .filter_map(|f| c["resources"][f].as_object())
+                    .flat_map(|m| m.keys())
+                    .any(|r| policy.spec.virtual_machines.is_device(r))
+            })
+            .map(|c| c["name"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        assert_eq!(names("vmHeld"), vm_held, "{}", ctx());
+        let in_vm = pod["spec"]["runtimeClassName"] == json!("kata-qemu-nvidia-gpu");
+        assert_eq!(
+            evaluated["variables"]["vmRuntime"],
+            json!(in_vm),
+            "{}",
+            ctx()
+        );
+        let refused = !exempt
+            && ((!all_exempt && !kata.is_empty())
+                || !visible.is_empty()
+                || (!in_vm && !vm_held.is_empty()));
         assert_eq!(failures.is_empty(), !refused, "{failures:?}\n{}", ctx());
         match &engine {
             Err(message) => {
@@ -3221,6 +3244,14 @@ fn kata_and_visible_cdi_follow_the_engine() {
                         ctx()
                     );
                 }
+                for name in vm_held.iter().filter(|_| !in_vm) {
+                    assert!(
+                        message.contains(&format!("container {name} requests nvidia.com/pgpu")),
+                        "{message}\n{}",
+                        ctx()
+                    );
+                }
+                vm_denied += usize::from(!in_vm && !vm_held.is_empty());
                 let sent = eval_bool(
                     &may_reach,
                     &admission_vars(&pod, namespace, &BTreeMap::new()),
@@ -3244,10 +3275,10 @@ fn kata_and_visible_cdi_follow_the_engine() {
         }
     }
     eprintln!(
-        "1500 pods: {kata_denied} denied for Kata annotations, {visible_denied} for VISIBLE_CDI_DEVICES, {admitted} admitted"
+        "1500 pods: {kata_denied} denied for Kata annotations, {visible_denied} for VISIBLE_CDI_DEVICES, {vm_denied} for VM devices outside a VM, {admitted} admitted"
     );
     assert!(
-        kata_denied >= 300 && visible_denied >= 200 && admitted >= 300,
-        "{kata_denied} {visible_denied} {admitted}"
+        kata_denied >= 300 && visible_denied >= 200 && vm_denied >= 50 && admitted >= 300,
+        "{kata_denied} {visible_denied} {vm_denied} {admitted}"
     );
 }

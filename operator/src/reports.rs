@@ -117,6 +117,7 @@ pub fn namespace_report<'p>(
             display_name: &display,
             claims: &claims,
             owner_kind: None,
+            requester: engine::Requester::Unknown,
         };
         let decision = engine::decide(&input, policies);
         let subject = Subject {
@@ -536,6 +537,7 @@ mod tests {
                 display_name: "x",
                 claims: &ClaimStore::offline(),
                 owner_kind: None,
+                requester: engine::Requester::Unknown,
             };
             let decision = engine::decide(&input, policies);
             gpuwarden_webhook::patch::patch_for_view(&view, decision.changes())

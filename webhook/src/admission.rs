@@ -21,7 +21,8 @@ use kube::core::admission::AdmissionResponse;
 use serde::Serialize;
 
 use crate::engine::{
-    self, ClaimStore, Claims, Decision, Input, NamespaceLabels, NoClaims, Operation, Verdict,
+    self, ClaimStore, Claims, Decision, Input, NamespaceLabels, NoClaims, Operation, Requester,
+    Verdict,
 };
 use crate::patch;
 use crate::pod::{PodView, Str};
@@ -218,6 +219,15 @@ struct RequestIn<'a> {
     object: Option<PodObject<'a>>,
     #[serde(default, borrow)]
     old_object: Option<PodObject<'a>>,
+    #[serde(default, borrow)]
+    user_info: Option<UserInfoIn<'a>>,
+}
+
+/// `request.userInfo`: who made the request, which only the API server writes.
+#[derive(Debug, Default, PartialEq, serde::Deserialize)]
+struct UserInfoIn<'a> {
+    #[serde(default, borrow, deserialize_with = "optional_str")]
+    username: Option<Cow<'a, str>>,
 }
 
 /// A string, borrowed when it has no escapes; `null` is `None`, any other type an error (as
@@ -353,6 +363,10 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
     };
     let namespace = namespace_of(pod, request.namespace.as_deref());
     let name = display_name(pod, namespace, request.name.as_deref());
+    // A request without a user is no one's: it may hold no VM device.
+    let username = (request.user_info.as_ref())
+        .and_then(|u| u.username.as_deref())
+        .unwrap_or_default();
     let mut answer = None;
     source.lend(namespace, &mut |policies, known| {
         let input = Input {
@@ -366,6 +380,7 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
             display_name: &name,
             claims: source.claims(),
             owner_kind: None,
+            requester: Requester::User(username),
         };
         let decision = engine::decide(&input, policies);
         answer = Some(respond(api_version, &uid, &name, decision, pod));

@@ -25,7 +25,9 @@ use serde_json::{Value, json};
 
 use gpuwarden_crds::claims::ClaimDevices;
 
-use crate::engine::{self, ClaimSource, ClaimStore, Decision, Input, Operation, Verdict};
+use crate::engine::{
+    self, ClaimSource, ClaimStore, Decision, Input, Operation, Requester, Verdict,
+};
 use crate::manifest::{self, Document, ManifestError};
 use crate::nim;
 use crate::pod::PodView;
@@ -685,6 +687,7 @@ impl Scope<'_> {
             display_name: self.display,
             claims: self.claims,
             owner_kind: Some(owner_kind),
+            requester: Requester::Unknown,
         };
         let decision = engine::decide(&input, self.policies);
         let changes = (decision.verdict() != Verdict::Denied

@@ -532,6 +532,7 @@ mod tests {
             display_name: "ml/p",
             claims: &claims,
             owner_kind: None,
+            requester: engine::Requester::Unknown,
         };
         let subject = Subject {
             api_version: "v1".into(),

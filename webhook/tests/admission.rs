@@ -218,6 +218,7 @@ fn the_view_from_the_body_gives_the_whole_pods_patch() {
         display_name: "ml/p",
         claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
         owner_kind: None,
+        requester: engine::Requester::Unknown,
     };
     let decision = engine::decide(&input, &source.policies);
     assert_eq!(decision.verdict(), Verdict::Rewritten);

@@ -10,7 +10,8 @@ use engine_support::*;
 use gpuwarden_crds::{GpuPolicy, PolicyMode, PrivilegedMatch, RequestAs, VisibleDevicesAll};
 use gpuwarden_webhook::admission::{Outcome, StaticSource};
 use gpuwarden_webhook::engine::{
-    ClaimSource, ClaimStore, Input, Operation, Verdict, decide, namespace_labels_or_default,
+    ClaimSource, ClaimStore, Input, Operation, Requester, Verdict, decide,
+    namespace_labels_or_default,
 };
 use gpuwarden_webhook::patch::patch_for;
 use gpuwarden_webhook::pod::PodView;
@@ -340,11 +341,16 @@ fn gen_pod(rng: &mut StdRng, case: usize) -> (Value, String) {
         );
     }
     let mut pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec});
-    // Some pods hold a passthrough GPU for a Kata VM, named by a CDI annotation too.
+    // Some pods hold a passthrough GPU for a Kata VM, named by a CDI annotation too; others
+    // ask for one outside any VM, which only KubeVirt may do.
     if rng.random_bool(0.05) {
         pod["metadata"]["annotations"]["cdi.k8s.io/gpu"] = json!("nvidia.com/pgpu=0");
         pod["spec"]["containers"][0]["resources"] =
             json!({"limits": {"nvidia.com/GH100_H100_PCIE": 1}});
+        pod["spec"]["runtimeClassName"] = json!("kata-qemu-nvidia-gpu");
+    } else if rng.random_bool(0.03) {
+        let vm_device = pick(rng, &["nvidia.com/GRID_T4-1Q", "nvidia.com/GA102GL_A10"]);
+        pod["spec"]["containers"][0]["resources"] = json!({"limits": {vm_device: 1}});
     }
     // Some pods have two privileged containers naming the same GPUs, which share them.
     if rng.random_bool(0.2) {
@@ -960,6 +966,7 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
     let seed: u64 = 0x0067_7075_7761_7264;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut outcomes: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut vm_devices_outside_vms = 0;
     let mut patched_count = 0;
     let mut leaks_seen = 0;
     let (mut claimed, mut shared) = (0, 0);
@@ -985,6 +992,16 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
         let first = review_pod(&pod, &namespace, &source);
         *outcomes.entry(first.summary.outcome.as_str()).or_default() += 1;
         assert_ne!(first.summary.outcome, Outcome::Invalid, "{}", ctx());
+        // A VM device outside a VM is never admitted as it is or rewritten.
+        if oracle_holds_passthrough(&pod) && pod["spec"]["runtimeClassName"].is_null() {
+            vm_devices_outside_vms += 1;
+            assert!(
+                !matches!(first.summary.outcome, Outcome::Allowed | Outcome::Rewritten),
+                "a VM device outside a VM was {:?}\n{}",
+                first.summary.outcome,
+                ctx()
+            );
+        }
         let patched = first.apply(&pod);
         // The adapter reads the pod's view straight from the review's bytes; the engine on
         // the view of the whole pod held as a Value must produce the very same patch.
@@ -1004,6 +1021,7 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
             display_name: "",
             claims: &source.claims,
             owner_kind: None,
+            requester: Requester::Unknown,
         };
         let policies = [Arc::new(policy.clone())];
         let direct = decide(&input, &policies);
@@ -1323,6 +1341,10 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
     assert!(
         leaks_seen >= 50,
         "too few pods with only a leak: {leaks_seen}"
+    );
+    assert!(
+        vm_devices_outside_vms >= 10,
+        "too few VM devices outside VMs: {vm_devices_outside_vms}"
     );
     assert!(
         daemon_set_denied >= 20 && device_denied >= 20 && passthrough_cdi_kept >= 5,

@@ -23,6 +23,7 @@ mod psa;
 mod render;
 mod sharing;
 mod start_up;
+mod vm;
 mod void;
 
 use std::borrow::Cow;
@@ -47,6 +48,7 @@ pub use gpuwarden_crds::selection::{
     LABEL_NAMESPACE_NAME, NamespaceLabels, Selection, namespace_labels_or_default, select_policy,
 };
 pub use gpuwarden_crds::selector::Labels;
+pub use gpuwarden_crds::vm::Requester;
 pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
 pub use void::{Unvoided, Voided};
@@ -308,6 +310,9 @@ enum Detail<'a> {
     Ephemeral {
         offending: Vec<&'a str>,
         mode: PolicyMode,
+        /// The pod is a VM's: what its containers hold (docs/design.md, "No way into a VM's
+        /// pod"). Every new ephemeral container is then offending.
+        vm: Option<String>,
     },
 }
 
@@ -343,6 +348,8 @@ pub struct Input<'a> {
     /// itself (offline: a DaemonSet's template). A pod's controller `ownerReference` says
     /// the same in a cluster.
     pub owner_kind: Option<&'a str>,
+    /// Who asked for the pod: only this decides whether it may hold VM devices.
+    pub requester: Requester<'a>,
 }
 
 /// KAI-Scheduler's name for itself, in `schedulerName`, where no policy names it otherwise.
@@ -438,7 +445,9 @@ fn decide_create<'a>(
         return Decision::new(Verdict::Exempt, Some(policy), reference, input)
             .with(Detail::Exempt(reason.into()));
     }
-    let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
+    let mut facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
+    let vm_refusals = vm::refusals(input.pod, &facts.containers, input.requester, policy);
+    facts.refusals.extend(vm_refusals);
     if let Some(decision) = carried_ephemeral(input, &facts, policy, &invalid) {
         return decision;
     }
@@ -546,11 +555,13 @@ fn decide_ephemeral<'a>(
         return new(Verdict::Exempt).with(Detail::Exempt(reason.into()));
     }
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
-    // request GPUs, so they cannot be rewritten.
+    // request GPUs, so they cannot be rewritten. In a VM's pod, every new one.
     let facts = facts::read_pod(input.pod, input.namespace, policy, input.claims);
+    let vm = vm::entered(input.pod, &facts.containers, policy);
     let offending: Vec<&'a str> = (facts.containers.iter())
         .filter(|c| {
-            void::added_by_update(c, old) && ephemeral_offends(c, &facts, invalid.is_none())
+            void::added_by_update(c, old)
+                && (vm.is_some() || ephemeral_offends(c, &facts, invalid.is_none()))
         })
         .map(|c| c.name)
         .collect();
@@ -573,7 +584,11 @@ fn decide_ephemeral<'a>(
     } else {
         Verdict::Denied
     };
-    new(verdict).with(Detail::Ephemeral { offending, mode })
+    new(verdict).with(Detail::Ephemeral {
+        offending,
+        mode,
+        vm,
+    })
 }
 
 /// A pod read offline may carry ephemeral containers (`kubectl get pod -o yaml` after
@@ -596,10 +611,16 @@ fn carried_ephemeral<'a>(
     let mode = policy.spec.mode;
     Some(match invalid {
         Some(why) => new(Verdict::Denied).with(Detail::Invalid(why.clone())),
-        None if mode == PolicyMode::Audit => {
-            new(Verdict::Audited).with(Detail::Ephemeral { offending, mode })
-        }
-        None => new(Verdict::Denied).with(Detail::Ephemeral { offending, mode }),
+        None if mode == PolicyMode::Audit => new(Verdict::Audited).with(Detail::Ephemeral {
+            offending,
+            mode,
+            vm: None,
+        }),
+        None => new(Verdict::Denied).with(Detail::Ephemeral {
+            offending,
+            mode,
+            vm: None,
+        }),
     })
 }
 
@@ -786,11 +807,21 @@ impl<'a> Decision<'a> {
                         .map(|denial| format!("gpuwarden audit: Enforce would deny: {denial}")),
                 );
             }
-            (Detail::Ephemeral { offending, .. }, Verdict::Audited) => warnings.push(format!(
-                "gpuwarden audit: ephemeral container {} would be denied by GpuPolicy {}: privileged or naming GPUs itself, it reaches GPUs the kubelet never allocated",
-                offending.join(", "),
-                self.reference
-            )),
+            (Detail::Ephemeral { offending, vm, .. }, Verdict::Audited) => {
+                warnings.push(match vm {
+                    Some(held) => format!(
+                        "gpuwarden audit: ephemeral container {} would be denied by GpuPolicy {}: the pod is a VM's ({held}), and {}",
+                        offending.join(", "),
+                        self.reference,
+                        gpuwarden_crds::vm::NO_ENTRY_REASON
+                    ),
+                    None => format!(
+                        "gpuwarden audit: ephemeral container {} would be denied by GpuPolicy {}: privileged or naming GPUs itself, it reaches GPUs the kubelet never allocated",
+                        offending.join(", "),
+                        self.reference
+                    ),
+                })
+            }
             _ => {}
         }
         self.push_void_warnings(&mut warnings);
@@ -1013,7 +1044,18 @@ impl<'a> Decision<'a> {
                 }
                 Some(message)
             }
-            Detail::Ephemeral { offending, mode } => Some(format!(
+            Detail::Ephemeral {
+                offending,
+                mode,
+                vm: Some(held),
+            } => Some(format!(
+                "gpuwarden: ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): the pod is a VM's ({held}), and {}",
+                offending.join(", "),
+                gpuwarden_crds::vm::NO_ENTRY_REASON
+            )),
+            Detail::Ephemeral {
+                offending, mode, ..
+            } => Some(format!(
                 "gpuwarden: ephemeral container {} on pod {name} is denied by GpuPolicy {reference} ({mode}): privileged or naming GPUs itself (NVIDIA_VISIBLE_DEVICES, a device-list mount), it reaches GPUs the kubelet never allocated, and ephemeral containers cannot request GPUs; use an unprivileged debug profile such as `kubectl debug --profile=general` without NVIDIA_VISIBLE_DEVICES",
                 offending.join(", "),
             )),
@@ -1272,6 +1314,7 @@ mod tests {
             display_name: "ml/p",
             claims: &NoClaims("no claims here"),
             owner_kind: None,
+            requester: Requester::Unknown,
         };
         decide(&input, policies)
     }

@@ -1,0 +1,98 @@
+//! VM devices (docs/design.md, "GPUs handed to VMs"): a pod that requests a resource whose
+//! device plugin hands out whole devices for a VM (`virtualMachines.deviceResources`) is
+//! refused unless it is a VM's pod: created by KubeVirt's virt-controller (who made the
+//! request, never what the pod says of itself) or run in a VM runtime class.
+
+use gpuwarden_crds::GpuPolicy;
+use gpuwarden_crds::gpu::ContainerSpec;
+use gpuwarden_crds::vm::{self, Requester};
+
+use super::ContainerKind;
+use super::facts::ContainerFacts;
+use crate::pod::PodView;
+
+/// The pod's refusals: one per init or regular container that requests VM devices, naming
+/// them, unless the pod is a VM's.
+pub(super) fn refusals(
+    pod: &PodView<'_>,
+    containers: &[ContainerFacts<'_>],
+    requester: Requester<'_>,
+    policy: &GpuPolicy,
+) -> Vec<String> {
+    let out = held(containers, policy);
+    if out.is_empty() {
+        return Vec::new();
+    }
+    if policy
+        .spec
+        .virtual_machines
+        .is_vm_pod(requester, runtime_class(pod), controller(pod))
+    {
+        return Vec::new();
+    }
+    out.into_iter()
+        .map(|(container, names)| {
+            format!(
+                "container {container} requests {names}, a VM device (virtualMachines.deviceResources), in a pod neither KubeVirt's virt-controller created nor a VM runtime class runs: {}; {}",
+                vm::VM_ONLY_REASON,
+                vm::VM_ONLY_HINT
+            )
+        })
+        .collect()
+}
+
+/// Whether a pod is a VM's pod on the host, which nobody may enter (docs/design.md, "No way
+/// into a VM's pod"): what its containers hold (`compute: nvidia.com/GRID_T4-1Q`), when
+/// one holds VM devices and no VM runtime class runs it (there the container is inside the
+/// VM, and entering it reaches only the VM).
+pub(super) fn entered(
+    pod: &PodView<'_>,
+    containers: &[ContainerFacts<'_>],
+    policy: &GpuPolicy,
+) -> Option<String> {
+    let held = held(containers, policy);
+    let in_vm = runtime_class(pod)
+        .is_some_and(|class| policy.spec.virtual_machines.is_vm_runtime_class(class));
+    (!held.is_empty() && !in_vm).then(|| {
+        (held.iter())
+            .map(|(c, names)| format!("{c}: {names}"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    })
+}
+
+fn runtime_class<'a>(pod: &'a PodView<'_>) -> Option<&'a str> {
+    pod.spec.as_ref()?.runtime_class_name.as_deref()
+}
+
+/// The pod's controller reference as (apiVersion, kind).
+fn controller<'a>(pod: &'a PodView<'_>) -> Option<(&'a str, &'a str)> {
+    pod.controller().map(|r| {
+        (
+            r.api_version.as_deref().unwrap_or_default(),
+            r.kind.as_deref().unwrap_or_default(),
+        )
+    })
+}
+
+/// The init and regular containers that request VM devices, with the devices, sorted; those
+/// whose image the policy exempts are left out, as from every other rule.
+fn held<'a>(containers: &[ContainerFacts<'a>], policy: &GpuPolicy) -> Vec<(&'a str, String)> {
+    let vms = &policy.spec.virtual_machines;
+    let mut out = Vec::new();
+    for c in containers {
+        if c.at.kind == ContainerKind::Ephemeral || c.image_exempt {
+            continue;
+        }
+        let value = c.value;
+        let mut names: Vec<&str> = (value.limit_names().chain(value.request_names()))
+            .filter(|r| vms.is_device(r))
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        if !names.is_empty() {
+            out.push((c.name, names.join(", ")));
+        }
+    }
+    out
+}
