@@ -360,6 +360,9 @@ type Row = (
 const NS: Option<&str> = Some(gpuwarden_crds::SYSTEM_NAMESPACE);
 
 const EXPECTED_GRANTS: &[Row] = &[
+    // webhook (src/server.rs): reads the pod a request to exec, attach or port-forward
+    // enters, to tell a VM's pod.
+    (install::WEBHOOK_NAME, None, "", "pods", &["get"], &[]),
     // webhook (src/cache.rs): reflectors over GpuPolicy and Namespace metadata.
     (
         install::WEBHOOK_NAME,
@@ -1004,7 +1007,39 @@ fn webhook_configuration_reaches_the_server() {
         install::MUTATING_WEBHOOK_CONFIGURATION,
     ));
     let webhooks = mwc.webhooks.expect("webhooks");
-    assert_eq!(webhooks.len(), 1);
+    let names: Vec<&str> = webhooks.iter().map(|w| w.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            install::MUTATING_WEBHOOK,
+            "vms.gpuwarden.io",
+            "pod-entry.gpuwarden.io"
+        ]
+    );
+    // The VM and pod-entry webhooks reach the same server, never patch, and say how an
+    // outage goes: a VM's launcher pod is judged again when created (Ignore); a pod that
+    // cannot be judged is not entered (Fail).
+    for (w, failure) in webhooks[1..].iter().zip(["Ignore", "Fail"]) {
+        let service = w.client_config.service.as_ref().expect("service reference");
+        assert_eq!(
+            (service.name.as_str(), service.path.as_deref(), service.port),
+            (install::WEBHOOK_NAME, Some(install::MUTATE_PATH), Some(443)),
+            "{}",
+            w.name
+        );
+        assert_eq!(w.failure_policy.as_deref(), Some(failure), "{}", w.name);
+        assert_eq!(
+            w.reinvocation_policy.as_deref(),
+            Some("Never"),
+            "{}",
+            w.name
+        );
+    }
+    let entry = &webhooks[2].rules.as_ref().expect("rules")[0];
+    assert_eq!(
+        entry.operations.as_deref(),
+        Some(&["CONNECT".to_string()][..])
+    );
     let w = &webhooks[0];
     assert_eq!(w.name, install::MUTATING_WEBHOOK);
     assert_eq!(w.admission_review_versions, ["v1"]);

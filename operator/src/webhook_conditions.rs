@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use gpuwarden_crds::admission::match_conditions::{NOT_EXEMPT_CONDITION, not_exempt_expression};
-use gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION;
+use gpuwarden_crds::install::{MUTATING_WEBHOOK, MUTATING_WEBHOOK_CONFIGURATION};
 use gpuwarden_crds::validation::validate_policy;
 use gpuwarden_crds::{FIELD_MANAGER_OPERATOR, GpuPolicy};
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -119,7 +119,11 @@ pub fn conditions_patch(
     expression: &str,
 ) -> Result<Option<json_patch::Patch>, serde_json::Error> {
     let mut ops = Vec::new();
-    for (i, wh) in mwc.webhooks.iter().flatten().enumerate() {
+    // Only the pods' webhook judges pods; the VM and pod-entry webhooks' objects are no pod,
+    // and the condition would fail on them.
+    let pods =
+        (mwc.webhooks.iter().flatten().enumerate()).filter(|(_, wh)| wh.name == MUTATING_WEBHOOK);
+    for (i, wh) in pods {
         ops.push(json!({"op": "test", "path": format!("/webhooks/{i}/name"), "value": wh.name}));
         let condition = json!({"name": NOT_EXEMPT_CONDITION, "expression": expression});
         let conditions = wh.match_conditions.as_deref();
@@ -168,7 +172,13 @@ mod tests {
         if !conditions.is_null() {
             hook["matchConditions"] = conditions;
         }
-        serde_json::from_value(json!({"metadata": {"name": "gpuwarden"}, "webhooks": [hook]}))
+        let vms = json!({
+            "name": "vms.gpuwarden.io",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "clientConfig": {"url": "https://example.invalid/mutate"},
+        });
+        serde_json::from_value(json!({"metadata": {"name": "gpuwarden"}, "webhooks": [hook, vms]}))
             .expect("a configuration")
     }
 
@@ -197,6 +207,8 @@ mod tests {
             "true"
         );
         assert_eq!(replaced["webhooks"][0]["matchConditions"][0], shipped[0]);
+        // The VM webhook's objects are no pods: it gets no pod condition.
+        assert!(replaced["webhooks"][1].get("matchConditions").is_none());
         // A configuration without conditions gets the list.
         let bare = apply(&configuration(serde_json::Value::Null), "!(b)");
         assert_eq!(

@@ -24,8 +24,8 @@ use crate::engine::{
     self, ClaimStore, Claims, Decision, Input, NamespaceLabels, NoClaims, Operation, Requester,
     Verdict,
 };
-use crate::patch;
 use crate::pod::{PodView, Str};
+use crate::{kubevirt, patch};
 
 /// Where the webhook reads policies and namespace labels from.
 pub trait PolicySource: Send + Sync {
@@ -165,6 +165,16 @@ pub enum ReviewError {
     /// Not about a Pod.
     #[error("AdmissionReview is for {0}, not a Pod; this webhook only handles pods")]
     NotAPod(String),
+    /// A KubeVirt VM whose launcher pod cannot be read from it.
+    #[error("{kind} {name}: {message}")]
+    BadVm {
+        /// The kind.
+        kind: String,
+        /// `namespace/name`.
+        name: String,
+        /// What is wrong, and where.
+        message: String,
+    },
     /// No usable `request.object`.
     #[error("AdmissionReview request for {operation} has no pod in request.object")]
     MissingObject {
@@ -275,7 +285,7 @@ const API_VERSION: &str = "admission.k8s.io/v1";
 pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
     // One pass: serde reads the review and the pod's view together, borrowing from the body.
     match serde_json::from_slice::<ReviewIn<'_>>(body) {
-        Ok(review) => answer(&review, source),
+        Ok(review) => answer(&review, body, source),
         Err(e) => {
             let error = if e.is_data() {
                 ReviewError::NotAReview(e.to_string())
@@ -285,6 +295,133 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
             invalid(API_VERSION, request_uid(body), None, &error)
         }
     }
+}
+
+/// A request to exec, attach or port-forward into a pod: where the pod is, for the server
+/// to read it before [`handle_entry`] judges the request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EntryTarget {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub name: String,
+}
+
+/// The pod a review's request enters (`CONNECT` on `pods/exec`, `pods/attach` or
+/// `pods/portforward`), or `None` for any other request. Reads nothing else.
+pub fn entry_target(body: &[u8]) -> Option<EntryTarget> {
+    #[derive(serde::Deserialize)]
+    struct Review<'a> {
+        #[serde(borrow)]
+        request: Option<Request<'a>>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Request<'a> {
+        #[serde(borrow)]
+        operation: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        sub_resource: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        namespace: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        name: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        resource: Option<GroupVersionResource<'a>>,
+    }
+    let request = serde_json::from_slice::<Review<'_>>(body).ok()?.request?;
+    let resource = request.resource?;
+    let sub = request.sub_resource.as_deref().unwrap_or("");
+    (request.operation.as_deref() == Some("CONNECT")
+        && resource.group.is_empty()
+        && resource.resource == "pods"
+        && gpuwarden_crds::vm::POD_ENTRY_SUBRESOURCES.contains(&sub))
+    .then(|| EntryTarget {
+        namespace: request.namespace.unwrap_or_default().into_owned(),
+        name: request.name.unwrap_or_default().into_owned(),
+    })
+}
+
+/// Answers a request to enter a pod ([`entry_target`]), given the pod as read from the API
+/// server (`Ok(None)`: it is gone; `Err`: why it could not be read). A pod that cannot be
+/// read is not entered: the request is denied, saying why, so that a VM's pod is never
+/// entered for want of an answer (docs/design.md, "No way into a VM's pod").
+pub fn handle_entry(
+    body: &[u8],
+    pod: Result<Option<serde_json::Value>, String>,
+    source: &dyn PolicySource,
+) -> (Vec<u8>, ReviewSummary) {
+    #[derive(serde::Deserialize)]
+    struct Review<'a> {
+        #[serde(borrow)]
+        request: Option<Request<'a>>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Request<'a> {
+        #[serde(borrow)]
+        sub_resource: Option<Cow<'a, str>>,
+        #[serde(borrow)]
+        user_info: Option<UserInfoIn<'a>>,
+    }
+    let uid = request_uid(body);
+    let Some(target) = entry_target(body) else {
+        return invalid(
+            API_VERSION,
+            uid,
+            None,
+            &ReviewError::NotAReview("not a request to enter a pod".into()),
+        );
+    };
+    let request = serde_json::from_slice::<Review<'_>>(body)
+        .ok()
+        .and_then(|r| r.request);
+    let sub = (request.as_ref())
+        .and_then(|r| r.sub_resource.as_deref())
+        .unwrap_or_default();
+    let username = (request.as_ref())
+        .and_then(|r| r.user_info.as_ref()?.username.as_deref())
+        .unwrap_or_default();
+    let name = format!("{}/{}", target.namespace, target.name);
+    let mut response = allowed(&uid);
+    let mut outcome = Outcome::Allowed;
+    let denial = match pod {
+        Ok(None) => None,
+        Err(why) => Some(format!(
+            "gpuwarden: pods/{sub} into pod {name} is denied: the webhook could not read the pod to tell whether it is a VM's ({why}); retry"
+        )),
+        Ok(Some(pod)) => {
+            let view = PodView::from_value(&pod);
+            let mut denial = None;
+            source.lend(&target.namespace, &mut |policies, known| {
+                let labels = NamespaceLabels {
+                    name: &target.namespace,
+                    known,
+                };
+                denial = engine::entry_denial(
+                    &view,
+                    &target.namespace,
+                    &labels,
+                    policies,
+                    username,
+                    sub,
+                );
+            });
+            denial
+        }
+    };
+    if let Some(message) = denial {
+        outcome = Outcome::Denied;
+        response.allowed = false;
+        response.result = Status::failure(&message, "Forbidden").with_code(403);
+    }
+    let summary = ReviewSummary {
+        uid,
+        outcome,
+        policy: None,
+        pod: Some(name),
+    };
+    (review_body(API_VERSION, response), summary)
 }
 
 /// `request.uid` of a body, or `""`: for answers to a body that could not be judged, so that
@@ -307,8 +444,12 @@ pub fn request_uid(body: &[u8]) -> String {
         .unwrap_or_default()
 }
 
-/// Answers a parsed review.
-fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewSummary) {
+/// Answers a parsed review; `body` is what it was read from.
+fn answer(
+    review: &ReviewIn<'_>,
+    body: &[u8],
+    source: &dyn PolicySource,
+) -> (Vec<u8>, ReviewSummary) {
     let api_version = match review.api_version.as_deref() {
         Some(v @ "admission.k8s.io/v1beta1") => v,
         _ => API_VERSION,
@@ -338,6 +479,9 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
         Some(uid) if !uid.is_empty() => uid.to_owned(),
         _ => return invalid(api_version, String::new(), None, &ReviewError::MissingUid),
     };
+    if let Some(kind) = vm_kind(request) {
+        return answer_vm(api_version, uid, kind, body, request, source);
+    }
     let (operation, pod) = match target(request) {
         Ok(Some(target)) => target,
         // DELETE, CONNECT, plain UPDATE (privilege is immutable) and other subresources.
@@ -383,12 +527,121 @@ fn answer(review: &ReviewIn<'_>, source: &dyn PolicySource) -> (Vec<u8>, ReviewS
             requester: Requester::User(username),
         };
         let decision = engine::decide(&input, policies);
-        answer = Some(respond(api_version, &uid, &name, decision, pod));
+        answer = Some(respond(api_version, &uid, &name, decision, Some(pod)));
     });
     // A source that does not call back is a bug; its reviews are denied, not admitted.
     let Some((body, outcome, policy)) = answer else {
         let error = ReviewError::NoPolicySource;
         return invalid(api_version, uid, Some(name), &error);
+    };
+    let summary = ReviewSummary {
+        uid,
+        outcome,
+        policy,
+        pod: Some(name),
+    };
+    (body, summary)
+}
+
+/// The kind of a request about one of KubeVirt's VM kinds, written or changed (not a
+/// subresource, which cannot change the VM's template).
+fn vm_kind<'r>(request: &'r RequestIn<'_>) -> Option<&'r str> {
+    let kind = request.kind.as_ref()?;
+    let sub = request.sub_resource.as_deref().unwrap_or("");
+    (sub.is_empty() && gpuwarden_crds::vm::vmi_pointer(&kind.group, &kind.kind).is_some())
+        .then_some(&*kind.kind)
+}
+
+/// A KubeVirt VM, judged as the launcher pod the virt-controller renders for it
+/// ([`kubevirt`]), made by KubeVirt: its VM devices pass, and whatever its author wrote that
+/// reaches the pod is judged (docs/design.md, "VMs judged like pods"). The VM is never
+/// patched. An update whose template is unchanged passes, so that an older VM can always
+/// be stopped and deleted.
+fn answer_vm(
+    api_version: &str,
+    uid: String,
+    kind: &str,
+    body: &[u8],
+    request: &RequestIn<'_>,
+    source: &dyn PolicySource,
+) -> (Vec<u8>, ReviewSummary) {
+    #[derive(serde::Deserialize)]
+    struct Raw {
+        request: RawRequest,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct RawRequest {
+        #[serde(default)]
+        object: Option<serde_json::Value>,
+        #[serde(default)]
+        old_object: Option<serde_json::Value>,
+    }
+    let pass = |uid: String| {
+        let summary = ReviewSummary {
+            uid: uid.clone(),
+            outcome: Outcome::Allowed,
+            policy: None,
+            pod: None,
+        };
+        (review_body(api_version, allowed(&uid)), summary)
+    };
+    let operation = request.operation.as_deref().unwrap_or("");
+    if !matches!(operation, "CREATE" | "UPDATE") {
+        return pass(uid);
+    }
+    let raw = serde_json::from_slice::<Raw>(body).ok().map(|r| r.request);
+    let Some((object, old)) = raw.and_then(|r| Some((r.object?, r.old_object))) else {
+        let error = ReviewError::MissingObject {
+            operation: operation.to_owned(),
+        };
+        return invalid(api_version, uid, None, &error);
+    };
+    let namespace = (request.namespace.as_deref())
+        .filter(|n| !n.is_empty())
+        .or_else(|| object.pointer("/metadata/namespace")?.as_str())
+        .unwrap_or("default")
+        .to_owned();
+    let vm_name = (request.name.as_deref())
+        .filter(|n| !n.is_empty())
+        .or_else(|| object.pointer("/metadata/name")?.as_str())
+        .unwrap_or("<unnamed>");
+    let name = format!("of {kind} {namespace}/{vm_name}");
+    if operation == "UPDATE" && old.is_some_and(|old| kubevirt::same_template(&old, &object)) {
+        return pass(uid);
+    }
+    let rendered = match kubevirt::launcher_pod(&object) {
+        Ok(rendered) => rendered,
+        Err(message) => {
+            let error = ReviewError::BadVm {
+                kind: kind.to_owned(),
+                name: format!("{namespace}/{vm_name}"),
+                message,
+            };
+            return invalid(api_version, uid, Some(name), &error);
+        }
+    };
+    let view = PodView::from_value(&rendered.pod);
+    let mut answer = None;
+    source.lend(&namespace, &mut |policies, known| {
+        let input = Input {
+            pod: &view,
+            namespace: &namespace,
+            namespace_labels: &NamespaceLabels {
+                name: &namespace,
+                known,
+            },
+            operation: Operation::Create,
+            display_name: &name,
+            claims: source.claims(),
+            owner_kind: Some(gpuwarden_crds::vm::KIND_VMI),
+            requester: Requester::KubeVirt,
+        };
+        let decision = engine::decide(&input, policies);
+        answer = Some(respond(api_version, &uid, &name, decision, None));
+    });
+    let Some((body, outcome, policy)) = answer else {
+        return invalid(api_version, uid, Some(name), &ReviewError::NoPolicySource);
     };
     let summary = ReviewSummary {
         uid,
@@ -476,13 +729,14 @@ fn display_name(pod: &PodView<'_>, namespace: &str, name: Option<&str>) -> Strin
     out
 }
 
-/// The answer for a decision, its outcome and the governing policy's reference.
+/// The answer for a decision, its outcome and the governing policy's reference; `pod` is
+/// what the patch changes (`None`: the object judged is not the pod, which is not patched).
 fn respond(
     api_version: &str,
     uid: &str,
     pod_name: &str,
     decision: Decision<'_>,
-    pod: &PodView<'_>,
+    pod: Option<&PodView<'_>>,
 ) -> (Vec<u8>, Outcome, Option<String>) {
     let outcome = match decision.verdict() {
         Verdict::NotGoverned | Verdict::Unchanged => Outcome::Allowed,
@@ -503,7 +757,10 @@ fn respond(
         response.allowed = false;
         response.result = Status::failure(&message, "Forbidden").with_code(403);
     }
-    let patch = patch::patch_for_view(pod, decision.changes());
+    let patch = pod.map_or_else(
+        || json_patch::Patch(Vec::new()),
+        |pod| patch::patch_for_view(pod, decision.changes()),
+    );
     if response.allowed && !patch.0.is_empty() {
         response = match response.with_patch(patch) {
             Ok(response) => response,

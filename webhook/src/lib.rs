@@ -4,6 +4,7 @@
 pub mod admission;
 pub mod cache;
 pub mod engine;
+pub mod kubevirt;
 pub mod manifest;
 pub mod metrics;
 pub mod mutate;

@@ -29,9 +29,9 @@ use crate::engine::{
     self, ClaimSource, ClaimStore, Decision, Input, Operation, Requester, Verdict,
 };
 use crate::manifest::{self, Document, ManifestError};
-use crate::nim;
 use crate::pod::PodView;
 use crate::report::{self, ReportKind, ReportResult, Subject, Timestamp};
+use crate::{kubevirt, nim};
 
 /// Exit code: everything would be admitted.
 pub const EXIT_ADMITTED: i32 = 0;
@@ -75,6 +75,22 @@ pub enum MutateError {
         name: String,
         /// What is wrong, and where.
         source: crate::nim::NimError,
+    },
+    /// A KubeVirt VM whose launcher pod cannot be read from it.
+    #[error("{file}: document {index} (line {line}): {kind} {name}: {message}")]
+    BadVm {
+        /// The file.
+        file: String,
+        /// Document index.
+        index: usize,
+        /// Start line.
+        line: usize,
+        /// The kind.
+        kind: String,
+        /// Name.
+        name: String,
+        /// What is wrong, and where.
+        message: String,
     },
     /// A workload without the pod template its kind must have.
     #[error(
@@ -601,6 +617,9 @@ fn judge(
     if nim::is_nim_service(&doc.object) {
         return judge_nim_service(doc, &scope);
     }
+    if kubevirt::is_vm(&doc.object) {
+        return judge_vm(doc, &scope);
+    }
     let places = pods(&doc)?;
     let mut after = doc.object.clone();
     let mut patch = json_patch::Patch(Vec::new());
@@ -771,6 +790,37 @@ fn judge_nim_service(doc: Document, scope: &Scope<'_>) -> Result<Outcome, Mutate
         doc,
         after,
         patch,
+        decisions,
+        namespace: scope.namespace.to_owned(),
+        runtime_keys: Vec::new(),
+        driver_only: Vec::new(),
+    })
+}
+
+/// A KubeVirt VM, judged as the launcher pod the virt-controller renders for it
+/// ([`kubevirt`]): the VM itself is never changed; what the engine would change or deny in
+/// its pod is said of it. Its pod names the VM's instance as controller, so it is judged as
+/// KubeVirt's (docs/design.md, "VMs judged like pods").
+fn judge_vm(doc: Document, scope: &Scope<'_>) -> Result<Outcome, MutateError> {
+    let rendered = kubevirt::launcher_pod(&doc.object).map_err(|message| MutateError::BadVm {
+        file: doc.source.clone(),
+        index: doc.index,
+        line: doc.line,
+        kind: doc.kind().to_owned(),
+        name: doc.name(),
+        message,
+    })?;
+    let (explanation, _) = scope.judge_pod(&rendered.pod, gpuwarden_crds::vm::KIND_VMI);
+    let decisions = vec![Judged {
+        path: Some("(the launcher pod KubeVirt renders)".to_owned()),
+        bare: false,
+        explanation,
+        notes: rendered.notes,
+    }];
+    Ok(Outcome {
+        after: doc.object.clone(),
+        doc,
+        patch: json_patch::Patch(Vec::new()),
         decisions,
         namespace: scope.namespace.to_owned(),
         runtime_keys: Vec::new(),

@@ -93,6 +93,59 @@ pub trait Reviewer: Send + Sync + 'static {
     /// The response review (JSON) and a summary for metrics and logs. Never panics on bad
     /// input (a panic is still caught and turned into a denial).
     fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary);
+
+    /// The answer to a request to enter a pod ([`admission::entry_target`]), given the pod
+    /// as read. By default such requests are denied: a reviewer that reads no policies
+    /// cannot tell a VM's pod.
+    fn review_entry(
+        &self,
+        body: &[u8],
+        pod: Result<Option<serde_json::Value>, String>,
+    ) -> (Vec<u8>, ReviewSummary) {
+        let _ = pod;
+        admission::handle_entry(
+            body,
+            Err("no policies to judge by".into()),
+            &admission::StaticSource::new([]),
+        )
+    }
+}
+
+/// Reads the pod a request enters, from the API server.
+pub trait PodLookup: Send + Sync + 'static {
+    /// The pod as JSON; `Ok(None)` when it does not exist.
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<Option<serde_json::Value>, String>> + Send + 'a,
+        >,
+    >;
+}
+
+/// [`PodLookup`] through the Kubernetes API.
+pub struct ApiPods(pub kube::Client);
+
+impl PodLookup for ApiPods {
+    fn get<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Result<Option<serde_json::Value>, String>> + Send + 'a,
+        >,
+    > {
+        Box::pin(async move {
+            use k8s_openapi::api::core::v1::Pod;
+            let api: kube::Api<Pod> = kube::Api::namespaced(self.0.clone(), namespace);
+            let pod = api.get_opt(name).await.map_err(|e| error_chain(&e))?;
+            pod.map(|p| serde_json::to_value(p).map_err(|e| e.to_string()))
+                .transpose()
+        })
+    }
 }
 
 /// The real reviewer: the admission engine over a [`PolicySource`].
@@ -110,6 +163,14 @@ impl EngineReviewer {
 impl Reviewer for EngineReviewer {
     fn review(&self, body: &[u8]) -> (Vec<u8>, ReviewSummary) {
         admission::handle_review(body, self.source.as_ref())
+    }
+
+    fn review_entry(
+        &self,
+        body: &[u8],
+        pod: Result<Option<serde_json::Value>, String>,
+    ) -> (Vec<u8>, ReviewSummary) {
+        admission::handle_entry(body, pod, self.source.as_ref())
     }
 }
 
@@ -161,6 +222,7 @@ pub struct Webhook {
     slots: Arc<Semaphore>,
     buffer_budget: Arc<Semaphore>,
     draining: Arc<AtomicBool>,
+    pods: Option<Arc<dyn PodLookup>>,
 }
 
 impl Webhook {
@@ -188,7 +250,15 @@ impl Webhook {
             slots,
             buffer_budget,
             draining: Arc::new(AtomicBool::new(false)),
+            pods: None,
         }
+    }
+
+    /// Reads the pods that requests to exec, attach or port-forward enter from `pods`;
+    /// without it such requests are denied, saying the pod could not be read.
+    pub fn with_pods(mut self, pods: Arc<dyn PodLookup>) -> Self {
+        self.pods = Some(pods);
+        self
     }
 
     /// The metrics this webhook records into.
@@ -492,6 +562,10 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
         );
     }
 
+    if let Some(target) = admission::entry_target(&body) {
+        return (entry(webhook, &body, &target).await, None);
+    }
+
     let span = tracing::info_span!(
         "review",
         uid = tracing::field::Empty,
@@ -536,6 +610,27 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
 
 /// Runs the reviewer, turning a panic (a bug) into `None` so the request gets a denial
 /// instead of a dropped connection.
+/// How long the webhook waits for the API server to return a pod being entered.
+const POD_READ_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The answer to a request to enter the pod `target`: the pod is read, then judged
+/// ([`Reviewer::review_entry`]).
+async fn entry(webhook: &Webhook, body: &[u8], target: &admission::EntryTarget) -> Vec<u8> {
+    let pod = match &webhook.pods {
+        Some(pods) => {
+            let read = pods.get(&target.namespace, &target.name);
+            match tokio::time::timeout(POD_READ_TIMEOUT, read).await {
+                Ok(read) => read,
+                Err(_) => Err(format!("no answer within {POD_READ_TIMEOUT:?}")),
+            }
+        }
+        None => Err("this webhook reads no pods: it runs without a cluster".to_owned()),
+    };
+    let (body, summary) = webhook.reviewer.review_entry(body, pod);
+    tracing::info!(uid = summary.uid, pod = ?summary.pod, outcome = summary.outcome.as_str(), "entry reviewed");
+    body
+}
+
 fn run_reviewer(reviewer: &dyn Reviewer, body: &[u8]) -> Option<(Vec<u8>, ReviewSummary)> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reviewer.review(body))) {
         Ok(result) => Some(result),
@@ -701,6 +796,7 @@ pub async fn run(options: ServeOptions) -> Result<(), ServerError> {
     // not fatal (the operator may create it later): readiness waits for it.
     reloader.poll_once().await;
 
+    let mut client = None;
     let (source, synced): (Arc<dyn PolicySource>, SyncFlag) = match &options.policy_file {
         Some(path) => {
             let source = StaticPolicySource::from_file(path)?;
@@ -710,12 +806,13 @@ pub async fn run(options: ServeOptions) -> Result<(), ServerError> {
             (Arc::new(source), SyncFlag::raised())
         }
         None => {
-            let client = kube::Client::try_default()
+            let kube = kube::Client::try_default()
                 .await
                 .map_err(ServerError::Kube)?;
+            client = Some(kube.clone());
             let synced = SyncFlag::new();
             let cache =
-                ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown.clone());
+                ReflectorCache::start(kube, metrics.clone(), synced.clone(), shutdown.clone());
             (Arc::new(cache), synced)
         }
     };
@@ -745,13 +842,16 @@ pub async fn run(options: ServeOptions) -> Result<(), ServerError> {
         trigger.trigger();
     });
 
-    let webhook = Webhook::new(
+    let mut webhook = Webhook::new(
         Arc::new(EngineReviewer::new(source)),
         certs,
         synced,
         metrics,
         options.limits,
     );
+    if let Some(client) = client {
+        webhook = webhook.with_pods(Arc::new(ApiPods(client)));
+    }
     webhook.serve(https, health, shutdown).await?;
     tracing::info!("stopped");
     Ok(())

@@ -119,3 +119,187 @@ fn no_ephemeral_container_enters_a_vms_pod_but_one_in_a_kata_vm_may() {
 fn answer_allowed(body: &[u8]) -> bool {
     answer(body, &source()).allowed()
 }
+
+/// A review of KubeVirt `kind` `object` (group `group`), `operation`, made by `user`.
+fn vm_review(
+    group: &str,
+    kind: &str,
+    object: &Value,
+    old: Option<&Value>,
+    operation: &str,
+) -> Answer {
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "vm-1", "namespace": "vms", "operation": operation,
+            "name": object["metadata"]["name"],
+            "kind": {"group": group, "version": "v1", "kind": kind},
+            "resource": {"group": group, "version": "v1", "resource": "virtualmachines"},
+            "userInfo": {"username": "alice"},
+            "object": object, "oldObject": old,
+        }
+    });
+    answer(&serde_json::to_vec(&review).unwrap(), &source())
+}
+
+fn vm(annotations: Value) -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "vm", "namespace": "vms"},
+        "spec": {"template": {
+            "metadata": {"annotations": annotations},
+            "spec": {"domain": {"devices": {"gpus": [
+                {"name": "gpu1", "deviceName": "nvidia.com/GRID_T4-1Q"}]}}},
+        }},
+    })
+}
+
+#[test]
+fn a_vm_is_judged_for_what_reaches_its_launcher_pod() {
+    let plain = vm(json!({}));
+    let answer = vm_review("kubevirt.io", "VirtualMachine", &plain, None, "CREATE");
+    assert!(answer.allowed(), "{:#}", answer.review);
+    assert!(answer.patch.is_none(), "a VM is never patched");
+
+    // A CDI annotation is stripped from the launcher pod when it is created; an NRI device
+    // injection cannot be, and the VM is denied.
+    let stripped = vm(json!({"cdi.k8s.io/steal": "nvidia.com/gpu=all"}));
+    let answer = vm_review("kubevirt.io", "VirtualMachine", &stripped, None, "CREATE");
+    assert!(answer.allowed(), "{:#}", answer.review);
+    assert!(answer.patch.is_none(), "a VM is never patched");
+    let injecting = vm(
+        json!({"devices.noderesource.dev/container.compute": "- path: /dev/nvidia0\n  type: c\n  major: 195\n  minor: 0\n"}),
+    );
+    let answer = vm_review("kubevirt.io", "VirtualMachine", &injecting, None, "CREATE");
+    assert!(!answer.allowed(), "{:#}", answer.review);
+    let message = answer.message();
+    assert!(message.contains("VirtualMachine vms/vm"), "{message}");
+
+    let kata = vm(json!({"io.katacontainers.config_path": "/tmp/evil.toml"}));
+    assert!(!vm_review("kubevirt.io", "VirtualMachine", &kata, None, "CREATE").allowed());
+
+    // An update that leaves the template as it was passes, so an older VM can be stopped.
+    let mut stopped = injecting.clone();
+    stopped["spec"]["runStrategy"] = json!("Halted");
+    let answer = vm_review(
+        "kubevirt.io",
+        "VirtualMachine",
+        &stopped,
+        Some(&injecting),
+        "UPDATE",
+    );
+    assert!(answer.allowed(), "{:#}", answer.review);
+    let answer = vm_review(
+        "kubevirt.io",
+        "VirtualMachine",
+        &injecting,
+        Some(&plain),
+        "UPDATE",
+    );
+    assert!(!answer.allowed(), "{:#}", answer.review);
+    // A pool's template, and one that cannot be read, which is named.
+    let pool = json!({
+        "apiVersion": "pool.kubevirt.io/v1alpha1", "kind": "VirtualMachinePool",
+        "metadata": {"name": "pool"},
+        "spec": {"virtualMachineTemplate": {"spec": injecting["spec"].clone()}},
+    });
+    assert!(
+        !vm_review(
+            "pool.kubevirt.io",
+            "VirtualMachinePool",
+            &pool,
+            None,
+            "CREATE"
+        )
+        .allowed()
+    );
+    let broken = json!({"apiVersion": "pool.kubevirt.io/v1alpha1", "kind": "VirtualMachinePool",
+        "metadata": {"name": "pool"}, "spec": {}});
+    let answer = vm_review(
+        "pool.kubevirt.io",
+        "VirtualMachinePool",
+        &broken,
+        None,
+        "CREATE",
+    );
+    assert!(!answer.allowed());
+    assert!(
+        answer
+            .message()
+            .contains("spec.virtualMachineTemplate.spec.template"),
+        "{}",
+        answer.message()
+    );
+}
+
+/// A `CONNECT` review of `pods/<sub>` on pod `p` by `user`.
+fn connect(sub: &str, user: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "c-1", "namespace": "vms", "name": "p", "operation": "CONNECT",
+            "subResource": sub,
+            "kind": {"group": "", "version": "v1", "kind": "PodExecOptions"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "userInfo": {"username": user},
+            "object": {"kind": "PodExecOptions", "command": ["sh"], "container": "compute"},
+        }
+    }))
+    .unwrap()
+}
+
+fn entered(body: &[u8], pod: Result<Option<Value>, String>) -> Value {
+    use gpuwarden_webhook::admission::handle_entry;
+    let (bytes, _) = handle_entry(body, pod, &source());
+    serde_json::from_slice(&bytes).unwrap()
+}
+
+#[test]
+fn nobody_enters_a_vms_pod_and_ordinary_pods_stay_open() {
+    use gpuwarden_webhook::admission::entry_target;
+    let launcher = pod_with("nvidia.com/GRID_T4-1Q", true);
+    for sub in ["exec", "attach", "portforward"] {
+        let body = connect(sub, "alice");
+        assert!(entry_target(&body).is_some(), "{sub}");
+        let answer = entered(&body, Ok(Some(launcher.clone())));
+        assert_eq!(answer["response"]["allowed"], false, "{sub}: {answer:#}");
+        let message = answer["response"]["status"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("pods/{sub} into pod vms/p")),
+            "{message}"
+        );
+        assert!(message.contains("virtctl console"), "{message}");
+    }
+    // The VM devices decide even where the marks were removed; the marks alone refuse too.
+    let unmarked = pod_with("nvidia.com/GA102GL_A10", false);
+    let answer = entered(&connect("exec", "alice"), Ok(Some(unmarked)));
+    assert_eq!(answer["response"]["allowed"], false);
+    let mut marked_only = pod_with("cpu", true);
+    marked_only["spec"]["containers"][0]["resources"] = json!({});
+    assert_eq!(
+        entered(&connect("exec", "alice"), Ok(Some(marked_only)))["response"]["allowed"],
+        false
+    );
+    // An ordinary pod, a Kata pod, a pod that is gone: open.
+    let ordinary = pod_with("nvidia.com/gpu", false);
+    assert_eq!(
+        entered(&connect("exec", "alice"), Ok(Some(ordinary)))["response"]["allowed"],
+        true
+    );
+    let mut kata = pod_with("nvidia.com/GA102GL_A10", false);
+    kata["spec"]["runtimeClassName"] = json!("kata-qemu-nvidia-gpu");
+    assert_eq!(
+        entered(&connect("exec", "alice"), Ok(Some(kata)))["response"]["allowed"],
+        true
+    );
+    assert_eq!(
+        entered(&connect("exec", "alice"), Ok(None))["response"]["allowed"],
+        true
+    );
+    // A pod that cannot be read is not entered.
+    let answer = entered(&connect("exec", "alice"), Err("timed out".into()));
+    assert_eq!(answer["response"]["allowed"], false);
+    // Not an entry: logs, a pod create.
+    assert!(entry_target(&connect("log", "alice")).is_none());
+    assert!(entry_target(&create_review(&launcher, "vms")).is_none());
+}

@@ -233,8 +233,12 @@ fn judge_injections<'a>(
         }
     };
     all.retain(judged);
+    // A VM device hands `/dev/vfio` nodes, never an NVIDIA device node: it holds no GPU an
+    // injection could name (docs/design.md, "GPUs handed to VMs").
+    let vms = &policy.spec.virtual_machines;
     let held = (containers.iter())
         .filter(|c| c.at.kind != ContainerKind::Ephemeral)
+        .filter(|c| !(c.value.limit_names()).any(|r| vms.is_device(r)))
         .filter_map(|c| super::plan::limited_gpus(c, policy))
         .fold(0u32, u32::saturating_add);
     injection::judge(&all, held, &policy.spec.runtime_features)

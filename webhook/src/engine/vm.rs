@@ -96,3 +96,56 @@ fn held<'a>(containers: &[ContainerFacts<'a>], policy: &GpuPolicy) -> Vec<(&'a s
     }
     out
 }
+
+/// Why `username` may not exec, attach or port-forward into `pod` in `namespace` (docs/
+/// design.md, "No way into a VM's pod"): the pod is a VM's on the host, by the VM devices
+/// its containers hold, or by KubeVirt's marks on it (which a pod's author may write, so
+/// they only ever refuse more), under the policy that governs it. `None` lets it through:
+/// no policy governs the pod, its namespace or service account is exempt, it runs in a VM
+/// runtime class, or `username` is one of KubeVirt's controllers.
+pub fn entry_denial(
+    pod: &PodView<'_>,
+    namespace: &str,
+    namespace_labels: &dyn super::Labels,
+    policies: &[std::sync::Arc<GpuPolicy>],
+    username: &str,
+    subresource: &str,
+) -> Option<String> {
+    let no_labels = crate::pod::Map::new();
+    let pod_labels = (pod.metadata.as_ref())
+        .and_then(|m| m.labels.as_ref())
+        .unwrap_or(&no_labels);
+    let policy = super::select_policy(policies, namespace_labels, pod_labels).policy?;
+    if super::pod_exemption(pod, namespace, policy).is_some() {
+        return None;
+    }
+    let vms = &policy.spec.virtual_machines;
+    if vms.controllers.iter().any(|c| c == username)
+        || runtime_class(pod).is_some_and(|c| vms.is_vm_runtime_class(c))
+    {
+        return None;
+    }
+    let facts = super::facts::read_pod(pod, namespace, policy, &super::NoClaims(""));
+    let held = held(&facts.containers, policy);
+    let marked = pod_labels.get("kubevirt.io").and_then(|v| v.as_str()) == Some("virt-launcher")
+        || controller(pod).is_some_and(|(v, k)| vm::is_vmi_reference(v, k));
+    if held.is_empty() && !marked {
+        return None;
+    }
+    let what = if held.is_empty() {
+        "a KubeVirt launcher pod".to_owned()
+    } else {
+        let held: Vec<String> = (held.iter())
+            .map(|(c, names)| format!("{c}: {names}"))
+            .collect();
+        format!("a VM's pod ({})", held.join("; "))
+    };
+    let name = (pod.metadata.as_ref())
+        .and_then(|m| m.name.as_deref())
+        .unwrap_or_default();
+    Some(format!(
+        "gpuwarden: pods/{subresource} into pod {namespace}/{name} is denied by GpuPolicy {}: it is {what}, and {}",
+        policy.reference(),
+        vm::NO_ENTRY_REASON
+    ))
+}
