@@ -560,9 +560,16 @@ impl LocalWebhook {
         let (trigger, shutdown) = gpuwarden_webhook::server::shutdown_channel();
         let metrics = Arc::new(Metrics::new());
         let synced = SyncFlag::new();
-        let cache =
-            ReflectorCache::start(client, metrics.clone(), synced.clone(), shutdown.clone());
-        Self::serve(Arc::new(cache), metrics, synced, (trigger, shutdown)).await
+        let cache = ReflectorCache::start(
+            client.clone(),
+            metrics.clone(),
+            synced.clone(),
+            shutdown.clone(),
+        );
+        let reviewer = Arc::new(EngineReviewer::new(Arc::new(cache)));
+        let pods: Arc<dyn gpuwarden_webhook::server::PodLookup> =
+            Arc::new(gpuwarden_webhook::server::ApiPods(client));
+        Self::serve_with(reviewer, metrics, synced, (trigger, shutdown), Some(pods)).await
     }
 
     /// [`LocalWebhook::start`] answering from fixed policies and namespace labels, with no
@@ -580,7 +587,7 @@ impl LocalWebhook {
     ) -> Result<Self, ClusterError> {
         let channel = gpuwarden_webhook::server::shutdown_channel();
         let metrics = Arc::new(Metrics::new());
-        Self::serve_with(reviewer, metrics, SyncFlag::raised(), channel).await
+        Self::serve_with(reviewer, metrics, SyncFlag::raised(), channel, None).await
     }
 
     async fn serve(
@@ -590,7 +597,7 @@ impl LocalWebhook {
         channel: (ShutdownTrigger, gpuwarden_webhook::server::Shutdown),
     ) -> Result<Self, ClusterError> {
         let reviewer = Arc::new(EngineReviewer::new(source));
-        Self::serve_with(reviewer, metrics, synced, channel).await
+        Self::serve_with(reviewer, metrics, synced, channel, None).await
     }
 
     async fn serve_with(
@@ -598,6 +605,7 @@ impl LocalWebhook {
         metrics: Arc<Metrics>,
         synced: SyncFlag,
         (trigger, shutdown): (ShutdownTrigger, gpuwarden_webhook::server::Shutdown),
+        pods: Option<Arc<dyn gpuwarden_webhook::server::PodLookup>>,
     ) -> Result<Self, ClusterError> {
         let host = webhook_host();
         let err = |e: &dyn std::fmt::Display| ClusterError::Webhook(e.to_string());
@@ -632,7 +640,7 @@ impl LocalWebhook {
             _ => host.clone(),
         };
 
-        let webhook = Webhook::new(
+        let mut webhook = Webhook::new(
             reviewer,
             certs,
             synced.clone(),
@@ -642,6 +650,9 @@ impl LocalWebhook {
                 ..Limits::default()
             },
         );
+        if let Some(pods) = pods {
+            webhook = webhook.with_pods(pods);
+        }
         let task = tokio::spawn(async move {
             if let Err(e) = webhook.serve(https, health, shutdown).await {
                 eprintln!("local webhook stopped: {e}");

@@ -358,9 +358,11 @@ impl Env {
         let mut mwc = shipped[0].value.clone();
         let name = self.name(suffix);
         mwc["metadata"] = json!({"name": name});
-        let hook = &mut mwc["webhooks"][0];
-        hook["clientConfig"] = json!({"url": url, "caBundle": base64(ca_pem.as_bytes())});
-        hook["namespaceSelector"] = selector;
+        // Every entry (pods, VMs, pod entry) calls the local webhook, in the run's namespaces.
+        for hook in mwc["webhooks"].as_array_mut().into_iter().flatten() {
+            hook["clientConfig"] = json!({"url": url, "caBundle": base64(ca_pem.as_bytes())});
+            hook["namespaceSelector"] = selector.clone();
+        }
         let mwc: MutatingWebhookConfiguration =
             serde_json::from_value(mwc).expect("MutatingWebhookConfiguration");
         let api: Api<MutatingWebhookConfiguration> = Api::all(self.client());
@@ -370,10 +372,8 @@ impl Env {
             .unwrap_or_else(|e| panic!("failed to register the webhook configuration: {e}"));
         self.cleanup
             .own_typed::<MutatingWebhookConfiguration>(None, &name);
-        let match_conditions = created
-            .webhooks
-            .iter()
-            .flatten()
+        let match_conditions = (created.webhooks.iter().flatten())
+            .filter(|w| w.name == gpuwarden_crds::install::MUTATING_WEBHOOK)
             .all(|w| w.match_conditions.as_ref().is_some_and(|m| !m.is_empty()));
         if !match_conditions {
             skip(

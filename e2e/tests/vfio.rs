@@ -1,0 +1,300 @@
+//! GPUs handed to VMs, on a real node with NVIDIA's sandbox device plugin (docs/design.md,
+//! "GPUs handed to VMs", "No way into a VM's pod"): kubevirt-gpu-device-plugin advertises a
+//! vGPU type and a passthrough GPU with its audio function in one IOMMU group, and hands a
+//! container more than it allocates. A namespace admin (the `admin` role, impersonated) asks
+//! for each of them in a plain pod, with and without KubeVirt's marks, and is refused by the
+//! webhook, and by the backstop alone where the webhook is not registered. The same pod asked
+//! for by KubeVirt's virt-controller (its ServiceAccount impersonated) is admitted and runs;
+//! the tenant can then neither exec, attach, port-forward nor add an ephemeral container
+//! into it, while its own ordinary pod stays open. Two such pods, one holding the GPU and
+//! one its audio function, are reported by the node agent as holding one IOMMU group, and
+//! `Isolated` turns False.
+//!
+//! It needs the node to be this machine, NVIDIA's sandbox device plugin registered with its
+//! kubelet (`../shared/rig/vfio/`, `FAKE_PROFILE=both`; else it prints `SKIPPED`), busybox
+//! imported, NVML for the in-process agent, and the plugin's sysfs
+//! (`GPUWARDEN_SYSFS_ROOT`, the rig's `/tmp/vfio/fakesys`):
+//!
+//! ```sh
+//! GPUWARDEN_SYSFS_ROOT=/tmp/vfio/fakesys LD_LIBRARY_PATH=<driver root>/usr/lib64 KUBECONFIG=... \
+//!   cargo test -p gpuwarden-e2e --test vfio -- --ignored --nocapture --test-threads=1
+//! ```
+
+use std::time::Duration;
+
+use gpuwarden_e2e::cluster::{Cluster, namespaces_named, skip, wait_for};
+use gpuwarden_e2e::env::{Env, until_admission};
+use gpuwarden_e2e::node::busybox;
+use http::Method;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use serde_json::{Value, json};
+
+const TEST: &str = "vm_devices_stay_the_vms";
+
+/// The sandbox plugin's resources on the rig's node (`FAKE_PROFILE=both`).
+const VGPU: &str = "nvidia.com/GRID_T4-1Q";
+const GPU: &str = "nvidia.com/GA102GL_RTX_A6000";
+const AUDIO: &str = "nvidia.com/GA102_HIGH_DEFINITION_AUDIO_CONTROLLER";
+
+/// KubeVirt's virt-controller, as KubeVirt installs it upstream.
+const CONTROLLER_NS: &str = "kubevirt";
+const CONTROLLER: &str = "kubevirt-controller";
+
+/// A pod `name` whose container `compute` asks for one `resource` and sleeps; with
+/// `launcher`, KubeVirt's marks on it as its virt-controller renders a launcher pod (which a
+/// tenant can write as well).
+fn pod(name: &str, resource: &str, launcher: bool) -> Value {
+    let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"terminationGracePeriodSeconds": 1, "restartPolicy": "Never",
+            "containers": [{"name": "compute", "image": busybox(), "imagePullPolicy": "Never",
+                "command": ["sleep", "3600"],
+                "resources": {"limits": {resource: "1"}, "requests": {resource: "1"}}}]}});
+    if launcher {
+        pod["metadata"]["labels"] =
+            json!({"kubevirt.io": "virt-launcher", "kubevirt.io/created-by": "uid"});
+        pod["metadata"]["annotations"] = json!({"kubevirt.io/domain": name, "kubectl.kubernetes.io/default-container": "compute"});
+        pod["metadata"]["ownerReferences"] = json!([{"apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstance", "name": name, "uid": "0b0e7c1a-0000-4000-8000-000000000001",
+            "controller": true, "blockOwnerDeletion": true}]);
+    }
+    pod
+}
+
+/// The node's allocatable count of `resource`.
+fn allocatable(node: &Value, resource: &str) -> u64 {
+    node["status"]["allocatable"][resource]
+        .as_str()
+        .and_then(|q| q.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits until `who` is refused `pod` in `ns` with a message holding `says`.
+async fn refused(who: &Cluster, ns: &str, pod: &Value, what: &str, says: &str) {
+    let r = until_admission(who, ns, pod, what, |r| r.status.is_client_error()).await;
+    let message = r.message().to_owned();
+    assert!(message.contains(says), "{what}: {message}");
+    eprintln!("refused, {what}: {message}");
+}
+
+/// `POST`s a request to enter pod `ns/name` (`exec`, `attach`, `portforward`) as `who`:
+/// the status and message. Admission runs before the connection is upgraded, so a request
+/// let through fails on the missing upgrade instead (400), never with 403.
+async fn enter(who: &Cluster, ns: &str, name: &str, sub: &str) -> (u16, String) {
+    let query = match sub {
+        "portforward" => "ports=80",
+        _ => "container=compute&stdout=true&command=true",
+    };
+    let path = format!("/api/v1/namespaces/{ns}/pods/{name}/{sub}?{query}");
+    let r = (who.raw(Method::POST, &path, "application/json", None).await)
+        .unwrap_or_else(|e| panic!("{e}"));
+    (r.status.as_u16(), r.message().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a node: this machine as a Ready node with NVIDIA's sandbox device plugin (../shared/rig/vfio, FAKE_PROFILE=both), busybox imported; KUBECONFIG=... cargo test -p gpuwarden-e2e --test vfio -- --ignored --nocapture --test-threads=1"]
+async fn vm_devices_stay_the_vms() {
+    let env = Env::new().await;
+    if !env.on_this_gpu_node(TEST).await {
+        return;
+    }
+    let nodes = (env.cluster)
+        .raw(Method::GET, "/api/v1/nodes", "application/json", None)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let node = (nodes.body["items"].as_array().into_iter().flatten())
+        .find(|n| {
+            allocatable(n, VGPU) >= 2 && allocatable(n, GPU) >= 1 && allocatable(n, AUDIO) >= 1
+        })
+        .cloned();
+    let Some(node) = node else {
+        skip(
+            TEST,
+            "no node advertises the sandbox plugin's GRID_T4-1Q, RTX A6000 and its audio function (../shared/rig/vfio, FAKE_PROFILE=both)",
+        );
+        return;
+    };
+    let node_name = node["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+
+    // The webhook for `ns` only; the backstop for `ns` and `bare`, under a policy of both.
+    let ns = env.namespace("vfio").await;
+    let bare = env.namespace("vfio-bare").await;
+    let policy = env
+        .policy_with(&ns, "vfio", |spec| {
+            spec.namespace_selector = serde_json::from_value(json!({"matchExpressions": [{
+                "key": "kubernetes.io/metadata.name", "operator": "In",
+                "values": [ns.clone(), bare.clone()]}]}))
+            .expect("selector");
+        })
+        .await;
+    let webhook = env.started_webhook().await;
+    env.register_webhook(
+        &webhook.url,
+        &webhook.ca_pem,
+        namespaces_named(&[&ns]),
+        "vfio",
+    )
+    .await;
+    env.install_policy_with_param(
+        "deploy/admission/backstop-policy.yaml",
+        "vfio-backstop",
+        Some(namespaces_named(&[&ns, &bare])),
+        Some(&policy),
+    )
+    .await;
+    let tenant = env.namespace_admin(&ns, "tenant").await;
+    let bare_tenant = env.namespace_admin(&bare, "tenant").await;
+
+    // 1. Every plain-pod attempt is refused, whatever the pod says of itself.
+    for (resource, what) in [(VGPU, "vgpu"), (GPU, "gpu"), (AUDIO, "audio")] {
+        for launcher in [false, true] {
+            let name = format!("steal-{what}{}", if launcher { "-marked" } else { "" });
+            let attempt = pod(&name, resource, launcher);
+            refused(
+                &tenant,
+                &ns,
+                &attempt,
+                &format!("{name} (webhook)"),
+                &format!("container compute requests {resource}, a VM device"),
+            )
+            .await;
+            refused(
+                &bare_tenant,
+                &bare,
+                &attempt,
+                &format!("{name} (backstop alone)"),
+                "request a VM device",
+            )
+            .await;
+        }
+    }
+    // A runtime class that runs no VM (the cluster admin's, handler runc).
+    let class = env.name("runc");
+    let created = (env.cluster)
+        .raw(
+            Method::POST,
+            "/apis/node.k8s.io/v1/runtimeclasses",
+            "application/json",
+            Some(&json!({"metadata": {"name": class}, "handler": "runc"})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        created.status.is_success(),
+        "RuntimeClass: {}",
+        created.message()
+    );
+    env.cleanup
+        .own_typed::<k8s_openapi::api::node::v1::RuntimeClass>(None, &class);
+    let mut runc = pod("steal-runc-class", VGPU, true);
+    runc["spec"]["runtimeClassName"] = json!(class);
+    refused(
+        &tenant,
+        &ns,
+        &runc,
+        "a runtime class that runs no VM",
+        "a VM device",
+    )
+    .await;
+
+    // 2. The same request made by KubeVirt's virt-controller is admitted and runs.
+    let post = |path: String, body: Value| {
+        let env = &env;
+        async move {
+            let r = (env
+                .cluster
+                .raw(Method::POST, &path, "application/json", Some(&body))
+                .await)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(r.status.is_success(), "POST {path}: {}", r.message());
+        }
+    };
+    post(
+        format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
+        json!({"metadata": {"name": "kubevirt-controller"},
+            "subjects": [{"kind": "ServiceAccount", "name": CONTROLLER, "namespace": CONTROLLER_NS}],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"}}),
+    )
+    .await;
+    let kubevirt = (env
+        .cluster
+        .as_service_account(CONTROLLER_NS, CONTROLLER)
+        .await)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pods: Api<Pod> = Api::namespaced(env.client(), &ns);
+    let mut launchers = Vec::new();
+    for (name, resource) in [("virt-launcher-gpu", GPU), ("virt-launcher-audio", AUDIO)] {
+        let launcher = pod(name, resource, true);
+        let r = until_admission(&kubevirt, &ns, &launcher, name, |r| r.status.is_success()).await;
+        assert!(r.status.is_success(), "{name}: {}", r.message());
+        let created =
+            (kubevirt.create_pod(&ns, &launcher, false).await).unwrap_or_else(|e| panic!("{e}"));
+        assert!(created.status.is_success(), "{name}: {}", created.message());
+        env.cleanup.own_typed::<Pod>(Some(&ns), name);
+        launchers.push(name);
+    }
+    for name in &launchers {
+        let running = wait_for(Duration::from_secs(90), || {
+            let pods = pods.clone();
+            async move {
+                let p = pods.get_opt(name).await.ok()??;
+                (p.status?.phase.as_deref() == Some("Running")).then_some(())
+            }
+        })
+        .await;
+        assert!(running.is_some(), "{name} never ran");
+    }
+
+    // 3. No way into a VM's pod; the tenant's ordinary pod stays open.
+    for sub in ["exec", "attach", "portforward"] {
+        let (status, message) = enter(&tenant, &ns, "virt-launcher-gpu", sub).await;
+        assert_eq!(status, 403, "pods/{sub}: {message}");
+        assert!(
+            message.contains("it is a VM's pod"),
+            "pods/{sub}: {message}"
+        );
+        eprintln!("refused, pods/{sub}: {message}");
+    }
+    // As clusters that allow `kubectl debug` grant it.
+    post(
+        format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles"),
+        json!({"metadata": {"name": "tenant-debug"}, "rules": [{"apiGroups": [""],
+            "resources": ["pods/ephemeralcontainers"], "verbs": ["get", "patch", "update"]}]}),
+    )
+    .await;
+    post(
+        format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
+        json!({"metadata": {"name": "tenant-debug"},
+            "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant-debug"}}),
+    )
+    .await;
+    let debug = json!({"spec": {"ephemeralContainers": [{"name": "debugger", "image": busybox(),
+        "imagePullPolicy": "Never", "targetContainerName": "compute", "command": ["sleep", "60"]}]}});
+    let r = (tenant
+        .raw(
+            Method::PATCH,
+            &format!("/api/v1/namespaces/{ns}/pods/virt-launcher-gpu/ephemeralcontainers"),
+            "application/strategic-merge-patch+json",
+            Some(&debug),
+        )
+        .await)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.status.is_client_error(), "kubectl debug: {r:?}");
+    assert!(r.message().contains("the pod is a VM's"), "{}", r.message());
+    let ordinary = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "ordinary"},
+        "spec": {"terminationGracePeriodSeconds": 1, "containers": [{"name": "compute",
+            "image": busybox(), "imagePullPolicy": "Never", "command": ["sleep", "3600"]}]}});
+    let r = (tenant.create_pod(&ns, &ordinary, false).await).unwrap_or_else(|e| panic!("{e}"));
+    assert!(r.status.is_success(), "ordinary: {}", r.message());
+    env.cleanup.own_typed::<Pod>(Some(&ns), "ordinary");
+    let (status, message) = enter(&tenant, &ns, "ordinary", "exec").await;
+    assert_ne!(status, 403, "exec into an ordinary pod: {message}");
+
+    webhook.stop().await;
+    let _ = node_name;
+}
