@@ -16,7 +16,7 @@
 use schemars::Schema;
 use serde_json::{Map, Value, json};
 
-use crate::node::{Binding, GpuNodeStatus, Truncated};
+use crate::node::{GpuNodeStatus, Truncated};
 
 /// Most GPUs one `GpuNode` lists.
 pub const MAX_GPUS: usize = 32;
@@ -187,9 +187,10 @@ fn walk(obj: &mut Map<String, Value>, f: &mut impl FnMut(&mut Map<String, Value>
 
 /// Cuts the agent's lists in `status` to the schema's bounds and records in
 /// `status.truncated` how many entries each lost; `truncated` is `None` when nothing was
-/// cut. What matters most is kept: out-of-band bindings before allocated ones, privileged
-/// pods no exemption covers before exempt ones, unhealthy GPUs before healthy ones, so the
-/// conditions the operator derives (`Isolated`, `Healthy`) stay true. Free-text fields are
+/// cut. What matters most is kept: out-of-band bindings and those holding a whole IOMMU
+/// group before allocated ones, privileged pods no exemption covers before exempt ones,
+/// unhealthy GPUs before healthy ones, so the conditions the operator derives (`Isolated`,
+/// `Healthy`) stay true. Free-text fields are
 /// cut to their length. Each list keeps its order.
 pub fn fit_status(status: &mut GpuNodeStatus) {
     let mut cut = Truncated::default();
@@ -206,7 +207,10 @@ pub fn fit_status(status: &mut GpuNodeStatus) {
         }
     }
     if let Some(bindings) = status.bindings.as_mut() {
-        cut.bindings = keep(bindings, MAX_BINDINGS, Binding::is_out_of_band);
+        // A binding holding a whole IOMMU group says what `Isolated` reads too.
+        cut.bindings = keep(bindings, MAX_BINDINGS, |b| {
+            b.is_out_of_band() || !b.iommu_groups.is_empty()
+        });
         for binding in bindings.iter_mut() {
             cut.binding_devices += keep(&mut binding.gpu_uuids, MAX_BINDING_DEVICES, |_| false);
             cut.binding_devices += keep(&mut binding.device_nodes, MAX_BINDING_DEVICES, |_| false);
@@ -258,7 +262,7 @@ fn truncate_chars(s: &mut String, max: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{BindingSource, GpuHealth, GpuStatus, HealthState, MigDevice, PodRef};
+    use crate::{Binding, BindingSource, GpuHealth, GpuStatus, HealthState, MigDevice, PodRef};
 
     fn binding(i: usize, source: BindingSource) -> Binding {
         Binding {

@@ -1,6 +1,6 @@
 //! `GpuNode`: one per GPU node, named after the node. Its status has two writers with
-//! disjoint fields: the node agent (`driver`, `gpus`, `bindings`, `privilegedPods`, `runtime`)
-//! and the operator (`conditions`, `summary`).
+//! disjoint fields: the node agent (`driver`, `gpus`, `bindings`, `privilegedPods`, `runtime`,
+//! `vfio`) and the operator (`conditions`, `summary`).
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::CustomResource;
@@ -132,6 +132,11 @@ pub struct GpuNodeStatus {
     /// What the node's NVIDIA container runtime does (node agent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<RuntimeStatus>,
+
+    /// The extended resources whose devices the kubelet hands out as VFIO devices, and the
+    /// IOMMU groups that back more than one of them (node agent); absent where there are none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vfio: Option<VfioStatus>,
 
     /// Entries the node agent left out of its lists to stay within their bounds, per list;
     /// absent when nothing was left out (node agent). The `StatusComplete` condition says the
@@ -286,6 +291,11 @@ pub enum BindingSource {
     /// container's claims or resources: the driver hands out more than the claim was
     /// allocated (docs/design.md, "What a claim's CDI spec hands out").
     BeyondClaim,
+    /// The kubelet allocated this container a VFIO device whose IOMMU group backs other
+    /// devices the node advertises, and the device plugin hands it the whole group
+    /// (`iommuGroups`): with the device it was allocated come the others. Not out of band
+    /// by itself; containers of two pods holding one group are (`SharedIommuGroup`).
+    IommuGroup,
 }
 
 /// GPUs held by one container of one pod.
@@ -319,8 +329,9 @@ pub struct Binding {
     #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = UUID_LEN)))]
     pub gpu_uuids: Vec<String>,
     /// `Allocated`, `Observed` (out of band), `AllocatedAndObserved`, `Shared`, `Injected`
-    /// (named by a device-injection annotation, not allocated) or `BeyondClaim` (given by
-    /// a claim's CDI spec, not allocated).
+    /// (named by a device-injection annotation, not allocated), `BeyondClaim` (given by
+    /// a claim's CDI spec, not allocated) or `IommuGroup` (allocated a VFIO device that
+    /// comes with the rest of its IOMMU group).
     pub source: BindingSource,
     /// For a `Shared` binding: the reservation pods (`namespace/name`) the kubelet allocated
     /// these GPUs to.
@@ -333,6 +344,15 @@ pub struct Binding {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = MAX_BINDING_DEVICES), inner(length(max = PATH_LEN)))]
     pub device_nodes: Vec<String>,
+    /// The IOMMU groups the container holds whole, of those that back more than one
+    /// advertised device: each with the devices of it the kubelet allocated to the
+    /// container and the others, which it gets with them. Set whatever `source` says (an
+    /// allocation alone reads `IommuGroup`). At most 16; the rest are counted in
+    /// `truncated.iommuGroups`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_BINDING_IOMMU_GROUPS))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["group"]))]
+    pub iommu_groups: Vec<IommuGroupHold>,
     /// Why this binding does not count against the node's isolation: the GpuPolicy that
     /// lets the pod's namespace hold a driver's own claims, or exempts the pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -521,6 +541,185 @@ impl RuntimeStatus {
     }
 }
 
+/// Most VFIO-backed resources one `GpuNode` lists: a node advertises a passthrough resource
+/// per PCI device name and function, and a vGPU resource per type.
+pub const MAX_VFIO_RESOURCES: usize = 32;
+/// Most IOMMU groups listed in `vfio.sharedGroups`: one per GPU behind its own root port,
+/// 16 GPUs in the largest chassis, with room to spare.
+pub const MAX_IOMMU_GROUPS: usize = 32;
+/// Most devices listed for one IOMMU group: every function of 8 GPUs behind one switch
+/// that does not isolate them (no ACS).
+pub const MAX_IOMMU_GROUP_DEVICES: usize = 32;
+/// Most IOMMU groups listed in one binding: a VM holding every GPU of a 16-GPU node.
+pub const MAX_BINDING_IOMMU_GROUPS: usize = 16;
+/// Most devices `vfio.unknown` lists.
+pub const MAX_VFIO_UNKNOWN: usize = 16;
+/// Longest kernel driver or mdev type name the agent reports.
+pub const SYSFS_NAME_LEN: usize = 128;
+
+/// The node's VFIO devices as the kubelet advertises them: which extended resources hand
+/// out VFIO devices, and which IOMMU groups back more than one advertised device. A device
+/// plugin that hands a container one device of such a group hands it the group's device
+/// node, `/dev/vfio/<group>`, and with it every device of the group.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VfioStatus {
+    /// The VFIO-backed resources: those with a device that sysfs puts in an IOMMU group.
+    /// At most 32; the rest are counted in `truncated.vfioResources`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_VFIO_RESOURCES))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub resources: Vec<VfioResource>,
+    /// The IOMMU groups that back more than one advertised device, with those devices. At
+    /// most 32; the rest are counted in `truncated.iommuGroups`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_IOMMU_GROUPS))]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["group"]))]
+    pub shared_groups: Vec<IommuGroupStatus>,
+    /// Advertised devices whose sysfs entries could not be read or made no sense, and why;
+    /// their groups are not known. At most 16; the rest are counted in
+    /// `truncated.vfioUnknown`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_VFIO_UNKNOWN))]
+    pub unknown: Vec<VfioUnknown>,
+}
+
+/// How a VFIO-backed resource's devices reach a VM.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema, Hash)]
+pub enum VfioKind {
+    /// Whole PCI functions bound to a VFIO driver, named by their PCI address.
+    #[default]
+    Passthrough,
+    /// Mediated devices (vGPUs) carved out of a GPU, named by their UUID.
+    Vgpu,
+}
+
+/// One extended resource whose devices are VFIO devices.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VfioResource {
+    /// The resource name, e.g. `nvidia.com/GA102GL_RTX_A6000` or `nvidia.com/GRID_T4-1Q`.
+    #[schemars(length(max = QUALIFIED_NAME_LEN))]
+    pub name: String,
+    /// `Passthrough` (PCI functions) or `Vgpu` (mediated devices).
+    pub kind: VfioKind,
+    /// Its advertised devices that are in an IOMMU group.
+    pub devices: u32,
+    /// For `Passthrough`: how many of them are bound to `vfio-pci`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vfio_pci: Option<u32>,
+    /// For `Vgpu`: the mediated device type's name (`mdev_type/name`, e.g. `GRID T4-1Q`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = SYSFS_NAME_LEN))]
+    pub mdev_type: Option<String>,
+}
+
+/// An IOMMU group and the advertised devices in it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IommuGroupStatus {
+    /// The group's number (`/dev/vfio/<group>`).
+    pub group: u32,
+    /// Its advertised devices. At most 32; the rest are counted in
+    /// `truncated.iommuGroupDevices`.
+    #[schemars(length(max = MAX_IOMMU_GROUP_DEVICES))]
+    pub devices: Vec<VfioDevice>,
+}
+
+/// A device the kubelet advertises under an extended resource.
+#[derive(
+    Serialize, Deserialize, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Default, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct VfioDevice {
+    /// The resource it is advertised under.
+    #[schemars(length(max = QUALIFIED_NAME_LEN))]
+    pub resource_name: String,
+    /// Its kubelet device ID: a PCI address (`0000:81:00.0`) or a mediated device's UUID.
+    #[schemars(length(max = UUID_LEN))]
+    pub device_id: String,
+    /// The kernel driver a PCI function is bound to (`vfio-pci`); absent when unbound, for a
+    /// mediated device, and in bindings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = SYSFS_NAME_LEN))]
+    pub driver: Option<String>,
+}
+
+/// An IOMMU group one container holds whole.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IommuGroupHold {
+    /// The group's number (`/dev/vfio/<group>`).
+    pub group: u32,
+    /// The devices of the group the kubelet allocated to the container. At most 32; the
+    /// rest are counted in `truncated.iommuGroupDevices`.
+    #[schemars(length(max = MAX_IOMMU_GROUP_DEVICES))]
+    pub allocated: Vec<VfioDevice>,
+    /// The group's other advertised devices, which the container gets with them. At most
+    /// 32; the rest are counted in `truncated.iommuGroupDevices`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = MAX_IOMMU_GROUP_DEVICES))]
+    pub others: Vec<VfioDevice>,
+}
+
+/// An advertised device whose IOMMU group the agent could not read, and why.
+#[derive(
+    Serialize, Deserialize, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Default, JsonSchema,
+)]
+#[serde(rename_all = "camelCase")]
+pub struct VfioUnknown {
+    /// The resource it is advertised under.
+    #[schemars(length(max = QUALIFIED_NAME_LEN))]
+    pub resource_name: String,
+    /// Its kubelet device ID.
+    #[schemars(length(max = UUID_LEN))]
+    pub device_id: String,
+    /// What could not be read, or what made no sense.
+    #[schemars(length(max = REASON_LEN))]
+    pub reason: String,
+}
+
+/// Cuts `status.vfio` and the bindings' `iommuGroups` to their bounds, keeping each list's
+/// order, and adds what it left out to `status.truncated`. The counterpart of
+/// [`bounds::fit_status`] for these fields; call it after that, which sets `truncated`
+/// afresh.
+pub fn fit_vfio(status: &mut GpuNodeStatus) {
+    fn cut<T>(list: &mut Vec<T>, max: usize) -> u32 {
+        let dropped = list.len().saturating_sub(max);
+        list.truncate(max);
+        u32::try_from(dropped).unwrap_or(u32::MAX)
+    }
+    let mut more = Truncated::default();
+    if let Some(vfio) = status.vfio.as_mut() {
+        more.vfio_resources = cut(&mut vfio.resources, MAX_VFIO_RESOURCES);
+        more.iommu_groups = cut(&mut vfio.shared_groups, MAX_IOMMU_GROUPS);
+        for group in &mut vfio.shared_groups {
+            more.iommu_group_devices += cut(&mut group.devices, MAX_IOMMU_GROUP_DEVICES);
+        }
+        more.vfio_unknown = cut(&mut vfio.unknown, MAX_VFIO_UNKNOWN);
+        for unknown in &mut vfio.unknown {
+            if let Some((i, _)) = unknown.reason.char_indices().nth(REASON_LEN) {
+                unknown.reason.truncate(i);
+            }
+        }
+    }
+    for binding in status.bindings.iter_mut().flatten() {
+        more.iommu_groups += cut(&mut binding.iommu_groups, MAX_BINDING_IOMMU_GROUPS);
+        for hold in &mut binding.iommu_groups {
+            more.iommu_group_devices += cut(&mut hold.allocated, MAX_IOMMU_GROUP_DEVICES);
+            more.iommu_group_devices += cut(&mut hold.others, MAX_IOMMU_GROUP_DEVICES);
+        }
+    }
+    if more == Truncated::default() {
+        return;
+    }
+    let truncated = status.truncated.get_or_insert_with(Truncated::default);
+    truncated.vfio_resources += more.vfio_resources;
+    truncated.iommu_groups += more.iommu_groups;
+    truncated.iommu_group_devices += more.iommu_group_devices;
+    truncated.vfio_unknown += more.vfio_unknown;
+}
+
 /// Counts shown by `kubectl get gpunodes`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -582,8 +781,125 @@ pub struct Truncated {
     /// Pods left out of `privilegedPods`.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub privileged_pods: u32,
+    /// Resources left out of `vfio.resources`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub vfio_resources: u32,
+    /// IOMMU groups left out of `vfio.sharedGroups` and of the bindings' `iommuGroups`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iommu_groups: u32,
+    /// Devices left out of those IOMMU groups' lists.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iommu_group_devices: u32,
+    /// Entries left out of `vfio.unknown`.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub vfio_unknown: u32,
 }
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(i: usize) -> VfioDevice {
+        VfioDevice {
+            resource_name: "nvidia.com/GA102GL_RTX_A6000".into(),
+            device_id: format!("0000:{i:02x}:00.0"),
+            driver: Some("vfio-pci".into()),
+        }
+    }
+
+    fn group(group: u32, devices: usize) -> IommuGroupStatus {
+        IommuGroupStatus {
+            group,
+            devices: (0..devices).map(device).collect(),
+        }
+    }
+
+    #[test]
+    fn vfio_lists_within_bounds_are_left_as_they_are() {
+        let mut status = GpuNodeStatus {
+            vfio: Some(VfioStatus {
+                resources: vec![VfioResource::default(); 3],
+                shared_groups: vec![group(13, 2)],
+                unknown: vec![],
+            }),
+            bindings: Some(vec![Binding {
+                iommu_groups: vec![IommuGroupHold {
+                    group: 13,
+                    allocated: vec![device(0)],
+                    others: vec![device(1)],
+                }],
+                ..Binding::default()
+            }]),
+            ..Default::default()
+        };
+        let before = status.clone();
+        fit_vfio(&mut status);
+        assert_eq!(status, before);
+        assert_eq!(status.truncated, None);
+    }
+
+    #[test]
+    fn long_vfio_lists_are_cut_and_counted_beside_the_other_cuts() {
+        let mut status = GpuNodeStatus {
+            vfio: Some(VfioStatus {
+                resources: vec![VfioResource::default(); MAX_VFIO_RESOURCES + 8],
+                shared_groups: (0..40)
+                    .map(|g| group(g, MAX_IOMMU_GROUP_DEVICES + 1))
+                    .collect(),
+                unknown: vec![
+                    VfioUnknown {
+                        reason: "x".repeat(REASON_LEN + 10),
+                        ..VfioUnknown::default()
+                    };
+                    MAX_VFIO_UNKNOWN + 4
+                ],
+            }),
+            bindings: Some(vec![Binding {
+                iommu_groups: (0..20)
+                    .map(|g| IommuGroupHold {
+                        group: g,
+                        allocated: vec![device(0)],
+                        others: (1..=MAX_IOMMU_GROUP_DEVICES + 2).map(device).collect(),
+                    })
+                    .collect(),
+                ..Binding::default()
+            }]),
+            // What bounds::fit_status counted before.
+            truncated: Some(Truncated {
+                bindings: 3,
+                ..Truncated::default()
+            }),
+            ..Default::default()
+        };
+        fit_vfio(&mut status);
+        let vfio = status.vfio.as_ref().unwrap();
+        assert_eq!(vfio.resources.len(), MAX_VFIO_RESOURCES);
+        assert_eq!(vfio.shared_groups.len(), MAX_IOMMU_GROUPS);
+        assert_eq!(vfio.shared_groups[0].group, 0, "in their order");
+        assert!((vfio.shared_groups.iter()).all(|g| g.devices.len() == MAX_IOMMU_GROUP_DEVICES));
+        assert_eq!(vfio.unknown.len(), MAX_VFIO_UNKNOWN);
+        assert!(vfio.unknown.iter().all(|u| u.reason.len() == REASON_LEN));
+        let holds = &status.bindings.as_ref().unwrap()[0].iommu_groups;
+        assert_eq!(holds.len(), MAX_BINDING_IOMMU_GROUPS);
+        assert!(
+            holds
+                .iter()
+                .all(|h| h.others.len() == MAX_IOMMU_GROUP_DEVICES)
+        );
+        assert_eq!(
+            status.truncated,
+            Some(Truncated {
+                bindings: 3,
+                vfio_resources: 8,
+                iommu_groups: 8 + 4,
+                iommu_group_devices: 32 + 16 * 2,
+                vfio_unknown: 4,
+                ..Truncated::default()
+            })
+        );
+    }
 }

@@ -78,6 +78,10 @@ pub fn start_real_agent(
         &list("GPUWARDEN_E2E_TOOLKIT_CONFIG"),
         &list("GPUWARDEN_E2E_CONTAINERD_CONFIG"),
     );
+    // A VFIO plugin on a faked host reads its own sysfs (the rig's /tmp/vfio/fakesys).
+    if let Some(root) = std::env::var_os("GPUWARDEN_SYSFS_ROOT").filter(|r| !r.is_empty()) {
+        config.posture_paths.sysfs_root = root.into();
+    }
     let (stop, task) = spawn_agent(env, config);
     (stop, task, listen)
 }

@@ -545,6 +545,21 @@ fn the_conditions_table_is_what_the_operator_sets() {
                  "resourceName": "gpu.nvidia.com", "claims": ["ns/q-gpu"], "gpuUuids": ["GPU-0"],
                  "source": "Allocated"}]);
         })),
+        // Two pods holding devices of one IOMMU group.
+        Some(status(&|v| {
+            let hold = |mine: &str, other: &str| {
+                serde_json::json!([{"group": 13,
+                "allocated": [{"resourceName": mine, "deviceId": mine}],
+                "others": [{"resourceName": other, "deviceId": other}]}])
+            };
+            v["bindings"] = serde_json::json!([
+                {"podUid": "u", "container": "compute", "namespace": "ns", "pod": "p",
+                 "resourceName": "nvidia.com/GA102GL_A10", "gpuUuids": [], "source": "IommuGroup",
+                 "iommuGroups": hold("0000:81:00.0", "0000:81:00.1")},
+                {"podUid": "w", "container": "compute", "namespace": "ns", "pod": "q",
+                 "resourceName": "nvidia.com/GA102_HIGH_DEFINITION_AUDIO_CONTROLLER",
+                 "gpuUuids": [], "source": "IommuGroup", "iommuGroups": hold("0000:81:00.1", "0000:81:00.0")}]);
+        })),
         Some(status(&|v| {
             v["truncated"] = serde_json::json!({"bindings": 3});
         })),

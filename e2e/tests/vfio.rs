@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use gpuwarden_e2e::cluster::{Cluster, namespaces_named, skip, wait_for};
 use gpuwarden_e2e::env::{Env, until_admission};
+use gpuwarden_e2e::inproc::{RealNode, binding, inventory, isolated};
 use gpuwarden_e2e::node::busybox;
 use http::Method;
 use k8s_openapi::api::core::v1::Pod;
@@ -119,6 +120,8 @@ async fn vm_devices_stay_the_vms() {
         .as_str()
         .unwrap_or_default()
         .to_owned();
+    // The operator and the agent, reading the plugin's sysfs (GPUWARDEN_SYSFS_ROOT).
+    let real = RealNode::start_on(&env, node_name.clone()).await;
 
     // The webhook for `ns` only; the backstop for `ns` and `bare`, under a policy of both.
     let ns = env.namespace("vfio").await;
@@ -295,6 +298,56 @@ async fn vm_devices_stay_the_vms() {
     let (status, message) = enter(&tenant, &ns, "ordinary", "exec").await;
     assert_ne!(status, 403, "exec into an ordinary pod: {message}");
 
+    // 4. The node agent reports the group both launcher pods hold, and the node is no
+    //    longer isolated: the audio function's pod can open the GPU's group.
+    let gn = wait_for(Duration::from_secs(90), || {
+        let env = &env;
+        let node = node_name.clone();
+        async move {
+            let gn = inventory(env, &node).await;
+            let vfio = gn.status.as_ref()?.vfio.clone()?;
+            let shared = vfio.shared_groups.iter().any(|g| g.devices.len() >= 2);
+            shared.then_some(gn)
+        }
+    })
+    .await
+    .expect("the GpuNode lists the shared IOMMU group");
+    let vfio = gn.status.and_then(|s| s.vfio).unwrap_or_default();
+    eprintln!(
+        "status.vfio: {}",
+        serde_json::to_string(&vfio).unwrap_or_default()
+    );
+    for resource in [VGPU, GPU, AUDIO] {
+        assert!(
+            vfio.resources.iter().any(|r| r.name == resource),
+            "{resource} is VFIO-backed: {vfio:?}"
+        );
+    }
+    let group = (vfio.shared_groups.iter())
+        .find(|g| g.devices.iter().any(|d| d.resource_name == AUDIO))
+        .expect("the audio function's group is shared")
+        .group;
+    for name in &launchers {
+        let uid = (pods.get(name).await)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .metadata
+            .uid
+            .unwrap_or_default();
+        let held = binding(&env, &real.name, &uid, "compute", |b| {
+            b.iommu_groups.iter().any(|g| g.group == group)
+        })
+        .await;
+        eprintln!("binding of {name}: {held:?}");
+    }
+    let named = isolated(&env, &real.name, "False")
+        .await
+        .expect("Isolated turns False for the shared group");
+    assert_eq!(named.reason, "SharedIommuGroup", "{named:?}");
+    for name in &launchers {
+        assert!(named.message.contains(name), "{}", named.message);
+    }
+    eprintln!("Isolated: {}: {}", named.reason, named.message);
+
     webhook.stop().await;
-    let _ = node_name;
+    real.stop().await;
 }

@@ -37,6 +37,7 @@ use crate::podresources::{
 };
 use crate::pods::{PodIndex, PodInfo};
 use crate::status::{Computed, ObservedProcess, StatusInput};
+use crate::vfio::VfioInventory;
 use crate::writer::{
     Clock, KubeSink, MIN_WRITE_INTERVAL, Outcome, StatusSink, StatusWriter, SystemClock,
 };
@@ -95,7 +96,8 @@ pub struct Sweeper {
     host_root: PathBuf,
     /// The report of the runtime-report container, read instead of `host_root`'s files.
     runtime_report: Option<PathBuf>,
-    /// Where the toolkit's and the CRI's configs are, when read under `host_root`.
+    /// Where the toolkit's and the CRI's configs are, when read under `host_root`, and
+    /// where sysfs is.
     posture_paths: crate::posture::Paths,
     runtime: Option<(Timestamp, RuntimeStatus)>,
     runtime_refresh: Duration,
@@ -105,6 +107,8 @@ pub struct Sweeper {
     kai: KaiBinds,
     /// What was wrong with the CDI specs at the last sweep that read them.
     cdi_problems: Vec<String>,
+    /// The VFIO devices among the kubelet's allocatable ones, read with them.
+    vfio: VfioInventory,
 }
 
 impl Sweeper {
@@ -135,6 +139,7 @@ impl Sweeper {
             metrics,
             kai: KaiBinds::default(),
             cdi_problems: Vec::new(),
+            vfio: VfioInventory::default(),
         }
     }
 
@@ -146,7 +151,7 @@ impl Sweeper {
     }
 
     /// Where the toolkit's and the CRI's configs are, when they are read under the host root
-    /// (no runtime report).
+    /// (no runtime report), and where sysfs is.
     pub fn with_posture_paths(mut self, paths: crate::posture::Paths) -> Self {
         self.posture_paths = paths;
         self
@@ -198,6 +203,7 @@ impl Sweeper {
         let allocations = gpu_allocations(list, &devices);
         let claims = claim_uses(list);
         self.check_allocatable(now, &devices).await;
+        let vfio_holds = crate::vfio::holds(self.last_allocations(), &self.vfio);
         let cdi = self.read_cdi(&claims);
 
         let mut observed = Vec::new();
@@ -246,6 +252,8 @@ impl Sweeper {
             kai: &self.kai,
             claims: &claims,
             cdi: &cdi,
+            vfio: &self.vfio,
+            vfio_holds: &vfio_holds,
         });
         self.metrics.update(&reading, &self.health, &computed);
         Ok(computed)
@@ -356,12 +364,47 @@ impl Sweeper {
         }
         Ok(&self.last_list)
     }
+
+    /// The allocations [`Self::list_allocations`] last gave, without asking again.
+    fn last_allocations(&self) -> &[PodResources] {
+        match &self.allocations {
+            AllocationSource::None => &[],
+            AllocationSource::Static(list) => list,
+            AllocationSource::Kubelet { .. } => &self.last_list,
+        }
+    }
+
+    /// Reads the IOMMU groups of the VFIO devices among `allocatable` under the sysfs root
+    /// ([`crate::vfio`]). What could not be read is logged when it changes and counted as
+    /// an error; the status says it per device (`vfio.unknown`).
+    fn read_vfio(&mut self, allocatable: &[ContainerDevices]) {
+        let inventory = VfioInventory::read(&self.posture_paths.sysfs_root, allocatable);
+        if !inventory.unknown.is_empty() {
+            self.metrics.error(ErrorSource::sysfs);
+        }
+        if inventory.unknown != self.vfio.unknown {
+            for u in &inventory.unknown {
+                warn!(resource = %u.resource_name, device = %u.device_id, problem = %u.reason,
+                    "IOMMU group of an advertised device not known");
+            }
+        }
+        if inventory.devices != self.vfio.devices {
+            let shared = inventory.shared_groups();
+            info!(
+                devices = inventory.devices.len(),
+                shared_groups = ?shared.keys().collect::<Vec<_>>(),
+                sysfs = %self.posture_paths.sysfs_root.display(),
+                "VFIO devices advertised by the kubelet"
+            );
+        }
+        self.vfio = inventory;
+    }
 }
 
 impl Sweeper {
     /// Asks the kubelet, now and then, which GPU devices it can allocate, and exports how
     /// many of them name a GPU on this node and how many name none (a device plugin that
-    /// disagrees with NVML).
+    /// disagrees with NVML). The VFIO devices among them are read with each answer.
     async fn check_allocatable(&mut self, now: Timestamp, devices: &DeviceMap) {
         let due = self
             .allocatable
@@ -369,7 +412,10 @@ impl Sweeper {
             .is_none_or(|(at, _)| elapsed(*at, now) >= self.runtime_refresh);
         if due && let Some(client) = self.kubelet.as_mut() {
             match client.allocatable().await {
-                Ok(list) => self.allocatable = Some((now, list)),
+                Ok(list) => {
+                    self.read_vfio(&list);
+                    self.allocatable = Some((now, list));
+                }
                 Err(e) => {
                     self.metrics.error(ErrorSource::pod_resources);
                     tracing::debug!(error = %e, "GetAllocatableResources failed");
@@ -420,7 +466,8 @@ pub struct Config {
     pub host_root: PathBuf,
     /// Read the NVIDIA runtime's configuration from this report instead of under `host_root`.
     pub runtime_report: Option<PathBuf>,
-    /// Where the toolkit's and the CRI's configs are, when read under `host_root`.
+    /// Where the toolkit's and the CRI's configs are, when read under `host_root`, and
+    /// where sysfs is (`--sysfs-root`).
     pub posture_paths: crate::posture::Paths,
     /// Metrics and probes listener.
     pub listen: SocketAddr,
@@ -767,7 +814,7 @@ pub struct InspectConfig {
     pub pod_resources_socket: Option<PathBuf>,
     /// Host root for `/proc` and the runtime config.
     pub host_root: PathBuf,
-    /// Where the toolkit's and the CRI's configs are under `host_root`.
+    /// Where the toolkit's and the CRI's configs are under `host_root`, and where sysfs is.
     pub posture_paths: crate::posture::Paths,
 }
 
@@ -811,4 +858,120 @@ pub async fn inspect(config: &InspectConfig) -> Result<GpuNodeStatus, AgentError
         .sweep(now, &pods, false, &HealthRules::default())
         .await?;
     Ok(computed.status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::podresources::{ContainerResources, PodResources};
+    use crate::pods::ContainerInfo;
+    use crate::testing::sandbox::{self, A6000, AUDIO, AUDIO_FN, GPU};
+    use crate::testing::{FakeKubelet, FakeKubeletServer};
+    use gpuwarden_crds::BindingSource;
+
+    /// KubeVirt's launcher pod `vms/<name>` and what the kubelet allocated it: vm-a the
+    /// A6000, any other the A6000's audio function.
+    fn launcher(name: &str) -> (PodInfo, PodResources) {
+        let (resource, id) = match name {
+            "vm-a" => (A6000, GPU),
+            _ => (AUDIO, AUDIO_FN),
+        };
+        let info = PodInfo {
+            uid: format!("u-{name}"),
+            namespace: "vms".into(),
+            name: name.into(),
+            mirror_uid: None,
+            service_account: String::new(),
+            labels: Default::default(),
+            exempt: None,
+            claims_exempt: None,
+            kai: None,
+            injected: Vec::new(),
+            containers: vec![ContainerInfo {
+                name: "compute".into(),
+                image: String::new(),
+                container_id: None,
+                privileged: false,
+                gpu: false,
+            }],
+        };
+        let listed = PodResources {
+            name: name.into(),
+            namespace: "vms".into(),
+            containers: vec![ContainerResources {
+                name: "compute".into(),
+                devices: vec![ContainerDevices {
+                    resource_name: resource.into(),
+                    device_ids: vec![id.into()],
+                }],
+                ..ContainerResources::default()
+            }],
+        };
+        (info, listed)
+    }
+
+    /// The agent asks the kubelet what it can allocate, reads those devices' groups under
+    /// `--sysfs-root`, and names the group each VM was allocated a function of.
+    #[tokio::test]
+    async fn a_sweep_reads_the_advertised_vfio_devices_under_the_sysfs_root() {
+        let sysfs = tempfile::tempdir().unwrap();
+        sandbox::write_sysfs(sysfs.path()).unwrap();
+        let (a, a_listed) = launcher("vm-a");
+        let (b, b_listed) = launcher("vm-b");
+        let sock = tempfile::tempdir().unwrap();
+        let server = FakeKubeletServer::start(
+            &sock.path().join("kubelet.sock"),
+            FakeKubelet {
+                pods: vec![a_listed, b_listed],
+                allocatable: sandbox::allocatable(),
+                ..FakeKubelet::default()
+            },
+        )
+        .await
+        .unwrap();
+        let now = Timestamp::from_second(1_800_000_000).unwrap();
+        let node = FakeNode::parse("driver: {driverVersion: x}", "test").unwrap();
+        let paths = crate::posture::Paths {
+            sysfs_root: sysfs.path().to_path_buf(),
+            ..crate::posture::Paths::default()
+        };
+        let host = tempfile::tempdir().unwrap();
+        let mut sweeper = Sweeper::new(
+            Arc::new(FakeBackend::new(node, now)),
+            AllocationSource::Kubelet {
+                socket: server.socket().to_path_buf(),
+                timeouts: Timeouts::default(),
+                strict: true,
+            },
+            host.path(),
+            Duration::from_secs(600),
+            Arc::new(Metrics::new()),
+        )
+        .with_posture_paths(paths);
+        let status = sweeper
+            .sweep(now, &[a, b], true, &HealthRules::default())
+            .await
+            .unwrap()
+            .status;
+        server.stop().await;
+
+        let vfio = status.vfio.expect("VFIO-backed resources");
+        assert_eq!(vfio.resources.len(), 3, "{vfio:#?}");
+        assert_eq!(vfio.shared_groups.len(), 1);
+        assert_eq!(vfio.unknown, []);
+        let bindings = status.bindings.unwrap_or_default();
+        let held: Vec<(&str, BindingSource, u32, usize)> = (bindings.iter())
+            .map(|b| {
+                let group = &b.iommu_groups[0];
+                (b.pod.as_str(), b.source, group.group, group.others.len())
+            })
+            .collect();
+        assert_eq!(
+            held,
+            [
+                ("vm-a", BindingSource::IommuGroup, 13, 1),
+                ("vm-b", BindingSource::IommuGroup, 13, 1),
+            ]
+        );
+    }
 }

@@ -27,6 +27,7 @@ pub mod posture;
 pub mod runtime;
 pub mod status;
 pub mod testing;
+pub mod vfio;
 pub mod writer;
 
 pub use agent::{AgentError, Config, InspectConfig, inspect, run};

@@ -61,10 +61,32 @@ impl PostureArgs {
     }
 }
 
+/// Where the host's sysfs is, for the VFIO devices the kubelet advertises.
+#[derive(clap::Args)]
+struct SysfsArgs {
+    /// The host's sysfs: the IOMMU group, driver and mdev type of each device the kubelet
+    /// advertises by PCI address or mediated device UUID are read under it
+    /// (bus/pci/devices, bus/mdev/devices). Not under --host-root.
+    #[arg(long = "sysfs-root", env = "GPUWARDEN_SYSFS_ROOT", default_value = gpuwarden_node_agent::vfio::DEFAULT_SYSFS_ROOT)]
+    sysfs_root: PathBuf,
+}
+
+impl SysfsArgs {
+    /// `posture`'s paths, with this sysfs.
+    fn paths(&self, posture: &PostureArgs) -> gpuwarden_node_agent::posture::Paths {
+        gpuwarden_node_agent::posture::Paths {
+            sysfs_root: self.sysfs_root.clone(),
+            ..posture.paths()
+        }
+    }
+}
+
 #[derive(clap::Args)]
 struct RunArgs {
     #[command(flatten)]
     posture: PostureArgs,
+    #[command(flatten)]
+    sysfs: SysfsArgs,
     /// Name of the node this agent runs on (the downward API's spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
@@ -101,6 +123,8 @@ struct RunArgs {
 struct InspectArgs {
     #[command(flatten)]
     posture: PostureArgs,
+    #[command(flatten)]
+    sysfs: SysfsArgs,
     /// Read GPUs from this fake YAML file instead of NVML.
     #[arg(long, env = "GPUWARDEN_FAKE")]
     fake: Option<PathBuf>,
@@ -192,7 +216,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         pod_resources_socket: args.pod_resources_socket,
         host_root: args.host_root,
         runtime_report: args.runtime_report,
-        posture_paths: args.posture.paths(),
+        posture_paths: args.sysfs.paths(&args.posture),
         listen: args.listen,
         poll_interval: args.poll_interval,
         resync_interval: args.resync_interval,
@@ -239,7 +263,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
         fake: args.fake,
         pod_resources_socket: args.pod_resources_socket,
         host_root: args.host_root,
-        posture_paths: args.posture.paths(),
+        posture_paths: args.sysfs.paths(&args.posture),
     };
     let status = gpuwarden_node_agent::inspect(&config).await?;
     let body = gpuwarden_node_agent::writer::apply_object(&args.node_name, &status);

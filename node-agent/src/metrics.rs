@@ -87,6 +87,8 @@ pub enum ErrorSource {
     proc,
     /// Reading the CDI specs of the devices prepared for claims.
     cdi,
+    /// Reading the IOMMU groups of the VFIO devices the kubelet advertises, under sysfs.
+    sysfs,
     /// Writing status to the API server.
     status,
     /// Renewing the Lease.

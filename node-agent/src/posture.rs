@@ -25,6 +25,10 @@ pub struct Paths {
     /// Where the toolkit's runtime binary may be; the CRI's own `BinaryName` for NVIDIA's
     /// runtime is tried first.
     pub toolkit_binaries: Vec<String>,
+    /// The host's sysfs, where the IOMMU groups of the VFIO devices the kubelet advertises
+    /// are read ([`crate::vfio`]). Not under the host root: a container's own `/sys` is the
+    /// host's device tree.
+    pub sysfs_root: PathBuf,
 }
 
 impl Paths {
@@ -58,6 +62,7 @@ impl Default for Paths {
                 "/usr/local/nvidia/toolkit/nvidia-container-runtime.real",
                 "/usr/local/nvidia/toolkit/nvidia-container-runtime",
             ]),
+            sysfs_root: PathBuf::from(crate::vfio::DEFAULT_SYSFS_ROOT),
         }
     }
 }

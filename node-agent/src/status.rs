@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use gpuwarden_crds::bounds;
+use gpuwarden_crds::node::{IommuGroupHold, VfioDevice, fit_vfio};
 use gpuwarden_crds::{
     Binding, BindingSource, GpuNodeStatus, GpuStatus, HealthState, PodRef, RuntimeStatus,
 };
@@ -17,6 +18,7 @@ use crate::health::HealthTracker;
 use crate::kai::KaiBinds;
 use crate::podresources::{Allocation, ClaimUse, DeviceMap};
 use crate::pods::PodIndex;
+use crate::vfio::{VfioHold, VfioInventory};
 use gpuwarden_crds::sharing::{KAI_GPU_GROUP_LABEL, KAI_RESERVATION_APP};
 
 /// A compute process NVML reported, with the pod container it belongs to.
@@ -124,6 +126,10 @@ pub struct StatusInput<'a> {
     pub claims: &'a [ClaimUse],
     /// The CDI devices defined on the node.
     pub cdi: &'a CdiDevices,
+    /// The VFIO devices the kubelet advertises, with their IOMMU groups.
+    pub vfio: &'a VfioInventory,
+    /// Which of them the kubelet allocated to which container.
+    pub vfio_holds: &'a [VfioHold],
 }
 
 #[derive(Default)]
@@ -343,6 +349,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             source,
             shared_from: shared_from.unwrap_or_default(),
             device_nodes: Vec::new(),
+            iommu_groups: Vec::new(),
             exempt: None,
         });
     }
@@ -351,6 +358,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
     }
     injected_bindings(input, &mut bindings);
     beyond_claim_bindings(input, &mut bindings);
+    iommu_group_bindings(input, &mut bindings);
 
     let mut privileged: BTreeMap<String, PodRef> = BTreeMap::new();
     for uid in privileged_observed {
@@ -382,12 +390,14 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
         bindings: Some(bindings),
         privileged_pods: Some(privileged.into_values().collect()),
         runtime: Some(input.runtime.clone()),
+        vfio: input.vfio.status(),
         truncated: None,
         conditions: None,
         summary: None,
     };
     // The metrics keep every holder; only the status is cut to the CRD's bounds.
     bounds::fit_status(&mut status);
+    fit_vfio(&mut status);
     Computed {
         status,
         holders,
@@ -546,6 +556,82 @@ fn beyond_claim_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
     }
 }
 
+/// Adds the IOMMU groups the containers hold whole (docs/design.md, "Whole IOMMU
+/// groups"): a VFIO device plugin hands a container the device node of each allocated
+/// device's group, and with it every device of the group. Of the groups that back more than
+/// one advertised device, each one a container was allocated a device of is named in its
+/// binding's `iommuGroups`, with the devices it was allocated and the others it gets with
+/// them. A container holding nothing else is an `IommuGroup` holder; an `Allocated` one
+/// becomes one; any other source is kept, as it says more. A group backing one device
+/// gives nothing beyond the allocation and is left out.
+fn iommu_group_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
+    let shared = input.vfio.shared_groups();
+    if shared.is_empty() {
+        return;
+    }
+    type Key<'k> = (&'k str, &'k str, &'k str);
+    let mut per_container: BTreeMap<Key<'_>, BTreeMap<u32, BTreeSet<VfioDevice>>> = BTreeMap::new();
+    for hold in input.vfio_holds {
+        let Some(device) = input.vfio.get(&hold.resource, &hold.id) else {
+            continue;
+        };
+        if !shared.contains_key(&device.sysfs.group) {
+            continue;
+        }
+        (per_container
+            .entry((&hold.namespace, &hold.pod, &hold.container))
+            .or_default()
+            .entry(device.sysfs.group)
+            .or_default())
+        .insert(device.named(false));
+    }
+    for ((namespace, pod_name, container), groups) in per_container {
+        let pod = input.pods.by_name(namespace, pod_name);
+        if pod.is_none() && input.pods.authoritative() {
+            continue;
+        }
+        let held: Vec<IommuGroupHold> = (groups.into_iter())
+            .map(|(group, allocated)| IommuGroupHold {
+                group,
+                others: (shared.get(&group).into_iter().flatten())
+                    .map(|d| d.named(false))
+                    .filter(|d| !allocated.contains(d))
+                    .collect(),
+                allocated: allocated.into_iter().collect(),
+            })
+            .collect();
+        let pod_uid = pod.map(|p| p.uid.clone()).unwrap_or_default();
+        // By name too: without an API (inspect) every pod's UID is empty.
+        let binding = match (bindings.iter_mut()).position(|b| {
+            b.pod_uid == pod_uid
+                && b.container == container
+                && b.namespace == namespace
+                && b.pod == pod_name
+        }) {
+            Some(i) => &mut bindings[i],
+            None => {
+                bindings.push(Binding {
+                    pod_uid,
+                    container: container.to_owned(),
+                    namespace: namespace.to_owned(),
+                    pod: pod_name.to_owned(),
+                    resource_name: (held.iter())
+                        .flat_map(|h| h.allocated.first())
+                        .map(|d| d.resource_name.clone())
+                        .next(),
+                    source: BindingSource::IommuGroup,
+                    ..Binding::default()
+                });
+                bindings.last_mut().expect("pushed")
+            }
+        };
+        if binding.source == BindingSource::Allocated {
+            binding.source = BindingSource::IommuGroup;
+        }
+        binding.iommu_groups = held;
+    }
+}
+
 /// The UUID of the GPU of this node an injection names: by minor number (`/dev/nvidia<N>`,
 /// `195:<N>`), or by what follows `=` in a CDI name: an index, a GPU UUID, a MIG device
 /// (its GPU), or NVIDIA's DRA driver's `gpu-<minor>`.
@@ -595,6 +681,7 @@ pub fn agent_fields(status: &GpuNodeStatus) -> GpuNodeStatus {
         bindings: non_empty(&status.bindings),
         privileged_pods: non_empty(&status.privileged_pods),
         runtime: status.runtime.clone(),
+        vfio: status.vfio.clone(),
         truncated: status.truncated.clone(),
         conditions: None,
         summary: None,
@@ -731,6 +818,8 @@ mod tests {
             kai: &KaiBinds::default(),
             claims,
             cdi,
+            vfio: &VfioInventory::default(),
+            vfio_holds: &[],
         })
     }
 
@@ -1020,6 +1109,8 @@ devices:
             kai,
             claims: &[],
             cdi: &CdiDevices::default(),
+            vfio: &VfioInventory::default(),
+            vfio_holds: &[],
         });
         let bindings = c.status.bindings.unwrap_or_default();
         let b = bindings
@@ -1148,6 +1239,8 @@ devices:
             kai: &KaiBinds::default(),
             claims: &[],
             cdi: &CdiDevices::default(),
+            vfio: &VfioInventory::default(),
+            vfio_holds: &[],
         });
         let bindings = c.status.bindings.unwrap_or_default();
         let source = |pod: &str| {
@@ -1235,5 +1328,243 @@ devices:
         let c = run(&[], &[p]);
         assert!(c.status.bindings.unwrap().is_empty());
         assert_eq!(c.host_processes["GPU-a"], 1);
+    }
+
+    const A6000: &str = "nvidia.com/GA102GL_RTX_A6000";
+    const AUDIO: &str = "nvidia.com/GA102_HIGH_DEFINITION_AUDIO_CONTROLLER";
+    const T4_1Q: &str = "nvidia.com/GRID_T4-1Q";
+    const MDEV: &str = "3f1a6a0e-0000-4a00-8000-00000000a010";
+
+    /// The test rig's sandbox devices: an RTX A6000 (`0000:81:00.0`) and its audio
+    /// function (`0000:81:00.1`) in IOMMU group 13, a T4 vGPU alone in group 10.
+    fn vfio_node() -> VfioInventory {
+        use crate::vfio::{GroupedDevice, SysfsDevice};
+        use gpuwarden_crds::node::VfioKind;
+        let grouped = |resource: &str, id: &str, kind: VfioKind, group: u32| GroupedDevice {
+            resource: resource.into(),
+            id: id.into(),
+            sysfs: SysfsDevice {
+                kind,
+                group,
+                driver: (kind == VfioKind::Passthrough).then(|| "vfio-pci".into()),
+                ..SysfsDevice::default()
+            },
+        };
+        VfioInventory {
+            devices: vec![
+                grouped(A6000, "0000:81:00.0", VfioKind::Passthrough, 13),
+                grouped(AUDIO, "0000:81:00.1", VfioKind::Passthrough, 13),
+                grouped(T4_1Q, MDEV, VfioKind::Vgpu, 10),
+            ],
+            unknown: vec![],
+        }
+    }
+
+    /// The kubelet allocated `resource`'s device `id` to container `compute` of `vms/<pod>`.
+    fn vfio_hold(pod: &str, resource: &str, id: &str) -> VfioHold {
+        VfioHold {
+            namespace: "vms".into(),
+            pod: pod.into(),
+            container: "compute".into(),
+            resource: resource.into(),
+            id: id.into(),
+        }
+    }
+
+    /// KubeVirt launcher pods `vms/<name>` (UIDs `u-<name>`), each with a `compute` container.
+    fn launchers(names: &[&str]) -> Vec<PodInfo> {
+        (names.iter())
+            .flat_map(|name| {
+                let mut pod = one_pod("vms", name, &format!("containerd://{name}"));
+                pod[0].uid = format!("u-{name}");
+                pod[0].containers[0].name = "compute".into();
+                pod
+            })
+            .collect()
+    }
+
+    fn compute_vfio(
+        pods: &[PodInfo],
+        allocations: &[Allocation],
+        holds: &[VfioHold],
+    ) -> GpuNodeStatus {
+        let r = reading();
+        let index = PodIndex::new(pods, true);
+        compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations,
+            observed: &[],
+            pods: &index,
+            devices: &DeviceMap::new(&r.gpus),
+            runtime: &RuntimeStatus::default(),
+            kai: &KaiBinds::default(),
+            claims: &[],
+            cdi: &CdiDevices::default(),
+            vfio: &vfio_node(),
+            vfio_holds: holds,
+        })
+        .status
+    }
+
+    fn device(resource: &str, id: &str) -> VfioDevice {
+        VfioDevice {
+            resource_name: resource.into(),
+            device_id: id.into(),
+            driver: None,
+        }
+    }
+
+    /// Two VMs given the two functions of one GPU each hold the whole group: each binding
+    /// names the group, what was allocated to it and what it gets with it.
+    #[test]
+    fn two_pods_each_allocated_a_function_of_one_group_each_hold_the_group() {
+        let pods = launchers(&["vm-a", "vm-b"]);
+        let status = compute_vfio(
+            &pods,
+            &[],
+            &[
+                vfio_hold("vm-a", A6000, "0000:81:00.0"),
+                vfio_hold("vm-b", AUDIO, "0000:81:00.1"),
+            ],
+        );
+        let bindings = status.bindings.clone().unwrap_or_default();
+        assert_eq!(bindings.len(), 2, "{bindings:#?}");
+        let (a, b) = (&bindings[0], &bindings[1]);
+        assert_eq!(
+            (a.pod_uid.as_str(), a.pod.as_str(), a.container.as_str()),
+            ("u-vm-a", "vm-a", "compute")
+        );
+        assert_eq!(a.source, BindingSource::IommuGroup);
+        assert_eq!(a.resource_name.as_deref(), Some(A6000));
+        assert!(a.gpu_uuids.is_empty());
+        assert!(!a.is_out_of_band(), "the kubelet allocated it");
+        assert_eq!(
+            a.iommu_groups,
+            [IommuGroupHold {
+                group: 13,
+                allocated: vec![device(A6000, "0000:81:00.0")],
+                others: vec![device(AUDIO, "0000:81:00.1")],
+            }]
+        );
+        assert_eq!(
+            (b.pod.as_str(), b.source),
+            ("vm-b", BindingSource::IommuGroup)
+        );
+        assert_eq!(b.resource_name.as_deref(), Some(AUDIO));
+        assert_eq!(
+            b.iommu_groups,
+            [IommuGroupHold {
+                group: 13,
+                allocated: vec![device(AUDIO, "0000:81:00.1")],
+                others: vec![device(A6000, "0000:81:00.0")],
+            }]
+        );
+        // The node's VFIO status lists the group with both devices.
+        let vfio = status.vfio.expect("VFIO-backed resources");
+        assert_eq!(vfio.resources.len(), 3);
+        assert_eq!(vfio.shared_groups.len(), 1);
+        assert_eq!(vfio.shared_groups[0].group, 13);
+        assert_eq!(vfio.shared_groups[0].devices.len(), 2);
+        assert_eq!(status.truncated, None);
+        // What the writer applies keeps them.
+        let applied = agent_fields(&compute_vfio(
+            &pods,
+            &[],
+            &[vfio_hold("vm-a", A6000, "0000:81:00.0")],
+        ));
+        assert!(applied.vfio.is_some());
+        assert_eq!(applied.bindings.unwrap()[0].iommu_groups.len(), 1);
+    }
+
+    /// One VM holding a group alone: named with what it gets beyond its allocation, or
+    /// with nothing more when it was allocated the whole group. A vGPU alone in its group
+    /// gives nothing beyond the allocation and is not reported.
+    #[test]
+    fn one_pod_holding_a_group_is_named_and_a_single_device_group_is_not() {
+        let pods = launchers(&["vm-a", "vm-b"]);
+        let bindings =
+            |holds: &[VfioHold]| (compute_vfio(&pods, &[], holds).bindings).unwrap_or_default();
+        let audio_only = bindings(&[vfio_hold("vm-b", AUDIO, "0000:81:00.1")]);
+        assert_eq!(audio_only.len(), 1, "{audio_only:#?}");
+        assert_eq!(
+            audio_only[0].iommu_groups[0].others,
+            [device(A6000, "0000:81:00.0")]
+        );
+
+        let whole = bindings(&[
+            vfio_hold("vm-a", A6000, "0000:81:00.0"),
+            vfio_hold("vm-a", AUDIO, "0000:81:00.1"),
+        ]);
+        assert_eq!(whole.len(), 1, "{whole:#?}");
+        assert_eq!(
+            whole[0].iommu_groups,
+            [IommuGroupHold {
+                group: 13,
+                allocated: vec![device(A6000, "0000:81:00.0"), device(AUDIO, "0000:81:00.1")],
+                others: vec![],
+            }]
+        );
+
+        assert!(bindings(&[vfio_hold("vm-a", T4_1Q, MDEV)]).is_empty());
+        // A device of no group the agent knows, and a pod gone from the API: nothing.
+        assert!(bindings(&[vfio_hold("vm-a", A6000, "0000:82:00.0")]).is_empty());
+        assert!(bindings(&[vfio_hold("vm-gone", A6000, "0000:81:00.0")]).is_empty());
+    }
+
+    /// Without an API (`inspect`) pods have no UID: two holders of one group stay apart by
+    /// name.
+    #[test]
+    fn without_an_api_two_holders_of_a_group_stay_apart() {
+        let r = reading();
+        let index = PodIndex::new(&[], false);
+        let unknown = compute(&StatusInput {
+            reading: &r,
+            health: &HealthTracker::new(),
+            allocations: &[],
+            observed: &[],
+            pods: &index,
+            devices: &DeviceMap::new(&r.gpus),
+            runtime: &RuntimeStatus::default(),
+            kai: &KaiBinds::default(),
+            claims: &[],
+            cdi: &CdiDevices::default(),
+            vfio: &vfio_node(),
+            vfio_holds: &[
+                vfio_hold("vm-a", A6000, "0000:81:00.0"),
+                vfio_hold("vm-b", AUDIO, "0000:81:00.1"),
+            ],
+        });
+        let apart: Vec<(String, String)> = (unknown.status.bindings.unwrap_or_default())
+            .into_iter()
+            .map(|b| (b.pod_uid, b.pod))
+            .collect();
+        assert_eq!(
+            apart,
+            [("".into(), "vm-a".into()), ("".into(), "vm-b".into())]
+        );
+    }
+
+    /// A container allocated GPUs through NVIDIA's device plugin and a VFIO function keeps
+    /// one binding: an allocation turns `IommuGroup`, an out-of-band source stays.
+    #[test]
+    fn a_container_with_other_gpus_keeps_one_binding_with_its_groups() {
+        let pods = launchers(&["vm-a"]);
+        let gpu = Allocation {
+            namespace: "vms".into(),
+            pod: "vm-a".into(),
+            container: "compute".into(),
+            resource_name: "nvidia.com/gpu".into(),
+            device_uuids: vec!["GPU-a".into()],
+            claim: None,
+        };
+        let holds = [vfio_hold("vm-a", AUDIO, "0000:81:00.1")];
+        let status = compute_vfio(&pods, std::slice::from_ref(&gpu), &holds);
+        let bindings = status.bindings.unwrap_or_default();
+        assert_eq!(bindings.len(), 1, "{bindings:#?}");
+        assert_eq!(bindings[0].source, BindingSource::IommuGroup);
+        assert_eq!(bindings[0].gpu_uuids, ["GPU-a"]);
+        assert_eq!(bindings[0].resource_name.as_deref(), Some("nvidia.com/gpu"));
+        assert_eq!(bindings[0].iommu_groups[0].group, 13);
     }
 }

@@ -1,5 +1,6 @@
 //! An in-process fake kubelet pod-resources server on a unix socket, for this crate's tests
-//! and benchmarks and for other crates' end-to-end tests.
+//! and benchmarks and for other crates' end-to-end tests, and the sysfs of a node with VFIO
+//! devices ([`sandbox`]).
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
@@ -219,5 +220,107 @@ impl UnaryService<AllocatableResourcesRequest> for Allocatable {
                 })
                 .map(tonic::Response::new),
         )
+    }
+}
+
+/// The node of NVIDIA's sandbox device plugin (kubevirt-gpu-device-plugin) on the test rig,
+/// as sysfs and the kubelet show it: an RTX A6000 and its audio function on `vfio-pci` in
+/// IOMMU group 13, and a T4 on `nvidia` (group 5) carved into three `GRID T4-1Q` vGPUs in
+/// groups 10 to 12. As on the rig, the `iommu_group` links dangle: there is no
+/// `kernel/iommu_groups` tree, and only a link's name counts.
+pub mod sandbox {
+    use std::io;
+    use std::os::unix::fs::symlink;
+    use std::path::Path;
+
+    use crate::podresources::ContainerDevices;
+
+    /// The A6000's passthrough resource.
+    pub const A6000: &str = "nvidia.com/GA102GL_RTX_A6000";
+    /// Its audio function's passthrough resource.
+    pub const AUDIO: &str = "nvidia.com/GA102_HIGH_DEFINITION_AUDIO_CONTROLLER";
+    /// The T4's vGPU resource.
+    pub const T4_1Q: &str = "nvidia.com/GRID_T4-1Q";
+    /// The A6000's PCI address.
+    pub const GPU: &str = "0000:81:00.0";
+    /// Its audio function's PCI address.
+    pub const AUDIO_FN: &str = "0000:81:00.1";
+    /// The T4's PCI address.
+    pub const T4: &str = "0000:41:00.0";
+    /// The vGPUs' UUIDs, in groups 10, 11 and 12.
+    pub const MDEVS: [&str; 3] = [
+        "3f1a6a0e-0000-4a00-8000-00000000a010",
+        "3f1a6a0e-0000-4a00-8000-00000000a011",
+        "3f1a6a0e-0000-4a00-8000-00000000a012",
+    ];
+    /// A GPU UUID NVIDIA's GPU device plugin advertises as `nvidia.com/gpu`.
+    pub const GPU_UUID: &str = "GPU-5e4f0000-0000-0000-0000-000000000000";
+
+    /// Writes the node's sysfs under `root` (what the plugin sees as `/sys`).
+    pub fn write_sysfs(root: &Path) -> io::Result<()> {
+        let link = |target: &str, at: &Path| -> io::Result<()> {
+            if let Some(parent) = at.parent() {
+                std::fs::create_dir_all(parent)?;
+            }
+            symlink(target, at)
+        };
+        for (addr, group, driver, port) in [
+            (GPU, 13, "vfio-pci", "pci0000:80/0000:80:01.1"),
+            (AUDIO_FN, 13, "vfio-pci", "pci0000:80/0000:80:01.1"),
+            (T4, 5, "nvidia", "pci0000:40/0000:40:01.1"),
+        ] {
+            let dir = root.join("devices").join(port).join(addr);
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(dir.join("vendor"), "0x10de\n")?;
+            symlink(
+                format!("../../../../kernel/iommu_groups/{group}"),
+                dir.join("iommu_group"),
+            )?;
+            symlink(
+                format!("../../../../bus/pci/drivers/{driver}"),
+                dir.join("driver"),
+            )?;
+            link(
+                &format!("../../../devices/{port}/{addr}"),
+                &root.join("bus/pci/devices").join(addr),
+            )?;
+        }
+        let t4 = root.join("devices/pci0000:40/0000:40:01.1").join(T4);
+        let types = t4.join("mdev_supported_types/nvidia-222");
+        std::fs::create_dir_all(&types)?;
+        std::fs::write(types.join("name"), "GRID T4-1Q\n")?;
+        for (group, uuid) in (10..).zip(MDEVS) {
+            let dir = t4.join(uuid);
+            std::fs::create_dir_all(&dir)?;
+            symlink(
+                format!("../../../../../kernel/iommu_groups/{group}"),
+                dir.join("iommu_group"),
+            )?;
+            symlink("../mdev_supported_types/nvidia-222", dir.join("mdev_type"))?;
+            symlink(
+                "../../../../../bus/mdev/drivers/vfio_mdev",
+                dir.join("driver"),
+            )?;
+            link(
+                &format!("../../../devices/pci0000:40/0000:40:01.1/{T4}/{uuid}"),
+                &root.join("bus/mdev/devices").join(uuid),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// What the kubelet lists as allocatable there: the sandbox plugin's three resources
+    /// and one GPU of NVIDIA's GPU device plugin.
+    pub fn allocatable() -> Vec<ContainerDevices> {
+        let devices = |resource: &str, ids: &[&str]| ContainerDevices {
+            resource_name: resource.into(),
+            device_ids: ids.iter().map(|s| s.to_string()).collect(),
+        };
+        vec![
+            devices(T4_1Q, &MDEVS),
+            devices(A6000, &[GPU]),
+            devices(AUDIO, &[AUDIO_FN]),
+            devices(gpuwarden_crds::RESOURCE_GPU, &[GPU_UUID]),
+        ]
     }
 }

@@ -241,6 +241,41 @@ fn allocated_twice(status: &GpuNodeStatus) -> Vec<String> {
         .collect()
 }
 
+/// The IOMMU groups that containers of more than one pod hold (docs/design.md, "Whole IOMMU
+/// groups"), each as `group 13: vms/vm-a container compute (nvidia.com/X 0000:81:00.0) and
+/// vms/vm-b container compute (nvidia.com/Y 0000:81:00.1)`. A VFIO device plugin hands each
+/// of them the group's device node, which opens every device of the group: each pod can
+/// reach what was allocated to the other. Containers of one pod are one holder.
+fn shared_iommu_groups(status: &GpuNodeStatus) -> Vec<String> {
+    // Per group, per pod (namespace, name, UID): its containers and what each was allocated.
+    type PodKey<'k> = (&'k str, &'k str, &'k str);
+    let mut held: BTreeMap<u32, BTreeMap<PodKey<'_>, Vec<String>>> = BTreeMap::new();
+    for b in status.bindings.iter().flatten() {
+        for hold in &b.iommu_groups {
+            let devices = (hold.allocated.iter())
+                .map(|d| format!("{} {}", d.resource_name, d.device_id))
+                .collect::<Vec<_>>()
+                .join(", ");
+            (held.entry(hold.group).or_default())
+                .entry((&b.namespace, &b.pod, &b.pod_uid))
+                .or_default()
+                .push(format!("container {} ({devices})", b.container));
+        }
+    }
+    held.into_iter()
+        .filter(|(_, pods)| pods.len() > 1)
+        .map(|(group, pods)| {
+            let holders = (pods.into_iter())
+                .map(|((namespace, pod, _), containers)| {
+                    format!("{namespace}/{pod} {}", containers.join(", "))
+                })
+                .collect::<Vec<_>>()
+                .join(" and ");
+            format!("group {group}: {holders}")
+        })
+        .collect()
+}
+
 /// The types of the conditions [`desired_conditions`] sets, in its order.
 pub const CONDITION_TYPES: [&str; 6] = [
     AGENT_READY,
@@ -359,6 +394,7 @@ pub fn desired_conditions(
                 .map(|p| format!("{}/{}", p.namespace, p.name))
                 .collect();
             let twice = allocated_twice(s);
+            let shared_groups = shared_iommu_groups(s);
             if !out_of_band.is_empty() {
                 DesiredCondition::new(
                     ISOLATED,
@@ -381,6 +417,16 @@ pub fn desired_conditions(
                     format!(
                         "GPUs handed out both by a device plugin and by a DRA driver, which do not know of each other's allocations (run one of them per node, or give each its own GPUs): {}",
                         list_limited(&twice)
+                    ),
+                )
+            } else if !shared_groups.is_empty() {
+                DesiredCondition::new(
+                    ISOLATED,
+                    false,
+                    "SharedIommuGroup",
+                    format!(
+                        "pods were allocated devices of one IOMMU group, and their VFIO device plugin hands each the whole group, so each can open the devices allocated to the other (allocate a group's devices to one pod, e.g. a GPU with its audio function): {}",
+                        list_limited(&shared_groups)
                     ),
                 )
             } else if !privileged.is_empty() {
@@ -661,6 +707,10 @@ fn describe_truncated(cut: &Truncated) -> String {
         (cut.bindings, "bindings"),
         (cut.binding_devices, "device UUIDs of bindings"),
         (cut.privileged_pods, "privileged pods"),
+        (cut.vfio_resources, "VFIO resources"),
+        (cut.iommu_groups, "IOMMU groups"),
+        (cut.iommu_group_devices, "devices of IOMMU groups"),
+        (cut.vfio_unknown, "unread VFIO devices"),
     ]
     .iter()
     .filter(|(n, _)| *n > 0)
@@ -1603,6 +1653,101 @@ mod tests {
                 .contains("left out 37 bindings, 2 privileged pods;"),
             "{}",
             complete.message
+        );
+    }
+
+    /// Two VMs given the two functions of one GPU share its IOMMU group, and each can open
+    /// the other's device: named, with the group and the devices. One VM holding the group,
+    /// or two containers of one pod, leave the node isolated.
+    #[test]
+    fn pods_sharing_an_iommu_group_are_not_isolated() {
+        use gpuwarden_crds::node::{IommuGroupHold, VfioDevice};
+        let live = AgentLiveness::Live {
+            expires: ts(2_000_000_000),
+        };
+        let device = |resource: &str, id: &str| VfioDevice {
+            resource_name: resource.into(),
+            device_id: id.into(),
+            driver: None,
+        };
+        let a6000 = device("nvidia.com/GA102GL_RTX_A6000", "0000:81:00.0");
+        let audio = device(
+            "nvidia.com/GA102_HIGH_DEFINITION_AUDIO_CONTROLLER",
+            "0000:81:00.1",
+        );
+        let vm = |pod: &str, container: &str, allocated: &VfioDevice, other: &VfioDevice| Binding {
+            pod_uid: format!("u-{pod}"),
+            container: container.into(),
+            namespace: "vms".into(),
+            pod: pod.into(),
+            resource_name: Some(allocated.resource_name.clone()),
+            source: BindingSource::IommuGroup,
+            iommu_groups: vec![IommuGroupHold {
+                group: 13,
+                allocated: vec![allocated.clone()],
+                others: vec![other.clone()],
+            }],
+            ..Binding::default()
+        };
+        let mut status = GpuNodeStatus {
+            gpus: Some(vec![]),
+            bindings: Some(vec![
+                vm("vm-a", "compute", &a6000, &audio),
+                vm("vm-b", "compute", &audio, &a6000),
+            ]),
+            ..Default::default()
+        };
+        let c = desired_conditions(Some(&status), &live);
+        let i = find(&c, ISOLATED);
+        assert_eq!((i.status, i.reason.as_str()), ("False", "SharedIommuGroup"));
+        assert!(
+            i.message.ends_with(
+                "group 13: vms/vm-a container compute (nvidia.com/GA102GL_RTX_A6000 0000:81:00.0) and vms/vm-b container compute (nvidia.com/GA102_HIGH_DEFINITION_AUDIO_CONTROLLER 0000:81:00.1)"
+            ),
+            "{}",
+            i.message
+        );
+        assert_eq!(summary(Some(&status), None).unwrap().allocated, Some(0));
+
+        // Out-of-band use is named first.
+        let mut rogue = vm("rogue", "main", &a6000, &audio);
+        (rogue.source, rogue.iommu_groups) = (BindingSource::Observed, vec![]);
+        status.bindings.as_mut().unwrap().push(rogue);
+        let c = desired_conditions(Some(&status), &live);
+        assert_eq!(find(&c, ISOLATED).reason, "OutOfBandGpuUse");
+
+        let isolated = |bindings: Vec<Binding>| {
+            let status = GpuNodeStatus {
+                gpus: Some(vec![]),
+                bindings: Some(bindings),
+                ..Default::default()
+            };
+            let c = desired_conditions(Some(&status), &live);
+            let i = find(&c, ISOLATED);
+            (i.status, i.reason.clone())
+        };
+        let yes = ("True", "NoOutOfBandUse".to_owned());
+        assert_eq!(isolated(vec![vm("vm-a", "compute", &a6000, &audio)]), yes);
+        assert_eq!(
+            isolated(vec![
+                vm("vm-a", "compute", &a6000, &audio),
+                vm("vm-a", "sidecar", &audio, &a6000),
+            ]),
+            yes,
+            "one pod"
+        );
+    }
+
+    #[test]
+    fn truncated_vfio_lists_are_named() {
+        let cut = Truncated {
+            iommu_groups: 2,
+            iommu_group_devices: 5,
+            ..Default::default()
+        };
+        assert_eq!(
+            describe_truncated(&cut),
+            "2 IOMMU groups, 5 devices of IOMMU groups"
         );
     }
 }

@@ -1,7 +1,9 @@
 //! The GPU nodes' posture as one cluster-scoped report (docs/design.md, "Node posture"):
-//! for every GpuNode, one result for `RuntimePatched` and one for `RuntimeIsolation`, in
+//! for every GpuNode, one result for `RuntimePatched` and one for `RuntimeIsolation`, and
+//! one for [`VM_DEVICE_RESOURCES`] where its VFIO plugin advertises resources, in
 //! whichever of `ClusterPolicyReport` and openreports.io's `ClusterReport` the API server
-//! serves. The leader keeps it, from the GpuNode cache, and rewrites it only when it changes.
+//! serves. The leader keeps it, from the GpuNode and GpuPolicy caches, and rewrites it only
+//! when it changes.
 
 use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -12,7 +14,7 @@ use gpuwarden_crds::condition_types::{RUNTIME_ISOLATION, RUNTIME_PATCHED};
 use gpuwarden_crds::reports::{
     FIELD_MANAGER_REPORTS, NODE_POSTURE_POLICY, NODES_REPORT_NAME, SOURCE,
 };
-use gpuwarden_crds::{GpuNode, error_chain};
+use gpuwarden_crds::{GpuNode, GpuPolicy, error_chain};
 use gpuwarden_webhook::report::{
     self, CATEGORY, Outcome, ReportKind, ReportResult, Severity, Subject, Timestamp,
 };
@@ -35,9 +37,16 @@ const REPORTED: [(&str, Severity); 2] = [
     (RUNTIME_ISOLATION, Severity::Medium),
 ];
 
+/// The rule that says whether every GpuPolicy lists a node's VFIO resources among its VM
+/// devices (docs/design.md, "GPUs handed to VMs").
+pub const VM_DEVICE_RESOURCES: &str = "VmDeviceResources";
+
 /// One result per GpuNode and reported condition, sorted by node: pass for True, fail for
 /// False, warn (not scored) for Unknown. A GpuNode without the condition yet has no result.
-pub fn results(gpunodes: &[Arc<GpuNode>]) -> Vec<ReportResult> {
+/// Then, for a node whose VFIO plugin advertises resources, whether every one of
+/// `policies` lists them as VM devices: one a policy misses, a plain pod it governs could
+/// take whole.
+pub fn results(gpunodes: &[Arc<GpuNode>], policies: &[Arc<GpuPolicy>]) -> Vec<ReportResult> {
     let mut out = Vec::new();
     let mut sorted: Vec<&Arc<GpuNode>> = gpunodes.iter().collect();
     sorted.sort_by_key(|g| g.name_any());
@@ -79,8 +88,72 @@ pub fn results(gpunodes: &[Arc<GpuNode>]) -> Vec<ReportResult> {
                 properties,
             });
         }
+        out.extend(vm_devices(gn, policies));
     }
     out
+}
+
+/// The [`VM_DEVICE_RESOURCES`] result of `gn`: `None` where it advertises no VFIO resource or
+/// no policy governs anything.
+fn vm_devices(gn: &GpuNode, policies: &[Arc<GpuPolicy>]) -> Option<ReportResult> {
+    let vfio = gn.status.as_ref()?.vfio.as_ref()?;
+    if vfio.resources.is_empty() || policies.is_empty() {
+        return None;
+    }
+    let names: Vec<&str> = vfio.resources.iter().map(|r| r.name.as_str()).collect();
+    let mut missed = Vec::new();
+    for policy in policies {
+        let vms = &policy.spec.virtual_machines;
+        let unlisted: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|r| !vms.is_device(r))
+            .collect();
+        if !unlisted.is_empty() {
+            missed.push(format!(
+                "GpuPolicy {}: {}",
+                policy.name_any(),
+                unlisted.join(", ")
+            ));
+        }
+    }
+    let (result, message) = if missed.is_empty() {
+        (
+            Outcome::Pass,
+            format!(
+                "every GpuPolicy lists the node's VFIO resources under virtualMachines.deviceResources: {}",
+                names.join(", ")
+            ),
+        )
+    } else {
+        (
+            Outcome::Fail,
+            format!(
+                "VFIO resources of this node that a GpuPolicy does not list under virtualMachines.deviceResources, so a plain pod it governs could take the device whole: {}",
+                missed.join("; ")
+            ),
+        )
+    };
+    let since = gn.metadata.creation_timestamp.as_ref().map(|t| t.0);
+    Some(ReportResult {
+        source: SOURCE.into(),
+        policy: NODE_POSTURE_POLICY.into(),
+        rule: VM_DEVICE_RESOURCES.into(),
+        category: CATEGORY.into(),
+        severity: Severity::High,
+        timestamp: Timestamp::of(since.unwrap_or(jiff::Timestamp::UNIX_EPOCH)),
+        result,
+        scored: true,
+        resources: vec![Subject {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            namespace: String::new(),
+            name: gn.spec.node_name.clone(),
+            uid: None,
+        }],
+        message: report::clip(message),
+        properties: BTreeMap::from([("resources".to_owned(), names.join(","))]),
+    })
 }
 
 /// Errors keeping the report.
@@ -118,10 +191,11 @@ pub async fn reconcile(
     client: &Client,
     kinds: &[ReportKind],
     gpunodes: &[Arc<GpuNode>],
+    policies: &[Arc<GpuPolicy>],
     last: Option<u64>,
     metrics: &crate::metrics::Metrics,
 ) -> Result<Option<u64>, NodeReportError> {
-    let results = results(gpunodes);
+    let results = results(gpunodes, policies);
     let mut h = DefaultHasher::new();
     results.hash(&mut h);
     kinds.hash(&mut h);
@@ -198,7 +272,16 @@ pub async fn run(
             continue;
         }
         let started = std::time::Instant::now();
-        let result = reconcile(&ctx.client, &kinds, &gpunodes.state(), last, &ctx.metrics).await;
+        let policies = ctx.policies.state();
+        let result = reconcile(
+            &ctx.client,
+            &kinds,
+            &gpunodes.state(),
+            &policies,
+            last,
+            &ctx.metrics,
+        )
+        .await;
         let error = result.as_ref().err().map(|_| "api");
         ctx.metrics.reconciled(CONTROLLER, started.elapsed(), error);
         match result {
@@ -260,7 +343,7 @@ mod tests {
             gpunode("gpu-a", "False", Some("Unknown")),
             gpunode("gpu-c", "Unknown", None),
         ];
-        let results = results(&nodes);
+        let results = results(&nodes, &[]);
         let lines: Vec<(String, String, Outcome, bool)> = (results.iter())
             .map(|r| {
                 (
@@ -305,5 +388,66 @@ mod tests {
         let open = report::nodes_report_object(ReportKind::OpenReport, &results);
         assert_eq!(open["kind"], "ClusterReport");
         assert_eq!(open["source"], SOURCE);
+    }
+
+    #[test]
+    fn a_vfio_resource_a_policy_does_not_list_fails_naming_it() {
+        use gpuwarden_crds::node::{VfioKind, VfioResource, VfioStatus};
+        let node = |names: &[&str]| {
+            let mut gn = (*gpunode("vm-node", "True", None)).clone();
+            let status = gn.status.as_mut().unwrap();
+            status.vfio = Some(VfioStatus {
+                resources: (names.iter())
+                    .map(|n| VfioResource {
+                        name: (*n).into(),
+                        kind: VfioKind::Passthrough,
+                        devices: 1,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            });
+            Arc::new(gn)
+        };
+        let default = Arc::new(GpuPolicy::default_policy());
+        let mut narrow = GpuPolicy::default_policy();
+        narrow.metadata.name = Some("narrow".into());
+        narrow.spec.virtual_machines.device_resources = vec!["nvidia.com/GRID_*".into()];
+        let narrow = Arc::new(narrow);
+        let listed = node(&["nvidia.com/GA102GL_A10", "nvidia.com/GRID_T4-1Q"]);
+        let vm = |r: &[ReportResult]| {
+            r.iter()
+                .find(|r| r.rule == VM_DEVICE_RESOURCES)
+                .cloned()
+                .expect("a VM device result")
+        };
+        assert_eq!(
+            vm(&results(
+                std::slice::from_ref(&listed),
+                std::slice::from_ref(&default)
+            ))
+            .result,
+            Outcome::Pass
+        );
+        let failed = vm(&results(std::slice::from_ref(&listed), &[default, narrow]));
+        assert_eq!(failed.result, Outcome::Fail);
+        assert!(
+            failed
+                .message
+                .contains("GpuPolicy narrow: nvidia.com/GA102GL_A10"),
+            "{}",
+            failed.message
+        );
+        // No VFIO resources, or no policy: no result.
+        assert!(
+            results(&[gpunode("plain", "True", None)], &[])
+                .iter()
+                .all(|r| r.rule != VM_DEVICE_RESOURCES)
+        );
+        assert!(
+            results(&[listed], &[])
+                .iter()
+                .all(|r| r.rule != VM_DEVICE_RESOURCES)
+        );
     }
 }

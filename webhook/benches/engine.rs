@@ -346,6 +346,7 @@ fn main() {
         display_name: "ml/llm-finetune",
         claims: &gpuwarden_webhook::engine::NoClaims("no claims here"),
         owner_kind: None,
+        requester: gpuwarden_webhook::engine::Requester::User("alice"),
     };
     let decide = measure(|| {
         black_box(gpuwarden_webhook::engine::decide(

@@ -992,8 +992,20 @@ fn generated_pods_hold_the_invariants_in(request_as: RequestAs) {
         let first = review_pod(&pod, &namespace, &source);
         *outcomes.entry(first.summary.outcome.as_str()).or_default() += 1;
         assert_ne!(first.summary.outcome, Outcome::Invalid, "{}", ctx());
-        // A VM device outside a VM is never admitted as it is or rewritten.
-        if oracle_holds_passthrough(&pod) && pod["spec"]["runtimeClassName"].is_null() {
+        // A VM device outside a VM is never admitted as it is or rewritten, unless the
+        // container's image is exempt (an NVIDIA component in its own namespace).
+        let sa = pod["spec"]["serviceAccountName"].as_str().unwrap_or("");
+        let vm_device_unexempt = ["initContainers", "containers"]
+            .iter()
+            .flat_map(|list| pod["spec"][list].as_array().into_iter().flatten())
+            .filter(|c| oracle_asks(c, oracle_passthrough))
+            .any(|c| {
+                let image = c["image"].as_str().unwrap_or("");
+                (policy.spec.exemptions)
+                    .container_exemption(image, &namespace, sa)
+                    .is_none()
+            });
+        if vm_device_unexempt && pod["spec"]["runtimeClassName"].is_null() {
             vm_devices_outside_vms += 1;
             assert!(
                 !matches!(first.summary.outcome, Outcome::Allowed | Outcome::Rewritten),
