@@ -15,6 +15,14 @@
 //! imported, NVML for the in-process agent, and the plugin's sysfs
 //! (`GPUWARDEN_SYSFS_ROOT`, the rig's `/tmp/vfio/fakesys`):
 //!
+//! A second test runs KubeVirt's own virt-controller, where one runs as
+//! `system:serviceaccount:kubevirt:kubevirt-controller` with KubeVirt's CRDs (else it prints
+//! `SKIPPED`): the documented GPU VMIs pass the webhook, and the launcher pods the
+//! virt-controller creates for them pass the webhook and the backstop; nobody, the cluster
+//! admin included, execs into one; a VMI carrying a Kata annotation is refused by the
+//! webhook, and where only the backstop runs, the launcher pod the virt-controller creates
+//! with the copied annotation is refused.
+//!
 //! ```sh
 //! GPUWARDEN_SYSFS_ROOT=/tmp/vfio/fakesys LD_LIBRARY_PATH=<driver root>/usr/lib64 KUBECONFIG=... \
 //!   cargo test -p gpuwarden-e2e --test vfio -- --ignored --nocapture --test-threads=1
@@ -28,7 +36,7 @@ use gpuwarden_e2e::inproc::{RealNode, binding, inventory, isolated};
 use gpuwarden_e2e::node::busybox;
 use http::Method;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
+use kube::api::{Api, ApiResource};
 use serde_json::{Value, json};
 
 const TEST: &str = "vm_devices_stay_the_vms";
@@ -231,7 +239,12 @@ async fn vm_devices_stay_the_vms() {
     let pods: Api<Pod> = Api::namespaced(env.client(), &ns);
     let mut launchers = Vec::new();
     for (name, resource) in [("virt-launcher-gpu", GPU), ("virt-launcher-audio", AUDIO)] {
-        let launcher = pod(name, resource, true);
+        // No owner reference: where KubeVirt is installed, the garbage collector deletes a
+        // pod whose VirtualMachineInstance does not exist.
+        let mut launcher = pod(name, resource, true);
+        launcher["metadata"]
+            .as_object_mut()
+            .map(|m| m.remove("ownerReferences"));
         let r = until_admission(&kubevirt, &ns, &launcher, name, |r| r.status.is_success()).await;
         assert!(r.status.is_success(), "{name}: {}", r.message());
         let created =
@@ -350,4 +363,214 @@ async fn vm_devices_stay_the_vms() {
 
     webhook.stop().await;
     real.stop().await;
+}
+
+const KUBEVIRT_TEST: &str = "kubevirts_own_launcher_pods_are_admitted_and_judged";
+
+/// A VirtualMachineInstance `name` asking for `gpus` (device plugin resources), with
+/// `annotations`, as KubeVirt's GPU examples write it (a container disk, q35, no virt-api
+/// to default it).
+fn vmi(name: &str, gpus: &[&str], annotations: Value) -> Value {
+    let gpus: Vec<Value> = (gpus.iter().enumerate())
+        .map(|(i, d)| json!({"name": format!("gpu{i}"), "deviceName": d}))
+        .collect();
+    json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": name, "annotations": annotations},
+        "spec": {"architecture": "amd64", "terminationGracePeriodSeconds": 0,
+            "domain": {"machine": {"type": "q35"}, "resources": {"requests": {"memory": "128Mi"}},
+                "devices": {"gpus": gpus,
+                    "disks": [{"name": "containerdisk", "disk": {"bus": "virtio"}}]}},
+            "volumes": [{"name": "containerdisk",
+                "containerDisk": {"image": "quay.io/kubevirt/cirros-container-disk-demo:v1.9.0"}}]}})
+}
+
+/// Creates `object` under `path` as the cluster admin: the answer.
+async fn create(env: &Env, path: &str, object: &Value) -> gpuwarden_e2e::cluster::RawResponse {
+    (env.cluster)
+        .raw(Method::POST, path, "application/json", Some(object))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The launcher pod KubeVirt created for VMI `uid` in `ns`, once there.
+async fn launcher_of(env: &Env, ns: &str, uid: &str) -> Option<Pod> {
+    let pods: Api<Pod> = Api::namespaced(env.client(), ns);
+    let selector = format!("kubevirt.io/created-by={uid}");
+    wait_for(Duration::from_secs(60), || {
+        let pods = pods.clone();
+        let selector = selector.clone();
+        async move {
+            let list = pods
+                .list(&kube::api::ListParams::default().labels(&selector))
+                .await
+                .ok()?;
+            list.items.into_iter().next()
+        }
+    })
+    .await
+}
+
+/// The message of the first `FailedCreate` event of VMI `name` in `ns`, once there.
+async fn failed_create(env: &Env, ns: &str, name: &str) -> Option<String> {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(env.client(), ns);
+    wait_for(Duration::from_secs(60), || {
+        let events = events.clone();
+        async move {
+            let list = events.list(&Default::default()).await.ok()?;
+            (list.items.into_iter())
+                .filter(|e| e.involved_object.name.as_deref() == Some(name))
+                .find(|e| e.reason.as_deref() == Some("FailedCreate"))
+                .and_then(|e| e.message)
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a cluster: KubeVirt's CRDs and its real virt-controller running as system:serviceaccount:kubevirt:kubevirt-controller, permitting the sandbox plugin's nvidia.com/GRID_T4-1Q and nvidia.com/GA102GL_RTX_A6000; KUBECONFIG=... cargo test -p gpuwarden-e2e --test vfio -- --ignored --nocapture --test-threads=1"]
+async fn kubevirts_own_launcher_pods_are_admitted_and_judged() {
+    let env = Env::new().await;
+    if !env
+        .cluster
+        .serves("kubevirt.io/v1", "virtualmachineinstances")
+        .await
+    {
+        skip(KUBEVIRT_TEST, "KubeVirt's CRDs are not installed");
+        return;
+    }
+    let ns = env.namespace("kubevirt").await;
+    let bare = env.namespace("kubevirt-bare").await;
+    let policy = env
+        .policy_with(&ns, "kubevirt", |spec| {
+            spec.namespace_selector = serde_json::from_value(json!({"matchExpressions": [{
+                "key": "kubernetes.io/metadata.name", "operator": "In",
+                "values": [ns.clone(), bare.clone()]}]}))
+            .expect("selector");
+        })
+        .await;
+    let webhook = env.started_webhook().await;
+    env.register_webhook(
+        &webhook.url,
+        &webhook.ca_pem,
+        namespaces_named(&[&ns]),
+        "kubevirt",
+    )
+    .await;
+    env.install_policy_with_param(
+        "deploy/admission/backstop-policy.yaml",
+        "kubevirt-backstop",
+        Some(namespaces_named(&[&ns, &bare])),
+        Some(&policy),
+    )
+    .await;
+    let vmis = |ns: &str| format!("/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances");
+    let owned = ApiResource {
+        group: "kubevirt.io".into(),
+        version: "v1".into(),
+        api_version: "kubevirt.io/v1".into(),
+        kind: "VirtualMachineInstance".into(),
+        plural: "virtualmachineinstances".into(),
+    };
+
+    // 1. The documented VMs (a vGPU, and a passthrough GPU) pass the webhook's VM entry, and
+    //    KubeVirt's own launcher pods, holding the VM devices, pass the webhook and the
+    //    backstop: the virt-controller made them.
+    let probe = vmi("probe", &[VGPU], json!({}));
+    let r = until_admission_of(&env, &vmis(&ns), &probe, |r| r.status.is_success()).await;
+    env.cleanup.own(owned.clone(), Some(&ns), "probe");
+    let first = launcher_of(
+        &env,
+        &ns,
+        r.body["metadata"]["uid"].as_str().unwrap_or_default(),
+    )
+    .await;
+    let Some(launcher) = first else {
+        skip(
+            KUBEVIRT_TEST,
+            "KubeVirt's virt-controller created no launcher pod: is it running?",
+        );
+        webhook.stop().await;
+        return;
+    };
+    let compute = (launcher.spec.as_ref())
+        .and_then(|s| s.containers.iter().find(|c| c.name == "compute"))
+        .cloned()
+        .expect("a compute container");
+    let limits = compute.resources.and_then(|r| r.limits).unwrap_or_default();
+    assert!(limits.contains_key(VGPU), "{limits:?}");
+    let managers: Vec<String> = (launcher.metadata.managed_fields.iter().flatten())
+        .filter_map(|m| m.manager.clone())
+        .collect();
+    eprintln!(
+        "launcher pod {} created by {managers:?}, compute limits {:?}",
+        launcher.metadata.name.clone().unwrap_or_default(),
+        limits.keys().collect::<Vec<_>>()
+    );
+    // Nobody, the cluster admin included, execs into it.
+    let launcher_name = launcher.metadata.name.clone().unwrap_or_default();
+    let (status, message) = enter(&env.cluster, &ns, &launcher_name, "exec").await;
+    assert_eq!(status, 403, "exec into KubeVirt's launcher pod: {message}");
+    eprintln!("refused, exec into KubeVirt's launcher pod: {message}");
+    let passthrough = vmi("passthrough", &[GPU], json!({}));
+    let r = create(&env, &vmis(&ns), &passthrough).await;
+    assert!(r.status.is_success(), "passthrough VMI: {}", r.message());
+    env.cleanup.own(owned.clone(), Some(&ns), "passthrough");
+    let uid = r.body["metadata"]["uid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        launcher_of(&env, &ns, &uid).await.is_some(),
+        "no launcher pod for the passthrough VMI"
+    );
+
+    // 2. What a VM's author writes that reaches the pod is judged: the webhook refuses the
+    //    VM itself, and where only the backstop runs, the launcher pod the virt-controller
+    //    creates with the copied annotation is refused.
+    let kata = json!({"io.katacontainers.config_path": "/tmp/evil.toml"});
+    let evil = vmi("copied", &[VGPU], kata);
+    let r = create(&env, &vmis(&ns), &evil).await;
+    assert!(
+        r.status.is_client_error(),
+        "a VMI with a Kata annotation: {r:?}"
+    );
+    assert!(
+        r.message().contains("VirtualMachineInstance"),
+        "{}",
+        r.message()
+    );
+    eprintln!("refused, VMI with a copied annotation: {}", r.message());
+    let r = create(&env, &vmis(&bare), &evil).await;
+    assert!(
+        r.status.is_success(),
+        "the VMI where no webhook runs: {}",
+        r.message()
+    );
+    env.cleanup.own(owned, Some(&bare), "copied");
+    let message = failed_create(&env, &bare, "copied")
+        .await
+        .expect("the virt-controller's launcher pod is refused");
+    assert!(message.contains("Kata Containers annotations"), "{message}");
+    eprintln!("refused, the virt-controller's launcher pod: {message}");
+    webhook.stop().await;
+}
+
+/// Retries creating `object` at `path` as the cluster admin until `ready` holds for the
+/// answer (the webhook configuration and caches take a moment).
+async fn until_admission_of(
+    env: &Env,
+    path: &str,
+    object: &Value,
+    ready: impl Fn(&gpuwarden_e2e::cluster::RawResponse) -> bool,
+) -> gpuwarden_e2e::cluster::RawResponse {
+    let mut last = None;
+    for _ in 0..40 {
+        let r = create(env, path, object).await;
+        if ready(&r) {
+            return r;
+        }
+        last = Some(r);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!("{path}: never admitted; last answer {last:?}");
 }
