@@ -412,10 +412,14 @@ pub struct Rules<'p> {
     pub device_class: &'p str,
     /// `runtimeFeatures`: the feature variables a container may set.
     pub features: &'p [RuntimeFeature],
+    /// `virtualMachines.runtimeClasses`: globs of the runtime classes that run a pod in its
+    /// own VM, where a passthrough GPU's variables are read inside it.
+    pub vm_runtime_classes: &'p [String],
 }
 
 impl Default for Rules<'_> {
-    /// No policy: the NVIDIA resource names only, no hints; CDI annotations are leaks.
+    /// No policy: the NVIDIA resource names only, no hints, no VM runtime class; CDI
+    /// annotations are leaks.
     fn default() -> Self {
         Self {
             resource: RESOURCE_GPU,
@@ -428,6 +432,7 @@ impl Default for Rules<'_> {
             resources: &[],
             device_class: crate::claims::DEVICE_CLASS_GPU,
             features: &[],
+            vm_runtime_classes: &[],
         }
     }
 }
@@ -446,6 +451,7 @@ impl<'p> Rules<'p> {
             resources: &policy.spec.match_.gpu_resources,
             device_class: &policy.spec.gpu.device_class_name,
             features: &policy.spec.runtime_features,
+            vm_runtime_classes: &policy.spec.virtual_machines.runtime_classes,
         }
     }
 
@@ -555,15 +561,17 @@ pub struct PodSignals<'a> {
     toleration_keys: Vec<&'a str>,
     /// The pod's `resourceClaims` entries whose claim asks for GPUs, sorted.
     gpu_claims: Vec<&'a str>,
-    /// A container of the pod holds a passthrough GPU: the pod runs in a VM sandbox on a
-    /// node whose GPUs are bound to VFIO, where the host's NVIDIA runtime hands out nothing.
+    /// A container of the pod holds a passthrough GPU and a VM runtime class runs it: the pod
+    /// runs in a VM sandbox on a node whose GPUs are bound to VFIO, where the host's NVIDIA
+    /// runtime hands out nothing. A KubeVirt launcher pod runs on the host: not so.
     passthrough: bool,
 }
 
 impl<'a> PodSignals<'a> {
     /// Reads `spec.volumes` as (name, hostPath path) and `metadata.annotations` as
     /// (key, string value). `passthrough` says whether a container of the pod holds a
-    /// passthrough GPU resource ([`is_passthrough_resource`]): then a CDI annotation that
+    /// passthrough GPU resource ([`is_passthrough_resource`]) and a VM runtime class runs the
+    /// pod: then a CDI annotation that
     /// names only passthrough GPUs ([`is_passthrough_cdi`]) names the GPU the pod holds,
     /// which the Kata runtime hands its VM; it is no signal, and it stays.
     pub fn read(
@@ -700,7 +708,7 @@ pub struct Signals<'c> {
     /// The first pod `resourceClaims` entry it uses whose claim holds GPUs: the GPUs it gets
     /// through DRA, which the rewrite keeps rather than adding a limit on top.
     pub claim: Option<&'c str>,
-    /// The pod holds a passthrough GPU ([`is_passthrough_resource`]): its
+    /// The pod holds a passthrough GPU ([`is_passthrough_resource`]) in a VM runtime class: its
     /// `NVIDIA_VISIBLE_DEVICES` and MIG variables are read inside its VM, among the GPUs
     /// passed through to it, never by the host's runtime, so they neither name GPUs here nor
     /// leak.
@@ -1081,12 +1089,19 @@ api_container_spec!(
 );
 
 impl<'a> PodSignals<'a> {
-    /// The pod-level signals of an API `Pod`.
-    pub fn of_pod(pod: &'a k8s_openapi::api::core::v1::Pod) -> Self {
+    /// The pod-level signals of an API `Pod`; `vm_runtime_classes` are the globs of the
+    /// runtime classes that run a pod in its own VM ([`Rules::vm_runtime_classes`]).
+    pub fn of_pod(pod: &'a k8s_openapi::api::core::v1::Pod, vm_runtime_classes: &[String]) -> Self {
         let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_ref());
-        let passthrough = (pod.spec.iter())
-            .flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers))
-            .any(holds_passthrough);
+        let in_vm = (pod.spec.as_ref())
+            .and_then(|s| s.runtime_class_name.as_deref())
+            .is_some_and(|class| {
+                (vm_runtime_classes.iter()).any(|p| crate::exemptions::glob_match(p, class))
+            });
+        let passthrough = in_vm
+            && (pod.spec.iter())
+                .flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers))
+                .any(holds_passthrough);
         Self::read(
             volumes.into_iter().flatten().map(|v| {
                 let path = v.host_path.as_ref().map(|h| h.path.as_str());
@@ -1128,7 +1143,7 @@ pub fn pod_containers<'p>(
     let Some(spec) = &pod.spec else {
         return Vec::new();
     };
-    let pod = PodSignals::of_pod(pod);
+    let pod = PodSignals::of_pod(pod, rules.vm_runtime_classes);
     let mut out = Vec::new();
     for (i, c) in spec.init_containers.iter().flatten().enumerate() {
         out.push(describe(c, (ContainerKind::Init, i), &pod, rules));

@@ -105,8 +105,9 @@ pub struct GpuPolicySpec {
 
     /// Remove `cdi.k8s.io/*` pod annotations, which would otherwise inject devices through CDI.
     /// An annotation naming only passthrough GPUs (`nvidia.com/pgpu=...`) in a pod that holds
-    /// one through the sandbox device plugin stays: the Kata runtime hands that GPU to the
-    /// pod's VM.
+    /// one through the sandbox device plugin, under a VM runtime class
+    /// (`virtualMachines.runtimeClasses`), stays: the Kata runtime hands that GPU to the pod's
+    /// VM.
     #[serde(default = "default_true")]
     pub strip_cdi_annotations: bool,
 
@@ -128,7 +129,8 @@ pub struct GpuPolicySpec {
     /// neither privileged nor exempt, in Enforce mode; Audit mode warns instead. The entry
     /// overrides the image's own `ENV NVIDIA_VISIBLE_DEVICES=all` (every CUDA base image sets
     /// it), through which the NVIDIA runtime would hand the container every GPU of the node.
-    /// Pods of a DaemonSet and pods holding a passthrough GPU are left as they are. The
+    /// Pods of a DaemonSet and pods holding a passthrough GPU under a VM runtime class are left
+    /// as they are. The
     /// operator has the API server do it (a MutatingAdmissionPolicy), so it needs no webhook
     /// call; where MutatingAdmissionPolicy is not served, the policy's `AdmissionPolicies`
     /// condition says so.

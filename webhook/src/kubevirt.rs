@@ -11,7 +11,8 @@
 //!   and `priorityClassName` are copied to the pod; a `serviceAccount` volume names its
 //!   service account;
 //! - each hook sidecar of the `hooks.kubevirt.io/hookSidecars` annotation runs its image in
-//!   a container of the pod.
+//!   a container of the pod, and so does each `containerDisk` volume (`volume<name>`): images
+//!   the VM's author names, which may set `NVIDIA_VISIBLE_DEVICES` themselves.
 //!
 //! The pod is judged as the virt-controller's request, so its VM devices pass; everything
 //! the VM's author wrote is judged as in any other pod.
@@ -104,6 +105,7 @@ pub fn launcher_pod(object: &Value) -> Result<Rendered, String> {
     );
     let mut containers = vec![compute(spec)];
     containers.extend(sidecars(annotations.get(HOOK_SIDECARS), &mut notes));
+    containers.extend(container_disks(spec));
     let mut pod_spec = Map::new();
     for field in COPIED_SPEC {
         if let Some(value) = spec.get(field) {
@@ -216,6 +218,22 @@ fn sidecars(annotation: Option<&Value>, notes: &mut Vec<String>) -> Vec<Value> {
         .collect()
 }
 
+/// A container per `containerDisk` volume, running its image (KubeVirt serves the disk from
+/// it).
+fn container_disks(spec: &Value) -> Vec<Value> {
+    (spec
+        .get("volumes")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten())
+    .filter_map(|v| {
+        let image = v.pointer("/containerDisk/image")?.as_str()?;
+        let name = v.get("name").and_then(Value::as_str).unwrap_or_default();
+        Some(json!({"name": format!("volume{name}"), "image": image}))
+    })
+    .collect()
+}
+
 /// The service account a `serviceAccount` volume names.
 fn service_account(spec: &Value) -> Option<&str> {
     (spec.get("volumes")?.as_array()?.iter())
@@ -298,10 +316,17 @@ mod tests {
             }},
             "spec": {"domain": {}},
         });
-        let pod = launcher_pod(&vmi).unwrap().pod;
+        let mut with_disk = vmi.clone();
+        with_disk["spec"]["volumes"] = json!([{"name": "disk", "containerDisk": {"image": "quay.io/containerdisks/fedora:41"}}]);
+        let pod = launcher_pod(&with_disk).unwrap().pod;
         assert_eq!(
             pod["spec"]["containers"][1]["image"],
             "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
+        );
+        assert_eq!(pod["spec"]["containers"][2]["name"], "volumedisk");
+        assert_eq!(
+            pod["spec"]["containers"][2]["image"],
+            "quay.io/containerdisks/fedora:41"
         );
         let pool = json!({"apiVersion": "pool.kubevirt.io/v1alpha1", "kind": "VirtualMachinePool", "spec": {}});
         let error = launcher_pod(&pool).unwrap_err();

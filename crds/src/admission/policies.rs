@@ -21,8 +21,8 @@
 use serde_json::{Value, json};
 
 use super::cel::{
-    DAEMON_SET_POD, POD, Pod, covers, device_list_mount, env_from_spells, gpu_resource, has_env,
-    literal, pod_exempt, privileged, scope_terms, selects,
+    DAEMON_SET_POD, POD, Pod, covers, device_list_mount, env_from_spells, glob_regex, gpu_resource,
+    has_env, literal, pod_exempt, privileged, scope_terms, selects,
 };
 use crate::gpu::VOID;
 use crate::policy::{GpuPolicy, PolicyMode};
@@ -172,7 +172,7 @@ fn service_account_exempt(policy: &GpuPolicy) -> Option<String> {
 /// The match conditions of `policy`'s objects (name, CEL): pods that a policy in `higher`
 /// selects are theirs, a pod exempt by namespace or service account is left alone, and so
 /// are pods with a CDI annotation (the webhook's rewrite voids theirs) and pods holding a
-/// passthrough GPU (their GPU is read inside a VM). A pod's owner references decide nothing:
+/// passthrough GPU in a VM runtime class (their GPU is read inside a VM). A pod's owner references decide nothing:
 /// a tenant writes them (docs/design.md, "Threat model"). `None` when a selector in `higher`
 /// cannot be written (it is malformed, so that policy is invalid).
 fn match_conditions(
@@ -218,10 +218,24 @@ fn match_conditions(
     let holds = format!(
         "c, has(c.resources) && ((has(c.resources.limits) && c.resources.limits.exists(r, {passthrough})) || (has(c.resources.requests) && c.resources.requests.exists(r, {passthrough})))"
     );
+    // Only a VM runtime class runs the pod in its VM (docs/design.md, "GPUs handed to VMs").
+    let classes: Vec<String> = (policy.spec.virtual_machines.runtime_classes.iter())
+        .map(|p| {
+            format!(
+                "{spec}.runtimeClassName.matches({})",
+                literal(&glob_regex(p))
+            )
+        })
+        .collect();
+    let in_vm = if classes.is_empty() {
+        "false".to_owned()
+    } else {
+        format!("has({spec}.runtimeClassName) && ({})", classes.join(" || "))
+    };
     conditions.push((
         "no-passthrough-gpu".to_owned(),
         format!(
-            "!({spec}.containers.exists({holds}) || (has({spec}.initContainers) && {spec}.initContainers.exists({holds})))"
+            "!({in_vm} && ({spec}.containers.exists({holds}) || (has({spec}.initContainers) && {spec}.initContainers.exists({holds}))))"
         ),
     ));
     Some(conditions)

@@ -96,10 +96,17 @@ pub(super) fn read_pod<'a>(
     let annotations = pod.annotations();
     let spec = pod.spec.as_ref();
     let claims_read = read_claims(pod, namespace, policy, claims);
-    let passthrough = [ContainerKind::Init, ContainerKind::Regular]
-        .into_iter()
-        .flat_map(|kind| pod.containers(kind))
-        .any(gpu::holds_passthrough);
+    // A passthrough GPU is read inside the pod's VM only where a VM runtime class runs the
+    // pod (Kata). A KubeVirt launcher pod's containers run on the host: what its author wrote
+    // (a CDI annotation, a variable) reaches the host's runtime like any other pod's.
+    let in_vm = spec
+        .and_then(|s| s.runtime_class_name.as_deref())
+        .is_some_and(|class| policy.spec.virtual_machines.is_vm_runtime_class(class));
+    let passthrough = in_vm
+        && [ContainerKind::Init, ContainerKind::Regular]
+            .into_iter()
+            .flat_map(|kind| pod.containers(kind))
+            .any(gpu::holds_passthrough);
     let signals = PodSignals::read(
         pod.volumes().iter().filter_map(|v| {
             let path = v.host_path.as_ref().and_then(|h| h.path.as_deref());
