@@ -30,7 +30,7 @@
 
 use std::time::Duration;
 
-use gpuwarden_e2e::cluster::{Cluster, namespaces_named, skip, wait_for};
+use gpuwarden_e2e::cluster::{Cluster, LocalWebhook, namespaces_named, skip, wait_for};
 use gpuwarden_e2e::env::{Env, until_admission};
 use gpuwarden_e2e::inproc::{RealNode, binding, inventory, isolated};
 use gpuwarden_e2e::node::busybox;
@@ -69,6 +69,44 @@ fn pod(name: &str, resource: &str, launcher: bool) -> Value {
             "controller": true, "blockOwnerDeletion": true}]);
     }
     pod
+}
+
+/// A namespace `ns` where the webhook and the backstop run, and one, `bare`, where only the
+/// backstop does, under one policy of both.
+struct Governed {
+    ns: String,
+    bare: String,
+    webhook: LocalWebhook,
+}
+
+/// The namespaces of [`Governed`], named after `suffix`.
+async fn governed(env: &Env, suffix: &str) -> Governed {
+    let ns = env.namespace(suffix).await;
+    let bare = env.namespace(&format!("{suffix}-bare")).await;
+    let policy = env
+        .policy_with(&ns, suffix, |spec| {
+            spec.namespace_selector = serde_json::from_value(json!({"matchExpressions": [{
+                "key": "kubernetes.io/metadata.name", "operator": "In",
+                "values": [ns.clone(), bare.clone()]}]}))
+            .expect("selector");
+        })
+        .await;
+    let webhook = env.started_webhook().await;
+    env.register_webhook(
+        &webhook.url,
+        &webhook.ca_pem,
+        namespaces_named(&[&ns]),
+        suffix,
+    )
+    .await;
+    env.install_policy_with_param(
+        "deploy/admission/backstop-policy.yaml",
+        &format!("{suffix}-backstop"),
+        Some(namespaces_named(&[&ns, &bare])),
+        Some(&policy),
+    )
+    .await;
+    Governed { ns, bare, webhook }
 }
 
 /// The node's allocatable count of `resource`.
@@ -131,32 +169,7 @@ async fn vm_devices_stay_the_vms() {
     // The operator and the agent, reading the plugin's sysfs (GPUWARDEN_SYSFS_ROOT).
     let real = RealNode::start_on(&env, node_name.clone()).await;
 
-    // The webhook for `ns` only; the backstop for `ns` and `bare`, under a policy of both.
-    let ns = env.namespace("vfio").await;
-    let bare = env.namespace("vfio-bare").await;
-    let policy = env
-        .policy_with(&ns, "vfio", |spec| {
-            spec.namespace_selector = serde_json::from_value(json!({"matchExpressions": [{
-                "key": "kubernetes.io/metadata.name", "operator": "In",
-                "values": [ns.clone(), bare.clone()]}]}))
-            .expect("selector");
-        })
-        .await;
-    let webhook = env.started_webhook().await;
-    env.register_webhook(
-        &webhook.url,
-        &webhook.ca_pem,
-        namespaces_named(&[&ns]),
-        "vfio",
-    )
-    .await;
-    env.install_policy_with_param(
-        "deploy/admission/backstop-policy.yaml",
-        "vfio-backstop",
-        Some(namespaces_named(&[&ns, &bare])),
-        Some(&policy),
-    )
-    .await;
+    let Governed { ns, bare, webhook } = governed(&env, "vfio").await;
     let tenant = env.namespace_admin(&ns, "tenant").await;
     let bare_tenant = env.namespace_admin(&bare, "tenant").await;
 
@@ -438,31 +451,7 @@ async fn kubevirts_own_launcher_pods_are_admitted_and_judged() {
         skip(KUBEVIRT_TEST, "KubeVirt's CRDs are not installed");
         return;
     }
-    let ns = env.namespace("kubevirt").await;
-    let bare = env.namespace("kubevirt-bare").await;
-    let policy = env
-        .policy_with(&ns, "kubevirt", |spec| {
-            spec.namespace_selector = serde_json::from_value(json!({"matchExpressions": [{
-                "key": "kubernetes.io/metadata.name", "operator": "In",
-                "values": [ns.clone(), bare.clone()]}]}))
-            .expect("selector");
-        })
-        .await;
-    let webhook = env.started_webhook().await;
-    env.register_webhook(
-        &webhook.url,
-        &webhook.ca_pem,
-        namespaces_named(&[&ns]),
-        "kubevirt",
-    )
-    .await;
-    env.install_policy_with_param(
-        "deploy/admission/backstop-policy.yaml",
-        "kubevirt-backstop",
-        Some(namespaces_named(&[&ns, &bare])),
-        Some(&policy),
-    )
-    .await;
+    let Governed { ns, bare, webhook } = governed(&env, "kubevirt").await;
     let vmis = |ns: &str| format!("/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances");
     let owned = ApiResource {
         group: "kubevirt.io".into(),

@@ -807,19 +807,34 @@ mod tests {
         cdi: &CdiDevices,
     ) -> Computed {
         let index = PodIndex::new(pods, true);
+        let vfio = (&VfioInventory::default(), &[][..]);
+        compute_from(r, &index, allocations, observed, claims, cdi, vfio)
+    }
+
+    /// [`compute`] on `r` and the pods of `index`, with these sources of bindings and the
+    /// node's VFIO devices with what the kubelet allocated of them.
+    fn compute_from(
+        r: &Reading,
+        index: &PodIndex,
+        allocations: &[Allocation],
+        observed: &[ObservedProcess],
+        claims: &[ClaimUse],
+        cdi: &CdiDevices,
+        (vfio, vfio_holds): (&VfioInventory, &[VfioHold]),
+    ) -> Computed {
         compute(&StatusInput {
             reading: r,
             health: &HealthTracker::new(),
             allocations,
             observed,
-            pods: &index,
+            pods: index,
             devices: &DeviceMap::new(&r.gpus),
             runtime: &RuntimeStatus::default(),
             kai: &KaiBinds::default(),
             claims,
             cdi,
-            vfio: &VfioInventory::default(),
-            vfio_holds: &[],
+            vfio,
+            vfio_holds,
         })
     }
 
@@ -1388,23 +1403,10 @@ devices:
         allocations: &[Allocation],
         holds: &[VfioHold],
     ) -> GpuNodeStatus {
-        let r = reading();
         let index = PodIndex::new(pods, true);
-        compute(&StatusInput {
-            reading: &r,
-            health: &HealthTracker::new(),
-            allocations,
-            observed: &[],
-            pods: &index,
-            devices: &DeviceMap::new(&r.gpus),
-            runtime: &RuntimeStatus::default(),
-            kai: &KaiBinds::default(),
-            claims: &[],
-            cdi: &CdiDevices::default(),
-            vfio: &vfio_node(),
-            vfio_holds: holds,
-        })
-        .status
+        let vfio = (&vfio_node(), holds);
+        let cdi = CdiDevices::default();
+        compute_from(&reading(), &index, allocations, &[], &[], &cdi, vfio).status
     }
 
     fn device(resource: &str, id: &str) -> VfioDevice {
@@ -1516,25 +1518,14 @@ devices:
     /// name.
     #[test]
     fn without_an_api_two_holders_of_a_group_stay_apart() {
-        let r = reading();
         let index = PodIndex::new(&[], false);
-        let unknown = compute(&StatusInput {
-            reading: &r,
-            health: &HealthTracker::new(),
-            allocations: &[],
-            observed: &[],
-            pods: &index,
-            devices: &DeviceMap::new(&r.gpus),
-            runtime: &RuntimeStatus::default(),
-            kai: &KaiBinds::default(),
-            claims: &[],
-            cdi: &CdiDevices::default(),
-            vfio: &vfio_node(),
-            vfio_holds: &[
-                vfio_hold("vm-a", A6000, "0000:81:00.0"),
-                vfio_hold("vm-b", AUDIO, "0000:81:00.1"),
-            ],
-        });
+        let holds = [
+            vfio_hold("vm-a", A6000, "0000:81:00.0"),
+            vfio_hold("vm-b", AUDIO, "0000:81:00.1"),
+        ];
+        let cdi = CdiDevices::default();
+        let vfio = (&vfio_node(), &holds[..]);
+        let unknown = compute_from(&reading(), &index, &[], &[], &[], &cdi, vfio);
         let apart: Vec<(String, String)> = (unknown.status.bindings.unwrap_or_default())
             .into_iter()
             .map(|b| (b.pod_uid, b.pod))

@@ -77,13 +77,7 @@ pub fn results(gpunodes: &[Arc<GpuNode>], policies: &[Arc<GpuPolicy>]) -> Vec<Re
                 timestamp: Timestamp::of(c.last_transition_time.0),
                 result,
                 scored: result != Outcome::Warn,
-                resources: vec![Subject {
-                    api_version: "v1".into(),
-                    kind: "Node".into(),
-                    namespace: String::new(),
-                    name: gn.spec.node_name.clone(),
-                    uid: None,
-                }],
+                resources: vec![node_subject(gn)],
                 message: report::clip(c.message.clone()),
                 properties,
             });
@@ -91,6 +85,17 @@ pub fn results(gpunodes: &[Arc<GpuNode>], policies: &[Arc<GpuPolicy>]) -> Vec<Re
         out.extend(vm_devices(gn, policies));
     }
     out
+}
+
+/// The Node a GpuNode reports on, as a result names it.
+fn node_subject(gn: &GpuNode) -> Subject {
+    Subject {
+        api_version: "v1".into(),
+        kind: "Node".into(),
+        namespace: String::new(),
+        name: gn.spec.node_name.clone(),
+        uid: None,
+    }
 }
 
 /// The [`VM_DEVICE_RESOURCES`] result of `gn`: `None` where it advertises no VFIO resource or
@@ -144,13 +149,7 @@ fn vm_devices(gn: &GpuNode, policies: &[Arc<GpuPolicy>]) -> Option<ReportResult>
         timestamp: Timestamp::of(since.unwrap_or(jiff::Timestamp::UNIX_EPOCH)),
         result,
         scored: true,
-        resources: vec![Subject {
-            api_version: "v1".into(),
-            kind: "Node".into(),
-            namespace: String::new(),
-            name: gn.spec.node_name.clone(),
-            uid: None,
-        }],
+        resources: vec![node_subject(gn)],
         message: report::clip(message),
         properties: BTreeMap::from([("resources".to_owned(), names.join(","))]),
     })

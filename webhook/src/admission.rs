@@ -298,13 +298,17 @@ pub fn handle_review(body: &[u8], source: &dyn PolicySource) -> (Vec<u8>, Review
 }
 
 /// A request to exec, attach or port-forward into a pod: where the pod is, for the server
-/// to read it before [`handle_entry`] judges the request.
+/// to read it before [`handle_entry`] judges the request, and who asks for what.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EntryTarget {
     /// The pod's namespace.
     pub namespace: String,
     /// The pod's name.
     pub name: String,
+    /// `exec`, `attach` or `portforward`.
+    pub subresource: String,
+    /// `request.userInfo.username` ("" when missing).
+    pub username: String,
 }
 
 /// The pod a review's request enters (`CONNECT` on `pods/exec`, `pods/attach` or
@@ -328,17 +332,23 @@ pub fn entry_target(body: &[u8]) -> Option<EntryTarget> {
         name: Option<Cow<'a, str>>,
         #[serde(borrow)]
         resource: Option<GroupVersionResource<'a>>,
+        #[serde(borrow)]
+        user_info: Option<UserInfoIn<'a>>,
     }
     let request = serde_json::from_slice::<Review<'_>>(body).ok()?.request?;
     let resource = request.resource?;
     let sub = request.sub_resource.as_deref().unwrap_or("");
-    (request.operation.as_deref() == Some("CONNECT")
+    let entry = request.operation.as_deref() == Some("CONNECT")
         && resource.group.is_empty()
         && resource.resource == "pods"
-        && gpuwarden_crds::vm::POD_ENTRY_SUBRESOURCES.contains(&sub))
-    .then(|| EntryTarget {
+        && gpuwarden_crds::vm::POD_ENTRY_SUBRESOURCES.contains(&sub);
+    entry.then(|| EntryTarget {
+        subresource: sub.to_owned(),
         namespace: request.namespace.unwrap_or_default().into_owned(),
         name: request.name.unwrap_or_default().into_owned(),
+        username: (request.user_info.and_then(|u| u.username))
+            .unwrap_or_default()
+            .into_owned(),
     })
 }
 
@@ -351,65 +361,35 @@ pub fn handle_entry(
     pod: Result<Option<serde_json::Value>, String>,
     source: &dyn PolicySource,
 ) -> (Vec<u8>, ReviewSummary) {
-    #[derive(serde::Deserialize)]
-    struct Review<'a> {
-        #[serde(borrow)]
-        request: Option<Request<'a>>,
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct Request<'a> {
-        #[serde(borrow)]
-        sub_resource: Option<Cow<'a, str>>,
-        #[serde(borrow)]
-        user_info: Option<UserInfoIn<'a>>,
-    }
     let uid = request_uid(body);
     let Some(target) = entry_target(body) else {
-        return invalid(
-            API_VERSION,
-            uid,
-            None,
-            &ReviewError::NotAReview("not a request to enter a pod".into()),
-        );
+        let error = ReviewError::NotAReview("not a request to enter a pod".into());
+        return invalid(API_VERSION, uid, None, &error);
     };
-    let request = serde_json::from_slice::<Review<'_>>(body)
-        .ok()
-        .and_then(|r| r.request);
-    let sub = (request.as_ref())
-        .and_then(|r| r.sub_resource.as_deref())
-        .unwrap_or_default();
-    let username = (request.as_ref())
-        .and_then(|r| r.user_info.as_ref()?.username.as_deref())
-        .unwrap_or_default();
+    let (sub, username) = (target.subresource.as_str(), target.username.as_str());
     let name = format!("{}/{}", target.namespace, target.name);
     let mut response = allowed(&uid);
     let mut outcome = Outcome::Allowed;
-    let denial = match pod {
-        Ok(None) => None,
-        Err(why) => Some(format!(
-            "gpuwarden: pods/{sub} into pod {name} is denied: the webhook could not read the pod to tell whether it is a VM's ({why}); retry"
-        )),
-        Ok(Some(pod)) => {
-            let view = PodView::from_value(&pod);
-            let mut denial = None;
-            source.lend(&target.namespace, &mut |policies, known| {
-                let labels = NamespaceLabels {
-                    name: &target.namespace,
-                    known,
-                };
-                denial = engine::entry_denial(
-                    &view,
-                    &target.namespace,
-                    &labels,
-                    policies,
-                    username,
-                    sub,
-                );
-            });
-            denial
-        }
+    let view = match &pod {
+        Ok(Some(pod)) => Some(PodView::from_value(pod)),
+        _ => None,
     };
+    let mut denial = None;
+    source.lend(&target.namespace, &mut |policies, known| {
+        let labels = NamespaceLabels {
+            name: &target.namespace,
+            known,
+        };
+        denial = match (&pod, &view) {
+            (Ok(_), Some(view)) => {
+                engine::entry_denial(view, &target.namespace, &labels, policies, username, sub)
+            }
+            (Ok(_), None) => None,
+            (Err(why), _) => engine::may_govern(&labels, policies).then(|| format!(
+                "gpuwarden: pods/{sub} into pod {name} is denied: the webhook could not read the pod to tell whether it is a VM's ({why}); retry"
+            )),
+        };
+    });
     if let Some(message) = denial {
         outcome = Outcome::Denied;
         response.allowed = false;

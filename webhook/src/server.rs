@@ -111,33 +111,23 @@ pub trait Reviewer: Send + Sync + 'static {
     }
 }
 
+/// A pod being read: as JSON, `Ok(None)` when it does not exist, `Err` why it could not be
+/// read.
+pub type PodRead<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Option<serde_json::Value>, String>> + Send + 'a>,
+>;
+
 /// Reads the pod a request enters, from the API server.
 pub trait PodLookup: Send + Sync + 'static {
-    /// The pod as JSON; `Ok(None)` when it does not exist.
-    fn get<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> std::pin::Pin<
-        Box<
-            dyn std::future::Future<Output = Result<Option<serde_json::Value>, String>> + Send + 'a,
-        >,
-    >;
+    /// Reads pod `namespace/name`.
+    fn get<'a>(&'a self, namespace: &'a str, name: &'a str) -> PodRead<'a>;
 }
 
 /// [`PodLookup`] through the Kubernetes API.
 pub struct ApiPods(pub kube::Client);
 
 impl PodLookup for ApiPods {
-    fn get<'a>(
-        &'a self,
-        namespace: &'a str,
-        name: &'a str,
-    ) -> std::pin::Pin<
-        Box<
-            dyn std::future::Future<Output = Result<Option<serde_json::Value>, String>> + Send + 'a,
-        >,
-    > {
+    fn get<'a>(&'a self, namespace: &'a str, name: &'a str) -> PodRead<'a> {
         Box::pin(async move {
             use k8s_openapi::api::core::v1::Pod;
             let api: kube::Api<Pod> = kube::Api::namespaced(self.0.clone(), namespace);

@@ -299,6 +299,14 @@ fn nobody_enters_a_vms_pod_and_ordinary_pods_stay_open() {
     // A pod that cannot be read is not entered.
     let answer = entered(&connect("exec", "alice"), Err("timed out".into()));
     assert_eq!(answer["response"]["allowed"], false);
+    // Unless no policy could govern it.
+    let (bytes, _) = gpuwarden_webhook::admission::handle_entry(
+        &connect("exec", "alice"),
+        Err("timed out".into()),
+        &StaticSource::new([]),
+    );
+    let ungoverned: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(ungoverned["response"]["allowed"], true, "{ungoverned:#}");
     // Not an entry: logs, a pod create.
     assert!(entry_target(&connect("log", "alice")).is_none());
     assert!(entry_target(&create_review(&launcher, "vms")).is_none());

@@ -51,7 +51,7 @@ pub use gpuwarden_crds::selector::Labels;
 pub use gpuwarden_crds::vm::Requester;
 pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
-pub use vm::entry_denial;
+pub use vm::{entry_denial, may_govern};
 pub use void::{Unvoided, Voided};
 
 pub use gpuwarden_crds::gpu::ENV_DRIVER_CAPABILITIES;

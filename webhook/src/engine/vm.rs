@@ -149,3 +149,15 @@ pub fn entry_denial(
         vm::NO_ENTRY_REASON
     ))
 }
+
+/// Whether a policy could govern a pod of the namespace whose labels are given, whatever the
+/// pod's labels: one selects the namespace, or one selects pods by their labels. Where none
+/// could, a pod there that cannot be read may be entered.
+pub fn may_govern(
+    namespace_labels: &dyn super::Labels,
+    policies: &[std::sync::Arc<GpuPolicy>],
+) -> bool {
+    policies.iter().any(|p| p.spec.pod_selector.is_some())
+        || (super::select_policy(policies, namespace_labels, &crate::pod::Map::new()).policy)
+            .is_some()
+}
