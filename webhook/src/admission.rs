@@ -535,8 +535,8 @@ fn vm_kind<'r>(request: &'r RequestIn<'_>) -> Option<&'r str> {
 /// A KubeVirt VM, judged as the launcher pod the virt-controller renders for it
 /// ([`kubevirt`]), made by KubeVirt: its VM devices pass, and whatever its author wrote that
 /// reaches the pod is judged (docs/design.md, "VMs judged like pods"). The VM is never
-/// patched. An update whose template is unchanged passes, so that an older VM can always
-/// be stopped and deleted.
+/// patched. An update whose template is unchanged passes, and so does one of a VM that was
+/// denied before it (with a warning), so that an older VM can always be stopped and deleted.
 fn answer_vm(
     api_version: &str,
     uid: String,
@@ -587,7 +587,11 @@ fn answer_vm(
         .or_else(|| object.pointer("/metadata/name")?.as_str())
         .unwrap_or("<unnamed>");
     let name = format!("of {kind} {namespace}/{vm_name}");
-    if operation == "UPDATE" && old.is_some_and(|old| kubevirt::same_template(&old, &object)) {
+    if operation == "UPDATE"
+        && old
+            .as_ref()
+            .is_some_and(|old| kubevirt::same_template(old, &object))
+    {
         return pass(uid);
     }
     let rendered = match kubevirt::launcher_pod(&object) {
@@ -602,23 +606,41 @@ fn answer_vm(
         }
     };
     let view = PodView::from_value(&rendered.pod);
+    // The VM as it was, on an update: one its author cannot change any more, written before
+    // gpuwarden or its policy, is never held up (KubeVirt updates a VMI's annotations itself).
+    let before = (old.as_ref()).and_then(|old| kubevirt::launcher_pod(old).ok());
+    let before = before.as_ref().map(|r| PodView::from_value(&r.pod));
     let mut answer = None;
     source.lend(&namespace, &mut |policies, known| {
-        let input = Input {
-            pod: &view,
-            namespace: &namespace,
-            namespace_labels: &NamespaceLabels {
-                name: &namespace,
-                known,
-            },
-            operation: Operation::Create,
-            display_name: &name,
-            claims: source.claims(),
-            owner_kind: Some(gpuwarden_crds::vm::KIND_VMI),
-            requester: Requester::KubeVirt,
+        let labels = NamespaceLabels {
+            name: &namespace,
+            known,
         };
-        let decision = engine::decide(&input, policies);
-        answer = Some(respond(api_version, &uid, &name, decision, None));
+        let judge = |pod| {
+            let input = Input {
+                pod,
+                namespace: &namespace,
+                namespace_labels: &labels,
+                operation: Operation::Create,
+                display_name: &name,
+                claims: source.claims(),
+                owner_kind: Some(gpuwarden_crds::vm::KIND_VMI),
+                requester: Requester::KubeVirt,
+            };
+            engine::decide(&input, policies)
+        };
+        let decision = judge(&view);
+        let denied_before = (before.as_ref()).is_some_and(|b| judge(b).verdict() == Verdict::Denied);
+        answer = Some(if decision.verdict() == Verdict::Denied && denied_before {
+            let mut response = allowed(&uid);
+            let why = decision.denial().unwrap_or_default();
+            response.warnings = Some(vec![format!(
+                "{why} (it was before this update too, which is let through so that the VM can be stopped and deleted)"
+            )]);
+            (review_body(api_version, response), Outcome::Audited, decision.into_policy_reference())
+        } else {
+            respond(api_version, &uid, &name, decision, None)
+        });
     });
     let Some((body, outcome, policy)) = answer else {
         return invalid(api_version, uid, Some(name), &ReviewError::NoPolicySource);

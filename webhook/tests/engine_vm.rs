@@ -197,6 +197,27 @@ fn a_vm_is_judged_for_what_reaches_its_launcher_pod() {
         "UPDATE",
     );
     assert!(!answer.allowed(), "{:#}", answer.review);
+    // A VM already denied before an update that changes its template (KubeVirt writing an
+    // annotation) is let through, warning why.
+    let mut annotated = injecting.clone();
+    annotated["spec"]["template"]["metadata"]["annotations"]["kubevirt.io/latest-observed-api-version"] =
+        json!("v1");
+    let answer = vm_review(
+        "kubevirt.io",
+        "VirtualMachine",
+        &annotated,
+        Some(&injecting),
+        "UPDATE",
+    );
+    assert!(answer.allowed(), "{:#}", answer.review);
+    assert!(
+        answer
+            .warnings()
+            .iter()
+            .any(|w| w.contains("before this update too")),
+        "{:?}",
+        answer.warnings()
+    );
     // A pool's template, and one that cannot be read, which is named.
     let pool = json!({
         "apiVersion": "pool.kubevirt.io/v1alpha1", "kind": "VirtualMachinePool",
