@@ -545,18 +545,6 @@ fn answer_vm(
     request: &RequestIn<'_>,
     source: &dyn PolicySource,
 ) -> (Vec<u8>, ReviewSummary) {
-    #[derive(serde::Deserialize)]
-    struct Raw {
-        request: RawRequest,
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct RawRequest {
-        #[serde(default)]
-        object: Option<serde_json::Value>,
-        #[serde(default)]
-        old_object: Option<serde_json::Value>,
-    }
     let pass = |uid: String| {
         let summary = ReviewSummary {
             uid: uid.clone(),
@@ -570,8 +558,7 @@ fn answer_vm(
     if !matches!(operation, "CREATE" | "UPDATE") {
         return pass(uid);
     }
-    let raw = serde_json::from_slice::<Raw>(body).ok().map(|r| r.request);
-    let Some((object, old)) = raw.and_then(|r| Some((r.object?, r.old_object))) else {
+    let Some((object, old)) = vm_objects(body) else {
         let error = ReviewError::MissingObject {
             operation: operation.to_owned(),
         };
@@ -605,43 +592,10 @@ fn answer_vm(
             return invalid(api_version, uid, Some(name), &error);
         }
     };
-    let view = PodView::from_value(&rendered.pod);
-    // The VM as it was, on an update: one its author cannot change any more, written before
-    // gpuwarden or its policy, is never held up (KubeVirt updates a VMI's annotations itself).
-    let before = (old.as_ref()).and_then(|old| kubevirt::launcher_pod(old).ok());
-    let before = before.as_ref().map(|r| PodView::from_value(&r.pod));
-    let mut answer = None;
-    source.lend(&namespace, &mut |policies, known| {
-        let labels = NamespaceLabels {
-            name: &namespace,
-            known,
-        };
-        let judge = |pod| {
-            let input = Input {
-                pod,
-                namespace: &namespace,
-                namespace_labels: &labels,
-                operation: Operation::Create,
-                display_name: &name,
-                claims: source.claims(),
-                owner_kind: Some(gpuwarden_crds::vm::KIND_VMI),
-                requester: Requester::KubeVirt,
-            };
-            engine::decide(&input, policies)
-        };
-        let decision = judge(&view);
-        let denied_before = (before.as_ref()).is_some_and(|b| judge(b).verdict() == Verdict::Denied);
-        answer = Some(if decision.verdict() == Verdict::Denied && denied_before {
-            let mut response = allowed(&uid);
-            let why = decision.denial().unwrap_or_default();
-            response.warnings = Some(vec![format!(
-                "{why} (it was before this update too, which is let through so that the VM can be stopped and deleted)"
-            )]);
-            (review_body(api_version, response), Outcome::Audited, decision.into_policy_reference())
-        } else {
-            respond(api_version, &uid, &name, decision, None)
-        });
-    });
+    let old = old
+        .as_ref()
+        .and_then(|old| kubevirt::launcher_pod(old).ok());
+    let answer = judge_vm(api_version, &uid, &name, &namespace, &rendered, old, source);
     let Some((body, outcome, policy)) = answer else {
         return invalid(api_version, uid, Some(name), &ReviewError::NoPolicySource);
     };
@@ -652,6 +606,78 @@ fn answer_vm(
         pod: Some(name),
     };
     (body, summary)
+}
+
+/// Why a VM denied before an update is let through all the same.
+const LET_THROUGH: &str =
+    "it was before this update too, which is let through so that the VM can be stopped and deleted";
+
+/// `request.object` and `request.oldObject` of a review about a VM, as they are.
+fn vm_objects(body: &[u8]) -> Option<(serde_json::Value, Option<serde_json::Value>)> {
+    #[derive(serde::Deserialize)]
+    struct Raw {
+        request: RawRequest,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct RawRequest {
+        #[serde(default)]
+        object: Option<serde_json::Value>,
+        #[serde(default)]
+        old_object: Option<serde_json::Value>,
+    }
+    let request = serde_json::from_slice::<Raw>(body).ok()?.request;
+    Some((request.object?, request.old_object))
+}
+
+/// The answer for a VM whose launcher pod is `rendered` (and was `old` before an update),
+/// named `name` in messages: the engine's decision on the pod, as made by KubeVirt.
+fn judge_vm(
+    api_version: &str,
+    uid: &str,
+    name: &str,
+    namespace: &str,
+    rendered: &kubevirt::Rendered,
+    old: Option<kubevirt::Rendered>,
+    source: &dyn PolicySource,
+) -> Option<(Vec<u8>, Outcome, Option<String>)> {
+    let view = PodView::from_value(&rendered.pod);
+    // The VM as it was, on an update: one its author cannot change any more, written before
+    // gpuwarden or its policy, is never held up (KubeVirt updates a VMI's annotations itself).
+    let before = old.as_ref().map(|r| PodView::from_value(&r.pod));
+    let mut answer = None;
+    source.lend(namespace, &mut |policies, known| {
+        let labels = NamespaceLabels {
+            name: namespace,
+            known,
+        };
+        let judge = |pod| {
+            let input = Input {
+                pod,
+                namespace,
+                namespace_labels: &labels,
+                operation: Operation::Create,
+                display_name: name,
+                claims: source.claims(),
+                owner_kind: Some(gpuwarden_crds::vm::KIND_VMI),
+                requester: Requester::KubeVirt,
+            };
+            engine::decide(&input, policies)
+        };
+        let decision = judge(&view);
+        let denied = |d: &Decision<'_>| d.verdict() == Verdict::Denied;
+        let denied_before = (before.as_ref()).is_some_and(|b| denied(&judge(b)));
+        answer = Some(if denied(&decision) && denied_before {
+            let mut response = allowed(uid);
+            let why = decision.denial().unwrap_or_default();
+            response.warnings = Some(vec![format!("{why} ({LET_THROUGH})")]);
+            let body = review_body(api_version, response);
+            (body, Outcome::Audited, decision.into_policy_reference())
+        } else {
+            respond(api_version, uid, name, decision, None)
+        });
+    });
+    answer
 }
 
 /// What the engine is asked about a request that is about a Pod: the operation and the pod,
