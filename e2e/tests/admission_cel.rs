@@ -3282,3 +3282,66 @@ fn kata_and_visible_cdi_follow_the_engine() {
         "{kata_denied} {visible_denied} {vm_denied} {admitted}"
     );
 }
+
+/// The backstop's fallbacks, where a stored GpuPolicy lacks `virtualMachines`, are the
+/// policy's own defaults (`crds::vm`), and a request by the virt-controller or a pod of a
+/// VM runtime class holds its VM devices, where a tenant's is refused.
+#[test]
+fn the_backstops_vm_defaults_are_the_policys() {
+    use gpuwarden_crds::vm::{
+        DEFAULT_CONTROLLERS, DEFAULT_DEVICE_RESOURCES, DEFAULT_RUNTIME_CLASSES,
+    };
+    let backstop = backstop();
+    let variables = backstop.value["spec"]["variables"]
+        .as_array()
+        .expect("variables");
+    let expression = |name: &str| {
+        (variables.iter())
+            .find(|v| v["name"] == name)
+            .and_then(|v| v["expression"].as_str())
+            .unwrap_or_else(|| panic!("variable {name}"))
+            .to_owned()
+    };
+    for (variable, defaults) in [
+        ("vmHeld", &DEFAULT_DEVICE_RESOURCES[..]),
+        ("vmMaker", &DEFAULT_CONTROLLERS[..]),
+        ("vmRuntime", &DEFAULT_RUNTIME_CLASSES[..]),
+    ] {
+        let text = expression(variable);
+        for d in defaults {
+            assert!(
+                text.contains(&format!("'{d}'")),
+                "{variable} lacks {d}: {text}"
+            );
+        }
+    }
+    // Params without virtualMachines: the fallbacks decide.
+    let mut params = default_params();
+    params["spec"]
+        .as_object_mut()
+        .map(|s| s.remove("virtualMachines"));
+    let pod = |class: Option<&str>| {
+        let mut p = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "compute", "image": "busybox",
+                "resources": {"limits": {"nvidia.com/GRID_T4-1Q": "1"}}}]}});
+        if let Some(class) = class {
+            p["spec"]["runtimeClassName"] = json!(class);
+        }
+        p
+    };
+    let decide_as = |user: &str, object: Value| {
+        let mut request = request("team-a");
+        request["userInfo"]["username"] = json!(user);
+        let vars = BTreeMap::from([
+            ("object", object),
+            ("request", request),
+            ("namespaceObject", json!({"metadata": {"name": "team-a"}})),
+            ("params", params.clone()),
+        ]);
+        decide(&backstop, &vars).expect("matched")
+    };
+    assert!(!decide_as("alice", pod(None)).is_empty());
+    assert!(decide_as(DEFAULT_CONTROLLERS[0], pod(None)).is_empty());
+    assert!(decide_as("alice", pod(Some("kata-qemu-nvidia-gpu"))).is_empty());
+    assert!(!decide_as("alice", pod(Some("runc"))).is_empty());
+}
