@@ -69,8 +69,10 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-/// A privileged training pod that asks for all GPUs through the environment: the default
-/// policy rewrites it (privilege, capabilities, GPU limit, env, device hostPath).
+/// A privileged training pod that asks for all GPUs through the environment and mounts two
+/// GPUs' device nodes: the default policy rewrites it (privilege, capabilities, GPU limit,
+/// env, device hostPaths). The whole host `/dev` would be denied instead (an unprivileged
+/// container cannot open it), which measures another path.
 fn review_body() -> Bytes {
     let env: Vec<serde_json::Value> = [
         ("NVIDIA_VISIBLE_DEVICES", "all"),
@@ -143,14 +145,16 @@ fn review_body() -> Bytes {
                         "resources": {"requests": {"cpu": "16", "memory": "128Gi"}, "limits": {"memory": "128Gi"}},
                         "securityContext": {"privileged": true},
                         "volumeMounts": [
-                            {"name": "dev", "mountPath": "/dev"},
+                            {"name": "nvidia0", "mountPath": "/dev/nvidia0"},
+                            {"name": "nvidia1", "mountPath": "/dev/nvidia1"},
                             {"name": "dshm", "mountPath": "/dev/shm"},
                             {"name": "cache", "mountPath": "/cache"},
                             {"name": "config", "mountPath": "/config", "readOnly": true}
                         ]
                     }],
                     "volumes": [
-                        {"name": "dev", "hostPath": {"path": "/dev", "type": "Directory"}},
+                        {"name": "nvidia0", "hostPath": {"path": "/dev/nvidia0", "type": "CharDevice"}},
+                        {"name": "nvidia1", "hostPath": {"path": "/dev/nvidia1", "type": "CharDevice"}},
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
                         {"name": "cache", "persistentVolumeClaim": {"claimName": "hf-cache"}},
                         {"name": "config", "configMap": {"name": "llama-finetune-config"}}
@@ -858,11 +862,12 @@ fn main() {
             .map(|m| format!(" message={m:?}"))
             .unwrap_or_default()
     );
-    if patched == 0 {
-        println!(
-            "WARNING: the engine did not rewrite the benchmark pod; figures are not representative"
-        );
-    }
+    // A benchmark of another path (a denial, an unchanged pod) would publish figures of it
+    // under the rewrite's name: it stops here instead.
+    assert!(
+        response["allowed"] == serde_json::json!(true) && patched > 0,
+        "the engine did not rewrite the benchmark pod, so the figures would measure another path: {response}"
+    );
     println!(
         "reviewer alone, one thread: engine {engine_alone:.1} µs per review, constant allow {floor_alone:.2} µs; two threads: engine {engine_threads:.0} reviews/s"
     );
