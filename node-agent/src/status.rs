@@ -522,24 +522,18 @@ fn beyond_claim_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
         if by.is_empty() {
             continue;
         }
-        let pod_uid = pod.map(|p| p.uid.clone()).unwrap_or_default();
         let exempt = pod.and_then(|p| p.claims_exempt.clone());
-        let binding = match (bindings.iter_mut())
-            .position(|b| b.pod_uid == pod_uid && b.container == container)
-        {
-            Some(i) => &mut bindings[i],
-            None => {
-                bindings.push(Binding {
-                    pod_uid,
-                    container: container.to_owned(),
-                    namespace: namespace.to_owned(),
-                    pod: pod_name.to_owned(),
-                    resource_name: drivers.into_iter().next(),
-                    ..Binding::default()
-                });
-                bindings.last_mut().expect("pushed")
-            }
-        };
+        let binding = binding_of(
+            bindings,
+            Binding {
+                pod_uid: pod.map(|p| p.uid.clone()).unwrap_or_default(),
+                container: container.to_owned(),
+                namespace: namespace.to_owned(),
+                pod: pod_name.to_owned(),
+                resource_name: drivers.into_iter().next(),
+                ..Binding::default()
+            },
+        );
         binding.source = BindingSource::BeyondClaim;
         binding.exempt = exempt;
         for claim in by {
@@ -600,35 +594,44 @@ fn iommu_group_bindings(input: &StatusInput<'_>, bindings: &mut Vec<Binding>) {
                 allocated: allocated.into_iter().collect(),
             })
             .collect();
-        let pod_uid = pod.map(|p| p.uid.clone()).unwrap_or_default();
-        // By name too: without an API (inspect) every pod's UID is empty.
-        let binding = match (bindings.iter_mut()).position(|b| {
-            b.pod_uid == pod_uid
-                && b.container == container
-                && b.namespace == namespace
-                && b.pod == pod_name
-        }) {
-            Some(i) => &mut bindings[i],
-            None => {
-                bindings.push(Binding {
-                    pod_uid,
-                    container: container.to_owned(),
-                    namespace: namespace.to_owned(),
-                    pod: pod_name.to_owned(),
-                    resource_name: (held.iter())
-                        .flat_map(|h| h.allocated.first())
-                        .map(|d| d.resource_name.clone())
-                        .next(),
-                    source: BindingSource::IommuGroup,
-                    ..Binding::default()
-                });
-                bindings.last_mut().expect("pushed")
-            }
-        };
+        let binding = binding_of(
+            bindings,
+            Binding {
+                pod_uid: pod.map(|p| p.uid.clone()).unwrap_or_default(),
+                container: container.to_owned(),
+                namespace: namespace.to_owned(),
+                pod: pod_name.to_owned(),
+                resource_name: (held.iter())
+                    .flat_map(|h| h.allocated.first())
+                    .map(|d| d.resource_name.clone())
+                    .next(),
+                source: BindingSource::IommuGroup,
+                ..Binding::default()
+            },
+        );
         if binding.source == BindingSource::Allocated {
             binding.source = BindingSource::IommuGroup;
         }
         binding.iommu_groups = held;
+    }
+}
+
+/// The binding of the container `new` names (pod UID, namespace, pod and container), or
+/// `new` itself, added, where there is none yet. By name too: without an API (inspect)
+/// every pod's UID is empty.
+fn binding_of(bindings: &mut Vec<Binding>, new: Binding) -> &mut Binding {
+    let same = |b: &Binding| {
+        b.pod_uid == new.pod_uid
+            && b.container == new.container
+            && b.namespace == new.namespace
+            && b.pod == new.pod
+    };
+    match bindings.iter().position(same) {
+        Some(i) => &mut bindings[i],
+        None => {
+            bindings.push(new);
+            bindings.last_mut().expect("pushed")
+        }
     }
 }
 
