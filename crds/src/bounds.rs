@@ -18,6 +18,13 @@ use serde_json::{Map, Value, json};
 
 use crate::node::{GpuNodeStatus, Truncated};
 
+/// CEL for a list of extended-resource globs: a literal domain, then a name that may hold
+/// `*` and `?`. A pattern without a domain would match `cpu` or `memory`.
+pub(crate) const RESOURCE_PATTERN_RULE: &str =
+    "self.all(p, p.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9_.*?]+$'))";
+pub(crate) const RESOURCE_PATTERN_MESSAGE: &str =
+    "resource patterns are domain/name, with * and ? only in the name, such as rdma/*";
+
 /// Most GPUs one `GpuNode` lists.
 pub const MAX_GPUS: usize = 32;
 /// Most MIG devices listed under one GPU.

@@ -2,6 +2,8 @@
 //! answer is written once: namespace and service account exempt a whole pod; an image glob
 //! exempts a container only together with the namespaces or service accounts it names.
 
+use crate::glob::glob_bytes;
+pub use crate::glob::glob_match;
 use crate::policy::{ContainerExemption, Exemptions};
 
 impl Exemptions {
@@ -59,45 +61,6 @@ fn account_or_default(service_account: &str) -> &str {
 fn lists_account(accounts: &[String], namespace: &str, sa: &str) -> bool {
     (accounts.iter())
         .any(|s| s.strip_prefix(namespace).and_then(|r| r.strip_prefix('/')) == Some(sa))
-}
-
-/// Matches `text` against a glob with `*` (any run of characters) and `?` (one character).
-/// Every other character is literal. Image references are ASCII, so this works on bytes.
-pub fn glob_match(pattern: &str, text: &str) -> bool {
-    glob_bytes(pattern.as_bytes(), text.as_bytes(), b"")
-}
-
-/// [`glob_match`] against the concatenation `head` + `tail`, without building it.
-fn glob_bytes(p: &[u8], head: &[u8], tail: &[u8]) -> bool {
-    let len = head.len() + tail.len();
-    let at = |i: usize| {
-        if i < head.len() {
-            head[i]
-        } else {
-            tail[i - head.len()]
-        }
-    };
-    let (mut pi, mut ti) = (0usize, 0usize);
-    let mut star: Option<(usize, usize)> = None;
-    while ti < len {
-        if pi < p.len() && (p[pi] == b'?' || p[pi] == at(ti)) {
-            pi += 1;
-            ti += 1;
-        } else if pi < p.len() && p[pi] == b'*' {
-            star = Some((pi, ti));
-            pi += 1;
-        } else if let Some((sp, st)) = star {
-            pi = sp + 1;
-            ti = st + 1;
-            star = Some((sp, st + 1));
-        } else {
-            return false;
-        }
-    }
-    while pi < p.len() && p[pi] == b'*' {
-        pi += 1;
-    }
-    pi == p.len()
 }
 
 /// Whether a container image matches one of the exempt image patterns. An image with neither

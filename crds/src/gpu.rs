@@ -1095,9 +1095,7 @@ impl<'a> PodSignals<'a> {
         let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_ref());
         let in_vm = (pod.spec.as_ref())
             .and_then(|s| s.runtime_class_name.as_deref())
-            .is_some_and(|class| {
-                (vm_runtime_classes.iter()).any(|p| crate::exemptions::glob_match(p, class))
-            });
+            .is_some_and(|class| crate::vm::matches_runtime_class(vm_runtime_classes, class));
         let passthrough = in_vm
             && (pod.spec.iter())
                 .flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers))

@@ -11,6 +11,7 @@ pub mod conditions;
 pub mod duration;
 mod error;
 pub mod exemptions;
+pub mod glob;
 pub mod gpu;
 pub mod injection;
 pub mod kata;

@@ -7,7 +7,10 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::bounds::{self, DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN, IMAGE_LEN, QUALIFIED_NAME_LEN};
+use crate::bounds::{
+    self, DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN, IMAGE_LEN, QUALIFIED_NAME_LEN,
+    RESOURCE_PATTERN_MESSAGE, RESOURCE_PATTERN_RULE,
+};
 use crate::duration::DURATION_PATTERN;
 
 /// How privileged GPU pods are treated. The highest-priority `GpuPolicy` whose selectors match
@@ -767,13 +770,6 @@ fn default_gpu_images() -> Vec<String> {
 fn default_rdma_resources() -> Vec<String> {
     crate::rdma::DEFAULT_RESOURCES.map(String::from).to_vec()
 }
-
-/// CEL for a list of extended-resource globs: a literal domain, then a name that may hold
-/// `*` and `?`. A pattern without a domain would match `cpu` or `memory`.
-pub(crate) const RESOURCE_PATTERN_RULE: &str =
-    "self.all(p, p.matches('^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-a-zA-Z0-9_.*?]+$'))";
-pub(crate) const RESOURCE_PATTERN_MESSAGE: &str =
-    "resource patterns are domain/name, with * and ? only in the name, such as rdma/*";
 
 fn default_runtime_features() -> Vec<RuntimeFeature> {
     // DeepEP and NVSHMEM recipes set NVIDIA_GDRCOPY=enabled in the GPU container itself.

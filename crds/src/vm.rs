@@ -13,8 +13,10 @@
 use kube::KubeSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::bounds::{DNS_SUBDOMAIN_LEN, QUALIFIED_NAME_LEN};
-use crate::exemptions::glob_match;
+use crate::bounds::{
+    DNS_SUBDOMAIN_LEN, QUALIFIED_NAME_LEN, RESOURCE_PATTERN_MESSAGE, RESOURCE_PATTERN_RULE,
+};
+use crate::glob::glob_match;
 
 /// The API group of KubeVirt's VirtualMachine, VirtualMachineInstance and
 /// VirtualMachineInstanceReplicaSet.
@@ -83,7 +85,7 @@ pub struct VirtualMachines {
     /// `status.vfio` lists what each node's VFIO plugin advertises, and the operator names
     /// a VFIO resource this list misses.
     #[serde(default = "default_device_resources")]
-    #[x_kube(validation = Rule::new(crate::policy::RESOURCE_PATTERN_RULE).message(crate::policy::RESOURCE_PATTERN_MESSAGE))]
+    #[x_kube(validation = Rule::new(RESOURCE_PATTERN_RULE).message(RESOURCE_PATTERN_MESSAGE))]
     #[schemars(length(max = 32), inner(length(max = QUALIFIED_NAME_LEN)))]
     pub device_resources: Vec<String>,
 
@@ -183,8 +185,13 @@ impl VirtualMachines {
 
     /// Whether `class` runs each pod in its own VM.
     pub fn is_vm_runtime_class(&self, class: &str) -> bool {
-        (self.runtime_classes.iter()).any(|p| glob_match(p, class))
+        matches_runtime_class(&self.runtime_classes, class)
     }
+}
+
+/// Whether runtime class `class` is one of `patterns` (globs): [`VirtualMachines::runtime_classes`].
+pub fn matches_runtime_class(patterns: &[String], class: &str) -> bool {
+    patterns.iter().any(|p| glob_match(p, class))
 }
 
 /// Whether an owner reference (`apiVersion`, `kind`) names a VirtualMachineInstance of
