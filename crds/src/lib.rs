@@ -141,6 +141,9 @@ pub mod install {
     pub const MUTATING_WEBHOOK: &str = "pods.gpuwarden.io";
     /// HTTPS path the webhook answers on.
     pub const MUTATE_PATH: &str = "/mutate";
+    /// HTTPS path on which the webhook answers requests to exec, attach or port-forward into
+    /// a pod: only those pay for parsing them as such.
+    pub const ENTRY_PATH: &str = "/enter";
     /// Container port of the webhook's HTTPS listener (Service port 443 targets it).
     pub const WEBHOOK_HTTPS_PORT: u16 = 8443;
     /// Plain-HTTP port of `/healthz`, `/readyz` and `/metrics` (webhook and operator).

@@ -358,8 +358,13 @@ impl Env {
         let mut mwc = shipped[0].value.clone();
         let name = self.name(suffix);
         mwc["metadata"] = json!({"name": name});
-        // Every entry (pods, VMs, pod entry) calls the local webhook, in the run's namespaces.
+        // Every entry (pods, VMs, pod entry) calls the local webhook on its own path, in the
+        // run's namespaces.
         for hook in mwc["webhooks"].as_array_mut().into_iter().flatten() {
+            let path = hook["clientConfig"]["service"]["path"]
+                .as_str()
+                .unwrap_or_default();
+            let url = url.replace(gpuwarden_crds::install::MUTATE_PATH, path);
             hook["clientConfig"] = json!({"url": url, "caBundle": base64(ca_pem.as_bytes())});
             hook["namespaceSelector"] = selector.clone();
         }

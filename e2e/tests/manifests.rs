@@ -1019,11 +1019,14 @@ fn webhook_configuration_reaches_the_server() {
     // The VM and pod-entry webhooks reach the same server, never patch, and say how an
     // outage goes: a VM's launcher pod is judged again when created (Ignore); a pod that
     // cannot be judged is not entered (Fail).
-    for (w, failure) in webhooks[1..].iter().zip(["Ignore", "Fail"]) {
+    let others = ["Ignore", "Fail"]
+        .into_iter()
+        .zip([install::MUTATE_PATH, install::ENTRY_PATH]);
+    for (w, (failure, path)) in webhooks[1..].iter().zip(others) {
         let service = w.client_config.service.as_ref().expect("service reference");
         assert_eq!(
             (service.name.as_str(), service.path.as_deref(), service.port),
-            (install::WEBHOOK_NAME, Some(install::MUTATE_PATH), Some(443)),
+            (install::WEBHOOK_NAME, Some(path), Some(443)),
             "{}",
             w.name
         );

@@ -260,6 +260,7 @@ impl Webhook {
     pub fn mutate_router(&self) -> Router {
         Router::new()
             .route(gpuwarden_crds::install::MUTATE_PATH, post(mutate))
+            .route(gpuwarden_crds::install::ENTRY_PATH, post(enter))
             .with_state(self.clone())
     }
 
@@ -441,11 +442,30 @@ async fn metrics_text(State(webhook): State<Webhook>) -> Response {
     }
 }
 
+/// What a path answers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// `/mutate`: pods and VMs, created or changed.
+    Review,
+    /// `/enter`: requests to exec, attach or port-forward into a pod.
+    Entry,
+}
+
 /// `POST /mutate`.
 async fn mutate(State(webhook): State<Webhook>, request: Request) -> Response {
+    serve(&webhook, request, Route::Review).await
+}
+
+/// `POST /enter`.
+async fn enter(State(webhook): State<Webhook>, request: Request) -> Response {
+    serve(&webhook, request, Route::Entry).await
+}
+
+/// The HTTP answer to one review on `route`.
+async fn serve(webhook: &Webhook, request: Request, route: Route) -> Response {
     let started = Instant::now();
     let _in_flight = webhook.metrics.in_flight();
-    let (body, summary) = answer(&webhook, request).await;
+    let (body, summary) = answer(webhook, request, route).await;
     webhook.metrics.observe_duration(started.elapsed());
     if let Some(summary) = summary {
         webhook.metrics.observe_review(&summary);
@@ -461,7 +481,11 @@ async fn mutate(State(webhook): State<Webhook>, request: Request) -> Response {
 }
 
 /// The response body, and the engine's summary when the engine answered.
-async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewSummary>) {
+async fn answer(
+    webhook: &Webhook,
+    request: Request,
+    route: Route,
+) -> (Vec<u8>, Option<ReviewSummary>) {
     let refuse = |refusal: Refusal, uid: &str, code: u16, message: String| {
         webhook.metrics.observe_refusal(refusal);
         tracing::warn!(uid, reason = refusal.as_str(), %message, "review refused");
@@ -552,8 +576,8 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
         );
     }
 
-    if let Some(target) = admission::entry_target(&body) {
-        return (entry(webhook, &body, &target).await, None);
+    if route == Route::Entry {
+        return (entry(webhook, &body).await, None);
     }
 
     let span = tracing::info_span!(
@@ -603,18 +627,20 @@ async fn answer(webhook: &Webhook, request: Request) -> (Vec<u8>, Option<ReviewS
 /// How long the webhook waits for the API server to return a pod being entered.
 const POD_READ_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// The answer to a request to enter the pod `target`: the pod is read, then judged
-/// ([`Reviewer::review_entry`]).
-async fn entry(webhook: &Webhook, body: &[u8], target: &admission::EntryTarget) -> Vec<u8> {
-    let pod = match &webhook.pods {
-        Some(pods) => {
+/// The answer to a request to enter a pod ([`admission::entry_target`]): the pod is read,
+/// then judged ([`Reviewer::review_entry`]), which answers any other request as malformed.
+async fn entry(webhook: &Webhook, body: &[u8]) -> Vec<u8> {
+    let target = admission::entry_target(body);
+    let pod = match (&webhook.pods, &target) {
+        (_, None) => Err("not a request to enter a pod".to_owned()),
+        (Some(pods), Some(target)) => {
             let read = pods.get(&target.namespace, &target.name);
             match tokio::time::timeout(POD_READ_TIMEOUT, read).await {
                 Ok(read) => read,
                 Err(_) => Err(format!("no answer within {POD_READ_TIMEOUT:?}")),
             }
         }
-        None => Err("this webhook reads no pods: it runs without a cluster".to_owned()),
+        (None, Some(_)) => Err("this webhook reads no pods: it runs without a cluster".to_owned()),
     };
     let (body, summary) = webhook.reviewer.review_entry(body, pod);
     tracing::info!(uid = summary.uid, pod = ?summary.pod, outcome = summary.outcome.as_str(), "entry reviewed");
