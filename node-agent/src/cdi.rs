@@ -14,7 +14,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::runtime::under;
+use crate::host::under;
+
+/// Where CDI specs live.
+pub const CDI_DIRS: &[&str] = &["/etc/cdi", "/var/run/cdi"];
 
 /// Where DRA drivers write the CDI specs of the claims they prepare (NVIDIA's GPU and
 /// compute-domain kubelet plugins' default `--cdi-root`).

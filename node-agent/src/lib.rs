@@ -15,6 +15,7 @@ pub mod cdi;
 pub mod cgroup;
 pub mod fake;
 pub mod health;
+mod host;
 pub mod http;
 pub mod kai;
 pub mod lease;

@@ -9,7 +9,14 @@ use std::path::{Path, PathBuf};
 
 use gpuwarden_crds::{CdiKindStatus, ContainerRuntimeStatus, RuntimeStatus, ToolkitStatus};
 
-use crate::runtime::under;
+use crate::host::under;
+
+/// Where the NVIDIA container runtime's config lives: the package default, then where the GPU
+/// Operator's toolkit installs it.
+pub const CONFIG_PATHS: &[&str] = &[
+    "/etc/nvidia-container-runtime/config.toml",
+    "/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml",
+];
 
 /// Where the posture's sources live on a node; the defaults are where packages and the GPU
 /// Operator put them. A node laid out otherwise names its own (`--containerd-config`,
@@ -50,7 +57,7 @@ impl Default for Paths {
     fn default() -> Self {
         let owned = |list: &[&str]| list.iter().map(|s| s.to_string()).collect();
         Self {
-            toolkit_configs: owned(crate::runtime::CONFIG_PATHS),
+            toolkit_configs: owned(CONFIG_PATHS),
             containerd_configs: owned(&[
                 "/etc/containerd/config.toml",
                 "/var/lib/rancher/rke2/agent/etc/containerd/config.toml",
@@ -481,7 +488,7 @@ pub fn binaries(nvidia_binary: Option<&str>, paths: &Paths) -> Vec<String> {
 pub fn cdi_kinds(host_root: &Path) -> (Vec<CdiKindStatus>, Vec<String>) {
     let mut kinds: BTreeMap<String, (u32, u32)> = BTreeMap::new();
     let mut problems = Vec::new();
-    for dir in crate::runtime::CDI_DIRS {
+    for dir in crate::cdi::CDI_DIRS {
         match crate::cdi::census(&under(host_root, dir)) {
             Ok(census) => {
                 for (kind, (devices, files)) in census.kinds {

@@ -9,20 +9,18 @@
 //! the report ([`read_report`]). Any of the paths may be missing: nothing on the host is
 //! created for them, and what is missing is said in the status.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use gpuwarden_crds::RuntimeStatus;
 use tracing::{info, warn};
 
-/// Where the NVIDIA container runtime's config lives: the package default, then where the GPU
-/// Operator's toolkit installs it.
-pub const CONFIG_PATHS: &[&str] = &[
-    "/etc/nvidia-container-runtime/config.toml",
-    "/usr/local/nvidia/toolkit/.config/nvidia-container-runtime/config.toml",
-];
-/// Where CDI specs live.
-pub const CDI_DIRS: &[&str] = &["/etc/cdi", "/var/run/cdi"];
+use crate::host::under;
+
+// Defined where the posture and the CDI census read them (so that neither imports this
+// module); named here too, where the runtime report's readers have always found them.
+pub use crate::cdi::CDI_DIRS;
+pub use crate::posture::CONFIG_PATHS;
 
 /// CDI spec files larger than this are not read (they are a few hundred KiB at most).
 const MAX_CDI_FILE: u64 = 4 * 1024 * 1024;
@@ -155,10 +153,6 @@ pub fn parse_config(text: &str) -> Result<RuntimeConfig, RuntimeConfigError> {
             "disable-imex-channel-creation",
         )?,
     })
-}
-
-pub(crate) fn under(host_root: &Path, path: &str) -> PathBuf {
-    host_root.join(path.trim_start_matches('/'))
 }
 
 /// Reads the runtime diagnostics under `host_root` (`/` on the host, `/host` in the pod), the
