@@ -162,8 +162,19 @@ impl Metrics {
     /// Registers every metric: the join and per-container series under `gpuwarden_`, the
     /// rest under `gpuwarden_node_agent_`; `node` is the `Hostname` label.
     pub fn for_node(node: &str) -> Self {
+        let mut m = Self::unregistered(node);
         let mut root = Registry::default();
-        let m = Self {
+        m.register_holder_series(&mut root);
+        let registry = root.sub_registry_with_prefix("gpuwarden_node_agent");
+        m.register_gpu_series(registry);
+        m.register_agent_series(registry);
+        m.registry = root;
+        m
+    }
+
+    /// Every metric, empty, in a registry that holds none of them.
+    fn unregistered(node: &str) -> Self {
+        Self {
             registry: Registry::default(),
             utilization: Family::default(),
             memory_used: Family::default(),
@@ -186,89 +197,97 @@ impl Metrics {
             errors: Family::default(),
             current: Mutex::new(Series::default()),
             node: node.to_owned(),
-        };
+        }
+    }
+
+    /// The holder join and the per-container series, under `gpuwarden_`.
+    fn register_holder_series(&self, root: &mut Registry) {
         root.register(
             "gpuwarden_gpu_holder_info",
             "1 for each pod container that holds a GPU: allocated by the kubelet, observed using it, or both. Join GPU series on UUID to label them with the holder",
-            m.holder_info.clone(),
+            self.holder_info.clone(),
         );
         root.register(
             "gpuwarden_container_gpu_memory_used_bytes",
             "GPU memory held by the container's processes on the GPU, summed from NVML's per-process figures",
-            m.container_memory.clone(),
+            self.container_memory.clone(),
         );
         root.register(
             "gpuwarden_container_gpu_utilization_ratio",
             "The container's share (0-1) of the GPU's SM time, summed from NVML's per-process utilisation samples; absent where NVML gives none",
-            m.container_utilization.clone(),
+            self.container_utilization.clone(),
         );
-        let registry = root.sub_registry_with_prefix("gpuwarden_node_agent");
+    }
+
+    /// The per-GPU readings and health.
+    fn register_gpu_series(&self, registry: &mut Registry) {
         registry.register(
             "gpu_utilization_ratio",
             "GPU utilisation (0-1) over NVML's last sample period",
-            m.utilization.clone(),
+            self.utilization.clone(),
         );
         registry.register(
             "gpu_memory_used_bytes",
             "GPU framebuffer memory in use",
-            m.memory_used.clone(),
+            self.memory_used.clone(),
         );
         registry.register(
             "gpu_temperature_celsius",
             "GPU die temperature",
-            m.temperature.clone(),
+            self.temperature.clone(),
         );
-        registry.register("gpu_power_watts", "GPU power draw", m.power.clone());
+        registry.register("gpu_power_watts", "GPU power draw", self.power.clone());
         registry.register(
             "gpu_xid_errors",
             "XID errors seen on the GPU since the agent started, ignored ones included",
-            m.xid.clone(),
+            self.xid.clone(),
         );
         registry.register(
             "gpu_healthy",
             "1 when the agent judges the GPU healthy, 0 when not",
-            m.healthy.clone(),
+            self.healthy.clone(),
         );
+    }
+
+    /// The node's counts (out-of-band bindings, host processes, the kubelet's devices) and
+    /// the agent's own work.
+    fn register_agent_series(&self, registry: &mut Registry) {
         registry.register(
             "out_of_band_bindings",
             "Pod containers using GPUs the kubelet did not allocate to them",
-            m.out_of_band.clone(),
+            self.out_of_band.clone(),
         );
         registry.register(
             "host_gpu_processes",
             "GPU compute processes outside any pod",
-            m.host_processes.clone(),
+            self.host_processes.clone(),
         );
         registry.register(
             "kubelet_allocatable_gpu_devices",
             "Devices the kubelet can allocate that name a GPU or MIG device on this node",
-            m.allocatable_known.clone(),
+            self.allocatable_known.clone(),
         );
         registry.register(
             "kubelet_unknown_gpu_devices",
             "GPU devices the kubelet can allocate that name no GPU NVML reports",
-            m.allocatable_unknown.clone(),
+            self.allocatable_unknown.clone(),
         );
         registry.register(
             "nvml_call_duration_seconds",
             "Duration of GPU backend calls",
-            m.nvml_call_seconds.clone(),
+            self.nvml_call_seconds.clone(),
         );
         registry.register(
             "sweep_duration_seconds",
             "Duration of a full sweep (GPUs, kubelet, processes, status)",
-            m.sweep_seconds.clone(),
+            self.sweep_seconds.clone(),
         );
         registry.register(
             "status_writes",
             "GpuNode status writes",
-            m.status_writes.clone(),
+            self.status_writes.clone(),
         );
-        registry.register("errors", "Errors by source", m.errors.clone());
-        Self {
-            registry: root,
-            ..m
-        }
+        registry.register("errors", "Errors by source", self.errors.clone());
     }
 
     /// Counts one error.
