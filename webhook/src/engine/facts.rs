@@ -8,9 +8,9 @@ use gpuwarden_crds::gpu::{self, ContainerSpec, PodSignals, Rules, Signals, Visib
 use gpuwarden_crds::{injection, kata};
 
 use super::claims::{ClaimLookup, ClaimSource, Claims};
+use super::input::ContainerRef;
 use super::sharing;
-use super::{ContainerKind, ContainerRef};
-use crate::pod::{Container, Map, PodView, Scalar};
+use crate::pod::{Container, ContainerKind, Map, PodView, Scalar};
 
 /// One container, as the engine sees it.
 #[derive(Debug)]
@@ -65,6 +65,24 @@ impl<'a> ContainerFacts<'a> {
     }
 }
 
+/// A GPU quantity as a number of GPUs, when it is a whole number.
+pub(super) fn whole(quantity: &Scalar<'_>) -> Option<u32> {
+    match quantity {
+        Scalar::Str(s) => s.trim().parse().ok(),
+        Scalar::Other(v) => v.as_u64().and_then(|n| u32::try_from(n).ok()),
+    }
+}
+
+/// The GPUs a container's own GPU limits say, when they are whole numbers.
+pub(super) fn limited_gpus(c: &ContainerFacts<'_>, policy: &GpuPolicy) -> Option<u32> {
+    let rules = Rules::of(policy);
+    let limits = c.value.resources.as_ref()?.limits.as_ref()?;
+    (limits.iter())
+        .filter(|(name, _)| rules.is_gpu_resource(name))
+        .map(|(_, q)| whole(q))
+        .try_fold(0u32, |sum, n| Some(sum.saturating_add(n?)))
+}
+
 /// Pod-level facts.
 #[derive(Debug)]
 pub(super) struct PodFacts<'a> {
@@ -83,6 +101,20 @@ pub(super) struct PodFacts<'a> {
     /// The pod's device-injection annotations, judged against the GPUs it holds (those
     /// that reach only image-exempt containers left out).
     pub(super) injections: injection::Judgement,
+}
+
+/// Namespace or service-account exemption of the whole pod, with the reason.
+pub(super) fn pod_exemption(
+    pod: &PodView<'_>,
+    namespace: &str,
+    policy: &GpuPolicy,
+) -> Option<String> {
+    let sa = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.as_deref())
+        .unwrap_or("");
+    policy.spec.exemptions.pod_exemption(namespace, sa)
 }
 
 /// Reads every container of the pod (init, regular, ephemeral) in `namespace` under `policy`;
@@ -246,7 +278,7 @@ fn judge_injections<'a>(
     let held = (containers.iter())
         .filter(|c| c.at.kind != ContainerKind::Ephemeral)
         .filter(|c| !(c.value.limit_names()).any(|r| vms.is_device(r)))
-        .filter_map(|c| super::plan::limited_gpus(c, policy))
+        .filter_map(|c| limited_gpus(c, policy))
         .fold(0u32, u32::saturating_add);
     injection::judge(&all, held, &policy.spec.runtime_features)
 }

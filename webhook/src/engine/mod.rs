@@ -18,6 +18,7 @@
 
 mod claims;
 mod facts;
+mod input;
 mod plan;
 mod psa;
 mod render;
@@ -36,6 +37,7 @@ use gpuwarden_crds::{
 
 use crate::pod::{Map, PodView, Scalar};
 use plan::{ContainerPlan, Plan};
+use sharing::Kai;
 
 pub use crate::pod::ContainerKind;
 pub use claims::{ClaimLookup, ClaimSource, ClaimStore, Claims, NoClaims};
@@ -49,25 +51,16 @@ pub use gpuwarden_crds::selection::{
 };
 pub use gpuwarden_crds::selector::Labels;
 pub use gpuwarden_crds::vm::Requester;
+pub use input::{ContainerRef, Input, Operation};
 pub use plan::{NewClaim, Quantity};
 pub use psa::{LABEL_PSA_ENFORCE, PsaLevel};
+pub use render::MAX_WARNING_LEN;
 pub use vm::{entry_denial, may_govern};
 pub use void::{Unvoided, Voided};
 
 pub use gpuwarden_crds::gpu::ENV_DRIVER_CAPABILITIES;
 /// The command a denial message points users to.
 pub const OFFLINE_COMMAND: &str = "gpuwarden-webhook mutate -f <manifest>";
-/// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
-pub const MAX_WARNING_LEN: usize = 256;
-
-/// One container of the pod, by position.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ContainerRef {
-    /// Which list it is in.
-    pub kind: ContainerKind,
-    /// Index in that list.
-    pub index: usize,
-}
 
 /// One change to the pod, borrowed from a [`Decision`]. The patch is written from these;
 /// nothing else is.
@@ -317,45 +310,6 @@ enum Detail<'a> {
     },
 }
 
-/// What the engine is asked to judge.
-#[derive(Clone, Copy, Debug)]
-pub enum Operation<'a> {
-    /// A new pod (or a pod template, offline).
-    Create,
-    /// `pods/ephemeralcontainers` UPDATE; the previous pod tells which containers are new.
-    AddEphemeral {
-        /// The pod before the update.
-        old: &'a PodView<'a>,
-    },
-}
-
-/// Everything the engine reads, besides the policies.
-#[derive(Clone, Copy, Debug)]
-pub struct Input<'a> {
-    /// The pod (or a pod template: an object with `metadata` and `spec`).
-    pub pod: &'a PodView<'a>,
-    /// The pod's namespace.
-    pub namespace: &'a str,
-    /// The namespace's labels: a map from [`namespace_labels_or_default`], or the same read
-    /// in place ([`NamespaceLabels`]).
-    pub namespace_labels: &'a dyn Labels,
-    /// What is being done.
-    pub operation: Operation<'a>,
-    /// How the pod is named in messages (`namespace/name`).
-    pub display_name: &'a str,
-    /// Where its ResourceClaims and gpuwarden's ResourceClaimTemplates are read.
-    pub claims: &'a dyn Claims,
-    /// The kind of the workload whose pod template this is, where the pod cannot say so
-    /// itself (offline: a DaemonSet's template). A pod's controller `ownerReference` says
-    /// the same in a cluster.
-    pub owner_kind: Option<&'a str>,
-    /// Who asked for the pod: only this decides whether it may hold VM devices.
-    pub requester: Requester<'a>,
-}
-
-/// KAI-Scheduler's name for itself, in `schedulerName`, where no policy names it otherwise.
-const KAI_SCHEDULER: &str = "kai-scheduler";
-
 /// What gpuwarden says of a pod that asks KAI-Scheduler for part of a GPU under a policy
 /// that does not name KAI (docs/design.md, "GPU-sharing schedulers").
 const KAI_FRACTION_HINT: &str = "KAI-Scheduler GPU fraction: Enforce denies its container once KAI's webhook gives it a GPU from a ConfigMap, unless the policy names KAI (gpu.sharing.kai; see the README, GPU-sharing schedulers)";
@@ -365,51 +319,6 @@ const KAI_NAMED_NOTE: &str = "KAI-Scheduler GPU fraction: the policy names KAI (
 
 /// Why such a pod was denied all the same.
 const KAI_NAMED_DENIAL: &str = "KAI's grant is recognised only in KAI's fraction container, unprivileged and holding no GPU resource, reading NVIDIA_VISIBLE_DEVICES from KAI's ConfigMap (<prefix>-<index>), in a pod without nodeName";
-
-/// What a pod is to KAI-Scheduler's GPU sharing.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kai {
-    /// It asks KAI for no fraction.
-    No,
-    /// It asks for one; the governing policy does not name KAI.
-    Unnamed,
-    /// It asks for one, and the governing policy names KAI (`gpu.sharing.kai`).
-    Named,
-}
-
-impl<'a> Input<'a> {
-    /// What the pod is to KAI-Scheduler under `policy` (fields the pod's author writes: they
-    /// decide what gpuwarden says here, never what it grants).
-    fn kai(&self, policy: Option<&GpuPolicy>) -> Kai {
-        let named = policy
-            .and_then(|p| p.spec.gpu.sharing.as_ref())
-            .and_then(|s| s.kai.as_ref());
-        match named {
-            Some(kai) if sharing::asks_kai(self.pod, &kai.scheduler_name) => Kai::Named,
-            None if sharing::asks_kai(self.pod, KAI_SCHEDULER) => Kai::Unnamed,
-            _ => Kai::No,
-        }
-    }
-
-    /// The value of the pod's label `key`, when a string.
-    pub(crate) fn pod_label(&self, key: &str) -> Option<&'a str> {
-        let labels = self.pod.metadata.as_ref()?.labels.as_ref()?;
-        labels.get(key)?.as_str()
-    }
-
-    /// The name of the DaemonSet (of any API group) that puts this pod on every node: a GPU
-    /// request it did not write would take a GPU on each node. Its owner reference is the
-    /// pod's own word, so it only ever narrows what the pod is given (a denial, a warning).
-    pub(crate) fn daemon_set(&self) -> Option<&'a str> {
-        if self.owner_kind == Some(KIND_DAEMON_SET) {
-            // Offline the pod is named after its workload, `namespace/name`.
-            return Some(self.display_name.rsplit('/').next().unwrap_or_default());
-        }
-        let owner = self.pod.controller()?;
-        (owner.kind.as_deref() == Some(KIND_DAEMON_SET))
-            .then(|| owner.name.as_deref().unwrap_or(""))
-    }
-}
 
 pub use gpuwarden_crds::gpu::KIND_DAEMON_SET;
 
@@ -442,7 +351,7 @@ fn decide_create<'a>(
     invalid: Option<String>,
 ) -> Decision<'a> {
     let reference = policy.reference();
-    if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
+    if let Some(reason) = facts::pod_exemption(input.pod, input.namespace, policy) {
         return Decision::new(Verdict::Exempt, Some(policy), reference, input)
             .with(Detail::Exempt(reason.into()));
     }
@@ -552,7 +461,7 @@ fn decide_ephemeral<'a>(
     invalid: Option<String>,
 ) -> Decision<'a> {
     let new = |verdict| Decision::new(verdict, Some(policy), policy.reference(), input);
-    if let Some(reason) = pod_exemption(input.pod, input.namespace, policy) {
+    if let Some(reason) = facts::pod_exemption(input.pod, input.namespace, policy) {
         return new(Verdict::Exempt).with(Detail::Exempt(reason.into()));
     }
     // New ephemeral containers that are privileged or name GPUs themselves: they cannot
@@ -640,16 +549,6 @@ fn ephemeral_offends(
         && (!images_count || !c.image_exempt)
 }
 
-/// Namespace or service-account exemption of the whole pod, with the reason.
-fn pod_exemption(pod: &PodView<'_>, namespace: &str, policy: &GpuPolicy) -> Option<String> {
-    let sa = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.service_account_name.as_deref())
-        .unwrap_or("");
-    policy.spec.exemptions.pod_exemption(namespace, sa)
-}
-
 impl<'a> Decision<'a> {
     fn new(
         verdict: Verdict,
@@ -664,7 +563,7 @@ impl<'a> Decision<'a> {
             display_name: input.display_name,
             namespace: input.namespace,
             daemon_set: input.daemon_set(),
-            kai: input.kai(policy),
+            kai: Kai::of(input.pod, policy),
             detail: Detail::Plain,
             voided: Vec::new(),
             unvoided: Vec::new(),

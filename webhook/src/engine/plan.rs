@@ -10,16 +10,17 @@ use gpuwarden_crds::{ANNOTATION_GPU_COUNT, EnvFromGpu, GpuPolicy, RequestAs};
 
 use gpuwarden_crds::exemptions::glob_match;
 use gpuwarden_crds::gpu::{
-    self, ContainerSpec as _, CountFrom, HostDevice, PodSignals, VisibleDevices,
+    self, ContainerSpec as _, CountFrom, ENV_DRIVER_CAPABILITIES, ENV_VISIBLE_DEVICES, HostDevice,
+    PodSignals, VisibleDevices,
 };
 use gpuwarden_crds::pod_security::RUNTIME_DEFAULT_CAPABILITIES;
 use gpuwarden_crds::rdma;
 
 use super::claims::{ClaimLookup, ClaimSource};
-use super::facts::{ContainerFacts, PodFacts};
+use super::facts::{ContainerFacts, PodFacts, limited_gpus, whole};
+use super::input::{ContainerRef, Input};
 use super::psa::{self, PsaLevel};
-use super::{ContainerKind, ContainerRef, ENV_DRIVER_CAPABILITIES, ENV_VISIBLE_DEVICES, Input};
-use crate::pod::{Container, Scalar};
+use crate::pod::{Container, ContainerKind, Scalar};
 
 /// The plan for one pod.
 #[derive(Debug)]
@@ -735,24 +736,6 @@ enum Count<'a> {
     /// `gpu.requestAs: ResourceClaim`: it names the same GPUs as the container at this index
     /// in the pod's facts, and shares its claim.
     Share(usize),
-}
-
-/// A GPU quantity as a number of GPUs, when it is a whole number.
-fn whole(quantity: &Scalar<'_>) -> Option<u32> {
-    match quantity {
-        Scalar::Str(s) => s.trim().parse().ok(),
-        Scalar::Other(v) => v.as_u64().and_then(|n| u32::try_from(n).ok()),
-    }
-}
-
-/// The GPUs a container's own GPU limits say, when they are whole numbers.
-pub(super) fn limited_gpus(c: &ContainerFacts<'_>, policy: &GpuPolicy) -> Option<u32> {
-    let rules = gpu::Rules::of(policy);
-    let limits = c.value.resources.as_ref()?.limits.as_ref()?;
-    (limits.iter())
-        .filter(|(name, _)| rules.is_gpu_resource(name))
-        .map(|(_, q)| whole(q))
-        .try_fold(0u32, |sum, n| Some(sum.saturating_add(n?)))
 }
 
 /// Rule 3 over the whole pod (docs/design.md, "GPU counts"): per container, the limit it

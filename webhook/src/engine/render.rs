@@ -10,7 +10,11 @@ use serde::Serialize;
 use gpuwarden_crds::gpu::{self, CountFrom};
 
 use super::plan::{ContainerPlan, EnvValue, Plan};
-use super::{ContainerKind, MAX_WARNING_LEN};
+use super::psa::PsaLevel;
+use crate::pod::ContainerKind;
+
+/// Kubernetes may truncate longer warnings; each of ours is kept under this many bytes.
+pub const MAX_WARNING_LEN: usize = 256;
 
 /// Phrases written one after another with a separator.
 struct Phrases<'o> {
@@ -207,7 +211,7 @@ impl Plan<'_> {
             out.push_str(", ");
             push_label(&mut out, c.at.kind, c.name);
         }
-        let why = if self.psa == super::psa::PsaLevel::Restricted {
+        let why = if self.psa == PsaLevel::Restricted {
             "Pod Security restricted"
         } else {
             "GpuPolicy capabilities.dropAll"

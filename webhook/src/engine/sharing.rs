@@ -10,15 +10,15 @@
 //! at creation), and the node agent holds each fraction process to the GPU that KAI's
 //! reservation pod holds for the group of the pod's BindRequest.
 
-use gpuwarden_crds::KaiSharing;
 use gpuwarden_crds::gpu::ENV_VISIBLE_DEVICES;
 use gpuwarden_crds::sharing::{
     KAI_CONFIG_MAP_ANNOTATION, KAI_CONTAINER_ANNOTATION, config_map_name, fraction_container,
     is_kai_prefix,
 };
+use gpuwarden_crds::{GpuPolicy, KaiSharing};
 
-use super::{ContainerKind, ContainerRef};
-use crate::pod::{Container, PodView, Scalar};
+use super::input::ContainerRef;
+use crate::pod::{Container, ContainerKind, PodView, Scalar};
 
 /// KAI-Scheduler's fraction container of a pod, as KAI's webhook finds it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -28,6 +28,35 @@ pub(super) struct KaiFraction {
     /// The ConfigMap KAI's binder writes its GPU into: `<prefix>-<index>`, `-i<index>` for
     /// an init container.
     pub(super) config_map: String,
+}
+
+/// KAI-Scheduler's name for itself, in `schedulerName`, where no policy names it otherwise.
+const KAI_SCHEDULER: &str = "kai-scheduler";
+
+/// What a pod is to KAI-Scheduler's GPU sharing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kai {
+    /// It asks KAI for no fraction.
+    No,
+    /// It asks for one; the governing policy does not name KAI.
+    Unnamed,
+    /// It asks for one, and the governing policy names KAI (`gpu.sharing.kai`).
+    Named,
+}
+
+impl Kai {
+    /// What `pod` is to KAI-Scheduler under `policy` (fields the pod's author writes: they
+    /// decide what gpuwarden says here, never what it grants).
+    pub(super) fn of(pod: &PodView<'_>, policy: Option<&GpuPolicy>) -> Self {
+        let named = policy
+            .and_then(|p| p.spec.gpu.sharing.as_ref())
+            .and_then(|s| s.kai.as_ref());
+        match named {
+            Some(kai) if asks_kai(pod, &kai.scheduler_name) => Self::Named,
+            None if asks_kai(pod, KAI_SCHEDULER) => Self::Unnamed,
+            _ => Self::No,
+        }
+    }
 }
 
 /// Whether the pod asks KAI-Scheduler (`scheduler_name`) for part of a GPU: that scheduler

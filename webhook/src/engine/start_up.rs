@@ -6,9 +6,9 @@
 
 use gpuwarden_crds::start_up;
 
+use super::input::ContainerRef;
 use super::plan::Plan;
-use super::{ContainerKind, ContainerRef};
-use crate::pod::PodView;
+use crate::pod::{ContainerKind, PodView};
 
 /// What the pod's containers keep and lose, once rewritten as `plan` says, of what their
 /// start-up steps need (docs/design.md, "What a rewritten container keeps"): per step, in

@@ -3,13 +3,17 @@
 //! refused unless it is a VM's pod: created by KubeVirt's virt-controller (who made the
 //! request, never what the pod says of itself) or run in a VM runtime class.
 
+use std::sync::Arc;
+
 use gpuwarden_crds::GpuPolicy;
 use gpuwarden_crds::gpu::ContainerSpec;
+use gpuwarden_crds::selection::select_policy;
+use gpuwarden_crds::selector::Labels;
 use gpuwarden_crds::vm::{self, Requester};
 
-use super::ContainerKind;
-use super::facts::ContainerFacts;
-use crate::pod::PodView;
+use super::claims::NoClaims;
+use super::facts::{self, ContainerFacts};
+use crate::pod::{ContainerKind, Map, PodView};
 
 /// The pod's refusals: one per init or regular container that requests VM devices, naming
 /// them, unless the pod is a VM's.
@@ -106,17 +110,17 @@ fn held<'a>(containers: &[ContainerFacts<'a>], policy: &GpuPolicy) -> Vec<(&'a s
 pub fn entry_denial(
     pod: &PodView<'_>,
     namespace: &str,
-    namespace_labels: &dyn super::Labels,
-    policies: &[std::sync::Arc<GpuPolicy>],
+    namespace_labels: &dyn Labels,
+    policies: &[Arc<GpuPolicy>],
     username: &str,
     subresource: &str,
 ) -> Option<String> {
-    let no_labels = crate::pod::Map::new();
+    let no_labels = Map::new();
     let pod_labels = (pod.metadata.as_ref())
         .and_then(|m| m.labels.as_ref())
         .unwrap_or(&no_labels);
-    let policy = super::select_policy(policies, namespace_labels, pod_labels).policy?;
-    if super::pod_exemption(pod, namespace, policy).is_some() {
+    let policy = select_policy(policies, namespace_labels, pod_labels).policy?;
+    if facts::pod_exemption(pod, namespace, policy).is_some() {
         return None;
     }
     let vms = &policy.spec.virtual_machines;
@@ -125,7 +129,7 @@ pub fn entry_denial(
     {
         return None;
     }
-    let facts = super::facts::read_pod(pod, namespace, policy, &super::NoClaims(""));
+    let facts = facts::read_pod(pod, namespace, policy, &NoClaims(""));
     let held = held(&facts.containers, policy);
     let marked = pod_labels.get("kubevirt.io").and_then(|v| v.as_str()) == Some("virt-launcher")
         || controller(pod).is_some_and(|(v, k)| vm::is_vmi_reference(v, k));
@@ -153,11 +157,7 @@ pub fn entry_denial(
 /// Whether a policy could govern a pod of the namespace whose labels are given, whatever the
 /// pod's labels: one selects the namespace, or one selects pods by their labels. Where none
 /// could, a pod there that cannot be read may be entered.
-pub fn may_govern(
-    namespace_labels: &dyn super::Labels,
-    policies: &[std::sync::Arc<GpuPolicy>],
-) -> bool {
+pub fn may_govern(namespace_labels: &dyn Labels, policies: &[Arc<GpuPolicy>]) -> bool {
     policies.iter().any(|p| p.spec.pod_selector.is_some())
-        || (super::select_policy(policies, namespace_labels, &crate::pod::Map::new()).policy)
-            .is_some()
+        || (select_policy(policies, namespace_labels, &Map::new()).policy).is_some()
 }

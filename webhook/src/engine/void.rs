@@ -7,12 +7,14 @@
 //! fields, so that the rule never depends on what CEL cannot compute.
 
 use gpuwarden_crds::GpuPolicy;
-use gpuwarden_crds::gpu::{ContainerSpec, DEVICE_LIST_MARK, Rules, VOID, spelled_by_prefix};
+use gpuwarden_crds::gpu::{
+    ContainerSpec, DEVICE_LIST_MARK, ENV_VISIBLE_DEVICES, Rules, VOID, spelled_by_prefix,
+};
 
 use super::facts::{ContainerFacts, PodFacts};
+use super::input::ContainerRef;
 use super::plan::Plan;
-use super::{ContainerKind, ContainerRef, ENV_VISIBLE_DEVICES};
-use crate::pod::{Container, PodView, Scalar};
+use crate::pod::{Container, ContainerKind, PodView, Scalar};
 
 /// A container the void rule holds for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
