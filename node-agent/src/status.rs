@@ -146,6 +146,23 @@ struct Entry {
     usage: BTreeMap<String, (Option<u64>, u32, bool)>,
 }
 
+/// The entries of the containers, by pod UID and container name.
+type Entries = BTreeMap<(String, String), Entry>;
+
+impl Entry {
+    /// Adds what process `p` uses of the physical GPU `gpu`.
+    fn add_usage(&mut self, gpu: String, p: &ObservedProcess) {
+        let usage = self.usage.entry(gpu).or_insert((None, 0, true));
+        if let Some(bytes) = p.used_memory_bytes {
+            usage.0 = Some(usage.0.unwrap_or(0).saturating_add(bytes));
+        }
+        match p.sm_util_percent {
+            Some(util) => usage.1 = usage.1.saturating_add(util),
+            None => usage.2 = false,
+        }
+    }
+}
+
 /// The reservation pods (`namespace/name`) whose GPUs KAI-Scheduler granted the container
 /// `container` of the pod with `pod_uid`, which holds no GPU of its own (`entry`), when it
 /// uses no other: it is the pod's KAI fraction container under a policy that names KAI, and
@@ -184,9 +201,42 @@ fn kai_grant(
     Some(from.into_iter().collect())
 }
 
-/// Computes the agent's status fields and the metric holders.
+/// Computes the agent's status fields and the metric holders: the kubelet's allocations
+/// and NVML's processes give one binding per container, each other source adds to them or
+/// adds its own, and the status is cut to the CRD's bounds at the end.
 pub fn compute(input: &StatusInput<'_>) -> Computed {
-    let gpus: Vec<GpuStatus> = input
+    let mut entries = Entries::new();
+    allocated_entries(input, &mut entries);
+    let processes = observed_entries(input, &mut entries);
+    let (mut bindings, holders) = entry_bindings(input, entries);
+    injected_bindings(input, &mut bindings);
+    beyond_claim_bindings(input, &mut bindings);
+    iommu_group_bindings(input, &mut bindings);
+    let privileged = privileged_pods(input, processes.privileged_pods, &bindings);
+    let mut status = GpuNodeStatus {
+        driver: Some(input.reading.driver.clone()),
+        gpus: Some(gpu_statuses(input)),
+        bindings: Some(bindings),
+        privileged_pods: Some(privileged),
+        runtime: Some(input.runtime.clone()),
+        vfio: input.vfio.status(),
+        truncated: None,
+        conditions: None,
+        summary: None,
+    };
+    // The metrics keep every holder; only the status is cut to the CRD's bounds.
+    bounds::fit_status(&mut status);
+    fit_vfio(&mut status);
+    Computed {
+        status,
+        holders,
+        host_processes: processes.host_processes,
+    }
+}
+
+/// Each GPU NVML reports, with its health so far.
+fn gpu_statuses(input: &StatusInput<'_>) -> Vec<GpuStatus> {
+    input
         .reading
         .gpus
         .iter()
@@ -201,9 +251,12 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             mig_devices: g.info.mig_devices.clone(),
             health: input.health.health(&g.info.uuid),
         })
-        .collect();
+        .collect()
+}
 
-    let mut entries: BTreeMap<(String, String), Entry> = BTreeMap::new();
+/// Records what the kubelet allocated each container: a device plugin's devices and a DRA
+/// driver's, with the claims they came through.
+fn allocated_entries(input: &StatusInput<'_>, entries: &mut Entries) {
     for a in input.allocations {
         let uid = match input.pods.by_name(&a.namespace, &a.pod) {
             Some(p) => p.uid.clone(),
@@ -221,32 +274,30 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
         e.claims.extend(a.claim.iter().cloned());
         e.allocated.extend(a.device_uuids.iter().cloned());
     }
+}
 
-    let mut host_processes: BTreeMap<String, u32> = BTreeMap::new();
-    let mut privileged_observed: BTreeSet<String> = BTreeSet::new();
+/// What NVML's processes say besides the devices each container uses.
+struct ProcessesSeen {
+    /// Processes outside any pod, per physical GPU UUID.
+    host_processes: BTreeMap<String, u32>,
+    /// UIDs of the pods a process of a privileged container runs in.
+    privileged_pods: BTreeSet<String>,
+}
+
+/// Records the devices each container's processes run on, and what they use there.
+fn observed_entries(input: &StatusInput<'_>, entries: &mut Entries) -> ProcessesSeen {
+    let mut seen = ProcessesSeen {
+        host_processes: BTreeMap::new(),
+        privileged_pods: BTreeSet::new(),
+    };
     for p in input.observed {
         let Some(cref) = &p.container else {
             let gpu = parent(input.devices, &p.device_uuid);
-            *host_processes.entry(gpu).or_default() += 1;
+            *seen.host_processes.entry(gpu).or_default() += 1;
             continue;
         };
         let pod = input.pods.by_uid(&cref.pod_uid);
-        let by_id = cref
-            .container_id
-            .as_deref()
-            .and_then(|id| input.pods.by_container_id(id));
-        let only_container = pod.and_then(|p| match p.containers.as_slice() {
-            [single] => Some(single.name.clone()),
-            _ => None,
-        });
-        let container = match (by_id, only_container, &cref.container_id) {
-            (Some((_, name)), _, _) => name.to_owned(),
-            // A restarted container whose new id the pod status does not show yet.
-            (None, Some(name), _) => name,
-            // Otherwise name it by its short id.
-            (None, None, Some(id)) => id.chars().take(12).collect(),
-            (None, None, None) => String::new(),
-        };
+        let container = container_name(input, cref, pod);
         let (uid, namespace, name) = match pod {
             Some(pod) => (pod.uid.clone(), pod.namespace.clone(), pod.name.clone()),
             None => (cref.pod_uid.clone(), String::new(), String::new()),
@@ -257,7 +308,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
                 .iter()
                 .any(|c| c.name == container && c.privileged)
         {
-            privileged_observed.insert(pod.uid.clone());
+            seen.privileged_pods.insert(pod.uid.clone());
         }
         let e = entries.entry((uid, container)).or_default();
         if e.pod.is_empty() {
@@ -265,103 +316,157 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             e.pod = name;
         }
         e.observed.insert(p.device_uuid.clone());
-        let usage = (e.usage)
-            .entry(parent(input.devices, &p.device_uuid))
-            .or_insert((None, 0, true));
-        if let Some(bytes) = p.used_memory_bytes {
-            usage.0 = Some(usage.0.unwrap_or(0).saturating_add(bytes));
-        }
-        match p.sm_util_percent {
-            Some(util) => usage.1 = usage.1.saturating_add(util),
-            None => usage.2 = false,
-        }
+        e.add_usage(parent(input.devices, &p.device_uuid), p);
     }
+    seen
+}
 
+/// The name of the container a process's cgroup names in `pod`: the one with its ID, else
+/// the pod's only one, else its short ID.
+fn container_name(
+    input: &StatusInput<'_>,
+    cref: &ContainerRef,
+    pod: Option<&crate::pods::PodInfo>,
+) -> String {
+    let by_id = cref
+        .container_id
+        .as_deref()
+        .and_then(|id| input.pods.by_container_id(id));
+    let only_container = pod.and_then(|p| match p.containers.as_slice() {
+        [single] => Some(single.name.clone()),
+        _ => None,
+    });
+    match (by_id, only_container, &cref.container_id) {
+        (Some((_, name)), _, _) => name.to_owned(),
+        // A restarted container whose new id the pod status does not show yet.
+        (None, Some(name), _) => name,
+        // Otherwise name it by its short id.
+        (None, None, Some(id)) => id.chars().take(12).collect(),
+        (None, None, None) => String::new(),
+    }
+}
+
+/// One binding per container the kubelet allocated devices to or NVML saw using one, and
+/// the holders of each physical GPU, sorted.
+fn entry_bindings(
+    input: &StatusInput<'_>,
+    entries: Entries,
+) -> (Vec<Binding>, BTreeMap<String, Vec<HeldBy>>) {
     let mut bindings = Vec::with_capacity(entries.len());
     let mut holders: BTreeMap<String, Vec<HeldBy>> = BTreeMap::new();
     for ((pod_uid, container), e) in entries {
-        let explained = e.observed.iter().all(|o| {
-            e.allocated.iter().any(|a| {
-                a == o
-                    || input.devices.parent(o) == Some(a.as_str())
-                    || input.devices.parent(a) == Some(o.as_str())
-            })
-        });
         let shared_from = match e.allocated.is_empty() {
             true => kai_grant(input, &pod_uid, &container, &e),
             false => None,
         };
-        let source = match (e.allocated.is_empty(), e.observed.is_empty()) {
-            (false, true) => BindingSource::Allocated,
-            (false, false) if explained => BindingSource::AllocatedAndObserved,
-            (true, false) if shared_from.is_some() => BindingSource::Shared,
-            // Observed only, or on GPUs beyond the allocation: out of band.
-            _ => BindingSource::Observed,
-        };
-        let gpu_uuids: Vec<String> = e.allocated.union(&e.observed).cloned().collect();
         let holder = Holder {
             namespace: e.namespace.clone(),
             pod: e.pod.clone(),
             container: container.clone(),
         };
-        // Per physical GPU: allocated there, seen there, or both.
-        let mut per_gpu: BTreeMap<String, (bool, bool)> = BTreeMap::new();
-        for u in &e.allocated {
-            per_gpu.entry(parent(input.devices, u)).or_default().0 = true;
-        }
-        for u in &e.observed {
-            per_gpu.entry(parent(input.devices, u)).or_default().1 = true;
-        }
-        for (gpu, (allocated, observed)) in per_gpu {
-            let source = match (allocated, observed) {
-                (true, true) => HolderSource::Both,
-                (true, false) => HolderSource::Allocated,
-                _ if shared_from.is_some() => HolderSource::Shared,
-                _ => HolderSource::Observed,
-            };
-            let usage = e
-                .usage
-                .get(&gpu)
-                .map_or(Usage::default(), |&(memory, sm, sampled)| Usage {
-                    memory_bytes: memory,
-                    sm_util_percent: sampled.then_some(sm.min(100)),
-                });
-            let list = holders.entry(gpu).or_default();
-            match list.iter_mut().find(|h| h.holder == holder) {
-                // The same name under two pod UIDs (a pod replaced in between): one holder.
-                Some(held) if held.source != source => held.source = HolderSource::Both,
-                Some(_) => {}
-                None => list.push(HeldBy {
-                    holder: holder.clone(),
-                    source,
-                    usage,
-                }),
-            }
-        }
-        bindings.push(Binding {
-            pod_uid,
-            container,
-            namespace: e.namespace,
-            pod: e.pod,
-            resource_name: e.resource_name,
-            claims: e.claims.into_iter().collect(),
-            gpu_uuids,
-            source,
-            shared_from: shared_from.unwrap_or_default(),
-            device_nodes: Vec::new(),
-            iommu_groups: Vec::new(),
-            exempt: None,
-        });
+        add_holders(input, &mut holders, holder, &e, shared_from.is_some());
+        bindings.push(entry_binding(input, pod_uid, container, e, shared_from));
     }
     for list in holders.values_mut() {
         list.sort_by(|a, b| a.holder.cmp(&b.holder));
     }
-    injected_bindings(input, &mut bindings);
-    beyond_claim_bindings(input, &mut bindings);
-    iommu_group_bindings(input, &mut bindings);
+    (bindings, holders)
+}
 
+/// The binding of one container's entry; `shared_from` is the KAI grant of its GPUs.
+fn entry_binding(
+    input: &StatusInput<'_>,
+    pod_uid: String,
+    container: String,
+    e: Entry,
+    shared_from: Option<Vec<String>>,
+) -> Binding {
+    let explained = e.observed.iter().all(|o| {
+        e.allocated.iter().any(|a| {
+            a == o
+                || input.devices.parent(o) == Some(a.as_str())
+                || input.devices.parent(a) == Some(o.as_str())
+        })
+    });
+    let source = match (e.allocated.is_empty(), e.observed.is_empty()) {
+        (false, true) => BindingSource::Allocated,
+        (false, false) if explained => BindingSource::AllocatedAndObserved,
+        (true, false) if shared_from.is_some() => BindingSource::Shared,
+        // Observed only, or on GPUs beyond the allocation: out of band.
+        _ => BindingSource::Observed,
+    };
+    let gpu_uuids: Vec<String> = e.allocated.union(&e.observed).cloned().collect();
+    Binding {
+        pod_uid,
+        container,
+        namespace: e.namespace,
+        pod: e.pod,
+        resource_name: e.resource_name,
+        claims: e.claims.into_iter().collect(),
+        gpu_uuids,
+        source,
+        shared_from: shared_from.unwrap_or_default(),
+        device_nodes: Vec::new(),
+        iommu_groups: Vec::new(),
+        exempt: None,
+    }
+}
+
+/// Adds `holder` to each physical GPU its entry `e` was allocated or seen on, with what it
+/// uses there; `shared` when KAI granted it the GPUs it was seen on.
+fn add_holders(
+    input: &StatusInput<'_>,
+    holders: &mut BTreeMap<String, Vec<HeldBy>>,
+    holder: Holder,
+    e: &Entry,
+    shared: bool,
+) {
+    // Per physical GPU: allocated there, seen there, or both.
+    let mut per_gpu: BTreeMap<String, (bool, bool)> = BTreeMap::new();
+    for u in &e.allocated {
+        per_gpu.entry(parent(input.devices, u)).or_default().0 = true;
+    }
+    for u in &e.observed {
+        per_gpu.entry(parent(input.devices, u)).or_default().1 = true;
+    }
+    for (gpu, (allocated, observed)) in per_gpu {
+        let source = match (allocated, observed) {
+            (true, true) => HolderSource::Both,
+            (true, false) => HolderSource::Allocated,
+            _ if shared => HolderSource::Shared,
+            _ => HolderSource::Observed,
+        };
+        let usage = e
+            .usage
+            .get(&gpu)
+            .map_or(Usage::default(), |&(memory, sm, sampled)| Usage {
+                memory_bytes: memory,
+                sm_util_percent: sampled.then_some(sm.min(100)),
+            });
+        let list = holders.entry(gpu).or_default();
+        match list.iter_mut().find(|h| h.holder == holder) {
+            // The same name under two pod UIDs (a pod replaced in between): one holder.
+            Some(held) if held.source != source => held.source = HolderSource::Both,
+            Some(_) => {}
+            None => list.push(HeldBy {
+                holder: holder.clone(),
+                source,
+                usage,
+            }),
+        }
+    }
+}
+
+/// The privileged GPU pods: those a process of a privileged container was seen in
+/// (`observed`), those whose spec shows a privileged GPU container, and those with a
+/// privileged container the kubelet allocated GPUs to.
+fn privileged_pods(
+    input: &StatusInput<'_>,
+    observed: BTreeSet<String>,
+    bindings: &[Binding],
+) -> Vec<PodRef> {
     let mut privileged: BTreeMap<String, PodRef> = BTreeMap::new();
-    for uid in privileged_observed {
+    for uid in observed {
         if let Some(p) = input.pods.by_uid(&uid) {
             privileged.insert(uid.clone(), pod_ref(p));
         }
@@ -383,26 +488,7 @@ pub fn compute(input: &StatusInput<'_>) -> Computed {
             privileged.insert(p.uid.clone(), pod_ref(p));
         }
     }
-
-    let mut status = GpuNodeStatus {
-        driver: Some(input.reading.driver.clone()),
-        gpus: Some(gpus),
-        bindings: Some(bindings),
-        privileged_pods: Some(privileged.into_values().collect()),
-        runtime: Some(input.runtime.clone()),
-        vfio: input.vfio.status(),
-        truncated: None,
-        conditions: None,
-        summary: None,
-    };
-    // The metrics keep every holder; only the status is cut to the CRD's bounds.
-    bounds::fit_status(&mut status);
-    fit_vfio(&mut status);
-    Computed {
-        status,
-        holders,
-        host_processes,
-    }
+    privileged.into_values().collect()
 }
 
 /// Adds what the pods' device-injection annotations name beyond what the kubelet allocated
