@@ -7,10 +7,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::GpuPolicy;
 use crate::condition_types::READY;
 use crate::conditions::DesiredCondition;
 use crate::duration::parse_duration;
+use crate::policy::{ContainerExemption, GpuPolicy, GpuPolicySpec, KaiSharing};
 use crate::selector;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 
@@ -189,24 +189,42 @@ pub(crate) fn resource_pattern_problem(pattern: &str) -> Option<&'static str> {
     }
 }
 
-/// Problems with one policy on its own.
+/// Problems with one policy on its own: one check per field group of the spec. The order is
+/// the order of the problems, and the first becomes the `Ready` reason.
 pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
-    let spec = &policy.spec;
+    const CHECKS: [fn(&GpuPolicySpec, &mut Vec<Problem>); 9] = [
+        check_selectors,
+        check_capabilities,
+        check_gpu,
+        check_health,
+        check_container_exemptions,
+        check_match,
+        check_rdma_resources,
+        check_virtual_machines,
+        check_pod_exemptions,
+    ];
     let mut out = Vec::new();
+    for check in CHECKS {
+        check(&policy.spec, &mut out);
+    }
+    out
+}
 
-    let mut selectors = vec![("namespaceSelector", &spec.namespace_selector)];
-    if let Some(pod) = &spec.pod_selector {
-        selectors.push(("podSelector", pod));
-    }
-    if let Some(health) = &spec.health {
-        selectors.push(("health.nodeSelector", &health.node_selector));
-    }
-    for (field, sel) in selectors {
+/// `namespaceSelector`, `podSelector` and `health.nodeSelector`: selectors the API server
+/// would have rejected.
+fn check_selectors(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
+    let namespaces = Some(("namespaceSelector", &spec.namespace_selector));
+    let pods = spec.pod_selector.as_ref().map(|pod| ("podSelector", pod));
+    let nodes = (spec.health.as_ref()).map(|health| ("health.nodeSelector", &health.node_selector));
+    for (field, sel) in [namespaces, pods, nodes].into_iter().flatten() {
         if let Err(e) = selector::validate(sel) {
             out.push(problem("InvalidSelector", format!("spec.{field}: {e}")));
         }
     }
+}
 
+/// `capabilities`: Linux capabilities by their names, and never `SYS_ADMIN`.
+fn check_capabilities(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
     for (field, caps) in [
         ("capabilities.default", &spec.capabilities.default),
         ("capabilities.allowed", &spec.capabilities.allowed),
@@ -238,26 +256,23 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             "spec.capabilities: SYS_ADMIN gives back most of what privileged did; remove it",
         ));
     }
+}
 
-    if spec.gpu.default_count > spec.gpu.max_per_container {
+/// `gpu`: a default count the maximum allows, a device class that is a DNS subdomain, and
+/// KAI sharing ([`check_kai_sharing`]).
+fn check_gpu(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
+    let gpu = &spec.gpu;
+    if gpu.default_count > gpu.max_per_container {
         out.push(problem(
             "InvalidCount",
             format!(
                 "spec.gpu.defaultCount {} is more than spec.gpu.maxPerContainer {}: every container given the default would be denied",
-                spec.gpu.default_count, spec.gpu.max_per_container
+                gpu.default_count, gpu.max_per_container
             ),
         ));
     }
-
-    let class = spec.gpu.device_class_name.as_str();
-    let label = |l: &str| {
-        !l.is_empty()
-            && l.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    if class.len() > crate::policy::DEVICE_CLASS_LEN || !class.split('.').all(label) {
+    let class = gpu.device_class_name.as_str();
+    if class.len() > crate::policy::DEVICE_CLASS_LEN || !class.split('.').all(is_label) {
         out.push(problem(
             "InvalidDeviceClass",
             format!(
@@ -266,44 +281,62 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ),
         ));
     }
-
-    // The CRD's schema says the same; an object written before it, or a file given to
-    // `mutate --policy`, meets it here.
-    if let Some(kai) = spec.gpu.sharing.as_ref().and_then(|s| s.kai.as_ref()) {
-        let binder = kai.binder.split_once('/');
-        let binder_ok = binder.is_some_and(|(ns, sa)| {
-            label(ns) && ns.len() <= crate::bounds::DNS_LABEL_LEN && sa.split('.').all(label)
-        });
-        let namespace_ok = label(&kai.reservation_namespace)
-            && kai.reservation_namespace.len() <= crate::bounds::DNS_LABEL_LEN;
-        let wrong: Vec<String> = [
-            (!binder_ok).then(|| {
-                format!(
-                    "binder {:?} is not <namespace>/<service account>",
-                    kai.binder
-                )
-            }),
-            (!namespace_ok).then(|| {
-                format!(
-                    "reservationNamespace {:?} is not a namespace name",
-                    kai.reservation_namespace
-                )
-            }),
-            kai.scheduler_name
-                .is_empty()
-                .then(|| "schedulerName is empty".to_owned()),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        if !wrong.is_empty() {
-            out.push(problem(
-                "InvalidKaiSharing",
-                format!("spec.gpu.sharing.kai: {}", wrong.join("; ")),
-            ));
-        }
+    if let Some(kai) = gpu.sharing.as_ref().and_then(|s| s.kai.as_ref()) {
+        check_kai_sharing(kai, out);
     }
+}
 
+/// Whether `l` is spelled as a DNS label: lower-case letters, digits and `-`, not at either
+/// end. Its length is checked apart.
+fn is_label(l: &str) -> bool {
+    !l.is_empty()
+        && l.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !l.starts_with('-')
+        && !l.ends_with('-')
+}
+
+/// `gpu.sharing.kai`: the binder's service account, the reservation namespace and the
+/// scheduler. The CRD's schema says the same; an object written before it, or a file given
+/// to `mutate --policy`, meets it here.
+fn check_kai_sharing(kai: &KaiSharing, out: &mut Vec<Problem>) {
+    let binder = kai.binder.split_once('/');
+    let binder_ok = binder.is_some_and(|(ns, sa)| {
+        is_label(ns) && ns.len() <= crate::bounds::DNS_LABEL_LEN && sa.split('.').all(is_label)
+    });
+    let namespace_ok = is_label(&kai.reservation_namespace)
+        && kai.reservation_namespace.len() <= crate::bounds::DNS_LABEL_LEN;
+    let wrong: Vec<String> = [
+        (!binder_ok).then(|| {
+            format!(
+                "binder {:?} is not <namespace>/<service account>",
+                kai.binder
+            )
+        }),
+        (!namespace_ok).then(|| {
+            format!(
+                "reservationNamespace {:?} is not a namespace name",
+                kai.reservation_namespace
+            )
+        }),
+        kai.scheduler_name
+            .is_empty()
+            .then(|| "schedulerName is empty".to_owned()),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !wrong.is_empty() {
+        out.push(problem(
+            "InvalidKaiSharing",
+            format!("spec.gpu.sharing.kai: {}", wrong.join("; ")),
+        ));
+    }
+}
+
+/// `health`: `recoverAfter` is a duration (its `nodeSelector` is checked with the other
+/// selectors).
+fn check_health(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
     if let Some(health) = &spec.health
         && let Err(e) = parse_duration(&health.recover_after)
     {
@@ -312,7 +345,12 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             format!("spec.health.recoverAfter: {e}"),
         ));
     }
+}
 
+/// `exemptions.images` and `exemptions.containers`: what exempts a container by its image.
+/// The removed field is a problem of its own; each container entry is checked by
+/// [`check_container_exemption`].
+fn check_container_exemptions(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
     let ex = &spec.exemptions;
     if !ex.images.is_empty() {
         out.push(problem(
@@ -324,46 +362,55 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
         ));
     }
     for (i, entry) in ex.containers.iter().enumerate() {
-        let at = ContainersAt(i);
-        if entry.namespaces.is_empty() && entry.service_accounts.is_empty() {
+        check_container_exemption(ContainersAt(i), entry, out);
+    }
+}
+
+/// One `exemptions.containers` entry: scoped to namespaces or service accounts, with image
+/// patterns, `namespace/name` accounts and `sha256:` digests.
+fn check_container_exemption(at: ContainersAt, entry: &ContainerExemption, out: &mut Vec<Problem>) {
+    if entry.namespaces.is_empty() && entry.service_accounts.is_empty() {
+        out.push(problem(
+            "ConflictingExemptions",
+            format!("{at}: names no namespaces or serviceAccounts, so it would exempt its images everywhere"),
+        ));
+    }
+    if entry.images.is_empty() {
+        out.push(problem(
+            "ConflictingExemptions",
+            format!("{at}.images is empty"),
+        ));
+    }
+    for pattern in &entry.images {
+        if let Some(why) = image_pattern_problem(pattern) {
             out.push(problem(
                 "ConflictingExemptions",
-                format!("{at}: names no namespaces or serviceAccounts, so it would exempt its images everywhere"),
+                format!("{at}.images: pattern {pattern:?} {why}"),
             ));
-        }
-        if entry.images.is_empty() {
-            out.push(problem(
-                "ConflictingExemptions",
-                format!("{at}.images is empty"),
-            ));
-        }
-        for pattern in &entry.images {
-            if let Some(why) = image_pattern_problem(pattern) {
-                out.push(problem(
-                    "ConflictingExemptions",
-                    format!("{at}.images: pattern {pattern:?} {why}"),
-                ));
-            }
-        }
-        for sa in &entry.service_accounts {
-            if !matches!(sa.split_once('/'), Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/'))
-            {
-                out.push(problem(
-                    "ConflictingExemptions",
-                    format!("{at}.serviceAccounts: {sa:?} is not namespace/name"),
-                ));
-            }
-        }
-        for digest in &entry.digests {
-            let hex = digest.strip_prefix("sha256:").unwrap_or("");
-            if hex.len() != 64 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-                out.push(problem(
-                    "ConflictingExemptions",
-                    format!("{at}.digests: {digest:?} is not sha256:<64 lower-case hex digits>"),
-                ));
-            }
         }
     }
+    for sa in &entry.service_accounts {
+        if !matches!(sa.split_once('/'), Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/'))
+        {
+            out.push(problem(
+                "ConflictingExemptions",
+                format!("{at}.serviceAccounts: {sa:?} is not namespace/name"),
+            ));
+        }
+    }
+    for digest in &entry.digests {
+        let hex = digest.strip_prefix("sha256:").unwrap_or("");
+        if hex.len() != 64 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            out.push(problem(
+                "ConflictingExemptions",
+                format!("{at}.digests: {digest:?} is not sha256:<64 lower-case hex digits>"),
+            ));
+        }
+    }
+}
+
+/// `match`: the GPU image patterns, and the GPU resource patterns.
+fn check_match(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
     for pattern in &spec.match_.gpu_images {
         // `*` alone is allowed here: it makes every privileged container a GPU container.
         if let Some(why) =
@@ -375,25 +422,37 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ));
         }
     }
-    let resource_lists = [
-        ("match.gpuResources", &spec.match_.gpu_resources),
-        ("rdmaResources", &spec.rdma_resources),
-        (
-            "virtualMachines.deviceResources",
-            &spec.virtual_machines.device_resources,
-        ),
-    ];
-    for (field, patterns) in resource_lists {
-        for pattern in patterns {
-            if let Some(why) = resource_pattern_problem(pattern) {
-                out.push(problem(
-                    "InvalidPattern",
-                    format!("spec.{field}: pattern {pattern:?} {why}"),
-                ));
-            }
+    check_resource_patterns("match.gpuResources", &spec.match_.gpu_resources, out);
+}
+
+/// `rdmaResources`: resource patterns.
+fn check_rdma_resources(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
+    check_resource_patterns("rdmaResources", &spec.rdma_resources, out);
+}
+
+/// Each of `patterns`, the list at `spec.<field>`, is an extended-resource glob
+/// ([`resource_pattern_problem`]).
+fn check_resource_patterns(field: &str, patterns: &[String], out: &mut Vec<Problem>) {
+    for pattern in patterns {
+        if let Some(why) = resource_pattern_problem(pattern) {
+            out.push(problem(
+                "InvalidPattern",
+                format!("spec.{field}: pattern {pattern:?} {why}"),
+            ));
         }
     }
-    for user in &spec.virtual_machines.controllers {
+}
+
+/// `virtualMachines`: resource patterns, controllers' user names, and runtime-class patterns
+/// that do not match every class.
+fn check_virtual_machines(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
+    let vms = &spec.virtual_machines;
+    check_resource_patterns(
+        "virtualMachines.deviceResources",
+        &vms.device_resources,
+        out,
+    );
+    for user in &vms.controllers {
         if user.is_empty() || user.trim() != user {
             out.push(problem(
                 "InvalidPattern",
@@ -401,7 +460,7 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ));
         }
     }
-    for pattern in &spec.virtual_machines.runtime_classes {
+    for pattern in &vms.runtime_classes {
         let why = match image_pattern_problem(pattern) {
             _ if pattern.chars().all(|c| c == '*') && !pattern.is_empty() => {
                 Some("matches every runtime class, so any pod could hold VM devices")
@@ -415,6 +474,13 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ));
         }
     }
+}
+
+/// `exemptions.serviceAccounts` and `exemptions.namespaces`: what exempts a whole pod. An
+/// account is `namespace/name` outside the exempt namespaces, and the exempt namespaces do
+/// not cover every namespace the selector picks by name.
+fn check_pod_exemptions(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
+    let ex = &spec.exemptions;
     // Checked on every admission review (fail closed), so the valid path allocates nothing.
     let exempt_ns = |ns: &str| ex.namespaces.iter().any(|n| n == ns);
     for sa in &ex.service_accounts {
@@ -448,7 +514,6 @@ pub fn validate_policy(policy: &GpuPolicy) -> Vec<Problem> {
             ),
         ));
     }
-    out
 }
 
 /// `spec.exemptions.containers[i]`, written only when a problem names it.
