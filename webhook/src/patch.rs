@@ -113,94 +113,35 @@ pub fn patch_for_view<'c>(
 ) -> Patch {
     let mut ops = Ops::default();
     for change in changes {
+        ops.change(pod, change);
+    }
+    Patch(ops.0)
+}
+
+impl Ops {
+    /// The operations for one change to `pod`.
+    fn change(&mut self, pod: &PodView<'_>, change: Change<'_>) {
         match change {
             Change::SecurityContext {
                 container,
                 add,
                 drop_all,
                 seccomp_default,
-            } => {
-                let base = container_base(&container);
-                let current =
-                    container_value(pod, &container).and_then(|c| c.security_context.as_ref());
-                let capabilities = capabilities(add, drop_all, current);
-                let seccomp = json!({"type": "RuntimeDefault"});
-                if current.is_some() {
-                    let context = at(&base, ["securityContext"]);
-                    ops.add(at(&context, ["privileged"]), Value::Bool(false));
-                    if drop_all {
-                        ops.add(
-                            at(&context, ["allowPrivilegeEscalation"]),
-                            Value::Bool(false),
-                        );
-                    }
-                    ops.add(at(&context, ["capabilities"]), capabilities);
-                    if seccomp_default {
-                        ops.add(at(&context, ["seccompProfile"]), seccomp);
-                    }
-                } else {
-                    let mut context = json!({
-                        "capabilities": capabilities,
-                        "privileged": false,
-                    });
-                    if drop_all {
-                        context["allowPrivilegeEscalation"] = Value::Bool(false);
-                    }
-                    if seccomp_default {
-                        context["seccompProfile"] = seccomp;
-                    }
-                    ops.add(at(&base, ["securityContext"]), context);
-                }
-            }
+            } => self.security_context(pod, &container, add, drop_all, seccomp_default),
             Change::GpuLimit {
                 container,
                 resource,
                 quantity,
             } => {
-                let base = container_base(&container);
-                let resources = container_value(pod, &container).and_then(|c| c.resources.as_ref());
-                let limits = resources.and_then(|r| r.limits.as_ref());
                 let quantity = quantity.with_text(|text| Value::from(text));
-                let limit = json!({ resource: quantity.clone() });
-                if resources.is_none() {
-                    ops.add(at(&base, ["resources"]), json!({ "limits": limit }));
-                } else if limits.is_none() {
-                    ops.add(at(&base, ["resources", "limits"]), limit);
-                } else {
-                    ops.add(at(&base, ["resources", "limits", resource]), quantity);
-                }
+                self.gpu_limit(pod, &container, resource, quantity);
             }
-            Change::ClaimUse { container, claim } => {
-                let base = container_base(&container);
-                let resources = container_value(pod, &container).and_then(|c| c.resources.as_ref());
-                let entry = json!({ "name": claim });
-                if resources.is_none() {
-                    ops.add(at(&base, ["resources"]), json!({ "claims": [entry] }));
-                } else if resources.is_some_and(|r| r.claims.is_none()) {
-                    ops.add(at(&base, ["resources", "claims"]), json!([entry]));
-                } else {
-                    ops.add(at(&base, ["resources", "claims", "-"]), entry);
-                }
-            }
+            Change::ClaimUse { container, claim } => self.claim_use(pod, &container, claim),
             Change::PodClaims { add } => {
                 let entries = add
                     .iter()
                     .map(|c| json!({"name": c.name, "resourceClaimTemplateName": c.template}));
-                let exists = pod
-                    .spec
-                    .as_ref()
-                    .is_some_and(|s| s.resource_claims.is_some());
-                if exists {
-                    for entry in entries {
-                        ops.add(
-                            PointerBuf::from_tokens(["spec", "resourceClaims", "-"]),
-                            entry,
-                        );
-                    }
-                } else {
-                    let list = Value::Array(entries.collect());
-                    ops.add(PointerBuf::from_tokens(["spec", "resourceClaims"]), list);
-                }
+                self.pod_claims(pod, entries);
             }
             Change::Env {
                 container,
@@ -209,7 +150,7 @@ pub fn patch_for_view<'c>(
             } => {
                 let is_list = container_value(pod, &container).is_some_and(|c| c.env.is_some());
                 list_edit(
-                    &mut ops,
+                    self,
                     is_list,
                     &container_base(&container),
                     "env",
@@ -221,53 +162,158 @@ pub fn patch_for_view<'c>(
                 let is_list =
                     container_value(pod, &container).is_some_and(|c| c.volume_mounts.is_some());
                 let base = container_base(&container);
-                list_edit(&mut ops, is_list, &base, "volumeMounts", remove, None);
+                list_edit(self, is_list, &base, "volumeMounts", remove, None);
             }
             Change::Volumes { remove } => {
                 let is_list = pod.spec.as_ref().is_some_and(|s| s.volumes.is_some());
                 let base = PointerBuf::from_tokens(["spec"]);
-                list_edit(&mut ops, is_list, &base, "volumes", remove, None);
+                list_edit(self, is_list, &base, "volumes", remove, None);
             }
-            Change::RemoveAnnotations { keys } => {
-                let annotations = pod.annotations();
-                let base = PointerBuf::from_tokens(["metadata", "annotations"]);
-                for key in keys {
-                    if annotations.is_some_and(|a| a.contains_key(key)) {
-                        ops.remove(at(&base, [*key]));
-                    }
-                }
-            }
+            Change::RemoveAnnotations { keys } => self.remove_annotations(pod, keys),
             Change::SetAnnotations { pairs } => {
-                let pairs = pairs.iter().flatten();
-                if pod.metadata.is_none() || pod.annotations().is_none() {
-                    // A map: the last of a repeated key wins.
-                    let object: Map<String, Value> = pairs
-                        .map(|(k, v)| ((*k).to_owned(), annotation_value(v)))
-                        .collect();
-                    if object.is_empty() {
-                        continue;
-                    }
-                    if pod.metadata.is_none() {
-                        ops.add(
-                            PointerBuf::from_tokens(["metadata"]),
-                            json!({ "annotations": object }),
-                        );
-                    } else {
-                        ops.add(
-                            PointerBuf::from_tokens(["metadata", "annotations"]),
-                            Value::Object(object),
-                        );
-                    }
-                } else {
-                    let base = PointerBuf::from_tokens(["metadata", "annotations"]);
-                    for (k, v) in pairs {
-                        ops.add(at(&base, [*k]), annotation_value(v));
-                    }
-                }
+                let pairs = (pairs.iter().flatten()).map(|(k, v)| (*k, annotation_value(v)));
+                self.set_annotations(pod, pairs);
             }
         }
     }
-    Patch(ops.0)
+
+    /// `container` unprivileged, with capabilities `add`; the other fields of a
+    /// `securityContext` it has stay.
+    fn security_context(
+        &mut self,
+        pod: &PodView<'_>,
+        container: &ContainerRef,
+        add: &[Cow<'_, str>],
+        drop_all: bool,
+        seccomp_default: bool,
+    ) {
+        let base = container_base(container);
+        let current = container_value(pod, container).and_then(|c| c.security_context.as_ref());
+        let capabilities = capabilities(add, drop_all, current);
+        let seccomp = json!({"type": "RuntimeDefault"});
+        if current.is_some() {
+            let context = at(&base, ["securityContext"]);
+            self.add(at(&context, ["privileged"]), Value::Bool(false));
+            if drop_all {
+                self.add(
+                    at(&context, ["allowPrivilegeEscalation"]),
+                    Value::Bool(false),
+                );
+            }
+            self.add(at(&context, ["capabilities"]), capabilities);
+            if seccomp_default {
+                self.add(at(&context, ["seccompProfile"]), seccomp);
+            }
+        } else {
+            let mut context = json!({
+                "capabilities": capabilities,
+                "privileged": false,
+            });
+            if drop_all {
+                context["allowPrivilegeEscalation"] = Value::Bool(false);
+            }
+            if seccomp_default {
+                context["seccompProfile"] = seccomp;
+            }
+            self.add(at(&base, ["securityContext"]), context);
+        }
+    }
+
+    /// `resources.limits[resource] = quantity` on `container`.
+    fn gpu_limit(
+        &mut self,
+        pod: &PodView<'_>,
+        container: &ContainerRef,
+        resource: &str,
+        quantity: Value,
+    ) {
+        let base = container_base(container);
+        let resources = container_value(pod, container).and_then(|c| c.resources.as_ref());
+        let limits = resources.and_then(|r| r.limits.as_ref());
+        let limit = json!({ resource: quantity.clone() });
+        if resources.is_none() {
+            self.add(at(&base, ["resources"]), json!({ "limits": limit }));
+        } else if limits.is_none() {
+            self.add(at(&base, ["resources", "limits"]), limit);
+        } else {
+            self.add(at(&base, ["resources", "limits", resource]), quantity);
+        }
+    }
+
+    /// `{name: claim}` appended to `container`'s `resources.claims`.
+    fn claim_use(&mut self, pod: &PodView<'_>, container: &ContainerRef, claim: &str) {
+        let base = container_base(container);
+        let resources = container_value(pod, container).and_then(|c| c.resources.as_ref());
+        let entry = json!({ "name": claim });
+        if resources.is_none() {
+            self.add(at(&base, ["resources"]), json!({ "claims": [entry] }));
+        } else if resources.is_some_and(|r| r.claims.is_none()) {
+            self.add(at(&base, ["resources", "claims"]), json!([entry]));
+        } else {
+            self.add(at(&base, ["resources", "claims", "-"]), entry);
+        }
+    }
+
+    /// `entries` appended to the pod's `spec.resourceClaims`.
+    fn pod_claims(&mut self, pod: &PodView<'_>, entries: impl Iterator<Item = Value>) {
+        let exists = pod
+            .spec
+            .as_ref()
+            .is_some_and(|s| s.resource_claims.is_some());
+        if exists {
+            for entry in entries {
+                self.add(
+                    PointerBuf::from_tokens(["spec", "resourceClaims", "-"]),
+                    entry,
+                );
+            }
+        } else {
+            let list = Value::Array(entries.collect());
+            self.add(PointerBuf::from_tokens(["spec", "resourceClaims"]), list);
+        }
+    }
+
+    /// The pod annotations `keys` removed, where the pod has them.
+    fn remove_annotations(&mut self, pod: &PodView<'_>, keys: &[&str]) {
+        let annotations = pod.annotations();
+        let base = PointerBuf::from_tokens(["metadata", "annotations"]);
+        for key in keys {
+            if annotations.is_some_and(|a| a.contains_key(key)) {
+                self.remove(at(&base, [*key]));
+            }
+        }
+    }
+
+    /// The pod annotations `pairs` set, creating the map (and `metadata`) where missing.
+    fn set_annotations<'k>(
+        &mut self,
+        pod: &PodView<'_>,
+        pairs: impl Iterator<Item = (&'k str, Value)>,
+    ) {
+        if pod.metadata.is_none() || pod.annotations().is_none() {
+            // A map: the last of a repeated key wins.
+            let object: Map<String, Value> = pairs.map(|(k, v)| (k.to_owned(), v)).collect();
+            if object.is_empty() {
+                return;
+            }
+            if pod.metadata.is_none() {
+                self.add(
+                    PointerBuf::from_tokens(["metadata"]),
+                    json!({ "annotations": object }),
+                );
+            } else {
+                self.add(
+                    PointerBuf::from_tokens(["metadata", "annotations"]),
+                    Value::Object(object),
+                );
+            }
+        } else {
+            let base = PointerBuf::from_tokens(["metadata", "annotations"]);
+            for (k, v) in pairs {
+                self.add(at(&base, [k]), v);
+            }
+        }
+    }
 }
 
 /// [`patch_for_view`] for a pod held as a `Value` (a manifest's pod template).
