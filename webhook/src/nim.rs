@@ -73,6 +73,38 @@ pub struct Rendered {
 
 /// The pod NIM Operator v3.1 renders for `nim` (module docs).
 pub fn render(nim: &Value) -> Result<Rendered, NimError> {
+    let (name, spec) = name_and_spec(nim)?;
+    let image = image_of(spec.get("image"), "spec.image")?;
+    let user_env = env_list(spec.get("env"), "spec.env")?;
+    let main_env = merged(&user_env, &standard_env(spec));
+    let mut resources = match spec.get("resources") {
+        None | Some(Value::Null) => json!({}),
+        Some(r @ Value::Object(_)) => r.clone(),
+        Some(_) => return Err(bad("spec.resources", "not an object")),
+    };
+    let assumed_gpus = assume_gpus(spec, &mut resources);
+    let notes = notes(spec, assumed_gpus);
+
+    let claims = dra_claims(spec.get("draResources"))?;
+    let claim_uses: Vec<Value> = claims.iter().map(|c| json!({"name": c["name"]})).collect();
+    if !claim_uses.is_empty() {
+        resources["claims"] = Value::Array(claim_uses.clone());
+    }
+    let main = main_container(name, image, spec, &main_env, resources);
+    let mut containers = vec![main];
+    containers.extend(sidecars(spec, &main_env, &claim_uses)?);
+    let init = init_containers(spec, &main_env)?;
+    let pod_spec = pod_spec(name, spec, containers, init, claims)?;
+    let metadata = pod_metadata(name, spec)?;
+    Ok(Rendered {
+        pod: json!({"metadata": metadata, "spec": pod_spec}),
+        assumed_gpus,
+        notes,
+    })
+}
+
+/// The NIMService's name, which the operator names the pod's container after, and its spec.
+fn name_and_spec(nim: &Value) -> Result<(&str, &Map<String, Value>), NimError> {
     let name = nim["metadata"]["name"]
         .as_str()
         .filter(|n| !n.is_empty())
@@ -82,23 +114,22 @@ pub fn render(nim: &Value) -> Result<Rendered, NimError> {
                 "missing: the operator names the pod's container after it",
             )
         })?;
-    let spec = match &nim["spec"] {
-        Value::Object(spec) => spec,
-        Value::Null => return Err(bad("spec", "missing")),
-        _ => return Err(bad("spec", "not an object")),
-    };
-    // A field of the spec, `null` where it is absent (indexing a map by a missing key panics).
-    let field = |key: &str| spec.get(key).unwrap_or(&Value::Null);
-    let mut notes = Vec::new();
-    let image = image_of(spec.get("image"), "spec.image")?;
-    let user_env = env_list(spec.get("env"), "spec.env")?;
-    let main_env = merged(&user_env, &standard_env(spec));
-    let mut resources = match spec.get("resources") {
-        None | Some(Value::Null) => json!({}),
-        Some(r @ Value::Object(_)) => r.clone(),
-        Some(_) => return Err(bad("spec.resources", "not an object")),
-    };
-    let multi_node = spec.get("multiNode").filter(|m| !m.is_null());
+    match &nim["spec"] {
+        Value::Object(spec) => Ok((name, spec)),
+        Value::Null => Err(bad("spec", "missing")),
+        _ => Err(bad("spec", "not an object")),
+    }
+}
+
+/// A multi-node NIMService's `multiNode`; `None` for a single-node one.
+fn multi_node(spec: &Map<String, Value>) -> Option<&Value> {
+    spec.get("multiNode").filter(|m| !m.is_null())
+}
+
+/// Where the NIMService names no GPU (neither a resource nor a claim) and the operator
+/// assigns them (from a NIMCache's profile, or a multi-node NIMService's tensor
+/// parallelism), writes that many into `resources` and returns how many.
+fn assume_gpus(spec: &Map<String, Value>, resources: &mut Value) -> Option<u64> {
     let names_gpu = ["limits", "requests"]
         .iter()
         .any(|f| resources[f].get(GPU).is_some());
@@ -106,77 +137,115 @@ pub fn render(nim: &Value) -> Result<Rendered, NimError> {
         .get("draResources")
         .and_then(Value::as_array)
         .is_some_and(|a| !a.is_empty());
-    let from_cache = field("storage")["nimCache"]["name"]
+    let from_cache = spec.get("storage").unwrap_or(&Value::Null)["nimCache"]["name"]
         .as_str()
         .is_some_and(|n| !n.is_empty());
-    let mut assumed_gpus = None;
-    if !names_gpu && !has_claims && (from_cache || multi_node.is_some()) {
-        let tensor = multi_node
-            .and_then(|m| m["parallelism"]["tensor"].as_u64())
-            .unwrap_or(1);
-        for field in ["limits", "requests"] {
-            if !resources[field].is_object() {
-                resources[field] = json!({});
-            }
-            resources[field][GPU] = json!(tensor.to_string());
+    let multi_node = multi_node(spec);
+    if names_gpu || has_claims || !(from_cache || multi_node.is_some()) {
+        return None;
+    }
+    let tensor = multi_node
+        .and_then(|m| m["parallelism"]["tensor"].as_u64())
+        .unwrap_or(1);
+    for field in ["limits", "requests"] {
+        if !resources[field].is_object() {
+            resources[field] = json!({});
         }
-        assumed_gpus = Some(tensor);
+        resources[field][GPU] = json!(tensor.to_string());
+    }
+    Some(tensor)
+}
+
+/// What the judgement must say of the rendering: the GPUs assumed, a multi-node NIMService.
+fn notes(spec: &Map<String, Value>, assumed_gpus: Option<u64>) -> Vec<String> {
+    let multi_node = multi_node(spec).is_some();
+    let mut notes = Vec::new();
+    if let Some(tensor) = assumed_gpus {
         notes.push(format!(
             "judged with {GPU}: {tensor}, which the NIM operator assigns from the {} where the NIMService names no GPU",
-            if multi_node.is_some() {
+            if multi_node {
                 "multi-node parallelism.tensor"
             } else {
                 "NIMCache profile's tensor parallelism (1 by default)"
             }
         ));
     }
-    if multi_node.is_some() {
+    if multi_node {
         notes.push(
             "multi-node: the LeaderWorkerSet's leader and worker pods carry the same image, env, resources and annotations; judged as one pod".to_owned(),
         );
     }
+    notes
+}
 
-    let claims = dra_claims(spec.get("draResources"))?;
-    let claim_uses: Vec<Value> = claims.iter().map(|c| json!({"name": c["name"]})).collect();
+/// The main container `<name>-ctr`, with the model store and `/dev/shm` mounted.
+fn main_container(
+    name: &str,
+    image: String,
+    spec: &Map<String, Value>,
+    env: &[Value],
+    resources: Value,
+) -> Value {
     let mut main = Map::new();
     main.insert("name".into(), json!(format!("{name}-ctr")));
     main.insert("image".into(), json!(image));
     copy(spec, &mut main, &["command", "args"]);
-    if let Some(policy) = field("image").get("pullPolicy") {
+    if let Some(policy) = spec.get("image").and_then(|i| i.get("pullPolicy")) {
         main.insert("imagePullPolicy".into(), policy.clone());
     }
-    main.insert("env".into(), Value::Array(main_env.clone()));
-    if !claim_uses.is_empty() {
-        resources["claims"] = Value::Array(claim_uses.clone());
-    }
+    main.insert("env".into(), Value::Array(env.to_vec()));
     main.insert("resources".into(), resources);
     let mut mounts = vec![json!({"name": "model-store", "mountPath": MODEL_STORE})];
     mounts.push(json!({"name": "dshm", "mountPath": "/dev/shm"}));
     main.insert("volumeMounts".into(), Value::Array(mounts));
+    Value::Object(main)
+}
 
-    let mut containers = vec![Value::Object(main)];
+/// `sidecarContainers`, each using the pod's claims.
+fn sidecars(
+    spec: &Map<String, Value>,
+    main_env: &[Value],
+    claim_uses: &[Value],
+) -> Result<Vec<Value>, NimError> {
+    let mut out = Vec::new();
     for (i, extra) in array(spec.get("sidecarContainers"), "spec.sidecarContainers")?
         .iter()
         .enumerate()
     {
         let field = format!("spec.sidecarContainers[{i}]");
-        let mut c = nim_container(extra, &field, &main_env)?;
+        let mut c = nim_container(extra, &field, main_env)?;
         if !claim_uses.is_empty() {
             c["resources"] = json!({"claims": claim_uses});
         }
-        containers.push(c);
+        out.push(c);
     }
+    Ok(out)
+}
+
+/// `initContainers`, each with the model store mounted.
+fn init_containers(spec: &Map<String, Value>, main_env: &[Value]) -> Result<Vec<Value>, NimError> {
     let mut init = Vec::new();
     for (i, extra) in array(spec.get("initContainers"), "spec.initContainers")?
         .iter()
         .enumerate()
     {
         let field = format!("spec.initContainers[{i}]");
-        let mut c = nim_container(extra, &field, &main_env)?;
+        let mut c = nim_container(extra, &field, main_env)?;
         c["volumeMounts"] = json!([{"name": "model-store", "mountPath": MODEL_STORE}]);
         init.push(c);
     }
+    Ok(init)
+}
 
+/// The pod's spec around its containers: the scheduling fields, image pull secrets, the
+/// user and group, the volumes and the resource claims.
+fn pod_spec(
+    name: &str,
+    spec: &Map<String, Value>,
+    containers: Vec<Value>,
+    init: Vec<Value>,
+    claims: Vec<Value>,
+) -> Result<Map<String, Value>, NimError> {
     let mut pod_spec = Map::new();
     pod_spec.insert("serviceAccountName".into(), json!(name));
     if !init.is_empty() {
@@ -195,7 +264,8 @@ pub fn render(nim: &Value) -> Result<Rendered, NimError> {
             "priorityClassName",
         ],
     );
-    let secrets: Vec<Value> = array(field("image").get("pullSecrets"), "spec.image.pullSecrets")?
+    let pull_secrets = spec.get("image").and_then(|i| i.get("pullSecrets"));
+    let secrets: Vec<Value> = array(pull_secrets, "spec.image.pullSecrets")?
         .iter()
         .map(|s| json!({"name": s}))
         .collect();
@@ -208,29 +278,26 @@ pub fn render(nim: &Value) -> Result<Rendered, NimError> {
         "securityContext".into(),
         json!({"runAsUser": user, "runAsGroup": group, "fsGroup": group}),
     );
+    let storage = spec.get("storage").unwrap_or(&Value::Null);
     pod_spec.insert(
         "volumes".into(),
-        json!([model_store(field("storage"), name)?, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]),
+        json!([model_store(storage, name)?, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]),
     );
     if !claims.is_empty() {
         pod_spec.insert("resourceClaims".into(), Value::Array(claims));
     }
+    Ok(pod_spec)
+}
 
+/// The pod's labels (`app: <name>` and `spec.labels`) and annotations.
+fn pod_metadata(name: &str, spec: &Map<String, Value>) -> Result<Value, NimError> {
     let mut labels = Map::new();
     labels.insert("app".into(), json!(name));
     for (k, v) in string_map(spec.get("labels"), "spec.labels")? {
         labels.insert(k, v);
     }
     let annotations = string_map(spec.get("annotations"), "spec.annotations")?;
-    let pod = json!({
-        "metadata": {"labels": labels, "annotations": annotations},
-        "spec": pod_spec,
-    });
-    Ok(Rendered {
-        pod,
-        assumed_gpus,
-        notes,
-    })
+    Ok(json!({"labels": labels, "annotations": annotations}))
 }
 
 /// The NIMService that renders `judged` (the pod [`render`] gave, as the engine left it),
@@ -240,12 +307,6 @@ pub fn back(nim: &Value, rendered: &Rendered, judged: &Value) -> (Value, Vec<Str
     let mut cannot = Vec::new();
     let before = &rendered.pod;
     let spec = &nim["spec"];
-    let user_env = env_list(spec.get("env"), "spec.env").unwrap_or_default();
-    let standard: Vec<String> = standard_env(spec.as_object().unwrap_or(&Map::new()))
-        .iter()
-        .filter_map(|e| e["name"].as_str().map(str::to_owned))
-        .collect();
-    let own = |name: &str, list: &[Value]| list.iter().any(|e| e["name"] == name);
 
     // The main container: its env and resources are the NIMService's.
     let (main_before, main_after) = (
@@ -253,28 +314,7 @@ pub fn back(nim: &Value, rendered: &Rendered, judged: &Value) -> (Value, Vec<Str
         &judged["spec"]["containers"][0],
     );
     if main_before["env"] != main_after["env"] {
-        let env: Vec<Value> = (main_after["env"].as_array().into_iter().flatten())
-            .filter(|e| {
-                let name = e["name"].as_str().unwrap_or("");
-                own(name, &user_env) || !standard.iter().any(|s| s == name)
-            })
-            .cloned()
-            .collect();
-        let standard_changed = (main_after["env"].as_array().into_iter().flatten())
-            .chain(main_before["env"].as_array().into_iter().flatten())
-            .filter(|e| {
-                let name = e["name"].as_str().unwrap_or("");
-                !own(name, &user_env) && standard.iter().any(|s| s == name)
-            })
-            .any(|e| {
-                let name = &e["name"];
-                let find = |c: &Value| {
-                    (c["env"].as_array().into_iter().flatten())
-                        .find(|x| x["name"] == *name)
-                        .cloned()
-                };
-                find(main_before) != find(main_after)
-            });
+        let (env, standard_changed) = main_env_back(spec, main_before, main_after);
         if standard_changed {
             cannot.push(format!(
                 "the operator's own env of container {} changes: it is not the NIMService's to set",
@@ -284,22 +324,87 @@ pub fn back(nim: &Value, rendered: &Rendered, judged: &Value) -> (Value, Vec<Str
         set(&mut out, "env", Value::Array(env));
     }
     if main_before["resources"] != main_after["resources"] {
-        let mut resources = main_after["resources"].clone();
-        if let Some(map) = resources.as_object_mut() {
-            map.remove("claims");
-        }
-        if let Some(n) = rendered.assumed_gpus {
-            for field in ["limits", "requests"] {
-                if resources[field][GPU] == json!(n.to_string())
-                    && let Some(map) = resources[field].as_object_mut()
-                {
-                    map.remove(GPU);
-                }
-            }
-        }
+        let resources = resources_back(&main_after["resources"], rendered.assumed_gpus);
         set(&mut out, "resources", resources);
     }
-    // Init and sidecar containers: what they hold beyond the main env is their own.
+    cannot.extend(extras_env_back(spec, before, judged, &mut out));
+    // Pod annotations are the NIMService's, but for gpuwarden's own reports, which the webhook
+    // writes on each pod it admits.
+    let annotations_after = without_reports(&judged["metadata"]["annotations"]);
+    if without_reports(&before["metadata"]["annotations"]) != annotations_after {
+        set(&mut out, "annotations", annotations_after);
+    }
+    // Anything else that changed has no NIMService field.
+    cannot.extend(pod_changes_without_field(before, judged));
+    cannot.extend(container_changes_without_field(before, judged));
+    (out, cannot)
+}
+
+/// The entries of a container's `env`.
+fn env_of(container: &Value) -> impl Iterator<Item = &Value> {
+    container["env"].as_array().into_iter().flatten()
+}
+
+/// Whether `list` has an entry named `name`.
+fn has_entry(list: &[Value], name: &str) -> bool {
+    list.iter().any(|e| e["name"] == name)
+}
+
+/// The main container's env `after` the engine, as the NIMService's `spec.env`: the
+/// operator's own variables are left out where the NIMService does not set them. And whether
+/// any of those changes, which the NIMService cannot say.
+fn main_env_back(spec: &Value, before: &Value, after: &Value) -> (Vec<Value>, bool) {
+    let user_env = env_list(spec.get("env"), "spec.env").unwrap_or_default();
+    let standard: Vec<String> = standard_env(spec.as_object().unwrap_or(&Map::new()))
+        .iter()
+        .filter_map(|e| e["name"].as_str().map(str::to_owned))
+        .collect();
+    let env: Vec<Value> = env_of(after)
+        .filter(|e| {
+            let name = e["name"].as_str().unwrap_or("");
+            has_entry(&user_env, name) || !standard.iter().any(|s| s == name)
+        })
+        .cloned()
+        .collect();
+    let standard_changed = env_of(after)
+        .chain(env_of(before))
+        .filter(|e| {
+            let name = e["name"].as_str().unwrap_or("");
+            !has_entry(&user_env, name) && standard.iter().any(|s| s == name)
+        })
+        .any(|e| {
+            let name = &e["name"];
+            let find = |c: &Value| env_of(c).find(|x| x["name"] == *name).cloned();
+            find(before) != find(after)
+        });
+    (env, standard_changed)
+}
+
+/// The main container's `resources` as the NIMService's: without the pod's claims
+/// (`draResources`), nor the GPUs the operator assigns where the NIMService names none.
+fn resources_back(after: &Value, assumed_gpus: Option<u64>) -> Value {
+    let mut resources = after.clone();
+    if let Some(map) = resources.as_object_mut() {
+        map.remove("claims");
+    }
+    if let Some(n) = assumed_gpus {
+        for field in ["limits", "requests"] {
+            if resources[field][GPU] == json!(n.to_string())
+                && let Some(map) = resources[field].as_object_mut()
+            {
+                map.remove(GPU);
+            }
+        }
+    }
+    resources
+}
+
+/// Writes back the env of init and sidecar containers that changed: what they hold beyond
+/// the main env is their own. Returns the inherited variables each loses, which it cannot.
+fn extras_env_back(spec: &Value, before: &Value, judged: &Value, out: &mut Value) -> Vec<String> {
+    let mut cannot = Vec::new();
+    // What each inherits once the main container's env is written back.
+    let inherited = &judged["spec"]["containers"][0]["env"];
     for (field, kind, offset) in [
         ("sidecarContainers", "containers", 1usize),
         ("initContainers", "initContainers", 0),
@@ -315,27 +420,7 @@ pub fn back(nim: &Value, rendered: &Rendered, judged: &Value) -> (Value, Vec<Str
             if b["env"] == a["env"] {
                 continue;
             }
-            let own_env = env_list(extra.get("env"), "").unwrap_or_default();
-            // What it inherits once the main container's env is written back.
-            let inherited = &main_after["env"];
-            let inherited_entry = |name: &Value| {
-                (inherited.as_array().into_iter().flatten()).find(|x| x["name"] == *name)
-            };
-            let env: Vec<Value> = (a["env"].as_array().into_iter().flatten())
-                .filter(|e| {
-                    own(e["name"].as_str().unwrap_or(""), &own_env)
-                        || inherited_entry(&e["name"]) != Some(*e)
-                })
-                .cloned()
-                .collect();
-            let lost: Vec<&str> = (b["env"].as_array().into_iter().flatten())
-                .filter(|e| !own(e["name"].as_str().unwrap_or(""), &own_env))
-                .filter(|e| {
-                    !(a["env"].as_array().into_iter().flatten()).any(|x| x["name"] == e["name"])
-                })
-                .filter(|e| inherited_entry(&e["name"]).is_some())
-                .filter_map(|e| e["name"].as_str())
-                .collect();
+            let (env, lost) = extra_env_back(extra, b, a, inherited);
             if !lost.is_empty() {
                 cannot.push(format!(
                     "spec.{field}[{i}] inherits {} from the main container's env, and loses it: the NIMService cannot remove an inherited variable from one container",
@@ -347,44 +432,62 @@ pub fn back(nim: &Value, rendered: &Rendered, judged: &Value) -> (Value, Vec<Str
             }
         }
     }
-    // Pod annotations are the NIMService's, but for gpuwarden's own reports, which the webhook
-    // writes on each pod it admits.
-    let strip = |v: &Value| -> Value {
-        let mut m = v.as_object().cloned().unwrap_or_default();
-        m.retain(|k, _| !k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX));
-        Value::Object(m)
-    };
-    let annotations_after = strip(&judged["metadata"]["annotations"]);
-    if strip(&before["metadata"]["annotations"]) != annotations_after {
-        set(&mut out, "annotations", annotations_after);
-    }
-    // Anything else that changed has no NIMService field.
-    for (what, b, a) in [
-        (
-            "the pod's volumes (the NIMService's storage)",
-            &before["spec"]["volumes"],
-            &judged["spec"]["volumes"],
-        ),
-        (
-            "the pod's resource claims (draResources)",
-            &before["spec"]["resourceClaims"],
-            &judged["spec"]["resourceClaims"],
-        ),
-        (
-            "the pod's security context",
-            &before["spec"]["securityContext"],
-            &judged["spec"]["securityContext"],
-        ),
-        (
-            "the pod's runtimeClassName",
-            &before["spec"]["runtimeClassName"],
-            &judged["spec"]["runtimeClassName"],
-        ),
-    ] {
-        if b != a {
-            cannot.push(format!("{what} change: the operator renders them, and the NIMService has no field for the change"));
-        }
-    }
+    cannot
+}
+
+/// An init or sidecar container's env `after` the engine, as the `env` of `extra`, its
+/// NIMService entry: its own entries, and those that differ from what it `inherited`. And
+/// the inherited variables it loses.
+fn extra_env_back<'b>(
+    extra: &Value,
+    before: &'b Value,
+    after: &Value,
+    inherited: &Value,
+) -> (Vec<Value>, Vec<&'b str>) {
+    let own_env = env_list(extra.get("env"), "").unwrap_or_default();
+    let inherited_entry =
+        |name: &Value| (inherited.as_array().into_iter().flatten()).find(|x| x["name"] == *name);
+    let env: Vec<Value> = env_of(after)
+        .filter(|e| {
+            has_entry(&own_env, e["name"].as_str().unwrap_or(""))
+                || inherited_entry(&e["name"]) != Some(*e)
+        })
+        .cloned()
+        .collect();
+    let lost: Vec<&str> = env_of(before)
+        .filter(|e| !has_entry(&own_env, e["name"].as_str().unwrap_or("")))
+        .filter(|e| !env_of(after).any(|x| x["name"] == e["name"]))
+        .filter(|e| inherited_entry(&e["name"]).is_some())
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    (env, lost)
+}
+
+/// Pod annotations but gpuwarden's own.
+fn without_reports(annotations: &Value) -> Value {
+    let mut m = annotations.as_object().cloned().unwrap_or_default();
+    m.retain(|k, _| !k.starts_with(gpuwarden_crds::ANNOTATION_PREFIX));
+    Value::Object(m)
+}
+
+/// The pod's fields that changed, which the operator renders and no NIMService field holds.
+fn pod_changes_without_field(before: &Value, judged: &Value) -> Vec<String> {
+    [
+        ("the pod's volumes (the NIMService's storage)", "volumes"),
+        ("the pod's resource claims (draResources)", "resourceClaims"),
+        ("the pod's security context", "securityContext"),
+        ("the pod's runtimeClassName", "runtimeClassName"),
+    ]
+    .into_iter()
+    .filter(|(_, field)| before["spec"][field] != judged["spec"][field])
+    .map(|(what, _)| format!("{what} change: the operator renders them, and the NIMService has no field for the change"))
+    .collect()
+}
+
+/// The containers' fields that changed and no NIMService field holds (the main container's
+/// resources are the NIMService's).
+fn container_changes_without_field(before: &Value, judged: &Value) -> Vec<String> {
+    let mut cannot = Vec::new();
     for kind in ["containers", "initContainers"] {
         let empty = Vec::new();
         let (bs, as_) = (
@@ -413,7 +516,7 @@ pub fn back(nim: &Value, rendered: &Rendered, judged: &Value) -> (Value, Vec<Str
             }
         }
     }
-    (out, cannot)
+    cannot
 }
 
 fn set(nim: &mut Value, field: &str, value: Value) {
