@@ -16,8 +16,6 @@
 use schemars::Schema;
 use serde_json::{Map, Value, json};
 
-use crate::node::{GpuNodeStatus, Truncated};
-
 /// CEL for a list of extended-resource globs: a literal domain, then a name that may hold
 /// `*` and `?`. A pattern without a domain would match `cpu` or `memory`.
 pub(crate) const RESOURCE_PATTERN_RULE: &str =
@@ -192,55 +190,25 @@ fn walk(obj: &mut Map<String, Value>, f: &mut impl FnMut(&mut Map<String, Value>
     }
 }
 
+/// A status whose lists the node agent cuts to the schema's bounds before it writes it. The
+/// `GpuNode` status implements it beside its type, where its lists are.
+pub trait FitToBounds {
+    /// Cuts its lists and strings to their bounds, most important entries first, and
+    /// records what it left out.
+    fn fit_to_bounds(&mut self);
+}
+
 /// Cuts the agent's lists in `status` to the schema's bounds and records in
 /// `status.truncated` how many entries each lost; `truncated` is `None` when nothing was
-/// cut. What matters most is kept: out-of-band bindings and those holding a whole IOMMU
-/// group before allocated ones, privileged pods no exemption covers before exempt ones,
-/// unhealthy GPUs before healthy ones, so the conditions the operator derives (`Isolated`,
-/// `Healthy`) stay true. Free-text fields are
-/// cut to their length. Each list keeps its order.
-pub fn fit_status(status: &mut GpuNodeStatus) {
-    let mut cut = Truncated::default();
-    if let Some(gpus) = status.gpus.as_mut() {
-        cut.gpus = keep(gpus, MAX_GPUS, |g| {
-            g.health.state == crate::HealthState::Unhealthy
-        });
-        for gpu in gpus.iter_mut() {
-            cut.mig_devices += keep(&mut gpu.mig_devices, MAX_MIG_DEVICES, |_| false);
-            cut.health_reasons += keep(&mut gpu.health.reasons, MAX_HEALTH_REASONS, |_| false);
-            for reason in &mut gpu.health.reasons {
-                truncate_chars(reason, REASON_LEN);
-            }
-        }
-    }
-    if let Some(bindings) = status.bindings.as_mut() {
-        // A binding holding a whole IOMMU group says what `Isolated` reads too.
-        cut.bindings = keep(bindings, MAX_BINDINGS, |b| {
-            b.is_out_of_band() || !b.iommu_groups.is_empty()
-        });
-        for binding in bindings.iter_mut() {
-            cut.binding_devices += keep(&mut binding.gpu_uuids, MAX_BINDING_DEVICES, |_| false);
-            cut.binding_devices += keep(&mut binding.device_nodes, MAX_BINDING_DEVICES, |_| false);
-            if let Some(exempt) = binding.exempt.as_mut() {
-                truncate_chars(exempt, REASON_LEN);
-            }
-        }
-    }
-    if let Some(pods) = status.privileged_pods.as_mut() {
-        cut.privileged_pods = keep(pods, MAX_PRIVILEGED_PODS, |p| p.exempt.is_none());
-        for exempt in pods.iter_mut().filter_map(|p| p.exempt.as_mut()) {
-            truncate_chars(exempt, REASON_LEN);
-        }
-    }
-    if let Some(error) = status.runtime.as_mut().and_then(|r| r.error.as_mut()) {
-        truncate_chars(error, MESSAGE_LEN);
-    }
-    status.truncated = (cut != Truncated::default()).then_some(cut);
+/// cut. Each list keeps its order; which entries matter most, and are kept first, the status
+/// type says ([`FitToBounds`]).
+pub fn fit_status(status: &mut impl FitToBounds) {
+    status.fit_to_bounds();
 }
 
 /// Keeps at most `max` entries of `list`, the `important` ones first, in their order, and
 /// returns how many it dropped.
-fn keep<T>(list: &mut Vec<T>, max: usize, important: impl Fn(&T) -> bool) -> u32 {
+pub(crate) fn keep<T>(list: &mut Vec<T>, max: usize, important: impl Fn(&T) -> bool) -> u32 {
     let dropped = list.len().saturating_sub(max);
     if dropped == 0 {
         return 0;
@@ -260,147 +228,8 @@ fn count(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-fn truncate_chars(s: &mut String, max: usize) {
+pub(crate) fn truncate_chars(s: &mut String, max: usize) {
     if let Some((i, _)) = s.char_indices().nth(max) {
         s.truncate(i);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{Binding, BindingSource, GpuHealth, GpuStatus, HealthState, MigDevice, PodRef};
-
-    fn binding(i: usize, source: BindingSource) -> Binding {
-        Binding {
-            pod_uid: format!("uid-{i:04}"),
-            container: "main".into(),
-            namespace: "ns".into(),
-            pod: format!("pod-{i}"),
-            resource_name: None,
-            claims: vec![],
-            gpu_uuids: vec![format!("GPU-{}", i % 8)],
-            source,
-            ..Binding::default()
-        }
-    }
-
-    #[test]
-    fn a_status_within_bounds_is_left_as_it_is() {
-        let mut status = GpuNodeStatus {
-            gpus: Some(vec![GpuStatus::default(); 8]),
-            bindings: Some(
-                (0..100)
-                    .map(|i| binding(i, BindingSource::Allocated))
-                    .collect(),
-            ),
-            ..Default::default()
-        };
-        let before = status.clone();
-        fit_status(&mut status);
-        assert_eq!(status, before);
-        assert_eq!(status.truncated, None);
-    }
-
-    #[test]
-    fn long_lists_keep_what_the_conditions_need_and_count_the_rest() {
-        // 600 allocated bindings and 20 out-of-band ones, spread through the list.
-        let bindings: Vec<Binding> = (0..620)
-            .map(|i| {
-                let source = if i % 31 == 0 {
-                    BindingSource::Observed
-                } else {
-                    BindingSource::Allocated
-                };
-                let mut b = binding(i, source);
-                if i == 1 {
-                    b.gpu_uuids = (0..100).map(|d| format!("MIG-{d}")).collect();
-                }
-                b
-            })
-            .collect();
-        let out_of_band = bindings.iter().filter(|b| b.is_out_of_band()).count();
-        let mut gpus: Vec<GpuStatus> = (0..40)
-            .map(|i| GpuStatus {
-                index: i,
-                uuid: format!("GPU-{i}"),
-                mig_devices: vec![MigDevice::default(); 20],
-                ..Default::default()
-            })
-            .collect();
-        gpus[39].health = GpuHealth {
-            state: HealthState::Unhealthy,
-            reasons: vec!["x".repeat(2000); 20],
-            since: None,
-        };
-        let pods: Vec<PodRef> = (0..300)
-            .map(|i| PodRef {
-                uid: format!("p{i:03}"),
-                exempt: (i >= 10).then(|| format!("image {} is exempt", "x".repeat(i * 2))),
-                ..Default::default()
-            })
-            .collect();
-        let mut status = GpuNodeStatus {
-            gpus: Some(gpus),
-            bindings: Some(bindings),
-            privileged_pods: Some(pods),
-            ..Default::default()
-        };
-        fit_status(&mut status);
-
-        let cut = status.truncated.clone().expect("lists were cut");
-        let gpus = status.gpus.as_ref().unwrap();
-        assert_eq!(gpus.len(), MAX_GPUS);
-        assert_eq!(cut.gpus, 8);
-        assert!(
-            gpus.iter().any(|g| g.index == 39),
-            "the unhealthy GPU is kept"
-        );
-        assert!(
-            gpus.windows(2).all(|w| w[0].index < w[1].index),
-            "in index order"
-        );
-        assert_eq!(cut.mig_devices, 32 * 4);
-        let sick = gpus.iter().find(|g| g.index == 39).unwrap();
-        assert_eq!(sick.health.reasons.len(), MAX_HEALTH_REASONS);
-        assert!(sick.health.reasons.iter().all(|r| r.len() == REASON_LEN));
-        assert_eq!(cut.health_reasons, 4);
-
-        let bindings = status.bindings.as_ref().unwrap();
-        assert_eq!(bindings.len(), MAX_BINDINGS);
-        assert_eq!(cut.bindings, 620 - 512);
-        assert_eq!(
-            bindings.iter().filter(|b| b.is_out_of_band()).count(),
-            out_of_band,
-            "every out-of-band binding is kept"
-        );
-        assert!(
-            bindings.windows(2).all(|w| w[0].pod_uid < w[1].pod_uid),
-            "in key order"
-        );
-        assert_eq!(cut.binding_devices, 100 - MAX_BINDING_DEVICES as u32);
-
-        let pods = status.privileged_pods.as_ref().unwrap();
-        assert_eq!(pods.len(), MAX_PRIVILEGED_PODS);
-        assert_eq!(cut.privileged_pods, 300 - 256);
-        assert_eq!(pods.iter().filter(|p| p.exempt.is_none()).count(), 10);
-        assert!(
-            pods.iter()
-                .filter_map(|p| p.exempt.as_ref())
-                .all(|e| e.chars().count() <= REASON_LEN)
-        );
-
-        // What was cut fits the schema the API server checks.
-        let json = serde_json::to_value(&status).unwrap();
-        assert_eq!(json["truncated"]["bindings"], 108);
-        let only_bindings = Truncated {
-            bindings: 3,
-            ..Default::default()
-        };
-        assert_eq!(
-            serde_json::to_value(only_bindings).unwrap(),
-            serde_json::json!({"bindings": 3}),
-            "zero counts are left out"
-        );
     }
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use crate::bounds::{
     self, DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN, MAX_BINDING_DEVICES, MAX_BINDINGS, MAX_GPUS,
     MAX_HEALTH_REASONS, MAX_MIG_DEVICES, MAX_PRIVILEGED_PODS, MESSAGE_LEN, NVML_STRING_LEN,
-    PATH_LEN, PCI_BUS_ID_LEN, QUALIFIED_NAME_LEN, REASON_LEN, UUID_LEN,
+    PATH_LEN, PCI_BUS_ID_LEN, QUALIFIED_NAME_LEN, REASON_LEN, UUID_LEN, keep, truncate_chars,
 };
 
 /// A node's GPUs: what they are, whether they are healthy, and which pod holds which.
@@ -679,6 +679,51 @@ pub struct VfioUnknown {
     pub reason: String,
 }
 
+/// What [`bounds::fit_status`] does to the agent's lists: out-of-band bindings and those
+/// holding a whole IOMMU group are kept before allocated ones, privileged pods no exemption
+/// covers before exempt ones, unhealthy GPUs before healthy ones, so the conditions the
+/// operator derives (`Isolated`, `Healthy`) stay true; free-text fields are cut to their
+/// length; `truncated` is set afresh.
+impl bounds::FitToBounds for GpuNodeStatus {
+    fn fit_to_bounds(&mut self) {
+        let mut cut = Truncated::default();
+        if let Some(gpus) = self.gpus.as_mut() {
+            cut.gpus = keep(gpus, MAX_GPUS, |g| g.health.state == HealthState::Unhealthy);
+            for gpu in gpus.iter_mut() {
+                cut.mig_devices += keep(&mut gpu.mig_devices, MAX_MIG_DEVICES, |_| false);
+                cut.health_reasons += keep(&mut gpu.health.reasons, MAX_HEALTH_REASONS, |_| false);
+                for reason in &mut gpu.health.reasons {
+                    truncate_chars(reason, REASON_LEN);
+                }
+            }
+        }
+        if let Some(bindings) = self.bindings.as_mut() {
+            // A binding holding a whole IOMMU group says what `Isolated` reads too.
+            cut.bindings = keep(bindings, MAX_BINDINGS, |b| {
+                b.is_out_of_band() || !b.iommu_groups.is_empty()
+            });
+            for binding in bindings.iter_mut() {
+                cut.binding_devices += keep(&mut binding.gpu_uuids, MAX_BINDING_DEVICES, |_| false);
+                cut.binding_devices +=
+                    keep(&mut binding.device_nodes, MAX_BINDING_DEVICES, |_| false);
+                if let Some(exempt) = binding.exempt.as_mut() {
+                    truncate_chars(exempt, REASON_LEN);
+                }
+            }
+        }
+        if let Some(pods) = self.privileged_pods.as_mut() {
+            cut.privileged_pods = keep(pods, MAX_PRIVILEGED_PODS, |p| p.exempt.is_none());
+            for exempt in pods.iter_mut().filter_map(|p| p.exempt.as_mut()) {
+                truncate_chars(exempt, REASON_LEN);
+            }
+        }
+        if let Some(error) = self.runtime.as_mut().and_then(|r| r.error.as_mut()) {
+            truncate_chars(error, MESSAGE_LEN);
+        }
+        self.truncated = (cut != Truncated::default()).then_some(cut);
+    }
+}
+
 /// Cuts `status.vfio` and the bindings' `iommuGroups` to their bounds, keeping each list's
 /// order, and adds what it left out to `status.truncated`. The counterpart of
 /// [`bounds::fit_status`] for these fields; call it after that, which sets `truncated`
@@ -802,6 +847,7 @@ fn is_zero(n: &u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bounds::fit_status;
 
     fn device(i: usize) -> VfioDevice {
         VfioDevice {
@@ -900,6 +946,139 @@ mod tests {
                 vfio_unknown: 4,
                 ..Truncated::default()
             })
+        );
+    }
+
+    fn binding(i: usize, source: BindingSource) -> Binding {
+        Binding {
+            pod_uid: format!("uid-{i:04}"),
+            container: "main".into(),
+            namespace: "ns".into(),
+            pod: format!("pod-{i}"),
+            resource_name: None,
+            claims: vec![],
+            gpu_uuids: vec![format!("GPU-{}", i % 8)],
+            source,
+            ..Binding::default()
+        }
+    }
+
+    #[test]
+    fn a_status_within_bounds_is_left_as_it_is() {
+        let mut status = GpuNodeStatus {
+            gpus: Some(vec![GpuStatus::default(); 8]),
+            bindings: Some(
+                (0..100)
+                    .map(|i| binding(i, BindingSource::Allocated))
+                    .collect(),
+            ),
+            ..Default::default()
+        };
+        let before = status.clone();
+        fit_status(&mut status);
+        assert_eq!(status, before);
+        assert_eq!(status.truncated, None);
+    }
+
+    #[test]
+    fn long_lists_keep_what_the_conditions_need_and_count_the_rest() {
+        // 600 allocated bindings and 20 out-of-band ones, spread through the list.
+        let bindings: Vec<Binding> = (0..620)
+            .map(|i| {
+                let source = if i % 31 == 0 {
+                    BindingSource::Observed
+                } else {
+                    BindingSource::Allocated
+                };
+                let mut b = binding(i, source);
+                if i == 1 {
+                    b.gpu_uuids = (0..100).map(|d| format!("MIG-{d}")).collect();
+                }
+                b
+            })
+            .collect();
+        let out_of_band = bindings.iter().filter(|b| b.is_out_of_band()).count();
+        let mut gpus: Vec<GpuStatus> = (0..40)
+            .map(|i| GpuStatus {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                mig_devices: vec![MigDevice::default(); 20],
+                ..Default::default()
+            })
+            .collect();
+        gpus[39].health = GpuHealth {
+            state: HealthState::Unhealthy,
+            reasons: vec!["x".repeat(2000); 20],
+            since: None,
+        };
+        let pods: Vec<PodRef> = (0..300)
+            .map(|i| PodRef {
+                uid: format!("p{i:03}"),
+                exempt: (i >= 10).then(|| format!("image {} is exempt", "x".repeat(i * 2))),
+                ..Default::default()
+            })
+            .collect();
+        let mut status = GpuNodeStatus {
+            gpus: Some(gpus),
+            bindings: Some(bindings),
+            privileged_pods: Some(pods),
+            ..Default::default()
+        };
+        fit_status(&mut status);
+
+        let cut = status.truncated.clone().expect("lists were cut");
+        let gpus = status.gpus.as_ref().unwrap();
+        assert_eq!(gpus.len(), MAX_GPUS);
+        assert_eq!(cut.gpus, 8);
+        assert!(
+            gpus.iter().any(|g| g.index == 39),
+            "the unhealthy GPU is kept"
+        );
+        assert!(
+            gpus.windows(2).all(|w| w[0].index < w[1].index),
+            "in index order"
+        );
+        assert_eq!(cut.mig_devices, 32 * 4);
+        let sick = gpus.iter().find(|g| g.index == 39).unwrap();
+        assert_eq!(sick.health.reasons.len(), MAX_HEALTH_REASONS);
+        assert!(sick.health.reasons.iter().all(|r| r.len() == REASON_LEN));
+        assert_eq!(cut.health_reasons, 4);
+
+        let bindings = status.bindings.as_ref().unwrap();
+        assert_eq!(bindings.len(), MAX_BINDINGS);
+        assert_eq!(cut.bindings, 620 - 512);
+        assert_eq!(
+            bindings.iter().filter(|b| b.is_out_of_band()).count(),
+            out_of_band,
+            "every out-of-band binding is kept"
+        );
+        assert!(
+            bindings.windows(2).all(|w| w[0].pod_uid < w[1].pod_uid),
+            "in key order"
+        );
+        assert_eq!(cut.binding_devices, 100 - MAX_BINDING_DEVICES as u32);
+
+        let pods = status.privileged_pods.as_ref().unwrap();
+        assert_eq!(pods.len(), MAX_PRIVILEGED_PODS);
+        assert_eq!(cut.privileged_pods, 300 - 256);
+        assert_eq!(pods.iter().filter(|p| p.exempt.is_none()).count(), 10);
+        assert!(
+            pods.iter()
+                .filter_map(|p| p.exempt.as_ref())
+                .all(|e| e.chars().count() <= REASON_LEN)
+        );
+
+        // What was cut fits the schema the API server checks.
+        let json = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["truncated"]["bindings"], 108);
+        let only_bindings = Truncated {
+            bindings: 3,
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_value(only_bindings).unwrap(),
+            serde_json::json!({"bindings": 3}),
+            "zero counts are left out"
         );
     }
 }
