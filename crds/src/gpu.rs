@@ -46,6 +46,19 @@ pub const ENV_GDS: &str = "NVIDIA_GDS";
 /// gdrcopy (`/dev/gdrdrv`) ([`crate::RuntimeFeature`]).
 pub const ENV_GDRCOPY: &str = "NVIDIA_GDRCOPY";
 
+// The feature is the policy's word; the variable is the runtime's, so it is named here, with
+// the runtime's other variables.
+impl RuntimeFeature {
+    /// The variable that turns it on.
+    pub fn variable(self) -> &'static str {
+        match self {
+            Self::Gdrcopy => ENV_GDRCOPY,
+            Self::Gds => ENV_GDS,
+            Self::Mofed => ENV_MOFED,
+        }
+    }
+}
+
 /// The NVIDIA runtime's variables, besides `NVIDIA_VISIBLE_DEVICES`, that hand a container
 /// host devices and that no container's own value may set, whatever the policy
 /// (docs/design.md, "Runtime variables"): the MIG capabilities, IMEX channels, NVSwitch.

@@ -267,15 +267,6 @@ impl RuntimeFeature {
     /// Every feature, in the order the docs list them.
     pub const ALL: [Self; 3] = [Self::Gdrcopy, Self::Gds, Self::Mofed];
 
-    /// The variable that turns it on.
-    pub fn variable(self) -> &'static str {
-        match self {
-            Self::Gdrcopy => crate::gpu::ENV_GDRCOPY,
-            Self::Gds => crate::gpu::ENV_GDS,
-            Self::Mofed => crate::gpu::ENV_MOFED,
-        }
-    }
-
     /// Its name in a policy.
     pub fn name(self) -> &'static str {
         match self {
