@@ -7,6 +7,13 @@
 
 use crate::manifests::repo_root;
 
+/// The page of operating tasks: Upgrade, "When the webhook is down", Metrics.
+pub const OPERATIONS: &str = "docs/operations.md";
+/// The page of the pre-flight, "Before you install: what would change".
+pub const PREFLIGHT: &str = "docs/preflight.md";
+/// The Troubleshooting page.
+pub const TROUBLESHOOTING: &str = "docs/troubleshooting.md";
+
 /// The text of `page`, a path relative to the repository root.
 fn read(page: &str) -> String {
     std::fs::read_to_string(repo_root().join(page)).unwrap_or_else(|e| panic!("{page}: {e}"))

@@ -9,8 +9,8 @@
 //!
 //! On a cluster (ignored): the README's Helm install with the image this workspace builds,
 //! a privileged GPU pod rewritten to exactly its GPUs, an exempt NVIDIA pod admitted while
-//! the webhook is at 0 replicas, `helm upgrade` with changed values, and the README's Helm
-//! uninstall, twice, leaving nothing.
+//! the webhook is at 0 replicas, `helm upgrade` with changed values (docs/operations.md,
+//! Upgrade), and the README's Helm uninstall, twice, leaving nothing.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,7 +27,7 @@ use gpuwarden_e2e::node::{
     COMPONENT_BINARIES, NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs,
     local_node_problem,
 };
-use gpuwarden_e2e::readme::{readme_block_in, statements};
+use gpuwarden_e2e::readme::{OPERATIONS, doc_block_in, readme_block_in, statements};
 use serde_json::Value;
 
 /// `helm`, or `None` after printing why the test is skipped (a panic where helm is required).
@@ -908,8 +908,9 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     );
     summary.push("webhook at 0: exempt NVIDIA component admitted unchanged".into());
 
-    // 5. helm upgrade with changed values: the webhook's replicas and the policy's mode.
-    let upgrade = statements(&readme_block_in("Upgrade", "With Helm"));
+    // 5. docs/operations.md's helm upgrade with changed values: the webhook's replicas and
+    // the policy's mode.
+    let upgrade = statements(&doc_block_in(OPERATIONS, "Upgrade", "With Helm"));
     assert!(
         upgrade.iter().any(|s| s.starts_with("helm upgrade ")),
         "{upgrade:#?}"

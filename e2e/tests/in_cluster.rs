@@ -15,8 +15,8 @@
 //! - with the webhook at 0 replicas, an exempt NVIDIA component in `gpu-operator` is
 //!   admitted (the operator's `gpuwarden-not-exempt` matchCondition lets it through without
 //!   a call), while a privileged GPU pod elsewhere is refused (fail closed);
-//! - the README's "When the webhook is down" restore (delete, then re-apply the overlay)
-//!   admits a privileged GPU pod rewritten within 15 seconds of the re-apply;
+//! - the restore of "When the webhook is down" (docs/operations.md: delete, then re-apply
+//!   the overlay) admits a privileged GPU pod rewritten within 15 seconds of the re-apply;
 //! - the README's Uninstall block runs twice with exit 0, nothing of the install is left,
 //!   and no host path the manifests or the NVIDIA runtime name exists that did not before.
 //!
@@ -55,7 +55,7 @@ use gpuwarden_e2e::node::{
     COMPONENT_BINARIES, NEEDS_GPU_NODE, Out, busybox, ctr, exec, gpu_node_in, image_refs,
     local_node_problem,
 };
-use gpuwarden_e2e::readme::{readme_block, readme_block_in, statements};
+use gpuwarden_e2e::readme::{OPERATIONS, doc_block, doc_section, readme_block_in, statements};
 use serde_json::{Value, json};
 
 /// The image the overlay gives all three components.
@@ -77,8 +77,8 @@ fn image() -> String {
     format!("{IMAGE_NAME}:{IMAGE_TAG}")
 }
 
-/// One README command line (or `for ... done` loop), run through bash in the repository
-/// root as a reader would; its exit status, output and duration.
+/// One command line (or `for ... done` loop) of the README or docs/, run through bash in the
+/// repository root as a reader would; its exit status, output and duration.
 fn run_readme(statement: &str) -> (Out, Duration) {
     eprintln!("$ {statement}");
     let start = Instant::now();
@@ -796,28 +796,17 @@ fn readme_install_in_cluster_on_a_real_node() {
         start.elapsed().as_secs_f64()
     ));
 
-    // 6. The README's restore: delete the configuration, apply the overlay again; a
-    // privileged GPU pod is admitted rewritten within 15 seconds of the re-apply.
-    let section = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    // 6. The restore of docs/operations.md, "When the webhook is down": delete the
+    // configuration, apply the overlay again; a privileged GPU pod is admitted rewritten
+    // within 15 seconds of the re-apply.
     let restore_apply = "kubectl apply --server-side -k <your-overlay>";
-    let down_section = section
-        .split_once("\n## When the webhook is down\n")
-        .expect("README section When the webhook is down")
-        .1
-        .split("\n## ")
-        .next()
-        .unwrap_or_default();
+    let down_section = doc_section(OPERATIONS, "When the webhook is down");
     assert!(
         down_section.contains(&format!("`{restore_apply}`")),
         "{down_section}"
     );
-    // The block sits in a list item: its fence is indented, which `readme_block` does not
-    // see as the end.
-    let take_out: Vec<String> = readme_block("When the webhook is down")
-        .iter()
-        .map(|l| l.trim().to_owned())
-        .take_while(|l| l != "```")
-        .collect();
+    // The block sits in a list item: `doc_block` takes its fence's indentation off.
+    let take_out: Vec<String> = doc_block(OPERATIONS, "When the webhook is down");
     assert_eq!(
         statements(&take_out),
         [format!(

@@ -7,8 +7,8 @@
 //! own ServiceAccount (impersonated), so its RBAC is what the API server checks; the test
 //! waits until `kubectl get gpupolicies` shows `default` Ready and the operator has written
 //! the webhook's certificate. Then it deletes the webhook configuration and applies the
-//! install again, as the README's "When the webhook is down" says, and the operator must
-//! have written the `caBundle` back within 15 seconds. After the README's uninstall, no
+//! install again, as "When the webhook is down" (docs/operations.md) says, and the operator
+//! must have written the `caBundle` back within 15 seconds. After the README's uninstall, no
 //! object of the install is left, and the uninstall runs a second time without an error.
 //! Once with `kubectl apply -k deploy/`, once with `deploy/install.yaml`.
 //!

@@ -1,7 +1,8 @@
-//! The README's pre-flight ("Before you install: what would change") run as written against
-//! a real API server, and the offline reading of manifests held to kubectl's: an object
-//! gpuwarden leaves unchanged comes out as `kubectl create --dry-run=client` reads its
-//! input, and passes a server-side dry run where its input does.
+//! The pre-flight of docs/preflight.md ("Before you install: what would change") run as
+//! written against a real API server, and the offline reading of manifests held to
+//! kubectl's: an object gpuwarden leaves unchanged comes out as
+//! `kubectl create --dry-run=client` reads its input, and passes a server-side dry run
+//! where its input does.
 //!
 //! ```sh
 //! KUBECONFIG=... cargo test -p gpuwarden-e2e --test preflight -- --ignored --test-threads=1
@@ -16,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use gpuwarden_e2e::manifests::repo_root;
-use gpuwarden_e2e::readme::readme_block;
+use gpuwarden_e2e::readme::{PREFLIGHT, doc_block};
 use gpuwarden_webhook::manifest::parse_documents;
 use serde_json::{Value, json};
 
@@ -171,11 +172,11 @@ fn the_readme_preflight_judges_what_is_running() {
             "volumes": [{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}]}}}}}
     }));
 
-    // The README's block, as written, in a scratch directory; `cargo run` finds the
+    // docs/preflight.md's block, as written, in a scratch directory; `cargo run` finds the
     // workspace through --manifest-path.
     let dir = tempfile::tempdir().expect("a scratch directory");
     let manifest = repo_root().join("Cargo.toml");
-    let script = readme_block("Before you install: what would change")
+    let script = doc_block(PREFLIGHT, "Before you install: what would change")
         .join("\n")
         .replace(
             "cargo run -q -p gpuwarden-webhook",

@@ -272,7 +272,7 @@ async fn a_hami_share_runs_with_the_gpu_the_kubelet_allocated() {
                     .unwrap_or_else(|e| panic!("{way:?}: {e}"));
             }
             // Runs once, before HAMi's webhook: the void stays and hides the GPU. Never more
-            // than the allocation, and what the README says to install.
+            // than the allocation, and what docs/sharing.md says to install.
             _ => {
                 assert_eq!(last_visible(stored).as_deref(), Some("void"), "{stored}");
                 assert!(log.visible_ids().is_empty(), "{}", log.summary());

@@ -3,10 +3,11 @@
 //! allocated, and each attempt is judged by what its process sees on the node.
 //!
 //! The tenant is ServiceAccount `tenant` of a namespace that gpuwarden's default GpuPolicy
-//! governs (Enforce) and that enforces Pod Security `baseline`, as the README tells untrusted
-//! namespaces to; it is bound to the built-in `admin` ClusterRole (and, as clusters that
-//! allow `kubectl debug` grant it, to `pods/ephemeralcontainers`). Every tenant request is
-//! impersonated, so the API server's own authorization decides what it may write. Its
+//! governs (Enforce) and that enforces Pod Security `baseline`, as
+//! docs/what-happens-to-a-pod.md tells untrusted namespaces to; it is bound to the built-in
+//! `admin` ClusterRole (and, as clusters that allow `kubectl debug` grant it, to
+//! `pods/ephemeralcontainers`). Every tenant request is impersonated, so the API server's
+//! own authorization decides what it may write. Its
 //! containers run an image whose OCI config sets `NVIDIA_VISIBLE_DEVICES=all` (busybox from
 //! the node's containerd, re-tagged with that `ENV`, as every CUDA base image sets it) and
 //! print their environment and `/dev/nvidia*`. Each attempt must be denied at admission, or

@@ -1,7 +1,7 @@
-//! The README's Troubleshooting section quotes what a person sees: the messages `kubectl`
-//! prints on pod creation, the node agent's log, and the GpuNode conditions. Each quote is
-//! held to the code that prints it, so a message changed in the code fails here until the
-//! README follows it.
+//! The Troubleshooting page (docs/troubleshooting.md) quotes what a person sees: the
+//! messages `kubectl` prints on pod creation, the node agent's log, and the GpuNode
+//! conditions. Each quote is held to the code that prints it, so a message changed in the
+//! code fails here until the page follows it.
 //!
 //! A quoted message stands for what the code prints with example values filled in (`ns/p`,
 //! `train`, `16`), and `...` leaves a part out. It is held to the sources as a whole: each
@@ -19,19 +19,12 @@ use std::path::Path;
 use gpuwarden_crds::RuntimeStatus;
 use gpuwarden_crds::install;
 use gpuwarden_e2e::manifests::{load_file, repo_root};
+use gpuwarden_e2e::readme::{TROUBLESHOOTING, doc_section};
 use gpuwarden_operator::gpunode::{AgentLiveness, CONDITION_TYPES, desired_conditions};
 
-/// The README's `## Troubleshooting` section.
+/// The Troubleshooting page, below its heading.
 fn troubleshooting() -> String {
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
-    let section = readme
-        .split_once("\n## Troubleshooting\n")
-        .expect("README has a Troubleshooting section")
-        .1;
-    section
-        .split_once("\n## ")
-        .map_or(section, |(s, _)| s)
-        .to_owned()
+    doc_section(TROUBLESHOOTING, "Troubleshooting")
 }
 
 /// The rows of the tables whose first column is `header`, as cells.
@@ -617,7 +610,7 @@ fn the_conditions_table_is_what_the_operator_sets() {
     let unknown: Vec<_> = documented.difference(&set).collect();
     assert!(
         unknown.is_empty(),
-        "the README names conditions the operator does not set: {unknown:?}"
+        "docs/troubleshooting.md names conditions the operator does not set: {unknown:?}"
     );
     let missing: Vec<_> = set
         .iter()
@@ -626,6 +619,6 @@ fn the_conditions_table_is_what_the_operator_sets() {
         .collect();
     assert!(
         missing.is_empty(),
-        "the operator sets conditions the README does not explain: {missing:?}"
+        "the operator sets conditions docs/troubleshooting.md does not explain: {missing:?}"
     );
 }

@@ -415,11 +415,11 @@ fn configuration_writes(fake: &FakeApi) -> Vec<String> {
         .collect()
 }
 
-/// What the README's emergency procedure leads to: the webhook configuration deleted, then
-/// re-created from the manifests, which carry no `caBundle`. The operator notices through its
-/// watch and writes the bundle from the Secret into every entry within seconds, under its own
-/// field manager; it puts back a bundle someone changed, and leaves a trusted configuration
-/// alone.
+/// What the emergency procedure of docs/operations.md ("When the webhook is down") leads to:
+/// the webhook configuration deleted, then re-created from the manifests, which carry no
+/// `caBundle`. The operator notices through its watch and writes the bundle from the Secret
+/// into every entry within seconds, under its own field manager; it puts back a bundle
+/// someone changed, and leaves a trusted configuration alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_re_created_webhook_configuration_gets_its_ca_bundle_back_within_seconds() {
     let _ = rustls::crypto::ring::default_provider().install_default();

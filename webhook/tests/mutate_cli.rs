@@ -772,8 +772,8 @@ spec:
 }
 
 /// The pre-flight lists ConfigMaps and Secrets whose keys spell an NVIDIA runtime variable,
-/// as `kubectl get configmaps,secrets` with keys only prints them (README, "Before you
-/// install"), and never their values; exempt namespaces and allowed features pass.
+/// as `kubectl get configmaps,secrets` with keys only prints them (docs/preflight.md,
+/// "Before you install"), and never their values; exempt namespaces and allowed features pass.
 #[test]
 fn config_maps_and_secrets_with_runtime_variable_keys_are_listed() {
     let keys_only = "apiVersion: v1

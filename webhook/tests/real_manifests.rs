@@ -498,19 +498,19 @@ fn denied_manifests_exit_1_from_the_binary_alone_and_together() {
     );
 }
 
-/// The README's advice for node agents outside NVIDIA's namespaces, taken as written: with its
-/// container exemptions added to the default policy, dcgm-exporter from its own manifest and
-/// both nvidia_gpu_exporter DaemonSets in `monitoring` are left as they are (neither voided
-/// nor denied), and the same exporters in another namespace are not.
+/// The advice of docs/policy.md for node agents outside NVIDIA's namespaces, taken as written:
+/// with its container exemptions added to the default policy, dcgm-exporter from its own
+/// manifest and both nvidia_gpu_exporter DaemonSets in `monitoring` are left as they are
+/// (neither voided nor denied), and the same exporters in another namespace are not.
 #[test]
-fn the_readme_exemption_gives_third_party_exporters_their_gpus() {
+fn the_documented_exemption_gives_third_party_exporters_their_gpus() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
-    let advice = readme
+    let page = std::fs::read_to_string(root.join("docs/policy.md")).expect("docs/policy.md");
+    let advice = page
         .split_once("**A node agent that reads every GPU needs an exemption.**")
         .and_then(|(_, rest)| rest.split_once("```yaml\n"))
         .and_then(|(_, rest)| rest.split_once("\n```"))
-        .expect("the README's exemption block")
+        .expect("the exemption block of docs/policy.md")
         .0;
     // Its entries under `containers:`, two spaces less indented, as the default policy's are.
     let entries: Vec<&str> = (advice.lines())
