@@ -155,4 +155,49 @@ mod tests {
         let two = section_of(PAGE, "Two").unwrap();
         assert_eq!(first_sh_block(&two, "two"), ["echo two"]);
     }
+
+    /// The blocks the cluster tests (ignored without one) read, found where those tests
+    /// look for them, so a heading renamed or a block moved fails here and not only on a
+    /// cluster. `install.rs` and `in_cluster.rs` check the README's manifests blocks
+    /// without a cluster already.
+    #[test]
+    fn every_block_the_cluster_tests_read_is_found() {
+        // helm.rs: install, upgrade and uninstall with Helm.
+        let install = statements(&readme_block_in("Install", "With Helm"));
+        assert!(
+            install[0].starts_with("helm install gpuwarden "),
+            "{install:?}"
+        );
+        let upgrade = statements(&doc_block_in(OPERATIONS, "Upgrade", "With Helm"));
+        assert!(
+            upgrade
+                .iter()
+                .any(|s| s.starts_with("helm upgrade gpuwarden ")),
+            "{upgrade:?}"
+        );
+        let uninstall = statements(&readme_block_in("Uninstall", "With Helm"));
+        assert!(
+            uninstall[0].starts_with("helm uninstall gpuwarden "),
+            "{uninstall:?}"
+        );
+        // in_cluster.rs: the restore of "When the webhook is down".
+        let down = doc_section(OPERATIONS, "When the webhook is down");
+        assert!(
+            down.contains("`kubectl apply --server-side -k <your-overlay>`"),
+            "{down}"
+        );
+        assert_eq!(
+            statements(&doc_block(OPERATIONS, "When the webhook is down")),
+            [format!(
+                "kubectl delete mutatingwebhookconfiguration {}",
+                gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION
+            )]
+        );
+        // preflight.rs: the pre-flight, which writes cluster.yaml and runs mutate on it.
+        let preflight = doc_block(PREFLIGHT, "Before you install: what would change");
+        assert!(
+            (preflight.iter()).any(|l| l.contains("mutate -f cluster.yaml -o diff")),
+            "{preflight:?}"
+        );
+    }
 }
