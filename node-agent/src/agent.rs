@@ -514,6 +514,25 @@ async fn run_inner(
     client: kube::Client,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), AgentError> {
+    check_config(&config)?;
+    let mut agent = Agent::start(&config, client).await?;
+    let mut tick = tokio::time::interval(config.poll_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tick.tick() => {}
+        }
+        agent.step().await;
+    }
+    info!("shutting down");
+    agent.stop().await;
+    Ok(())
+}
+
+/// Refuses intervals of zero and an empty node name.
+fn check_config(config: &Config) -> Result<(), AgentError> {
     if config.poll_interval.is_zero() || config.resync_interval.is_zero() {
         return Err(AgentError::Config(
             "poll and resync intervals must be longer than zero",
@@ -522,27 +541,177 @@ async fn run_inner(
     if config.node_name.is_empty() {
         return Err(AgentError::Config("the node name is empty"));
     }
-    let clock = SystemClock;
-    let node = config.node_name.clone();
-    let metrics = Arc::new(Metrics::for_node(&node));
-    let ready = Arc::new(AtomicBool::new(false));
-    let backend = backend(config.fake.as_deref(), clock.now()).await?;
-    info!(backend = backend.name(), "GPU backend ready");
+    Ok(())
+}
 
-    let listener = tokio::net::TcpListener::bind(config.listen)
+/// The running agent: its servers and background tasks, the caches it reads the cluster
+/// from, and the sweeper and writer each step drives.
+struct Agent {
+    node: String,
+    clock: SystemClock,
+    metrics: Arc<Metrics>,
+    /// What the readiness probe answers.
+    ready: Arc<AtomicBool>,
+    caches: Caches,
+    client: kube::Client,
+    /// KAI-Scheduler's BindRequests for this node, once a policy names KAI.
+    bind_requests: Option<Store<DynamicObject>>,
+    /// The health rules of the last step, to log when they change.
+    last_rules: Option<HealthRules>,
+    sweeper: Sweeper,
+    writer: StatusWriter<KubeSink>,
+    stop: tokio::sync::watch::Sender<bool>,
+    lease: tokio::task::JoinHandle<()>,
+    http: tokio::task::JoinHandle<()>,
+}
+
+impl Agent {
+    /// Starts the GPU backend, the metrics server, the watches and the Lease, and carries
+    /// health over from the status written before a restart.
+    async fn start(config: &Config, client: kube::Client) -> Result<Self, AgentError> {
+        let clock = SystemClock;
+        let node = config.node_name.clone();
+        let metrics = Arc::new(Metrics::for_node(&node));
+        let ready = Arc::new(AtomicBool::new(false));
+        let backend = backend(config.fake.as_deref(), clock.now()).await?;
+        info!(backend = backend.name(), "GPU backend ready");
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let http = serve(
+            config.listen,
+            metrics.clone(),
+            ready.clone(),
+            stop_rx.clone(),
+        )
+        .await?;
+        let caches = Caches::watch(&client, &node);
+        let lease = keep_lease(client.clone(), &node, metrics.clone(), stop_rx);
+        let mut sweeper = sweeper(config, backend, metrics.clone());
+        let mut writer = StatusWriter::new(
+            KubeSink::new(client.clone(), &node),
+            MIN_WRITE_INTERVAL,
+            config.resync_interval,
+        );
+        restore_previous(&mut sweeper, &mut writer, &clock).await;
+        Ok(Self {
+            node,
+            clock,
+            metrics,
+            ready,
+            caches,
+            client,
+            bind_requests: None,
+            last_rules: None,
+            sweeper,
+            writer,
+            stop,
+            lease,
+            http,
+        })
+    }
+
+    /// One sweep over what the caches hold now, written when the caches have synced.
+    async fn step(&mut self) {
+        let started = Instant::now();
+        let now = self.clock.now();
+        let synced = self.caches.synced();
+        let policy_list = self.caches.policies.state();
+        let pods = self.caches.pod_infos(&policy_list);
+        let labels = self.caches.node_labels();
+        let policies: Vec<&GpuPolicy> = policy_list.iter().map(|p| p.as_ref()).collect();
+        self.follow_kai(&policies);
+        let rules = self.health_rules(&policies, &labels);
+        let computed = match self.sweeper.sweep(now, &pods, synced, &rules).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.ready.store(false, Ordering::Relaxed);
+                warn!(error = %error_chain(&e), "sweep failed");
+                return;
+            }
+        };
+        self.ready.store(synced, Ordering::Relaxed);
+        if synced {
+            self.write(now, &computed.status).await;
+        }
+        (self.metrics.sweep_seconds).observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Watches KAI's BindRequests once a policy names KAI (other clusters have no such kind
+    /// to watch), and gives the sweeper the binds they hold.
+    fn follow_kai(&mut self, policies: &[&GpuPolicy]) {
+        if self.bind_requests.is_none()
+            && (policies.iter())
+                .any(|p| p.spec.gpu.sharing.as_ref().is_some_and(|s| s.kai.is_some()))
+        {
+            info!("a GpuPolicy names KAI-Scheduler: watching its BindRequests for this node");
+            self.bind_requests = Some(reflect_bind_requests(self.client.clone(), &self.node));
+        }
+        if let Some(store) = &self.bind_requests {
+            let requests = store.state();
+            self.sweeper.set_kai_binds(KaiBinds::from_requests(
+                requests.iter().map(|r| r.as_ref()),
+                &self.node,
+            ));
+        }
+    }
+
+    /// The health rules of the policy that governs this node, logged when they change.
+    fn health_rules(
+        &mut self,
+        policies: &[&GpuPolicy],
+        labels: &BTreeMap<String, String>,
+    ) -> HealthRules {
+        let rules = crate::policy::health_rules(policies, labels);
+        if self.last_rules.as_ref() != Some(&rules) {
+            info!(policy = %rules.policy, ignored_xids = ?rules.ignored_xids,
+                recover_after = ?rules.recover_after, "health rules");
+            self.last_rules = Some(rules.clone());
+        }
+        rules
+    }
+
+    /// Writes the status when the writer says it is due; counts and logs what happened.
+    async fn write(&mut self, now: Timestamp, status: &GpuNodeStatus) {
+        match self.writer.tick(now, status).await {
+            Ok(Outcome::Written) => {
+                self.metrics.status_writes.inc();
+                let (gpus, healthy, oob) = crate::status::counts(status);
+                info!(gpus, healthy, out_of_band = oob, "GpuNode status written");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.metrics.error(ErrorSource::status);
+                warn!(error = %error_chain(&e), "status write failed");
+            }
+        }
+    }
+
+    /// Stops the Lease and the metrics server, and waits for them.
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.lease.await;
+        let _ = self.http.await;
+    }
+}
+
+/// Serves metrics and probes on `listen` until `stop`.
+async fn serve(
+    listen: SocketAddr,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, AgentError> {
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|source| AgentError::Listen {
-            addr: config.listen,
+            addr: listen,
             source,
         })?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let app = crate::http::router(metrics.clone(), ready.clone());
-    let mut http_stop = stop_rx.clone();
-    let http = tokio::spawn(
+    let app = crate::http::router(metrics, ready);
+    Ok(tokio::spawn(
         async move {
             let served = axum::serve(listener, app)
                 .with_graceful_shutdown(async move {
-                    let _ = http_stop.wait_for(|s| *s).await;
+                    let _ = stop.wait_for(|s| *s).await;
                 })
                 .await;
             if let Err(e) = served {
@@ -550,35 +719,124 @@ async fn run_inner(
             }
         }
         .in_current_span(),
-    );
+    ))
+}
 
-    // Only this node's pods: never a cluster-wide pod watch.
-    let pods = reflect(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().fields(&format!("spec.nodeName={node}")),
-    );
-    let policies = reflect(
-        Api::<GpuPolicy>::all(client.clone()),
-        watcher::Config::default(),
-    );
-    let nodes = reflect(
-        Api::<Node>::all(client.clone()),
-        watcher::Config::default().fields(&format!("metadata.name={node}")),
-    );
-    // Namespace labels choose the policy that governs a pod, as in the webhook; only the
-    // metadata is watched.
-    let namespaces = reflect(
-        Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
-        watcher::Config::default(),
-    );
-    let caches_ready = Arc::new(AtomicBool::new(false));
-    {
+/// Renews this node's Lease every [`RENEW_INTERVAL`] until `stop`.
+fn keep_lease(
+    client: kube::Client,
+    node: &str,
+    metrics: Arc<Metrics>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let lease = LeaseKeeper::new(client, node, SystemClock.now());
+    tokio::spawn(
+        async move {
+            let mut tick = tokio::time::interval(RENEW_INTERVAL);
+            loop {
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => break,
+                    _ = tick.tick() => {}
+                }
+                if let Err(e) = lease.renew(SystemClock.now()).await {
+                    metrics.error(ErrorSource::lease);
+                    warn!(error = %error_chain(&e), "lease renewal failed");
+                }
+            }
+        }
+        .in_current_span(),
+    )
+}
+
+/// The sweeper `run` drives: allocations from the kubelet, retried when it fails.
+fn sweeper(config: &Config, backend: Arc<dyn GpuBackend>, metrics: Arc<Metrics>) -> Sweeper {
+    Sweeper::new(
+        backend,
+        AllocationSource::Kubelet {
+            socket: config.pod_resources_socket.clone(),
+            timeouts: config.pod_resources_timeouts,
+            strict: false,
+        },
+        &config.host_root,
+        config.resync_interval,
+        metrics,
+    )
+    .with_runtime_report(config.runtime_report.clone())
+    .with_posture_paths(config.posture_paths.clone())
+}
+
+/// Carries over what this agent wrote before a restart: health that events no longer show.
+async fn restore_previous(
+    sweeper: &mut Sweeper,
+    writer: &mut StatusWriter<KubeSink>,
+    clock: &impl Clock,
+) {
+    match tokio::time::timeout(Duration::from_secs(10), writer.sink().current()).await {
+        Ok(Ok(previous)) => {
+            let now = clock.now();
+            if let Some(gpus) = &previous.gpus {
+                sweeper.restore_health(gpus, now);
+                writer.assume_applied(&previous, now);
+            }
+        }
+        Ok(Err(e)) => {
+            info!(error = %error_chain(&e), "no previous status to carry health over from")
+        }
+        Err(_) => info!("reading the previous status timed out; health starts fresh"),
+    }
+}
+
+/// The caches of this node's pods, the policies, this node and the namespaces' labels,
+/// fed by watches in the background.
+struct Caches {
+    pods: Store<Pod>,
+    policies: Store<GpuPolicy>,
+    nodes: Store<Node>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// Set once every cache has synced.
+    synced: Arc<AtomicBool>,
+}
+
+impl Caches {
+    /// Starts the watches, and a task that sets `synced` once all four caches are ready.
+    fn watch(client: &kube::Client, node: &str) -> Self {
+        // Only this node's pods: never a cluster-wide pod watch.
+        let pods = reflect(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={node}")),
+        );
+        let policies = reflect(
+            Api::<GpuPolicy>::all(client.clone()),
+            watcher::Config::default(),
+        );
+        let nodes = reflect(
+            Api::<Node>::all(client.clone()),
+            watcher::Config::default().fields(&format!("metadata.name={node}")),
+        );
+        // Namespace labels choose the policy that governs a pod, as in the webhook; only the
+        // metadata is watched.
+        let namespaces = reflect(
+            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
+            watcher::Config::default(),
+        );
+        let caches = Self {
+            pods,
+            policies,
+            nodes,
+            namespaces,
+            synced: Arc::new(AtomicBool::new(false)),
+        };
+        caches.flag_when_synced();
+        caches
+    }
+
+    fn flag_when_synced(&self) {
         let (pods, policies, nodes, namespaces, flag) = (
-            pods.clone(),
-            policies.clone(),
-            nodes.clone(),
-            namespaces.clone(),
-            caches_ready.clone(),
+            self.pods.clone(),
+            self.policies.clone(),
+            self.nodes.clone(),
+            self.namespaces.clone(),
+            self.synced.clone(),
         );
         tokio::spawn(
             async move {
@@ -595,144 +853,30 @@ async fn run_inner(
         );
     }
 
-    let lease = LeaseKeeper::new(client.clone(), &node, clock.now());
-    let lease_metrics = metrics.clone();
-    let mut lease_stop = stop_rx.clone();
-    let lease_task = tokio::spawn(
-        async move {
-            let mut tick = tokio::time::interval(RENEW_INTERVAL);
-            loop {
-                tokio::select! {
-                    _ = lease_stop.wait_for(|s| *s) => break,
-                    _ = tick.tick() => {}
-                }
-                if let Err(e) = lease.renew(SystemClock.now()).await {
-                    lease_metrics.error(ErrorSource::lease);
-                    warn!(error = %error_chain(&e), "lease renewal failed");
-                }
-            }
-        }
-        .in_current_span(),
-    );
-
-    let mut sweeper = Sweeper::new(
-        backend,
-        AllocationSource::Kubelet {
-            socket: config.pod_resources_socket.clone(),
-            timeouts: config.pod_resources_timeouts,
-            strict: false,
-        },
-        &config.host_root,
-        config.resync_interval,
-        metrics.clone(),
-    )
-    .with_runtime_report(config.runtime_report.clone())
-    .with_posture_paths(config.posture_paths.clone());
-    let kai_client = client.clone();
-    let mut writer = StatusWriter::new(
-        KubeSink::new(client, &node),
-        MIN_WRITE_INTERVAL,
-        config.resync_interval,
-    );
-    // What this agent wrote before a restart: health that events no longer show.
-    match tokio::time::timeout(Duration::from_secs(10), writer.sink().current()).await {
-        Ok(Ok(previous)) => {
-            let now = clock.now();
-            if let Some(gpus) = &previous.gpus {
-                sweeper.restore_health(gpus, now);
-                writer.assume_applied(&previous, now);
-            }
-        }
-        Ok(Err(e)) => {
-            info!(error = %error_chain(&e), "no previous status to carry health over from")
-        }
-        Err(_) => info!("reading the previous status timed out; health starts fresh"),
+    fn synced(&self) -> bool {
+        self.synced.load(Ordering::Relaxed)
     }
-    let mut tick = tokio::time::interval(config.poll_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(shutdown);
-    let mut last_rules: Option<HealthRules> = None;
-    let mut bind_requests: Option<Store<DynamicObject>> = None;
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => break,
-            _ = tick.tick() => {}
-        }
-        let started = Instant::now();
-        let now = clock.now();
-        let synced = caches_ready.load(Ordering::Relaxed);
-        let policy_list = policies.state();
-        let policy_refs: Vec<&GpuPolicy> = policy_list.iter().map(|p| p.as_ref()).collect();
-        let pod_infos: Vec<PodInfo> = pods
-            .state()
-            .iter()
+
+    /// The pods on this node, each with the policy that governs it under its namespace's
+    /// labels.
+    fn pod_infos(&self, policies: &[Arc<GpuPolicy>]) -> Vec<PodInfo> {
+        (self.pods.state().iter())
             .filter_map(|p| {
                 let namespace = p.metadata.namespace.as_deref().unwrap_or_default();
-                let labels = namespaces
+                let labels = (self.namespaces)
                     .get(&reflector::ObjectRef::new(namespace))
                     .map(|ns| ns.metadata.labels.clone().unwrap_or_default());
-                PodInfo::from_pod(p, &policy_list, labels)
+                PodInfo::from_pod(p, policies, labels)
             })
-            .collect();
-        let labels: BTreeMap<String, String> = nodes
-            .state()
-            .first()
-            .and_then(|n| n.meta().labels.clone())
-            .unwrap_or_default();
-        // KAI's BindRequests are watched once a policy names KAI: other clusters have no
-        // such kind to watch.
-        if bind_requests.is_none()
-            && (policy_refs.iter())
-                .any(|p| p.spec.gpu.sharing.as_ref().is_some_and(|s| s.kai.is_some()))
-        {
-            info!("a GpuPolicy names KAI-Scheduler: watching its BindRequests for this node");
-            bind_requests = Some(reflect_bind_requests(kai_client.clone(), &node));
-        }
-        if let Some(store) = &bind_requests {
-            let requests = store.state();
-            sweeper.set_kai_binds(KaiBinds::from_requests(
-                requests.iter().map(|r| r.as_ref()),
-                &node,
-            ));
-        }
-        let rules = crate::policy::health_rules(&policy_refs, &labels);
-        if last_rules.as_ref() != Some(&rules) {
-            info!(policy = %rules.policy, ignored_xids = ?rules.ignored_xids,
-                recover_after = ?rules.recover_after, "health rules");
-            last_rules = Some(rules.clone());
-        }
-        let computed = match sweeper.sweep(now, &pod_infos, synced, &rules).await {
-            Ok(c) => c,
-            Err(e) => {
-                ready.store(false, Ordering::Relaxed);
-                warn!(error = %error_chain(&e), "sweep failed");
-                continue;
-            }
-        };
-        ready.store(synced, Ordering::Relaxed);
-        if synced {
-            match writer.tick(now, &computed.status).await {
-                Ok(Outcome::Written) => {
-                    metrics.status_writes.inc();
-                    let (gpus, healthy, oob) = crate::status::counts(&computed.status);
-                    info!(gpus, healthy, out_of_band = oob, "GpuNode status written");
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    metrics.error(ErrorSource::status);
-                    warn!(error = %error_chain(&e), "status write failed");
-                }
-            }
-        }
-        metrics
-            .sweep_seconds
-            .observe(started.elapsed().as_secs_f64());
+            .collect()
     }
-    info!("shutting down");
-    let _ = stop_tx.send(true);
-    let _ = lease_task.await;
-    let _ = http.await;
-    Ok(())
+
+    /// This node's labels.
+    fn node_labels(&self) -> BTreeMap<String, String> {
+        (self.nodes.state().first())
+            .and_then(|n| n.meta().labels.clone())
+            .unwrap_or_default()
+    }
 }
 
 /// A reflector store fed by a watch with `config`, in the background.
