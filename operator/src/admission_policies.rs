@@ -23,7 +23,9 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use crate::Leadership;
+use crate::feeds::Feeds;
 use crate::metrics::Metrics;
+use crate::wiring::{self, Keeper, Part, Shared};
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "admission-policies";
@@ -242,4 +244,58 @@ pub async fn keep(
         }
     }
     Ok(())
+}
+/// Whether the operator keeps admission policies (`enabled`, its `--admission-policies`),
+/// and in which version of the API, asked once.
+pub async fn keeping(client: &Client, enabled: bool) -> Option<Arc<Keeping>> {
+    if !enabled {
+        return None;
+    }
+    let api = discover(client).await;
+    match api {
+        Some(api) => info!(version = api.version(), "keeping MutatingAdmissionPolicies"),
+        None => warn!(
+            "the API server does not serve MutatingAdmissionPolicy: containers that hold no GPU keep their image's NVIDIA_VISIBLE_DEVICES"
+        ),
+    }
+    Some(Arc::new(Keeping::new(api)))
+}
+
+/// The admission policies' keeper: a pass whenever a GpuPolicy changes, once the policies'
+/// cache is complete (an empty one would delete every policy kept). A change in what failed
+/// wakes `revalidate`, the GpuPolicy controller, whose conditions say it.
+pub fn wire(
+    shared: &Shared,
+    feeds: &mut Feeds,
+    keeping: Option<Arc<Keeping>>,
+    revalidate: mpsc::UnboundedSender<()>,
+) -> Part {
+    let Some(keeping) = keeping else {
+        return Part::new(CONTROLLER, async {});
+    };
+    let (wake_tx, wake) = mpsc::unbounded_channel();
+    feeds.policies.wake_on_any(&wake_tx);
+    let ctx = AdmissionContext {
+        client: shared.client.clone(),
+        policies: feeds.policies.store(),
+        keeping,
+        policies_changed: revalidate,
+        leader: shared.leadership.clone(),
+        metrics: shared.metrics.clone(),
+    };
+    let shared = shared.clone();
+    Part::new(CONTROLLER, async move {
+        let keeper = Keeper {
+            controller: CONTROLLER,
+            kind: AdmissionPolicyError::kind,
+            wake,
+        };
+        let ready = async {
+            let _ = ctx.policies.wait_until_ready().await;
+        };
+        wiring::keep(&shared, keeper, ready, || {
+            reconcile_admission_policies(&ctx)
+        })
+        .await;
+    })
 }

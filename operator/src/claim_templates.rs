@@ -23,11 +23,15 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{DeleteParams, PartialObjectMeta, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
+use tokio::sync::mpsc;
 use tracing::{debug, info};
 
 use crate::Leadership;
+use crate::feeds::Feeds;
 use crate::metrics::Metrics;
+use crate::wiring::{Feed, Keeper, Part, Shared, hash_of, keep};
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "claimtemplates";
@@ -312,6 +316,59 @@ pub async fn reconcile_templates(ctx: &TemplateContext) -> Result<Written, Templ
         Some(e) => Err(e),
         None => Ok(written),
     }
+}
+
+/// gpuwarden's ResourceClaimTemplates, where the cluster serves DRA (`dra`): once the
+/// policies', namespaces' and templates' caches are complete, a pass whenever a policy, a
+/// namespace's labels or one of the templates change, on becoming the leader, after a failure
+/// (with backoff), and every ten minutes.
+pub fn wire(shared: &Shared, feeds: &mut Feeds, dra: bool) -> Part {
+    if !dra {
+        info!("the cluster does not serve resource.k8s.io/v1: no ResourceClaimTemplates are kept");
+        return Part::new(CONTROLLER, async {});
+    }
+    let (wake_tx, wake) = mpsc::unbounded_channel();
+    feeds.policies.wake_on_any(&wake_tx);
+    feeds.namespaces.wake_on_any(&wake_tx);
+    let mut templates = Feed::<ResourceClaimTemplate>::new(|t| {
+        hash_of(&(
+            t.metadata.namespace.as_deref(),
+            t.metadata.uid.as_deref(),
+            serde_json::to_string(&t.metadata.owner_references).unwrap_or_default(),
+        ))
+    });
+    templates.wake_on_any(&wake_tx);
+    let ctx = TemplateContext {
+        client: shared.client.clone(),
+        policies: feeds.policies.store(),
+        namespaces: feeds.namespaces.store(),
+        templates: templates.store(),
+        leader: shared.leadership.clone(),
+        metrics: shared.metrics.clone(),
+    };
+    let watch = templates.start(
+        Api::all(shared.client.clone()),
+        watcher::Config::default().labels(LABEL_CLAIM_TEMPLATE),
+        |t| t.metadata.managed_fields = None,
+        &shared.shutdown,
+    );
+    let shared = shared.clone();
+    let mut part = Part::new(CONTROLLER, async move {
+        let keeper = Keeper {
+            controller: CONTROLLER,
+            kind: TemplateError::kind,
+            wake,
+        };
+        let ready = async {
+            let _ = ctx.policies.wait_until_ready().await;
+            let _ = ctx.namespaces.wait_until_ready().await;
+            let _ = ctx.templates.wait_until_ready().await;
+        };
+        let pass = || async { reconcile_templates(&ctx).await.map(|_| ()) };
+        keep(&shared, keeper, ready, pass).await;
+    });
+    part.watches.push(watch);
+    part
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use jiff::Timestamp;
 pub mod admission_policies;
 pub mod certs;
 pub mod claim_templates;
+pub mod feeds;
 pub mod gpunode;
 pub mod health;
 pub mod leader;
@@ -26,9 +27,11 @@ mod runner;
 pub mod uninstall;
 pub mod webhook_certs;
 pub mod webhook_conditions;
+pub mod wiring;
 
+pub use feeds::trim_node;
 pub use leader::Leadership;
-pub use runner::{RunError, run, run_with, trim_node};
+pub use runner::{RunError, run, run_with};
 
 /// The current time. Production uses the system clock; tests inject their own.
 pub type Clock = Arc<dyn Fn() -> Timestamp + Send + Sync>;

@@ -7,21 +7,25 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use gpuwarden_crds::{
-    AGENT_LEASE_NAMESPACE, FIELD_MANAGER_OPERATOR, GpuNode, GpuNodeSpec, TAINT_GPU_UNHEALTHY,
+    AGENT_LEASE_PREFIX, FIELD_MANAGER_OPERATOR, GpuNode, GpuNodeSpec, TAINT_GPU_UNHEALTHY,
     agent_lease_name,
 };
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
-use kube::runtime::controller::Action;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, warn};
 
+use crate::feeds::Feeds;
 use crate::gpunode::{self, Lifecycle, Transition};
 use crate::metrics::Metrics;
+use crate::wiring::{Feed, Part, Reconciles, Shared, drain, hash_of, leader_gained};
 use crate::{Clock, Leadership};
 
 /// Controller name in metrics and logs.
@@ -78,8 +82,10 @@ pub struct NodeContext {
     pub nodes: Store<Node>,
     /// GpuNode cache.
     pub gpunodes: Store<GpuNode>,
-    /// Agent Lease cache (namespace [`AGENT_LEASE_NAMESPACE`]).
+    /// Agent Lease cache.
     pub leases: Store<Lease>,
+    /// The agents' Lease namespace: gpuwarden's own.
+    pub lease_namespace: String,
     /// Current time; tests inject their own.
     pub clock: Clock,
     /// Whether this replica may write.
@@ -126,27 +132,13 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
     let current = ctx.gpunodes.get(&ObjectRef::new(name));
     let lease = ctx
         .leases
-        .get(&ObjectRef::new(&agent_lease_name(name)).within(AGENT_LEASE_NAMESPACE));
+        .get(&ObjectRef::new(&agent_lease_name(name)).within(&ctx.lease_namespace));
     let liveness = gpunode::agent_liveness(lease.as_deref(), now);
-    let api: Api<GpuNode> = Api::all(ctx.client.clone());
-
     match gpunode::lifecycle(node.as_deref(), &liveness) {
-        Lifecycle::RemoveNodeGone | Lifecycle::RemoveNoGpus => {
+        lifecycle @ (Lifecycle::RemoveNodeGone | Lifecycle::RemoveNoGpus) => {
             if let Some(gn) = current.filter(|g| g.metadata.deletion_timestamp.is_none()) {
-                info!(reason = ?gpunode::lifecycle(node.as_deref(), &liveness), "deleting GpuNode");
-                let dp = DeleteParams {
-                    preconditions: Some(Preconditions {
-                        uid: gn.metadata.uid.clone(),
-                        resource_version: None,
-                    }),
-                    ..Default::default()
-                };
-                ctx.metrics.forget_node(name, &gpunode::CONDITION_TYPES);
-                match api.delete(name, &dp).await {
-                    Ok(_) => ctx.metrics.write(CONTROLLER, "delete"),
-                    Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-                    Err(e) => return Err(api_err("delete GpuNode", name)(e)),
-                }
+                info!(reason = ?lifecycle, "deleting GpuNode");
+                delete_gpunode(ctx, name, &gn).await?;
             }
             if let Some(node) = node.as_deref()
                 && ctx.taint_unhealthy_nodes
@@ -163,54 +155,10 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
                 Some(gn) if gpunode_matches(&gn, &node) => gn,
                 _ => {
                     debug!(?signal, "applying GpuNode");
-                    let applied = api
-                        .patch(
-                            name,
-                            &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
-                            &Patch::Apply(desired_gpunode(&node)),
-                        )
-                        .await
-                        .map_err(api_err("apply GpuNode", name))?;
-                    ctx.metrics.write(CONTROLLER, "apply");
-                    Arc::new(applied)
+                    apply_gpunode(ctx, &node).await?
                 }
             };
-            let desired = gpunode::desired_conditions(gn.status.as_ref(), &liveness);
-            let summary = gpunode::summary(gn.status.as_ref(), Some(&*node));
-            let plan = gpunode::plan_status(gn.status.as_ref(), &desired, summary, now);
-            let conditions = match plan.apply {
-                Some(status) => {
-                    // No summary when neither the agent nor the Node says how many GPUs:
-                    // leaving it out of the apply removes it, so a silent agent never reads
-                    // as "0 GPUs".
-                    let mut fields = serde_json::Map::new();
-                    fields.insert("conditions".into(), json!(status.conditions));
-                    if let Some(summary) = &status.summary {
-                        fields.insert("summary".into(), json!(summary));
-                    }
-                    let body = json!({
-                        "apiVersion": GpuNode::api_version(&()),
-                        "kind": GpuNode::kind(&()),
-                        "metadata": { "name": name },
-                        "status": fields,
-                    });
-                    api.patch_status(
-                        name,
-                        &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
-                        &Patch::Apply(body),
-                    )
-                    .await
-                    .map_err(api_err("apply GpuNode status", name))?;
-                    ctx.metrics.write(CONTROLLER, "status");
-                    publish_transitions(ctx, &gn, &plan.transitions).await;
-                    status.conditions
-                }
-                None => gn
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.conditions.clone())
-                    .unwrap_or_default(),
-            };
+            let conditions = keep_status(ctx, &gn, &node, &liveness, now).await?;
             (ctx.metrics).set_node_conditions(
                 name,
                 (conditions.iter()).map(|c| (c.type_.as_str(), c.status.as_str())),
@@ -222,6 +170,86 @@ pub async fn reconcile_node(name: &str, ctx: &NodeContext) -> Result<Action, Nod
                 .map_or_else(Action::await_change, Action::requeue))
         }
     }
+}
+
+/// Deletes the GpuNode `gn` of node `name`, if it is still the object read.
+async fn delete_gpunode(ctx: &NodeContext, name: &str, gn: &GpuNode) -> Result<(), NodeError> {
+    let dp = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: gn.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    ctx.metrics.forget_node(name, &gpunode::CONDITION_TYPES);
+    match Api::<GpuNode>::all(ctx.client.clone())
+        .delete(name, &dp)
+        .await
+    {
+        Ok(_) => ctx.metrics.write(CONTROLLER, "delete"),
+        Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+        Err(e) => return Err(api_err("delete GpuNode", name)(e)),
+    }
+    Ok(())
+}
+
+/// Applies the GpuNode of `node` (its spec and the operator's metadata).
+async fn apply_gpunode(ctx: &NodeContext, node: &Node) -> Result<Arc<GpuNode>, NodeError> {
+    let name = node.name_any();
+    let applied = Api::<GpuNode>::all(ctx.client.clone())
+        .patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
+            &Patch::Apply(desired_gpunode(node)),
+        )
+        .await
+        .map_err(api_err("apply GpuNode", &name))?;
+    ctx.metrics.write(CONTROLLER, "apply");
+    Ok(Arc::new(applied))
+}
+
+/// Writes `gn`'s conditions and summary where they differ from what they should be, with
+/// an Event per transition; returns the conditions it now has.
+async fn keep_status(
+    ctx: &NodeContext,
+    gn: &GpuNode,
+    node: &Node,
+    liveness: &gpunode::AgentLiveness,
+    now: jiff::Timestamp,
+) -> Result<Vec<Condition>, NodeError> {
+    let desired = gpunode::desired_conditions(gn.status.as_ref(), liveness);
+    let summary = gpunode::summary(gn.status.as_ref(), Some(node));
+    let plan = gpunode::plan_status(gn.status.as_ref(), &desired, summary, now);
+    let Some(status) = plan.apply else {
+        return Ok((gn.status.as_ref())
+            .and_then(|s| s.conditions.clone())
+            .unwrap_or_default());
+    };
+    let name = gn.name_any();
+    // No summary when neither the agent nor the Node says how many GPUs: leaving it out of
+    // the apply removes it, so a silent agent never reads as "0 GPUs".
+    let mut fields = serde_json::Map::new();
+    fields.insert("conditions".into(), json!(status.conditions));
+    if let Some(summary) = &status.summary {
+        fields.insert("summary".into(), json!(summary));
+    }
+    let body = json!({
+        "apiVersion": GpuNode::api_version(&()),
+        "kind": GpuNode::kind(&()),
+        "metadata": { "name": name },
+        "status": fields,
+    });
+    Api::<GpuNode>::all(ctx.client.clone())
+        .patch_status(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
+            &Patch::Apply(body),
+        )
+        .await
+        .map_err(api_err("apply GpuNode status", &name))?;
+    ctx.metrics.write(CONTROLLER, "status");
+    publish_transitions(ctx, gn, &plan.transitions).await;
+    Ok(status.conditions)
 }
 
 /// The GpuNode the operator owns the spec and metadata of.
@@ -350,10 +378,168 @@ async fn sync_taint(ctx: &NodeContext, node: &Node, want: bool) -> Result<(), No
     Ok(())
 }
 
+/// What the reconciler reads from an agent Lease: holder, duration and whether it is live
+/// now. A renewal of a live Lease changes none of these; expiry is caught by a timed requeue.
+fn lease_inputs(lease: &Lease, clock: &Clock) -> u64 {
+    let spec = lease.spec.as_ref();
+    hash_of(&(
+        spec.and_then(|s| s.holder_identity.as_deref()),
+        spec.and_then(|s| s.lease_duration_seconds),
+        gpunode::agent_liveness(Some(lease), clock()).is_live(),
+    ))
+}
+
+/// The GpuNode controllers: one runs on Nodes, and wakes for their GpuNodes and agent Leases
+/// (watched here, in `namespace`); the orphan controller runs on GpuNodes, and wakes when
+/// their Node goes. Both reconcile everything on becoming the leader.
+pub fn wire(
+    shared: &Shared,
+    feeds: &mut Feeds,
+    namespace: &str,
+    identity: &str,
+    taint_unhealthy_nodes: bool,
+) -> Part {
+    let mut leases = Feed::<Lease>::new({
+        let clock = shared.clock.clone();
+        move |l| lease_inputs(l, &clock)
+    });
+    let lease_changes = leases.trigger(true);
+    let recorder = Recorder::new(
+        shared.client.clone(),
+        Reporter {
+            controller: gpuwarden_crds::install::OPERATOR_NAME.to_owned(),
+            instance: Some(identity.to_owned()),
+        },
+    );
+    let ctx = Arc::new(NodeContext {
+        client: shared.client.clone(),
+        nodes: feeds.nodes.store(),
+        gpunodes: feeds.gpunodes.store(),
+        leases: leases.store(),
+        lease_namespace: namespace.to_owned(),
+        clock: shared.clock.clone(),
+        leader: shared.leadership.clone(),
+        metrics: shared.metrics.clone(),
+        recorder: Some(recorder),
+        taint_unhealthy_nodes,
+    });
+    let reconciles = Reconciles::new(CONTROLLER, NodeError::kind, NodeError::is_permanent);
+    let nodes = Controller::for_stream(feeds.nodes.trigger(false), ctx.nodes.clone())
+        .watches_stream(feeds.gpunodes.trigger(true), |g: GpuNode| {
+            Some(ObjectRef::<Node>::new(&g.name_any()))
+        })
+        .watches_stream(lease_changes, |l: Lease| {
+            let name = l.name_any();
+            (name.strip_prefix(AGENT_LEASE_PREFIX)).map(ObjectRef::<Node>::new)
+        })
+        .reconcile_all_on(leader_gained(shared.leadership.clone()))
+        .with_config(shared.controller_config.clone())
+        .graceful_shutdown_on(shared.shutdown.stopped())
+        .run(
+            {
+                let reconciles = reconciles.clone();
+                move |node: Arc<Node>, ctx: Arc<NodeContext>| {
+                    let reconciles = reconciles.clone();
+                    async move { reconcile_timed(&reconciles, node.name_any(), &ctx).await }
+                }
+            },
+            {
+                let reconciles = reconciles.clone();
+                move |node: Arc<Node>, err: &NodeError, _| {
+                    reconciles.error_action(&node.name_any(), err)
+                }
+            },
+            ctx.clone(),
+        );
+    let orphans = Controller::for_stream(feeds.gpunodes.trigger(false), ctx.gpunodes.clone())
+        .watches_stream(feeds.nodes.deletions(), |n: Node| {
+            Some(ObjectRef::<GpuNode>::new(&n.name_any()))
+        })
+        .reconcile_all_on(leader_gained(shared.leadership.clone()))
+        .with_config(shared.controller_config.clone())
+        .graceful_shutdown_on(shared.shutdown.stopped())
+        .run(
+            {
+                let reconciles = reconciles.clone();
+                move |gn: Arc<GpuNode>, ctx: Arc<NodeContext>| {
+                    let reconciles = reconciles.clone();
+                    async move {
+                        let name = gn.name_any();
+                        if ctx.nodes.get(&ObjectRef::new(&name)).is_some() {
+                            // The node controller owns GpuNodes whose Node exists.
+                            return Ok(Action::await_change());
+                        }
+                        reconcile_timed(&reconciles, name, &ctx).await
+                    }
+                }
+            },
+            move |gn: Arc<GpuNode>, err: &NodeError, _| {
+                reconciles.error_action(&gn.name_any(), err)
+            },
+            ctx.clone(),
+        );
+    let lease_store = ctx.leases.clone();
+    Part {
+        name: CONTROLLER,
+        watches: vec![leases.start(
+            Api::namespaced(shared.client.clone(), namespace),
+            watcher::Config::default(),
+            |l| l.metadata.managed_fields = None,
+            &shared.shutdown,
+        )],
+        synced: async move {
+            let _ = lease_store.wait_until_ready().await;
+        }
+        .boxed(),
+        run: async move {
+            tokio::join!(drain(nodes), drain(orphans));
+        }
+        .boxed(),
+    }
+}
+
+/// [`reconcile_node`] of `name`, timed and counted.
+async fn reconcile_timed(
+    reconciles: &Reconciles<NodeError>,
+    name: String,
+    ctx: &NodeContext,
+) -> Result<Action, NodeError> {
+    (reconciles.timed(&ctx.metrics, &name, reconcile_node(&name, ctx))).await
+}
+
 mod json_patch_ops {
     //! kube's `Patch::Json` takes a `json_patch::Patch`; it deserialises from the RFC 6902
     //! operation list.
     #[derive(serde::Deserialize)]
     #[serde(transparent)]
     pub struct Ops(pub json_patch::Patch);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_renewal_of_a_live_lease_is_not_an_input_its_expiry_is() {
+        let clock: Clock = Arc::new(|| jiff::Timestamp::from_second(1000).unwrap_or_default());
+        let mut lease = Lease::default();
+        let spec = |renew: i64| k8s_openapi::api::coordination::v1::LeaseSpec {
+            holder_identity: Some("agent".into()),
+            lease_duration_seconds: Some(40),
+            renew_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                jiff::Timestamp::from_second(renew).unwrap_or_default(),
+            )),
+            ..Default::default()
+        };
+        lease.spec = Some(spec(990));
+        let live = lease_inputs(&lease, &clock);
+        lease.spec = Some(spec(995));
+        assert_eq!(
+            lease_inputs(&lease, &clock),
+            live,
+            "renewal of a live Lease"
+        );
+        lease.spec = Some(spec(900));
+        assert_ne!(lease_inputs(&lease, &clock), live, "expired");
+    }
 }

@@ -6,21 +6,25 @@
 
 use std::sync::Arc;
 
+use futures::{StreamExt, stream};
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{FIELD_MANAGER_OPERATOR, GpuPolicy};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Patch, PatchParams};
-use kube::runtime::controller::Action;
+use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::{Api, Client, Resource};
+use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
+use tokio::sync::mpsc;
 use tracing::{debug, info};
 
 use crate::admission_policies::{self, Keeping};
 use gpuwarden_crds::admission::policies::{CONDITION_ADMISSION_POLICIES, admission_condition};
 
+use crate::feeds::Feeds;
 use crate::metrics::Metrics;
 use crate::node_controller::synced;
+use crate::wiring::{Part, Reconciles, Shared, drain, leader_gained, wakes};
 use crate::{Clock, Leadership};
 use gpuwarden_crds::validation::ready_condition;
 
@@ -247,6 +251,57 @@ pub async fn reconcile_policy(name: &str, ctx: &PolicyContext) -> Result<Action,
     })?;
     ctx.metrics.write(CONTROLLER, "status");
     Ok(done)
+}
+
+/// The GpuPolicy controller: it runs on GpuPolicies and re-validates every one when any
+/// changes (overlaps are between policies), when `revalidate` fires (the admission policies'
+/// keeper, whose outcome the policies' conditions say) and on becoming the leader.
+pub fn wire(
+    shared: &Shared,
+    feeds: &mut Feeds,
+    keeping: Option<Arc<Keeping>>,
+    revalidate: mpsc::UnboundedReceiver<()>,
+) -> Part {
+    let (all_tx, all) = mpsc::unbounded_channel();
+    feeds.policies.wake_on_any(&all_tx);
+    let ctx = Arc::new(PolicyContext {
+        client: shared.client.clone(),
+        policies: feeds.policies.store(),
+        clock: shared.clock.clone(),
+        leader: shared.leadership.clone(),
+        metrics: shared.metrics.clone(),
+        admission_policies: keeping,
+    });
+    let reconciles = Reconciles::new(CONTROLLER, PolicyError::kind, |e: &PolicyError| {
+        e.kind() == "invalid"
+    });
+    let everything = stream::select_all([
+        wakes(all).boxed(),
+        wakes(revalidate).boxed(),
+        leader_gained(shared.leadership.clone()).boxed(),
+    ]);
+    let controller = Controller::for_stream(feeds.policies.trigger(false), ctx.policies.clone())
+        .reconcile_all_on(everything)
+        .with_config(shared.controller_config.clone())
+        .graceful_shutdown_on(shared.shutdown.stopped())
+        .run(
+            {
+                let reconciles = reconciles.clone();
+                move |p: Arc<GpuPolicy>, ctx: Arc<PolicyContext>| {
+                    let reconciles = reconciles.clone();
+                    async move {
+                        let name = p.name_any();
+                        let reconcile = reconcile_policy(&name, &ctx);
+                        reconciles.timed(&ctx.metrics, &name, reconcile).await
+                    }
+                }
+            },
+            move |p: Arc<GpuPolicy>, err: &PolicyError, _| {
+                reconciles.error_action(&p.name_any(), err)
+            },
+            ctx,
+        );
+    Part::new(CONTROLLER, drain(controller))
 }
 
 #[cfg(test)]

@@ -9,10 +9,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use gpuwarden_crds::FIELD_MANAGER_OPERATOR;
 use gpuwarden_crds::install::{MUTATING_WEBHOOK_CONFIGURATION, WEBHOOK_TLS_SECRET};
+use gpuwarden_crds::{FIELD_MANAGER_OPERATOR, error_chain};
 use jiff::Timestamp;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
@@ -20,10 +20,13 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client};
 use serde_json::json;
-use tracing::{info, warn};
+use tokio::sync::mpsc;
+use tracing::{debug, info, warn};
 
 use crate::certs::{self, CertError, CertParams};
+use crate::feeds::Feeds;
 use crate::metrics::Metrics;
+use crate::wiring::{Backoffs, Part, Shared, wait_for_turn};
 use crate::{Clock, Leadership};
 
 /// Controller name in metrics and logs.
@@ -218,4 +221,70 @@ pub fn ca_bundle_patch(
         return Ok(None);
     }
     serde_json::from_value(serde_json::Value::Array(ops)).map(Some)
+}
+/// The certificate keeper, unless the certificates are managed elsewhere (`manage` off):
+/// a pass when they are due, when the webhook configuration appears or its bundles change,
+/// on becoming the leader, and after a failure (with backoff).
+pub fn wire(shared: &Shared, feeds: &mut Feeds, manage: bool, params: CertParams) -> Part {
+    if !manage {
+        info!("webhook certificates are managed elsewhere (e.g. cert-manager)");
+        return Part::new(CONTROLLER, async {});
+    }
+    let (wake_tx, wake) = mpsc::unbounded_channel();
+    // Nothing to restore on a configuration that is gone; its return wakes the keeper.
+    feeds.webhook_configuration.on_change(move |_| {
+        let _ = wake_tx.send(());
+    });
+    let ctx = CertContext {
+        client: shared.client.clone(),
+        namespace: params.namespace.clone(),
+        params,
+        clock: shared.clock.clone(),
+        leader: shared.leadership.clone(),
+        metrics: shared.metrics.clone(),
+    };
+    let shared = shared.clone();
+    Part::new(
+        CONTROLLER,
+        async move { cert_loop(&shared, ctx, wake).await },
+    )
+}
+
+/// Keeps the webhook's certificates until shutdown: a pass when they are due, when woken,
+/// on becoming the leader, and after a failure (with backoff).
+async fn cert_loop(shared: &Shared, ctx: CertContext, mut wake: mpsc::UnboundedReceiver<()>) {
+    let mut leadership = ctx.leader.clone();
+    let backoffs = Backoffs::default();
+    loop {
+        let wait = if ctx.leader.is_leader() {
+            pass(&ctx, &backoffs).await
+        } else {
+            MAX_RECHECK
+        };
+        debug!(?wait, "next webhook certificate check");
+        if !wait_for_turn(shared, &mut leadership, &mut wake, wait).await {
+            return;
+        }
+    }
+}
+
+/// One timed pass; returns how long until the next.
+async fn pass(ctx: &CertContext, backoffs: &Backoffs) -> Duration {
+    let start = Instant::now();
+    match reconcile_certificates(ctx).await {
+        Ok(next) => {
+            ctx.metrics.reconciled(CONTROLLER, start.elapsed(), None);
+            backoffs.reset(CONTROLLER);
+            let left = next.duration_since((ctx.clock)());
+            Duration::try_from(left)
+                .unwrap_or_default()
+                .max(Duration::from_secs(1))
+        }
+        Err(e) => {
+            (ctx.metrics).reconciled(CONTROLLER, start.elapsed(), Some(e.kind()));
+            let delay = backoffs.next(CONTROLLER);
+            warn!(error = %error_chain(&e), retry_in = ?delay, "webhook certificate sync failed");
+            delay
+        }
+    }
 }

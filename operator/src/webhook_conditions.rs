@@ -17,10 +17,13 @@ use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::Store;
 use kube::{Api, Client};
 use serde_json::json;
+use tokio::sync::mpsc;
 use tracing::info;
 
 use crate::Leadership;
+use crate::feeds::Feeds;
 use crate::metrics::Metrics;
+use crate::wiring::{Keeper, Part, Shared, keep};
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "webhook-conditions";
@@ -156,6 +159,33 @@ pub fn conditions_patch(
         return Ok(None);
     }
     serde_json::from_value(serde_json::Value::Array(ops)).map(Some)
+}
+
+/// The condition keeper: a pass whenever a GpuPolicy changes or the webhook configuration
+/// appears or its bundles or conditions change.
+pub fn wire(shared: &Shared, feeds: &mut Feeds) -> Part {
+    let (wake_tx, wake) = mpsc::unbounded_channel();
+    feeds.policies.wake_on_any(&wake_tx);
+    // Nothing to restore on a configuration that is gone; its return wakes the keeper.
+    feeds.webhook_configuration.on_change(move |_| {
+        let _ = wake_tx.send(());
+    });
+    let ctx = ConditionContext {
+        client: shared.client.clone(),
+        policies: feeds.policies.store(),
+        leader: shared.leadership.clone(),
+        metrics: shared.metrics.clone(),
+    };
+    let shared = shared.clone();
+    Part::new(CONTROLLER, async move {
+        let keeper = Keeper {
+            controller: CONTROLLER,
+            kind: ConditionSyncError::kind,
+            wake,
+        };
+        let pass = || async { reconcile_conditions(&ctx).await.map(|_| ()) };
+        keep(&shared, keeper, async {}, pass).await;
+    })
 }
 
 #[cfg(test)]

@@ -272,6 +272,7 @@ fn world(
             nodes,
             gpunodes,
             leases,
+            lease_namespace: gpuwarden_crds::AGENT_LEASE_NAMESPACE.into(),
             clock,
             leader,
             metrics: Arc::new(Metrics::new()),

@@ -285,6 +285,18 @@ impl FakeApi {
     }
 
     fn list(&self, coll: &'static str, kind: &str, version: &str, query: &str) -> Vec<u8> {
+        self.list_within(coll, kind, version, query, "")
+    }
+
+    /// A page of the objects of `coll` whose keys start with `within`.
+    fn list_within(
+        &self,
+        coll: &'static str,
+        kind: &str,
+        version: &str,
+        query: &str,
+        within: &str,
+    ) -> Vec<u8> {
         self.lists.fetch_add(1, Ordering::Relaxed);
         let param = |key: &str| {
             query
@@ -295,8 +307,12 @@ impl FakeApi {
         let limit = param("limit").unwrap_or(usize::MAX);
         let offset = param("continue").unwrap_or(0);
         let c = self.collections.lock().unwrap_or_else(|p| p.into_inner());
-        let objects = c.get(coll).map(|c| &c.objects);
-        let total = objects.map_or(0, BTreeMap::len);
+        let objects = c.get(coll).map(|c| {
+            (c.objects.iter())
+                .filter(|(key, _)| key.starts_with(within))
+                .collect::<BTreeMap<_, _>>()
+        });
+        let total = objects.as_ref().map_or(0, BTreeMap::len);
         let mut out = Vec::new();
         let next = offset.saturating_add(limit);
         let meta = if next < total {
@@ -310,7 +326,7 @@ impl FakeApi {
         );
         for (i, obj) in objects
             .into_iter()
-            .flat_map(|o| o.values())
+            .flat_map(|o| o.into_values())
             .skip(offset)
             .take(limit)
             .enumerate()
@@ -395,6 +411,24 @@ impl FakeApi {
             && let Some(list) = self.discovery(path)
         {
             return json_response(StatusCode::OK, &list);
+        }
+        // The pods of one namespace (kept as `namespace/name`), listed.
+        if method == "GET"
+            && !query.contains("watch=true")
+            && let Some(namespace) = (path.strip_prefix("/api/v1/namespaces/"))
+                .and_then(|rest| rest.strip_suffix("/pods"))
+        {
+            self.requests
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(format!("{method} {path}?{query}"));
+            let within = format!("{namespace}/");
+            let list = self.list_within("pods", "PodList", "v1", query, &within);
+            return Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "application/json")
+                .body(full(list))
+                .unwrap_or_default();
         }
         let Some((coll, kind, version, name, status)) = route(path) else {
             return not_found();

@@ -2,15 +2,17 @@
 //! what gpuwarden's webhook would change or refuse in the pods that run there (Audit mode's
 //! findings, and pods created before their policy or while the webhook was bypassed).
 //!
-//! [`namespace_report`] is the pure core: the webhook's own engine
-//! ([`gpuwarden_webhook::engine::decide`]) on each pod of the namespace, its findings turned
-//! into results by [`gpuwarden_webhook::report`], the same module `mutate -o policyreport`
-//! prints with. [`reconcile_namespace`] writes the report by server-side apply in each report
-//! kind the API server serves ([`discover_kinds`]), only when it differs from what was last
-//! written, and deletes it when there is nothing to report. [`sweep`] lists the reports
-//! gpuwarden left (by label), so that those of namespaces with nothing to report go too.
+//! [`judge`] is the pure core: the webhook's own engine ([`gpuwarden_webhook::engine::decide`])
+//! on a pod, its findings turned into results by [`gpuwarden_webhook::report`], the same
+//! module `mutate -o policyreport` prints with. The Pod watch ([`judging`]) judges each pod as
+//! it comes and keeps only the results, in [`Findings`]: the controller's memory follows what
+//! it found, not the pods it watched. [`reconcile_namespace`] writes a namespace's report by
+//! server-side apply in each report kind the API server serves ([`discover_kinds`]), only
+//! when it differs from what was last written, and deletes it when there is nothing to
+//! report. [`sweep`] lists the reports gpuwarden left (by label), so that those of namespaces
+//! with nothing to report go too. [`wire`] puts them together.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -18,8 +20,9 @@ use gpuwarden_crds::reports::{FIELD_MANAGER_REPORTS, LABEL_MANAGED_BY, MAX_RESUL
 use gpuwarden_crds::{GpuPolicy, error_chain, install};
 use gpuwarden_webhook::engine::{self, ClaimStore, Input, Operation};
 use gpuwarden_webhook::pod::PodView;
+use gpuwarden_webhook::report::ReportResult;
 use gpuwarden_webhook::report::{self, NamespaceReport, ReportKind, Subject, Timestamp};
-use k8s_openapi::api::core::v1::{Namespace, Pod, PodStatus};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PartialObjectMeta,
     Patch, PatchParams,
@@ -27,10 +30,18 @@ use kube::api::{
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
+use tokio::sync::watch;
 use tracing::{debug, info, instrument};
 
 use crate::Leadership;
 use crate::metrics::Metrics;
+
+mod findings;
+mod judging;
+mod keeper;
+
+pub use findings::Findings;
+pub use keeper::wire;
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "policyreports";
@@ -43,52 +54,61 @@ pub const DEBOUNCE: std::time::Duration = std::time::Duration::from_secs(2);
 /// found within this time), and lists the reports it left behind.
 pub const RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// The annotation `kubectl apply` leaves on objects: a whole copy of the object, which the
-/// engine never reads.
-const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
-
-/// Drops what the report never reads from a Pod (managed fields, `kubectl apply`'s copy, the
-/// status but its phase): at 150,000 pods that is most of the cache's memory.
-pub fn trim_pod(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
-    if let Some(annotations) = pod.metadata.annotations.as_mut() {
-        annotations.remove(LAST_APPLIED);
-    }
-    pod.status = pod.status.take().map(|s| PodStatus {
-        phase: s.phase,
-        ..Default::default()
-    });
-}
-
-/// What a namespace's report reads from a Pod: its identity, labels, annotations, owners,
-/// spec and whether it still runs. Status updates change none of these.
-pub fn pod_inputs(pod: &Pod) -> u64 {
-    let mut h = DefaultHasher::new();
-    pod.metadata.uid.hash(&mut h);
-    pod.metadata.labels.hash(&mut h);
-    pod.metadata.annotations.hash(&mut h);
-    serde_json::to_string(&pod.metadata.owner_references)
-        .unwrap_or_default()
-        .hash(&mut h);
-    serde_json::to_string(&pod.spec)
-        .unwrap_or_default()
-        .hash(&mut h);
-    finished(pod).hash(&mut h);
-    pod.metadata.deletion_timestamp.is_some().hash(&mut h);
-    h.finish()
-}
-
 /// Whether the pod's containers have all stopped for good: it holds no GPU any more.
 fn finished(pod: &Pod) -> bool {
     let phase = (pod.status.as_ref()).and_then(|s| s.phase.as_deref());
     matches!(phase, Some("Succeeded" | "Failed"))
 }
 
-/// The report of `namespace`: the results of every pod in it that has not finished, judged by
-/// the webhook's engine under `policies` with the namespace's `labels` as a pod created now
-/// would be, cut to `cap` results. A pod the webhook already rewrote needs nothing, so it
-/// adds none. ResourceClaims are read as `mutate` reads a manifest's: gpuwarden's own
-/// templates are taken to exist, and anything else counts by nothing.
+/// What the webhook's engine finds in `pod`, under `policies` with its namespace's `labels`,
+/// as a pod created now would be judged: its report results. A pod that has finished holds
+/// no GPU and adds none; neither does one the webhook already rewrote. ResourceClaims are read
+/// as `mutate` reads a manifest's: gpuwarden's own templates are taken to exist, and anything
+/// else counts by nothing.
+pub fn judge(
+    pod: &Pod,
+    labels: Option<&BTreeMap<String, String>>,
+    policies: &[Arc<GpuPolicy>],
+) -> Vec<ReportResult> {
+    let (Some(namespace), Ok(value)) =
+        (pod.metadata.namespace.as_deref(), serde_json::to_value(pod))
+    else {
+        return Vec::new();
+    };
+    if finished(pod) {
+        return Vec::new();
+    }
+    let labels = engine::namespace_labels_or_default(namespace, labels.cloned());
+    let claims = ClaimStore::offline();
+    let view = PodView::from_value(&value);
+    let name = pod.name_any();
+    let display = format!("{namespace}/{name}");
+    let input = Input {
+        pod: &view,
+        namespace,
+        namespace_labels: &labels,
+        operation: Operation::Create,
+        display_name: &display,
+        claims: &claims,
+        owner_kind: None,
+        requester: engine::Requester::Unknown,
+    };
+    let decision = engine::decide(&input, policies);
+    let subject = Subject {
+        api_version: "v1".to_owned(),
+        kind: "Pod".to_owned(),
+        namespace: namespace.to_owned(),
+        name,
+        uid: pod.metadata.uid.clone(),
+    };
+    let found = (pod.metadata.creation_timestamp.as_ref())
+        .map(|t| Timestamp::of(t.0))
+        .unwrap_or_default();
+    report::results(&decision, &subject, found)
+}
+
+/// The report of `namespace`: the results of every pod of it in `pods` ([`judge`]), cut to
+/// `cap` results.
 pub fn namespace_report<'p>(
     namespace: &str,
     labels: Option<&BTreeMap<String, String>>,
@@ -96,42 +116,10 @@ pub fn namespace_report<'p>(
     policies: &[Arc<GpuPolicy>],
     cap: usize,
 ) -> NamespaceReport {
-    let labels = engine::namespace_labels_or_default(namespace, labels.cloned());
-    let claims = ClaimStore::offline();
-    let mut results = Vec::new();
-    for pod in pods {
-        if pod.metadata.namespace.as_deref() != Some(namespace) || finished(pod) {
-            continue;
-        }
-        let Ok(value) = serde_json::to_value(pod) else {
-            continue;
-        };
-        let view = PodView::from_value(&value);
-        let name = pod.name_any();
-        let display = format!("{namespace}/{name}");
-        let input = Input {
-            pod: &view,
-            namespace,
-            namespace_labels: &labels,
-            operation: Operation::Create,
-            display_name: &display,
-            claims: &claims,
-            owner_kind: None,
-            requester: engine::Requester::Unknown,
-        };
-        let decision = engine::decide(&input, policies);
-        let subject = Subject {
-            api_version: "v1".to_owned(),
-            kind: "Pod".to_owned(),
-            namespace: namespace.to_owned(),
-            name,
-            uid: pod.metadata.uid.clone(),
-        };
-        let found = (pod.metadata.creation_timestamp.as_ref())
-            .map(|t| Timestamp::of(t.0))
-            .unwrap_or_default();
-        results.extend(report::results(&decision, &subject, found));
-    }
+    let results = (pods.into_iter())
+        .filter(|pod| pod.metadata.namespace.as_deref() == Some(namespace))
+        .flat_map(|pod| judge(pod, labels, policies))
+        .collect();
     NamespaceReport::new(namespace, results, cap)
 }
 
@@ -231,69 +219,12 @@ impl ReportError {
     }
 }
 
-/// The names of the pods in each namespace, kept by the Pod watch's route, so that a
-/// namespace's reconcile reads its own pods from the cache rather than every pod of the
-/// cluster.
-#[derive(Debug, Default)]
-pub struct PodIndex(Mutex<HashMap<String, BTreeSet<String>>>);
-
-impl PodIndex {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, BTreeSet<String>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Records a pod seen (added or changed).
-    pub fn insert(&self, pod: &Pod) {
-        if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
-            self.map()
-                .entry(ns.clone())
-                .or_default()
-                .insert(name.clone());
-        }
-    }
-
-    /// Forgets a deleted pod.
-    pub fn remove(&self, pod: &Pod) {
-        if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
-            let mut map = self.map();
-            if let Some(names) = map.get_mut(ns) {
-                names.remove(name);
-                if names.is_empty() {
-                    map.remove(ns);
-                }
-            }
-        }
-    }
-
-    /// The pods of `namespace` in `store`; names the store no longer holds (deleted while a
-    /// watch was re-listing) are forgotten.
-    pub fn pods(&self, namespace: &str, store: &Store<Pod>) -> Vec<Arc<Pod>> {
-        let mut map = self.map();
-        let Some(names) = map.get_mut(namespace) else {
-            return Vec::new();
-        };
-        let mut pods = Vec::with_capacity(names.len());
-        names.retain(
-            |name| match store.get(&ObjectRef::new(name).within(namespace)) {
-                Some(pod) => {
-                    pods.push(pod);
-                    true
-                }
-                None => false,
-            },
-        );
-        pods
-    }
-}
-
 /// What the report keeper reads and remembers.
 pub struct ReportContext {
     /// API client.
     pub client: Client,
-    /// Every Pod, trimmed ([`trim_pod`]).
-    pub pods: Store<Pod>,
-    /// Which pods each namespace holds.
-    pub index: Arc<PodIndex>,
+    /// What was judged of each pod that has findings.
+    pub findings: Findings,
     /// Namespace labels.
     pub namespaces: Store<PartialObjectMeta<Namespace>>,
     /// GpuPolicies.
@@ -304,8 +235,8 @@ pub struct ReportContext {
     pub metrics: Arc<Metrics>,
     /// The report kinds the API server serves, from the last discovery.
     pub kinds: RwLock<Vec<ReportKind>>,
-    /// Whether the Pod cache holds a complete list.
-    pub pods_ready: std::sync::atomic::AtomicBool,
+    /// Whether every Pod has been judged once (a complete list).
+    pub pods_judged: watch::Sender<bool>,
     /// Per namespace with a report of gpuwarden's: the hash of what was last written there
     /// (`None` when it was found by [`sweep`], its content unknown).
     pub written: Mutex<HashMap<String, Option<u64>>>,
@@ -317,7 +248,6 @@ impl ReportContext {
     /// A context with nothing written, no kind served and the default cap.
     pub fn new(
         client: Client,
-        pods: Store<Pod>,
         namespaces: Store<PartialObjectMeta<Namespace>>,
         policies: Store<GpuPolicy>,
         leader: Leadership,
@@ -325,17 +255,21 @@ impl ReportContext {
     ) -> Self {
         Self {
             client,
-            pods,
-            index: Arc::new(PodIndex::default()),
+            findings: Findings::default(),
             namespaces,
             policies,
             leader,
             metrics,
             kinds: RwLock::new(Vec::new()),
-            pods_ready: std::sync::atomic::AtomicBool::new(false),
+            pods_judged: watch::Sender::new(false),
             written: Mutex::new(HashMap::new()),
             cap: MAX_RESULTS,
         }
+    }
+
+    /// Whether every Pod has been judged once.
+    pub fn pods_judged(&self) -> bool {
+        *self.pods_judged.borrow()
     }
 
     /// The kinds served now.
@@ -364,24 +298,10 @@ pub async fn reconcile_namespace(
     ctx: &ReportContext,
 ) -> Result<Action, ReportError> {
     let kinds = ctx.kinds();
-    if !ctx.leader.is_leader()
-        || kinds.is_empty()
-        || !ctx.pods_ready.load(std::sync::atomic::Ordering::Acquire)
-    {
+    if !ctx.leader.is_leader() || kinds.is_empty() || !ctx.pods_judged() {
         return Ok(Action::await_change());
     }
-    let policies = ctx.policies.state();
-    let labels = (ctx.namespaces)
-        .get(&ObjectRef::new(namespace))
-        .and_then(|ns| ns.metadata.labels.clone());
-    let pods = ctx.index.pods(namespace, &ctx.pods);
-    let report = namespace_report(
-        namespace,
-        labels.as_ref(),
-        pods.iter().map(AsRef::as_ref),
-        &policies,
-        ctx.cap,
-    );
+    let report = NamespaceReport::new(namespace, ctx.findings.of(namespace), ctx.cap);
     let last = ctx.written().get(namespace).copied();
     if report.is_empty() {
         if last.is_some() {
@@ -604,27 +524,23 @@ mod tests {
     }
 
     #[test]
-    fn trimming_keeps_what_the_engine_reads_and_status_updates_are_not_inputs() {
-        let mut value = privileged("ml", "p");
-        value["metadata"]["annotations"] =
-            json!({LAST_APPLIED: "{...}", "cdi.k8s.io/x": "nvidia.com/gpu=all"});
-        value["metadata"]["managedFields"] = json!([{"manager": "kubectl"}]);
-        value["status"]["podIP"] = json!("10.0.0.1");
-        let mut p = pod(value);
-        trim_pod(&mut p);
-        assert!(p.metadata.managed_fields.is_none());
-        let annotations = p.metadata.annotations.clone().unwrap();
-        assert!(!annotations.contains_key(LAST_APPLIED));
-        assert!(annotations.contains_key("cdi.k8s.io/x"));
-        assert_eq!(p.status.as_ref().and_then(|s| s.pod_ip.clone()), None);
+    fn a_finished_pod_or_one_without_a_namespace_has_nothing_to_report() {
+        let policies = default_policy();
+        let running = pod(privileged("ml", "p"));
+        assert!(!judge(&running, None, &policies).is_empty());
+        let mut done = privileged("ml", "p");
+        done["status"]["phase"] = json!("Succeeded");
+        assert!(judge(&pod(done), None, &policies).is_empty());
+        let mut nowhere = running.clone();
+        nowhere.metadata.namespace = None;
+        assert!(judge(&nowhere, None, &policies).is_empty());
+        // What the watch sees change without a spec change finds the same.
+        let mut status = privileged("ml", "p");
+        status["status"]["podIP"] = json!("10.0.0.1");
+        status["metadata"]["resourceVersion"] = json!("42");
         assert_eq!(
-            p.status.as_ref().and_then(|s| s.phase.as_deref()),
-            Some("Running")
+            judge(&pod(status), None, &policies),
+            judge(&running, None, &policies)
         );
-        let inputs = pod_inputs(&p);
-        p.metadata.resource_version = Some("42".into());
-        assert_eq!(pod_inputs(&p), inputs, "resourceVersion");
-        p.spec.as_mut().unwrap().containers[0].image = Some("other".into());
-        assert_ne!(pod_inputs(&p), inputs, "spec");
     }
 }
