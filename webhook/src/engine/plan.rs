@@ -20,7 +20,7 @@ use super::claims::{ClaimLookup, ClaimSource};
 use super::facts::{ContainerFacts, PodFacts, limited_gpus, whole};
 use super::input::{ContainerRef, Input};
 use super::psa::{self, PsaLevel};
-use crate::pod::{Container, ContainerKind, Scalar};
+use crate::pod::{Container, ContainerKind, PodView, Scalar};
 
 /// The plan for one pod.
 #[derive(Debug)]
@@ -235,65 +235,47 @@ pub(super) fn plan_pod<'a>(
     strip: Names<'a>,
     psa: PsaLevel,
 ) -> Plan<'a> {
-    let pod = input.pod;
-    let spec = &policy.spec;
-    let mut plan = Plan {
-        containers: Vec::with_capacity(facts.containers.len()),
-        volumes: Indices::default(),
-        volumes_removed: Names::default(),
-        annotations_removed: Vec::new(),
-        denials: Vec::new(),
-        driver_capabilities: spec.driver_capabilities.join(","),
-        device_volumes: PodSignals::default(),
-        psa,
-        psa_left: Vec::new(),
-        claims: Vec::new(),
-        notes: Vec::new(),
-        start_up: Vec::new(),
-    };
-    // Device-injection annotations that name NVIDIA devices the pod does not hold: the
-    // rewrite cannot make them safe, since the node plugin hands the devices over whatever
-    // the container's privilege or limits.
-    plan.denials
-        .extend(facts.injections.uncovered.iter().map(|u| u.message.clone()));
-    // Claims only a driver's own pods may hold, and the like: no rewrite makes them safe.
-    plan.denials.extend(facts.refusals.iter().cloned());
-    // What Pod Security Admission would still refuse once the rewrite is done.
-    plan.psa_left = psa::still_fails(
-        psa,
-        pod,
-        facts,
-        |i| (facts.containers.get(i)).is_some_and(ContainerFacts::loses_privilege),
-        |name| !strip.contains(&name),
-    );
-    let mut counts = gpu_counts(facts, policy, &mut plan.denials).into_iter();
-    // Per container (by its index in `facts`), the claim it holds and where its count came
-    // from, for those that share it.
-    let mut held: Vec<Option<(usize, CountFrom<'a>)>> = vec![None; facts.containers.len()];
-    let taken: Vec<&str> = (pod.resource_claims().iter())
-        .filter_map(|c| c.name.as_deref())
-        .collect();
-    let host_paths: Vec<(&str, &str)> = (pod.volumes().iter())
-        .filter_map(|v| {
-            let path = v.host_path.as_ref()?.path.as_deref()?;
-            Some((v.name.as_deref()?, path))
-        })
-        .collect();
-    let daemon_set = input.daemon_set();
-    // Rule 4: what a container loses of its own variables (docs/design.md, "Runtime
-    // variables"): with its GPUs from the runtime, NVIDIA_VISIBLE_DEVICES too.
-    let rules = gpu::Rules::of(policy);
-    let (device_variables, with_visible) = (rules.device_variables(), rules.judged_variables());
-    for (i, c) in facts.containers.iter().enumerate() {
-        let count = counts.next();
-        let target = c.loses_privilege();
-        // A container that leaks without privilege keeps its security context and loses
-        // the leak (rules 3 to 5).
-        let changed = c.changes();
-        let mut p = ContainerPlan {
+    let mut plan = Plan::new(facts, policy, psa);
+    plan.denials = what_no_rewrite_makes_safe(facts);
+    plan.psa_left = still_fails_pod_security(input.pod, facts, psa, &strip);
+    let counts = gpu_counts(facts, policy, &mut plan.denials);
+    let mut planning = Planning::new(plan, input, facts, policy, &strip);
+    for (i, (c, count)) in facts.containers.iter().zip(counts).enumerate() {
+        planning.plan_container(i, c, count);
+    }
+    let mut plan = planning.plan;
+    remove_device_volumes(&mut plan, input.pod, strip);
+    remove_cdi_annotations(&mut plan, facts, policy);
+    plan
+}
+
+impl<'a> Plan<'a> {
+    /// A plan that changes nothing yet.
+    fn new(facts: &PodFacts<'a>, policy: &GpuPolicy, psa: PsaLevel) -> Self {
+        Self {
+            containers: Vec::with_capacity(facts.containers.len()),
+            volumes: Indices::default(),
+            volumes_removed: Names::default(),
+            annotations_removed: Vec::new(),
+            denials: Vec::new(),
+            driver_capabilities: policy.spec.driver_capabilities.join(","),
+            device_volumes: facts.pod.clone(),
+            psa,
+            psa_left: Vec::new(),
+            claims: Vec::new(),
+            notes: Vec::new(),
+            start_up: Vec::new(),
+        }
+    }
+}
+
+impl<'a> ContainerPlan<'a> {
+    /// A plan that changes nothing yet in `c`, but for whether it loses privilege.
+    fn new(c: &ContainerFacts<'a>) -> Self {
+        Self {
             at: c.at,
             name: c.name,
-            deprivileged: target,
+            deprivileged: c.loses_privilege(),
             gpu: c.gpu,
             caps_added: Vec::new(),
             drop_all: false,
@@ -310,143 +292,321 @@ pub(super) fn plan_pod<'a>(
             env_from: None,
             caps_withheld: Vec::new(),
             seccomp_default: false,
-        };
-        if target {
-            if let Some(denial) = host_device_denial(c, &host_paths, input, policy) {
-                plan.denials.push(denial);
-            } else if let Some(rdma) =
-                rdma_left_behind(c, &facts.claims_without_rdma, &host_paths, input, policy)
-            {
-                match rdma {
-                    RdmaUse::Lost(denial) => plan.denials.push(denial),
-                    RdmaUse::FromNetwork(note) => plan.notes.push(note),
-                }
-            }
-            capabilities(&mut p, c.value, policy, psa);
-            let pod_seccomp = (pod.spec.as_ref())
-                .and_then(|s| s.security_context.as_ref())
-                .is_some_and(|s| s.seccomp_profile);
-            let own_seccomp =
-                (c.value.security_context.as_ref()).is_some_and(|s| s.seccomp_profile);
-            p.seccomp_default = psa == PsaLevel::Restricted && !pod_seccomp && !own_seccomp;
         }
-        if changed {
-            p.own_claim = c.signals.claim;
-            // Rule 3.
-            let gpu = match count {
-                Some(Count::Limit(limit)) => {
-                    if let Some(name) = daemon_set.filter(|_| !limit.from.asked_by_pod()) {
-                        plan.denials
-                            .push(daemon_set_denial(c, &limit, name, input, policy));
-                    }
-                    match claim_count(&limit, spec.gpu.request_as) {
-                        Some(n) => {
-                            let index = add_claim(&mut plan, &taken, input, policy, n);
-                            held[i] = Some((index, limit.from));
-                            p.claim = Some(ClaimUse {
-                                index,
-                                from: limit.from,
-                                shared_with: None,
-                            });
-                        }
-                        None => p.limit = Some(limit),
-                    }
-                    true
-                }
-                Some(Count::Share(first)) => {
-                    // The holder always has its claim: a count it was denied never shares.
-                    if let Some((index, from)) = held[first] {
-                        p.claim = Some(ClaimUse {
-                            index,
-                            from,
-                            shared_with: Some(facts.containers[first].name),
-                        });
-                    }
-                    true
-                }
-                Some(Count::Zero(why)) => {
-                    p.gpu = false;
-                    p.no_gpu = Some(why);
-                    false
-                }
-                _ => c.gpu,
-            };
-            if p.limit.is_some() || p.claim.is_some() {
-                p.unread_claims = (facts.unread_claims.iter())
-                    .filter(|(name, _)| c.value.claim_names().any(|n| n == *name))
-                    .map(|(name, why)| (*name, why.clone()))
-                    .collect();
-            }
+    }
+}
+
+/// What the pod asks for that no rewrite makes safe, whatever its containers become:
+/// device-injection annotations that name NVIDIA devices the pod does not hold (the node
+/// plugin hands the devices over whatever the container's privilege or limits), claims only
+/// a driver's own pods may hold, and the like.
+fn what_no_rewrite_makes_safe(facts: &PodFacts<'_>) -> Vec<String> {
+    let injections = facts.injections.uncovered.iter().map(|u| u.message.clone());
+    injections.chain(facts.refusals.iter().cloned()).collect()
+}
+
+/// What Pod Security Admission would still refuse once the rewrite is done: the containers
+/// that lose privilege are rewritten, the device volumes in `strip` go.
+fn still_fails_pod_security(
+    pod: &PodView<'_>,
+    facts: &PodFacts<'_>,
+    psa: PsaLevel,
+    strip: &[&str],
+) -> Vec<String> {
+    psa::still_fails(
+        psa,
+        pod,
+        facts,
+        |i| (facts.containers.get(i)).is_some_and(ContainerFacts::loses_privilege),
+        |name| !strip.contains(&name),
+    )
+}
+
+/// Pod-level rule 5: the device volumes in `strip` go from `spec.volumes`.
+fn remove_device_volumes<'a>(plan: &mut Plan<'a>, pod: &PodView<'_>, strip: Names<'a>) {
+    if strip.is_empty() {
+        return;
+    }
+    plan.volumes = (pod.volumes().iter().enumerate())
+        .filter(|(_, v)| v.name.as_deref().is_some_and(|n| strip.contains(&n)))
+        .map(|(i, _)| i)
+        .collect();
+    if !plan.volumes.is_empty() {
+        plan.volumes_removed = strip;
+    }
+}
+
+/// Pod-level rule 5: the `cdi.k8s.io/*` annotations go, where the policy says so.
+fn remove_cdi_annotations<'a>(plan: &mut Plan<'a>, facts: &PodFacts<'a>, policy: &GpuPolicy) {
+    if policy.spec.strip_cdi_annotations {
+        plan.annotations_removed = facts.pod.cdi_keys().to_vec();
+    }
+}
+
+/// The plan as its containers are planned one by one, in the pod's order, with what each
+/// reads of the pod besides its own facts.
+struct Planning<'p, 'a> {
+    plan: Plan<'a>,
+    input: &'p Input<'a>,
+    facts: &'p PodFacts<'a>,
+    policy: &'a GpuPolicy,
+    /// The device volumes that go.
+    strip: &'p [&'a str],
+    /// The names of the pod's `resourceClaims` entries: a claim added takes another.
+    taken: Vec<&'a str>,
+    /// The pod's hostPath volumes: name and path.
+    host_paths: Vec<(&'a str, &'a str)>,
+    daemon_set: Option<&'a str>,
+    /// Rule 4: the variables a container loses (docs/design.md, "Runtime variables"); with
+    /// its GPUs from the runtime, NVIDIA_VISIBLE_DEVICES too (`with_visible`).
+    device_variables: Vec<&'static str>,
+    with_visible: Vec<&'static str>,
+    /// Per container (by its index in `facts`), the claim it holds and where its count came
+    /// from, for those that share it.
+    held: Vec<Option<(usize, CountFrom<'a>)>>,
+}
+
+impl<'p, 'a> Planning<'p, 'a> {
+    fn new(
+        plan: Plan<'a>,
+        input: &'p Input<'a>,
+        facts: &'p PodFacts<'a>,
+        policy: &'a GpuPolicy,
+        strip: &'p [&'a str],
+    ) -> Self {
+        let pod = input.pod;
+        let rules = gpu::Rules::of(policy);
+        Self {
+            plan,
+            input,
+            facts,
+            policy,
+            strip,
+            taken: (pod.resource_claims().iter())
+                .filter_map(|c| c.name.as_deref())
+                .collect(),
+            host_paths: (pod.volumes().iter())
+                .filter_map(|v| {
+                    let path = v.host_path.as_ref()?.path.as_deref()?;
+                    Some((v.name.as_deref()?, path))
+                })
+                .collect(),
+            daemon_set: input.daemon_set(),
+            device_variables: rules.device_variables(),
+            with_visible: rules.judged_variables(),
+            held: vec![None; facts.containers.len()],
+        }
+    }
+
+    /// Plans container `i` of the facts, whose GPU count is `count`: it loses privilege
+    /// (rules 1 and 2, unless its image is exempt), its leaks close (rules 3 to 5: a
+    /// container that leaks without privilege keeps its security context), and its mounts of
+    /// device volumes go. Added to the plan when anything changes.
+    fn plan_container(&mut self, i: usize, c: &ContainerFacts<'a>, count: Count<'a>) {
+        let mut p = ContainerPlan::new(c);
+        if c.loses_privilege() {
+            self.do_no_harm(c);
+            self.lose_privilege(&mut p, c);
+        }
+        if c.changes() {
+            let gpu = self.request_gpus(&mut p, i, c, count);
             // Only a GPU resource limit has the runtime read the container's GPUs from
             // NVIDIA_VISIBLE_DEVICES (the device plugin sets it). One whose GPUs come from a
             // claim gets them through the DRA driver's CDI edits, which set the variable to
             // `void` themselves: the void rule holds for it as for a container without GPUs.
             let through_runtime =
                 gpu && (c.signals.limit || c.signals.request.is_some() || p.limit.is_some());
-            // `envFrom` may set NVIDIA_VISIBLE_DEVICES unseen. An `env` entry overrides it,
-            // so a container that gets `void` is safe; a container whose GPUs the runtime
-            // reads from the variable cannot be given one (it would override the allocation).
-            // A prefix that could spell a runtime variable with a key of what envFrom reads
-            // is the same door, whatever the ConfigMap guard refuses of keys.
-            if c.signals.env_from {
-                let spells = c.signals.env_from_spells;
-                if !through_runtime {
-                    p.env_from = Some("the void overrides whatever envFrom sets");
-                } else if let Some((prefix, variable)) = spells {
-                    plan.denials.push(format!(
-                        "{} {}: envFrom prefix {prefix} spells {variable} with a key {}, which would hand the container devices beyond the GPUs the kubelet allocates; use a prefix that starts no NVIDIA runtime variable",
-                        c.at.kind.noun(),
-                        c.name,
-                        &variable[prefix.len()..],
-                    ));
-                } else if spec.gpu.env_from == EnvFromGpu::Warn {
-                    // The runtime's setting that ignores NVIDIA_VISIBLE_DEVICES in
-                    // unprivileged containers leaves the other variables in force: Warn
-                    // covers that one variable only.
-                    p.env_from = Some(
-                        "envFrom may still set NVIDIA_VISIBLE_DEVICES over the allocated GPUs (gpu.envFrom: Warn)",
-                    );
-                } else {
-                    plan.denials.push(format!(
-                        "{} {}: envFrom may set NVIDIA_VISIBLE_DEVICES, which would override the GPUs the kubelet allocates; list the variables it needs under env instead, or set gpu.envFrom: Warn where nodes ignore the variable in unprivileged containers",
-                        c.at.kind.noun(),
-                        c.name
-                    ));
-                }
-            }
-            // Rule 4.
-            let (remove, set): (&[&'static str], _) = if through_runtime {
-                (
-                    &with_visible,
-                    (ENV_DRIVER_CAPABILITIES, EnvValue::DriverCapabilities),
-                )
-            } else {
-                (
-                    &device_variables,
-                    (ENV_VISIBLE_DEVICES, EnvValue::Fixed("void")),
-                )
-            };
-            let set = if through_runtime && spec.driver_capabilities.is_empty() {
-                None
-            } else {
-                Some(set)
-            };
-            // In a pod that holds a passthrough GPU the variables are read inside its VM,
-            // among the GPUs passed through (Kata needs `NVIDIA_VISIBLE_DEVICES=all` there):
-            // a GPU container keeps its environment.
-            if !(gpu && c.signals.passthrough) {
-                p.env = rewrite_env(c.value, remove, set, &plan.driver_capabilities);
-            }
+            self.judge_env_from(&mut p, c, through_runtime);
+            self.rewrite_runtime_variables(&mut p, c, gpu, through_runtime);
         }
+        self.remove_device_mounts(&mut p, c);
+        if c.changes() || !p.mounts.is_empty() {
+            self.plan.containers.push(p);
+        }
+    }
 
-        // Rule 5: mounts of removed device volumes go from every container that is not
-        // exempt; a rewritten container also loses its mounts of device volumes that stay
-        // because an exempt container still mounts them.
+    /// Do no harm (docs/design.md): a container that loses privilege must still open its
+    /// host devices and reach its RDMA devices; where it could not, the pod is denied, and
+    /// where a pod network may hand them over, the rewrite says so.
+    fn do_no_harm(&mut self, c: &ContainerFacts<'a>) {
+        let (input, policy) = (self.input, self.policy);
+        if let Some(denial) = host_device_denial(c, &self.host_paths, input, policy) {
+            self.plan.denials.push(denial);
+            return;
+        }
+        let without_rdma = &self.facts.claims_without_rdma;
+        match rdma_left_behind(c, without_rdma, &self.host_paths, input, policy) {
+            Some(RdmaUse::Lost(denial)) => self.plan.denials.push(denial),
+            Some(RdmaUse::FromNetwork(note)) => self.plan.notes.push(note),
+            None => {}
+        }
+    }
+
+    /// Rules 1 and 2: what it keeps of capabilities, and `seccompProfile: RuntimeDefault`
+    /// where Pod Security `restricted` asks for a profile neither it nor the pod sets.
+    fn lose_privilege(&self, p: &mut ContainerPlan<'a>, c: &ContainerFacts<'a>) {
+        let psa = self.plan.psa;
+        capabilities(p, c.value, self.policy, psa);
+        let pod_seccomp = (self.input.pod.spec.as_ref())
+            .and_then(|s| s.security_context.as_ref())
+            .is_some_and(|s| s.seccomp_profile);
+        let own_seccomp = (c.value.security_context.as_ref()).is_some_and(|s| s.seccomp_profile);
+        p.seccomp_default = psa == PsaLevel::Restricted && !pod_seccomp && !own_seccomp;
+    }
+
+    /// Rule 3: the GPUs it gets as `count` says: a limit, or with `gpu.requestAs:
+    /// ResourceClaim` a claim added (or shared with the container that holds it), or none.
+    /// Whether it ends with GPUs.
+    fn request_gpus(
+        &mut self,
+        p: &mut ContainerPlan<'a>,
+        i: usize,
+        c: &ContainerFacts<'a>,
+        count: Count<'a>,
+    ) -> bool {
+        p.own_claim = c.signals.claim;
+        let gpu = match count {
+            Count::Limit(limit) => {
+                self.add_limit(p, i, c, limit);
+                true
+            }
+            Count::Share(first) => {
+                // The holder always has its claim: a count it was denied never shares.
+                if let Some((index, from)) = self.held[first] {
+                    p.claim = Some(ClaimUse {
+                        index,
+                        from,
+                        shared_with: Some(self.facts.containers[first].name),
+                    });
+                }
+                true
+            }
+            Count::Zero(why) => {
+                p.gpu = false;
+                p.no_gpu = Some(why);
+                false
+            }
+            Count::Keep => c.gpu,
+        };
+        if p.limit.is_some() || p.claim.is_some() {
+            p.unread_claims = (self.facts.unread_claims.iter())
+                .filter(|(name, _)| c.value.claim_names().any(|n| n == *name))
+                .map(|(name, why)| (*name, why.clone()))
+                .collect();
+        }
+        gpu
+    }
+
+    /// `limit` for container `i`, or the claim that gives it those GPUs under `gpu.requestAs:
+    /// ResourceClaim`; denied in a DaemonSet's pod that did not ask for them itself.
+    fn add_limit(
+        &mut self,
+        p: &mut ContainerPlan<'a>,
+        i: usize,
+        c: &ContainerFacts<'a>,
+        limit: Limit<'a>,
+    ) {
+        let (input, policy) = (self.input, self.policy);
+        if let Some(name) = self.daemon_set.filter(|_| !limit.from.asked_by_pod()) {
+            (self.plan.denials).push(daemon_set_denial(c, &limit, name, input, policy));
+        }
+        match claim_count(&limit, policy.spec.gpu.request_as) {
+            Some(n) => {
+                let index = add_claim(&mut self.plan, &self.taken, input, policy, n);
+                self.held[i] = Some((index, limit.from));
+                p.claim = Some(ClaimUse {
+                    index,
+                    from: limit.from,
+                    shared_with: None,
+                });
+            }
+            None => p.limit = Some(limit),
+        }
+    }
+
+    /// `envFrom` may set NVIDIA_VISIBLE_DEVICES unseen. An `env` entry overrides it, so a
+    /// container that gets `void` is safe; a container whose GPUs the runtime reads from the
+    /// variable (`through_runtime`) cannot be given one (it would override the allocation).
+    /// A prefix that could spell a runtime variable with a key of what envFrom reads is the
+    /// same door, whatever the ConfigMap guard refuses of keys.
+    fn judge_env_from(
+        &mut self,
+        p: &mut ContainerPlan<'a>,
+        c: &ContainerFacts<'a>,
+        through_runtime: bool,
+    ) {
+        if !c.signals.env_from {
+            return;
+        }
+        let spells = c.signals.env_from_spells;
+        if !through_runtime {
+            p.env_from = Some("the void overrides whatever envFrom sets");
+        } else if let Some((prefix, variable)) = spells {
+            self.plan.denials.push(format!(
+                "{} {}: envFrom prefix {prefix} spells {variable} with a key {}, which would hand the container devices beyond the GPUs the kubelet allocates; use a prefix that starts no NVIDIA runtime variable",
+                c.at.kind.noun(),
+                c.name,
+                &variable[prefix.len()..],
+            ));
+        } else if self.policy.spec.gpu.env_from == EnvFromGpu::Warn {
+            // The runtime's setting that ignores NVIDIA_VISIBLE_DEVICES in unprivileged
+            // containers leaves the other variables in force: Warn covers that one variable
+            // only.
+            p.env_from = Some(
+                "envFrom may still set NVIDIA_VISIBLE_DEVICES over the allocated GPUs (gpu.envFrom: Warn)",
+            );
+        } else {
+            self.plan.denials.push(format!(
+                "{} {}: envFrom may set NVIDIA_VISIBLE_DEVICES, which would override the GPUs the kubelet allocates; list the variables it needs under env instead, or set gpu.envFrom: Warn where nodes ignore the variable in unprivileged containers",
+                c.at.kind.noun(),
+                c.name
+            ));
+        }
+    }
+
+    /// Rule 4: a container whose GPUs the runtime reads from NVIDIA_VISIBLE_DEVICES
+    /// (`through_runtime`) loses it with the device variables and gets the policy's
+    /// NVIDIA_DRIVER_CAPABILITIES; any other loses the device variables and gets
+    /// `NVIDIA_VISIBLE_DEVICES=void`.
+    fn rewrite_runtime_variables(
+        &self,
+        p: &mut ContainerPlan<'a>,
+        c: &ContainerFacts<'a>,
+        gpu: bool,
+        through_runtime: bool,
+    ) {
+        // In a pod that holds a passthrough GPU the variables are read inside its VM, among
+        // the GPUs passed through (Kata needs `NVIDIA_VISIBLE_DEVICES=all` there): a GPU
+        // container keeps its environment.
+        if gpu && c.signals.passthrough {
+            return;
+        }
+        let (remove, set): (&[&'static str], _) = if through_runtime {
+            (
+                &self.with_visible,
+                (ENV_DRIVER_CAPABILITIES, EnvValue::DriverCapabilities),
+            )
+        } else {
+            (
+                &self.device_variables,
+                (ENV_VISIBLE_DEVICES, EnvValue::Fixed("void")),
+            )
+        };
+        let no_capabilities = self.policy.spec.driver_capabilities.is_empty();
+        let set = (!(through_runtime && no_capabilities)).then_some(set);
+        p.env = rewrite_env(c.value, remove, set, &self.plan.driver_capabilities);
+    }
+
+    /// Rule 5: mounts of removed device volumes go from every container that is not exempt;
+    /// a rewritten container also loses its mounts of device volumes that stay because an
+    /// exempt container still mounts them. Mounts the toolkit would read as a device list go
+    /// from every container that is changed.
+    fn remove_device_mounts(&self, p: &mut ContainerPlan<'a>, c: &ContainerFacts<'a>) {
         let strips = |name: &str| {
-            strip.contains(&name)
-                || (target
-                    && spec.strip_device_host_paths
-                    && facts.pod.device_volume(name).is_some())
+            self.strip.contains(&name)
+                || (c.loses_privilege()
+                    && self.policy.spec.strip_device_host_paths
+                    && self.facts.pod.device_volume(name).is_some())
         };
         if !c.image_exempt && c.signals.device_mount && c.mount_names().any(strips) {
             for (i, name) in c.mount_names().enumerate() {
@@ -456,9 +616,7 @@ pub(super) fn plan_pod<'a>(
                 }
             }
         }
-        // Mounts the toolkit would read as a device list go from every container that is
-        // changed.
-        if changed && c.signals.device_list != VisibleDevices::Unset {
+        if c.changes() && c.signals.device_list != VisibleDevices::Unset {
             for (i, (_, path)) in c.mounts().enumerate() {
                 if gpu::device_list_entry(path).is_some() && !p.mounts.contains(&i) {
                     p.mounts.push(i);
@@ -467,29 +625,7 @@ pub(super) fn plan_pod<'a>(
             }
             p.mounts.sort_unstable();
         }
-        if changed || !p.mounts.is_empty() {
-            plan.containers.push(p);
-        }
     }
-
-    // Pod-level rule 5.
-    if !strip.is_empty() {
-        plan.volumes = pod
-            .volumes()
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.name.as_deref().is_some_and(|n| strip.contains(&n)))
-            .map(|(i, _)| i)
-            .collect();
-        if !plan.volumes.is_empty() {
-            plan.volumes_removed = strip;
-        }
-    }
-    if spec.strip_cdi_annotations {
-        plan.annotations_removed = facts.pod.cdi_keys().to_vec();
-    }
-    plan.device_volumes = facts.pod.clone();
-    plan
 }
 
 /// How to exempt a container in messages that point to an exemption.
@@ -751,115 +887,162 @@ fn gpu_counts<'a>(
     policy: &'a GpuPolicy,
     denials: &mut Vec<String>,
 ) -> Vec<Count<'a>> {
-    let spec = &policy.spec.gpu;
-    let annotation = |key: &str| {
-        let raw = facts.annotations?.get(key)?;
-        Some((raw.as_str(), raw.to_string()))
-    };
-    let pod_total = annotation(ANNOTATION_GPU_COUNT)
-        .map(|(text, shown)| gpu::annotation_count(ANNOTATION_GPU_COUNT, text, &shown, 1));
-    if let Some(Err(denial)) = &pod_total {
-        denials.push(denial.clone());
-    }
-    let label = |c: &ContainerFacts<'_>| format!("{} {}", c.at.kind.noun(), c.name);
-    let mut counts = Vec::with_capacity(facts.containers.len());
-    // Containers that take their count from the pod's total: regular (and sidecar) ones
-    // split it, init ones may each use all of it.
-    let (mut split, mut whole_total) = (Vec::new(), Vec::new());
-    // The GPUs named in NVIDIA_VISIBLE_DEVICES by a regular container, and which (its name
-    // and index).
-    let mut named: Vec<(String, &str, usize)> = Vec::new();
-    let claim_mode = spec.request_as == RequestAs::ResourceClaim;
-    for (i, c) in facts.containers.iter().enumerate() {
-        if !c.changes() || !c.gpu {
-            counts.push(Count::Keep);
-            continue;
-        }
-        let requested = c.gpu_request.map(|(_, quantity)| whole(quantity));
-        let zero = match (c.signals.limit, requested) {
-            (true, _) => limited_gpus(c, policy) == Some(0),
-            (false, Some(n)) => n == Some(0),
-            (false, None) => false,
+    let mut counting = Counting::new(facts, policy, denials);
+    let mut counts: Vec<Count<'a>> = (facts.containers.iter().enumerate())
+        .map(|(i, c)| counting.count(i, c))
+        .collect();
+    counting.split_pod_total(&mut counts);
+    deny_over_max_per_pod(facts, &counts, policy, denials);
+    counts
+}
+
+/// `container trainer`, `init container setup`: how the count denials name a container.
+fn label(c: &ContainerFacts<'_>) -> String {
+    format!("{} {}", c.at.kind.noun(), c.name)
+}
+
+/// The GPUs of the containers counted one by one, in the pod's order.
+struct Counting<'f, 'a> {
+    facts: &'f PodFacts<'a>,
+    policy: &'a GpuPolicy,
+    denials: &'f mut Vec<String>,
+    /// The pod's `gpuwarden.io/gpu-count`, read, when it has one.
+    pod_total: Option<Result<u32, String>>,
+    /// Containers that take their count from the pod's total: regular (and sidecar) ones
+    /// split it (`split`), init ones may each use all of it (`whole_total`).
+    split: Vec<usize>,
+    whole_total: Vec<usize>,
+    /// The GPUs named in NVIDIA_VISIBLE_DEVICES by a regular container, and which (its name
+    /// and index).
+    named: Vec<(String, &'a str, usize)>,
+}
+
+impl<'f, 'a> Counting<'f, 'a> {
+    /// Counting that starts with the pod's total; an annotation that cannot be read is a
+    /// denial.
+    fn new(facts: &'f PodFacts<'a>, policy: &'a GpuPolicy, denials: &'f mut Vec<String>) -> Self {
+        let mut counting = Self {
+            facts,
+            policy,
+            denials,
+            pod_total: None,
+            split: Vec::new(),
+            whole_total: Vec::new(),
+            named: Vec::new(),
         };
-        if zero {
-            counts.push(Count::Zero(format!(
+        counting.pod_total = (counting.annotation(ANNOTATION_GPU_COUNT))
+            .map(|(text, shown)| gpu::annotation_count(ANNOTATION_GPU_COUNT, text, &shown, 1));
+        if let Some(Err(denial)) = &counting.pod_total {
+            counting.denials.push(denial.clone());
+        }
+        counting
+    }
+
+    /// The pod's annotation `key`: its text, and how a message shows it.
+    fn annotation(&self, key: &str) -> Option<(Option<&'a str>, String)> {
+        let raw = self.facts.annotations?.get(key)?;
+        Some((raw.as_str(), raw.to_string()))
+    }
+
+    /// Rule 3 for container `i` of the facts: its own limit or request, its annotation, its
+    /// part of the pod's total (left [`Count::Keep`] here and given by
+    /// [`Counting::split_pod_total`]), or its own signals.
+    fn count(&mut self, i: usize, c: &ContainerFacts<'a>) -> Count<'a> {
+        if !c.changes() || !c.gpu {
+            return Count::Keep;
+        }
+        if asks_for_no_gpu(c, self.policy) {
+            return Count::Zero(format!(
                 "asks for 0 GPUs explicitly, so it gets none and {ENV_VISIBLE_DEVICES}=void keeps the image's own value out"
-            )));
-            continue;
+            ));
         }
         // A limit, or GPUs through a ResourceClaim of its own: nothing is added on top.
         if c.signals.limit || c.signals.claim.is_some() {
-            counts.push(Count::Keep);
-            continue;
+            return Count::Keep;
         }
         if let Some((resource, quantity)) = c.gpu_request {
-            counts.push(Count::Limit(Limit {
+            return Count::Limit(Limit {
                 resource,
                 quantity: Quantity::Copied(quantity),
                 from: CountFrom::Request,
-            }));
-            continue;
+            });
         }
         let own = format!("{ANNOTATION_GPU_COUNT}.{}", c.name);
-        let counted = if let Some((text, shown)) = annotation(&own) {
+        let counted = if let Some((text, shown)) = self.annotation(&own) {
             gpu::annotation_count(&own, text, &shown, 1)
                 .map(|n| (n, CountFrom::ContainerAnnotation(c.name)))
-        } else if let Some(total) = &pod_total {
+        } else if let Some(total) = &self.pod_total {
             match total {
-                Ok(_) if c.at.kind == ContainerKind::Init && !c.sidecar => whole_total.push(i),
-                Ok(_) => split.push(i),
+                Ok(_) if c.at.kind == ContainerKind::Init && !c.sidecar => self.whole_total.push(i),
+                Ok(_) => self.split.push(i),
                 // Already denied.
                 Err(_) => {}
             }
-            counts.push(Count::Keep);
-            continue;
+            return Count::Keep;
         } else {
-            gpu::signal_count(&c.signals, policy)
+            gpu::signal_count(&c.signals, self.policy)
         };
+        let max = self.policy.spec.gpu.max_per_container;
         match counted {
-            Ok((n, from)) if n > spec.max_per_container => {
-                denials.push(format!(
-                    "{} would need {n} GPUs ({from}), more than maxPerContainer {}",
+            Ok((n, from)) if n > max => {
+                self.denials.push(format!(
+                    "{} would need {n} GPUs ({from}), more than maxPerContainer {max}",
                     label(c),
-                    spec.max_per_container
                 ));
-                counts.push(Count::Keep);
+                Count::Keep
             }
-            Ok((n, from)) => {
-                let shared = (c.at.kind == ContainerKind::Regular || c.sidecar)
-                    .then(|| c.signals.visible_key())
-                    .flatten()
-                    .filter(|_| matches!(from, CountFrom::Visible(_) | CountFrom::VisibleAll));
-                let first = (shared.as_ref()).and_then(|key| {
-                    (named.iter().find(|(k, _, _)| k == key)).map(|(_, name, at)| (*name, *at))
-                });
-                match (shared, first) {
-                    (_, Some((_, at))) if claim_mode => counts.push(Count::Share(at)),
-                    (_, Some((first, _))) => counts.push(Count::Zero(gpu::shared_gpus_text(
-                        first,
-                        c.signals.visible_raw.unwrap_or(""),
-                    ))),
-                    (Some(key), None) => {
-                        named.push((key, c.name, i));
-                        counts.push(Count::Limit(Limit::count(&spec.resource_name, n, from)));
-                    }
-                    (None, None) => {
-                        counts.push(Count::Limit(Limit::count(&spec.resource_name, n, from)))
-                    }
-                }
-            }
+            Ok((n, from)) => self.limit_or_share(i, c, n, from),
             Err(denial) => {
-                denials.push(format!("{}: {denial}", label(c)));
-                counts.push(Count::Keep);
+                self.denials.push(format!("{}: {denial}", label(c)));
+                Count::Keep
             }
         }
     }
 
-    // The pod's total: split evenly over the regular containers that take it, the first
-    // ones in the pod's order taking the remainder; each init container may use all of it.
-    if let Some(Ok(total)) = pod_total {
-        let ways = u32::try_from(split.len()).unwrap_or(u32::MAX);
-        for (k, &i) in split.iter().enumerate() {
+    /// `n` GPUs counted from `from` for container `i`: its limit, unless a regular container
+    /// before it named the same GPUs in NVIDIA_VISIBLE_DEVICES. It then shares that one's
+    /// claim (`gpu.requestAs: ResourceClaim`), or gets none: an extended resource cannot be
+    /// shared.
+    fn limit_or_share(
+        &mut self,
+        i: usize,
+        c: &ContainerFacts<'a>,
+        n: u32,
+        from: CountFrom<'a>,
+    ) -> Count<'a> {
+        let spec = &self.policy.spec.gpu;
+        let claim_mode = spec.request_as == RequestAs::ResourceClaim;
+        let shared = (c.at.kind == ContainerKind::Regular || c.sidecar)
+            .then(|| c.signals.visible_key())
+            .flatten()
+            .filter(|_| matches!(from, CountFrom::Visible(_) | CountFrom::VisibleAll));
+        let first = (shared.as_ref()).and_then(|key| {
+            (self.named.iter().find(|(k, _, _)| k == key)).map(|(_, name, at)| (*name, *at))
+        });
+        match (shared, first) {
+            (_, Some((_, at))) if claim_mode => Count::Share(at),
+            (_, Some((first, _))) => Count::Zero(gpu::shared_gpus_text(
+                first,
+                c.signals.visible_raw.unwrap_or(""),
+            )),
+            (Some(key), None) => {
+                self.named.push((key, c.name, i));
+                Count::Limit(Limit::count(&spec.resource_name, n, from))
+            }
+            (None, None) => Count::Limit(Limit::count(&spec.resource_name, n, from)),
+        }
+    }
+
+    /// The pod's total: split evenly over the regular containers that take it, the first
+    /// ones in the pod's order taking the remainder; each init container may use all of it.
+    /// A container it gives more than `maxPerContainer` is a denial.
+    fn split_pod_total(&mut self, counts: &mut [Count<'a>]) {
+        let Some(Ok(total)) = self.pod_total else {
+            return;
+        };
+        let spec = &self.policy.spec.gpu;
+        let ways = u32::try_from(self.split.len()).unwrap_or(u32::MAX);
+        for (k, &i) in self.split.iter().enumerate() {
             let k = u32::try_from(k).unwrap_or(u32::MAX);
             let n = total / ways + u32::from(k < total % ways);
             counts[i] = if n == 0 {
@@ -874,43 +1057,78 @@ fn gpu_counts<'a>(
                 ))
             };
         }
-        for &i in &whole_total {
+        for &i in &self.whole_total {
             counts[i] = Count::Limit(Limit::count(
                 &spec.resource_name,
                 total,
                 CountFrom::PodAnnotation { total, ways: 1 },
             ));
         }
-        for &i in split.iter().chain(&whole_total) {
+        for &i in self.split.iter().chain(&self.whole_total) {
             if let Count::Limit(Limit {
                 quantity: Quantity::Count(n),
                 ..
             }) = counts[i]
                 && n > spec.max_per_container
             {
-                denials.push(format!(
+                self.denials.push(format!(
                     "{} would need {n} GPUs (annotation {ANNOTATION_GPU_COUNT}={total}), more than maxPerContainer {}",
-                    label(&facts.containers[i]),
+                    label(&self.facts.containers[i]),
                     spec.max_per_container
                 ));
             }
         }
     }
+}
 
-    // What the pod holds at once: its regular and sidecar containers together, or its
-    // largest init container, whichever is more; and every claim added, which the pod holds
-    // from start to end (a shared one once).
+/// Whether the container's own GPU limit or request (without a limit) is an explicit 0:
+/// no GPU.
+fn asks_for_no_gpu(c: &ContainerFacts<'_>, policy: &GpuPolicy) -> bool {
+    let requested = c.gpu_request.map(|(_, quantity)| whole(quantity));
+    match (c.signals.limit, requested) {
+        (true, _) => limited_gpus(c, policy) == Some(0),
+        (false, Some(n)) => n == Some(0),
+        (false, None) => false,
+    }
+}
+
+/// A pod that would hold more than `maxPerPod` GPUs at once, as `counts` leave it, is a
+/// denial: no node is expected to fit it.
+fn deny_over_max_per_pod(
+    facts: &PodFacts<'_>,
+    counts: &[Count<'_>],
+    policy: &GpuPolicy,
+    denials: &mut Vec<String>,
+) {
+    let held = gpus_held_at_once(facts, counts, policy);
+    let max = policy.spec.gpu.max_per_pod;
+    if held > max {
+        denials.push(format!(
+            "the pod would hold {held} GPUs at once, more than maxPerPod {max}: no node is expected to fit it"
+        ));
+    }
+}
+
+/// What the pod holds at once: its regular and sidecar containers together, or its largest
+/// init container, whichever is more; and every claim added, which the pod holds from start
+/// to end (a shared one once).
+fn gpus_held_at_once(facts: &PodFacts<'_>, counts: &[Count<'_>], policy: &GpuPolicy) -> u32 {
     let (mut running, mut init, mut claimed) = (0u32, 0u32, 0u32);
-    for (c, count) in facts.containers.iter().zip(&counts) {
+    for (c, count) in facts.containers.iter().zip(counts) {
         let n = match count {
-            Count::Limit(limit) => match (claim_count(limit, spec.request_as), limit.quantity) {
-                (Some(n), _) => {
-                    claimed = claimed.saturating_add(n);
-                    continue;
+            Count::Limit(limit) => {
+                match (
+                    claim_count(limit, policy.spec.gpu.request_as),
+                    limit.quantity,
+                ) {
+                    (Some(n), _) => {
+                        claimed = claimed.saturating_add(n);
+                        continue;
+                    }
+                    (None, Quantity::Count(n)) => n,
+                    (None, Quantity::Copied(q)) => whole(q).unwrap_or(0),
                 }
-                (None, Quantity::Count(n)) => n,
-                (None, Quantity::Copied(q)) => whole(q).unwrap_or(0),
-            },
+            }
             Count::Zero(_) | Count::Share(_) => 0,
             Count::Keep => limited_gpus(c, policy).unwrap_or(0),
         };
@@ -920,14 +1138,7 @@ fn gpu_counts<'a>(
             _ => running = running.saturating_add(n),
         }
     }
-    let held = running.max(init).saturating_add(claimed);
-    if held > spec.max_per_pod {
-        denials.push(format!(
-            "the pod would hold {held} GPUs at once, more than maxPerPod {}: no node is expected to fit it",
-            spec.max_per_pod
-        ));
-    }
-    counts
+    running.max(init).saturating_add(claimed)
 }
 
 /// Rules 1 and 2 for a container that loses privilege: the capabilities it keeps (the
