@@ -1,8 +1,14 @@
 //! DRA ResourceClaims (docs/design.md, "ResourceClaims"): which claims hand out GPUs, and the
 //! ResourceClaimTemplates the `gpu.requestAs: ResourceClaim` rewrite points pods at. The
-//! webhook names templates with [`template_name`]; the operator keeps exactly those.
+//! webhook names templates with [`template_name`]; the operator keeps exactly those. And the
+//! claims only a driver's own pods may hold: a policy's [`DriverClaims`], and what of a claim
+//! they name ([`ClaimDevices::driver_only`]).
 
 use k8s_openapi::api::resource::v1::ResourceClaimSpec;
+use kube::KubeSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::bounds::{DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN};
 
 /// The NVIDIA DRA driver's DeviceClass of whole GPUs, and the default `gpu.deviceClassName`.
 pub const DEVICE_CLASS_GPU: &str = "gpu.nvidia.com";
@@ -47,6 +53,10 @@ pub fn template_name(class: &str, count: u32) -> String {
     format!("{TEMPLATE_PREFIX}{class}-{count}")
 }
 
+/// Longest device class name: a ResourceClaimTemplate name `gpuwarden-<class>-<count>` must
+/// stay a DNS subdomain (253).
+pub const DEVICE_CLASS_LEN: usize = 240;
+
 /// The device class and count a [`template_name`] names, or `None` for any other name.
 pub fn template_parts(name: &str) -> Option<(&str, u32)> {
     let (class, count) = name.strip_prefix(TEMPLATE_PREFIX)?.rsplit_once('-')?;
@@ -87,6 +97,57 @@ pub fn may_hold_rdma(class: &str, policy_class: &str) -> bool {
     class != policy_class && !CLASSES_WITHOUT_RDMA.contains(&class)
 }
 
+/// See [`crate::GpuPolicySpec::driver_claims`].
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverClaims {
+    /// DeviceClasses whose devices a driver hands only to its own pods. The default is the
+    /// NVIDIA DRA driver's `compute-domain-daemon.nvidia.com`: preparing a claim on it hands
+    /// the container every GPU and IMEX channel of the node, checking no namespace.
+    #[serde(default = "default_driver_classes")]
+    #[x_kube(validation = Rule::new(DNS_SUBDOMAINS_RULE).message("deviceClasses are DNS subdomains such as compute-domain-daemon.nvidia.com"))]
+    #[schemars(length(max = 32), inner(length(max = DNS_SUBDOMAIN_LEN)))]
+    pub device_classes: Vec<String>,
+
+    /// Kinds of opaque driver config (`spec.devices.config[].opaque.parameters.kind`) meant
+    /// only for a driver's own pods, whatever class the claim names. The default is the
+    /// NVIDIA DRA driver's `ComputeDomainDaemonConfig`.
+    #[serde(default = "default_driver_config_kinds")]
+    #[schemars(length(max = 32), inner(length(min = 1, max = DNS_LABEL_LEN)))]
+    pub config_kinds: Vec<String>,
+
+    /// The namespaces the drivers' own pods run in, where such claims are theirs. The
+    /// default is the namespaces of NVIDIA's official installs.
+    #[serde(default = "default_driver_namespaces")]
+    #[schemars(length(max = 64), inner(length(max = DNS_LABEL_LEN)))]
+    pub namespaces: Vec<String>,
+}
+
+impl Default for DriverClaims {
+    fn default() -> Self {
+        Self {
+            device_classes: default_driver_classes(),
+            config_kinds: default_driver_config_kinds(),
+            namespaces: default_driver_namespaces(),
+        }
+    }
+}
+
+fn default_driver_classes() -> Vec<String> {
+    vec![DEVICE_CLASS_CD_DAEMON.to_owned()]
+}
+fn default_driver_config_kinds() -> Vec<String> {
+    vec![CONFIG_KIND_CD_DAEMON.to_owned()]
+}
+fn default_driver_namespaces() -> Vec<String> {
+    crate::NVIDIA_COMPONENT_NAMESPACES
+        .map(String::from)
+        .to_vec()
+}
+
+/// CEL: every item of a list is a DNS subdomain.
+const DNS_SUBDOMAINS_RULE: &str = "self.all(c, c.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$'))";
+
 /// What a claim's devices are, as far as admission judges them: the DeviceClasses its
 /// requests name and the kinds of its opaque driver configs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -109,7 +170,7 @@ impl ClaimDevices {
     /// What of it only a driver's own pods may hold under `rules`, for messages: each listed
     /// class as `DeviceClass <name>`, each listed config kind as `opaque config <kind>`, once
     /// each, in the claim's order.
-    pub fn driver_only(&self, rules: &crate::DriverClaims) -> Vec<String> {
+    pub fn driver_only(&self, rules: &DriverClaims) -> Vec<String> {
         let classes = (self.classes.iter())
             .filter(|c| rules.device_classes.contains(c))
             .map(|c| format!("DeviceClass {c}"));
@@ -157,7 +218,7 @@ mod tests {
             template_name("gpu.nvidia.com", 2),
             "gpuwarden-gpu.nvidia.com-2"
         );
-        let longest = template_name(&"a".repeat(crate::policy::DEVICE_CLASS_LEN), 64);
+        let longest = template_name(&"a".repeat(DEVICE_CLASS_LEN), 64);
         assert!(longest.len() <= 253, "{}", longest.len());
         for (class, count) in [("gpu.nvidia.com", 2), ("a-b.example.com", 64)] {
             assert_eq!(

@@ -29,6 +29,7 @@ pub mod toolkit;
 pub mod validation;
 pub mod vm;
 
+pub use claims::DriverClaims;
 pub use error::error_chain;
 pub use node::{
     Binding, BindingSource, CdiKindStatus, ContainerRuntimeStatus, DriverInfo, GpuHealth, GpuNode,
@@ -36,9 +37,9 @@ pub use node::{
     PodRef, RuntimeStatus, ToolkitStatus, Truncated, UnknownField,
 };
 pub use policy::{
-    CapabilitiesSpec, ContainerExemption, DriverClaims, EnvFromGpu, Exemptions,
-    GPU_OPERATOR_NAMESPACE, GpuPolicy, GpuPolicySpec, GpuSpec, HealthSpec, KaiSharing, MatchSpec,
-    PolicyMode, PrivilegedMatch, RequestAs, RuntimeFeature, SharingSpec, VisibleDevicesAll,
+    CapabilitiesSpec, ContainerExemption, EnvFromGpu, Exemptions, GpuPolicy, GpuPolicySpec,
+    GpuSpec, HealthSpec, KaiSharing, MatchSpec, PolicyMode, PrivilegedMatch, RequestAs,
+    RuntimeFeature, SharingSpec, VisibleDevicesAll,
 };
 pub use selection::LABEL_NAMESPACE_NAME;
 
@@ -56,6 +57,24 @@ pub const FIELD_MANAGER_OPERATOR: &str = "gpuwarden-operator";
 pub const SYSTEM_NAMESPACE: &str = "gpuwarden-system";
 /// Name of the built-in default `GpuPolicy`.
 pub const DEFAULT_POLICY_NAME: &str = "default";
+
+/// Where the GPU Operator runs by default.
+pub const GPU_OPERATOR_NAMESPACE: &str = "gpu-operator";
+
+/// The namespaces NVIDIA's official installs put their node components in: the GPU Operator
+/// (`gpu-operator`; `nvidia-gpu-operator` through OLM on OpenShift), the standalone device
+/// plugin and GPU feature discovery charts, the DRA driver (before and after its rename) and
+/// the Network Operator. `kube-system`, where static manifests and GKE put theirs, is exempt
+/// as a whole.
+pub const NVIDIA_COMPONENT_NAMESPACES: [&str; 7] = [
+    GPU_OPERATOR_NAMESPACE,
+    "nvidia-gpu-operator",
+    "nvidia-device-plugin",
+    "gpu-feature-discovery",
+    "nvidia-dra-driver-gpu",
+    "dra-driver-nvidia-gpu",
+    "nvidia-network-operator",
+];
 
 /// GPU resource names the webhook treats as a GPU request.
 pub const RESOURCE_GPU: &str = "nvidia.com/gpu";

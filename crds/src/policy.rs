@@ -11,6 +11,7 @@ use crate::bounds::{
     self, DNS_LABEL_LEN, DNS_SUBDOMAIN_LEN, IMAGE_LEN, QUALIFIED_NAME_LEN,
     RESOURCE_PATTERN_MESSAGE, RESOURCE_PATTERN_RULE,
 };
+use crate::claims::{DEVICE_CLASS_LEN, DriverClaims};
 use crate::duration::DURATION_PATTERN;
 
 /// How privileged GPU pods are treated. The highest-priority `GpuPolicy` whose selectors match
@@ -502,55 +503,6 @@ impl Default for CapabilitiesSpec {
     }
 }
 
-/// See [`GpuPolicySpec::driver_claims`].
-#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
-#[serde(rename_all = "camelCase")]
-pub struct DriverClaims {
-    /// DeviceClasses whose devices a driver hands only to its own pods. The default is the
-    /// NVIDIA DRA driver's `compute-domain-daemon.nvidia.com`: preparing a claim on it hands
-    /// the container every GPU and IMEX channel of the node, checking no namespace.
-    #[serde(default = "default_driver_classes")]
-    #[x_kube(validation = Rule::new(DNS_SUBDOMAINS_RULE).message("deviceClasses are DNS subdomains such as compute-domain-daemon.nvidia.com"))]
-    #[schemars(length(max = 32), inner(length(max = DNS_SUBDOMAIN_LEN)))]
-    pub device_classes: Vec<String>,
-
-    /// Kinds of opaque driver config (`spec.devices.config[].opaque.parameters.kind`) meant
-    /// only for a driver's own pods, whatever class the claim names. The default is the
-    /// NVIDIA DRA driver's `ComputeDomainDaemonConfig`.
-    #[serde(default = "default_driver_config_kinds")]
-    #[schemars(length(max = 32), inner(length(min = 1, max = DNS_LABEL_LEN)))]
-    pub config_kinds: Vec<String>,
-
-    /// The namespaces the drivers' own pods run in, where such claims are theirs. The
-    /// default is the namespaces of NVIDIA's official installs.
-    #[serde(default = "default_driver_namespaces")]
-    #[schemars(length(max = 64), inner(length(max = DNS_LABEL_LEN)))]
-    pub namespaces: Vec<String>,
-}
-
-impl Default for DriverClaims {
-    fn default() -> Self {
-        Self {
-            device_classes: default_driver_classes(),
-            config_kinds: default_driver_config_kinds(),
-            namespaces: default_driver_namespaces(),
-        }
-    }
-}
-
-fn default_driver_classes() -> Vec<String> {
-    vec![crate::claims::DEVICE_CLASS_CD_DAEMON.to_owned()]
-}
-fn default_driver_config_kinds() -> Vec<String> {
-    vec![crate::claims::CONFIG_KIND_CD_DAEMON.to_owned()]
-}
-fn default_driver_namespaces() -> Vec<String> {
-    NVIDIA_COMPONENT_NAMESPACES.map(String::from).to_vec()
-}
-
-/// CEL: every item of a list is a DNS subdomain.
-const DNS_SUBDOMAINS_RULE: &str = "self.all(c, c.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$'))";
-
 /// What a policy never touches.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
 #[serde(rename_all = "camelCase")]
@@ -662,24 +614,6 @@ pub struct GpuPolicyStatus {
     pub conditions: Vec<Condition>,
 }
 
-/// Where the GPU Operator runs by default.
-pub const GPU_OPERATOR_NAMESPACE: &str = "gpu-operator";
-
-/// The namespaces NVIDIA's official installs put their node components in: the GPU Operator
-/// (`gpu-operator`; `nvidia-gpu-operator` through OLM on OpenShift), the standalone device
-/// plugin and GPU feature discovery charts, the DRA driver (before and after its rename) and
-/// the Network Operator. `kube-system`, where static manifests and GKE put theirs, is exempt
-/// as a whole.
-pub const NVIDIA_COMPONENT_NAMESPACES: [&str; 7] = [
-    GPU_OPERATOR_NAMESPACE,
-    "nvidia-gpu-operator",
-    "nvidia-device-plugin",
-    "gpu-feature-discovery",
-    "nvidia-dra-driver-gpu",
-    "dra-driver-nvidia-gpu",
-    "nvidia-network-operator",
-];
-
 /// The image repositories of NVIDIA's node components (the GPU Operator's operands and
 /// validator, the device plugin and GPU feature discovery, the sandbox and Kata device
 /// plugins, DCGM, the DRA driver, the Network Operator), each by tag and by digest (OLM pins
@@ -717,9 +651,6 @@ fn nvidia_component_images() -> Vec<String> {
 /// Longest Linux capability name without `CAP_` (the longest today, `CHECKPOINT_RESTORE`,
 /// has 18).
 const CAPABILITY_LEN: usize = 32;
-/// Longest device class name: a ResourceClaimTemplate name `gpuwarden-<class>-<count>` must
-/// stay a DNS subdomain (253).
-pub const DEVICE_CLASS_LEN: usize = 240;
 /// Longest `namespace/name` of a service account.
 const SERVICE_ACCOUNT_LEN: usize = DNS_LABEL_LEN + 1 + DNS_SUBDOMAIN_LEN;
 
@@ -824,7 +755,9 @@ impl GpuPolicy {
                     // in the namespaces their official installs use only.
                     containers: vec![ContainerExemption {
                         images: nvidia_component_images(),
-                        namespaces: NVIDIA_COMPONENT_NAMESPACES.map(String::from).to_vec(),
+                        namespaces: crate::NVIDIA_COMPONENT_NAMESPACES
+                            .map(String::from)
+                            .to_vec(),
                         service_accounts: Vec::new(),
                         digests: Vec::new(),
                     }],

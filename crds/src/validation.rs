@@ -272,12 +272,12 @@ fn check_gpu(spec: &GpuPolicySpec, out: &mut Vec<Problem>) {
         ));
     }
     let class = gpu.device_class_name.as_str();
-    if class.len() > crate::policy::DEVICE_CLASS_LEN || !class.split('.').all(is_label) {
+    if class.len() > crate::claims::DEVICE_CLASS_LEN || !class.split('.').all(is_label) {
         out.push(problem(
             "InvalidDeviceClass",
             format!(
                 "spec.gpu.deviceClassName {class:?} is not a DNS subdomain of at most {} characters, such as gpu.nvidia.com",
-                crate::policy::DEVICE_CLASS_LEN
+                crate::claims::DEVICE_CLASS_LEN
             ),
         ));
     }
