@@ -480,106 +480,112 @@ async fn serve(webhook: &Webhook, request: Request, route: Route) -> Response {
         .into_response()
 }
 
-/// The response body, and the engine's summary when the engine answered.
-async fn answer(
-    webhook: &Webhook,
-    request: Request,
-    route: Route,
-) -> (Vec<u8>, Option<ReviewSummary>) {
-    let refuse = |refusal: Refusal, uid: &str, code: u16, message: String| {
-        webhook.metrics.observe_refusal(refusal);
+/// A response body, and the engine's summary when the engine answered.
+type Answer = (Vec<u8>, Option<ReviewSummary>);
+
+/// The answer to one request on `route`: it waits for a slot, its body is read, then the
+/// reviewer answers it. A request refused on the way is answered with why.
+async fn answer(webhook: &Webhook, request: Request, route: Route) -> Answer {
+    let _slot = match webhook.take_slot().await {
+        Ok(slot) => slot,
+        Err(refused) => return refused,
+    };
+    let (parts, body) = request.into_parts();
+    let content_type_error = check_content_type(&parts.headers);
+    let (body, _buffered) = match webhook.receive(body, &parts.headers).await {
+        Ok(read) => read,
+        Err(refused) => return refused,
+    };
+    if let Some(message) = content_type_error {
+        // The uid is still worth echoing: the API server then shows this message.
+        let uid = admission::request_uid(&body);
+        return webhook.refuse(Refusal::ContentType, &uid, 415, message);
+    }
+    match route {
+        Route::Entry => (entry(webhook, &body).await, None),
+        Route::Review => review(webhook, &body).await,
+    }
+}
+
+impl Webhook {
+    /// The answer to a request refused before the reviewer saw it, counted and logged.
+    fn refuse(&self, refusal: Refusal, uid: &str, code: u16, message: String) -> Answer {
+        self.metrics.observe_refusal(refusal);
         tracing::warn!(uid, reason = refusal.as_str(), %message, "review refused");
         (refusal_review(uid, code, &message), None)
-    };
+    }
 
-    let overloaded = |what: &str| {
-        refuse(
+    /// The answer to a request that found no `what` within [`Limits::max_wait`].
+    fn overloaded(&self, what: &str) -> Answer {
+        self.refuse(
             Refusal::Overloaded,
             "",
             429,
             format!(
                 "gpuwarden webhook is overloaded: no {what} within {:?}; retry",
-                webhook.limits.max_wait
+                self.limits.max_wait
             ),
         )
-    };
-    let _slot = match tokio::time::timeout(
-        webhook.limits.max_wait,
-        webhook.slots.clone().acquire_owned(),
-    )
-    .await
-    {
-        Ok(Ok(slot)) => slot,
-        _ => {
-            return overloaded(&format!(
-                "free slot ({} requests in progress)",
-                webhook.limits.max_concurrency
-            ));
-        }
-    };
+    }
 
-    let (parts, body) = request.into_parts();
-    let content_type_error = check_content_type(&parts.headers);
-    let budget = Budget {
-        semaphore: &webhook.buffer_budget,
-        wait: webhook.limits.max_wait,
-    };
-    let (body, _buffered) = match tokio::time::timeout(
-        webhook.limits.body_timeout,
-        read_body(body, &parts.headers, webhook.limits.max_body_bytes, budget),
-    )
-    .await
-    {
-        Ok(Ok(read)) => read,
-        Ok(Err(BodyError::Overloaded)) => {
-            return overloaded("memory for the request body");
+    /// One of the [`Limits::max_concurrency`] slots, held while the request is answered.
+    async fn take_slot(&self) -> Result<OwnedSemaphorePermit, Answer> {
+        let slot = self.slots.clone().acquire_owned();
+        match tokio::time::timeout(self.limits.max_wait, slot).await {
+            Ok(Ok(slot)) => Ok(slot),
+            _ => Err(self.overloaded(&format!(
+                "free slot ({} requests in progress)",
+                self.limits.max_concurrency
+            ))),
         }
-        Ok(Err(BodyError::TooLarge)) => {
-            return refuse(
+    }
+
+    /// The request body within [`Limits::body_timeout`], with the room it holds in the
+    /// buffer budget ([`read_body`]).
+    async fn receive(
+        &self,
+        body: Body,
+        headers: &HeaderMap,
+    ) -> Result<(Bytes, Option<OwnedSemaphorePermit>), Answer> {
+        let budget = Budget {
+            semaphore: &self.buffer_budget,
+            wait: self.limits.max_wait,
+        };
+        let read = read_body(body, headers, self.limits.max_body_bytes, budget);
+        match tokio::time::timeout(self.limits.body_timeout, read).await {
+            Ok(Ok(read)) => Ok(read),
+            Ok(Err(BodyError::Overloaded)) => Err(self.overloaded("memory for the request body")),
+            Ok(Err(BodyError::TooLarge)) => Err(self.refuse(
                 Refusal::TooLarge,
                 "",
                 413,
                 format!(
                     "request body is larger than the webhook's limit of {} bytes",
-                    webhook.limits.max_body_bytes
+                    self.limits.max_body_bytes
                 ),
-            );
-        }
-        Ok(Err(BodyError::Read(error))) => {
-            return refuse(
+            )),
+            Ok(Err(BodyError::Read(error))) => Err(self.refuse(
                 Refusal::BodyRead,
                 "",
                 400,
                 format!("failed to read the request body: {error}"),
-            );
-        }
-        Err(_) => {
-            return refuse(
+            )),
+            Err(_) => Err(self.refuse(
                 Refusal::BodyRead,
                 "",
                 408,
                 format!(
                     "request body did not arrive within {:?}",
-                    webhook.limits.body_timeout
+                    self.limits.body_timeout
                 ),
-            );
+            )),
         }
-    };
-
-    if let Some(message) = content_type_error {
-        // The uid is still worth echoing: the API server then shows this message.
-        return refuse(
-            Refusal::ContentType,
-            &admission::request_uid(&body),
-            415,
-            message,
-        );
     }
+}
 
-    if route == Route::Entry {
-        return (entry(webhook, &body).await, None);
-    }
-
+/// The reviewer's answer to a pod or VM review, in a span naming its uid and pod: inline
+/// for a small body, on the blocking pool for a large one.
+async fn review(webhook: &Webhook, body: &Bytes) -> Answer {
     let span = tracing::info_span!(
         "review",
         uid = tracing::field::Empty,
@@ -587,7 +593,7 @@ async fn answer(
     );
     let reviewer = webhook.reviewer.clone();
     let result = if body.len() <= INLINE_BODY_BYTES {
-        span.in_scope(|| run_reviewer(reviewer.as_ref(), &body))
+        span.in_scope(|| run_reviewer(reviewer.as_ref(), body))
     } else {
         let body = body.clone();
         let blocking_span = span.clone();
@@ -597,9 +603,9 @@ async fn answer(
         run.await.unwrap_or_default()
     };
     let Some((response, summary)) = result else {
-        return refuse(
+        return webhook.refuse(
             Refusal::Internal,
-            &admission::request_uid(&body),
+            &admission::request_uid(body),
             500,
             "gpuwarden webhook failed internally while reviewing this request; see its logs".into(),
         );
@@ -622,8 +628,6 @@ async fn answer(
     (response, Some(summary))
 }
 
-/// Runs the reviewer, turning a panic (a bug) into `None` so the request gets a denial
-/// instead of a dropped connection.
 /// How long the webhook waits for the API server to return a pod being entered.
 const POD_READ_TIMEOUT: Duration = Duration::from_secs(3);
 
@@ -647,6 +651,8 @@ async fn entry(webhook: &Webhook, body: &[u8]) -> Vec<u8> {
     body
 }
 
+/// Runs the reviewer, turning a panic (a bug) into `None` so the request gets a denial
+/// instead of a dropped connection.
 fn run_reviewer(reviewer: &dyn Reviewer, body: &[u8]) -> Option<(Vec<u8>, ReviewSummary)> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reviewer.review(body))) {
         Ok(result) => Some(result),
