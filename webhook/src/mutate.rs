@@ -305,51 +305,10 @@ fn run_inner(
         None => BTreeMap::new(),
     };
     let policies = load_policies(&args.policies, stdin).map_err(|e| vec![e])?;
-
-    let inputs = manifest::expand_inputs(&args.filenames).map_err(|e| vec![e.into()])?;
-    if inputs.is_empty() {
-        return Err(vec![MutateError::NoManifests(args.filenames.join(", "))]);
-    }
-    let mut texts = Vec::new();
     let mut errors = Vec::new();
-    for input in inputs {
-        match manifest::read_source(&input.path, stdin) {
-            Ok(text) if input.from_directory && !manifest::looks_like_kubernetes(&text) => {
-                let _ = writeln!(
-                    stderr,
-                    "{}: skipped: not a Kubernetes manifest (no kind)",
-                    input.path
-                );
-            }
-            Ok(text) => texts.push((input.path, text)),
-            Err(e) => errors.push(e.into()),
-        }
-    }
-
-    // First pass: every document is read and checked, one at a time, so that bad input is
-    // reported in full before any output; the Namespace objects' labels are kept.
-    let mut namespace_labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-    let mut claims = ClaimStore::offline();
+    let texts = read_manifests(&args.filenames, stdin, stderr, &mut errors).map_err(|e| vec![e])?;
     let default_namespace = args.namespace.as_deref().unwrap_or("default");
-    for (path, text) in &texts {
-        for doc in manifest::documents(path, text) {
-            let checked = doc.map_err(MutateError::from).and_then(|doc| {
-                pods(&doc)?;
-                Ok(doc)
-            });
-            match checked {
-                Ok(doc) if doc.kind() == "Namespace" => {
-                    namespace_labels.insert(doc.name(), labels_of(&doc.object));
-                }
-                Ok(doc) => {
-                    if let Err(e) = read_claim(&doc, default_namespace, &mut claims) {
-                        errors.push(e);
-                    }
-                }
-                Err(e) => errors.push(e),
-            }
-        }
-    }
+    let known = Known::read(&texts, default_namespace, &mut errors);
     if !errors.is_empty() {
         return Err(errors);
     }
@@ -364,15 +323,8 @@ fn run_inner(
         .map_while(|doc| {
             let doc = doc.ok()?;
             let namespace = doc.namespace().unwrap_or(default_namespace).to_owned();
-            let mut labels = extra_labels.clone();
-            labels.extend(
-                namespace_labels
-                    .get(&namespace)
-                    .cloned()
-                    .unwrap_or_default(),
-            );
-            let labels = engine::namespace_labels_or_default(&namespace, Some(labels));
-            match judge(doc, namespace, &labels, &policies, &claims, now) {
+            let labels = known.namespace_labels(&namespace, &extra_labels);
+            match judge(doc, namespace, &labels, &policies, &known.claims, now) {
                 Ok(outcome) => {
                     explainer.explain(&outcome, stderr);
                     Some(outcome)
@@ -399,6 +351,95 @@ fn run_inner(
     } else {
         EXIT_ADMITTED
     })
+}
+
+/// The text of each manifest file the `-f` arguments name, with its path; a file that
+/// cannot be read goes to `errors`. A file found in a directory that is no Kubernetes
+/// manifest is skipped, saying so on `stderr`.
+fn read_manifests(
+    filenames: &[String],
+    stdin: &mut dyn Read,
+    stderr: &mut dyn Write,
+    errors: &mut Vec<MutateError>,
+) -> Result<Vec<(String, String)>, MutateError> {
+    let inputs = manifest::expand_inputs(filenames)?;
+    if inputs.is_empty() {
+        return Err(MutateError::NoManifests(filenames.join(", ")));
+    }
+    let mut texts = Vec::new();
+    for input in inputs {
+        match manifest::read_source(&input.path, stdin) {
+            Ok(text) if input.from_directory && !manifest::looks_like_kubernetes(&text) => {
+                let _ = writeln!(
+                    stderr,
+                    "{}: skipped: not a Kubernetes manifest (no kind)",
+                    input.path
+                );
+            }
+            Ok(text) => texts.push((input.path, text)),
+            Err(e) => errors.push(e.into()),
+        }
+    }
+    Ok(texts)
+}
+
+/// What the first pass keeps of the input for the second: the labels of its Namespace
+/// objects, and its ResourceClaims and ResourceClaimTemplates.
+struct Known {
+    namespace_labels: BTreeMap<String, BTreeMap<String, String>>,
+    claims: ClaimStore,
+}
+
+impl Known {
+    /// The first pass: every document is read and checked, one at a time, so that bad
+    /// input is reported in full (into `errors`) before any output.
+    fn read(
+        texts: &[(String, String)],
+        default_namespace: &str,
+        errors: &mut Vec<MutateError>,
+    ) -> Self {
+        let mut known = Self {
+            namespace_labels: BTreeMap::new(),
+            claims: ClaimStore::offline(),
+        };
+        for (path, text) in texts {
+            for doc in manifest::documents(path, text) {
+                let checked = doc.map_err(MutateError::from).and_then(|doc| {
+                    pods(&doc)?;
+                    Ok(doc)
+                });
+                match checked {
+                    Ok(doc) if doc.kind() == "Namespace" => {
+                        (known.namespace_labels).insert(doc.name(), labels_of(&doc.object));
+                    }
+                    Ok(doc) => {
+                        if let Err(e) = read_claim(&doc, default_namespace, &mut known.claims) {
+                            errors.push(e);
+                        }
+                    }
+                    Err(e) => errors.push(e),
+                }
+            }
+        }
+        known
+    }
+
+    /// The labels of `namespace`: those `assumed` (`--namespace-labels`), then those of its
+    /// Namespace object in the input, then the name label every namespace carries.
+    fn namespace_labels(
+        &self,
+        namespace: &str,
+        assumed: &BTreeMap<String, String>,
+    ) -> BTreeMap<String, String> {
+        let mut labels = assumed.clone();
+        labels.extend(
+            self.namespace_labels
+                .get(namespace)
+                .cloned()
+                .unwrap_or_default(),
+        );
+        engine::namespace_labels_or_default(namespace, Some(labels))
+    }
 }
 
 /// Which claim a `resource.k8s.io/v1` ResourceClaim or ResourceClaimTemplate is, and where
