@@ -355,105 +355,132 @@ impl ReflectorCache {
         synced: SyncFlag,
         shutdown: Shutdown,
     ) -> Self {
-        let (policies, policy_writer) = reflector::store::<GpuPolicy>();
-        let (namespaces, namespace_writer) = reflector::store::<PartialObjectMeta<Namespace>>();
-
-        // Only the fields the engine reads are kept: managedFields alone is often most of
-        // an object's size.
-        let policy_stream = watcher(
-            Api::<GpuPolicy>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .modify(|p| p.metadata.managed_fields = None)
-        .reflect(policy_writer)
-        .applied_objects();
-        // Labels are all the engine needs of a Namespace: watch metadata only.
-        let namespace_stream = watcher(
-            Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .modify(|ns| {
-            ns.metadata.managed_fields = None;
-            ns.metadata.annotations = None;
-        })
-        .reflect(namespace_writer)
-        .applied_objects();
-
-        tokio::spawn(drive("gpupolicies", policy_stream, shutdown.clone()));
-        tokio::spawn(drive("namespaces", namespace_stream, shutdown.clone()));
-
         let cache = Self {
-            policies,
-            namespaces,
+            policies: watch_policies(client.clone(), &shutdown),
+            namespaces: watch_namespaces(client.clone(), &shutdown),
             claims: Arc::new(OnceLock::new()),
         };
-        let ready = cache.clone();
-        let claim_shutdown = shutdown.clone();
-        tokio::spawn(async move {
-            metrics.set_cache_synced("gpupolicies", false);
-            metrics.set_cache_synced("namespaces", false);
-            let wait = async {
-                let policies = async {
-                    if ready.policies.wait_until_ready().await.is_ok() {
-                        metrics.set_cache_synced("gpupolicies", true);
-                        tracing::info!(count = ready.policies.len(), "GpuPolicy cache synced");
-                    }
-                };
-                let namespaces = async {
-                    if ready.namespaces.wait_until_ready().await.is_ok() {
-                        metrics.set_cache_synced("namespaces", true);
-                        tracing::info!(count = ready.namespaces.len(), "Namespace cache synced");
-                    }
-                };
-                // DRA is optional: without it claims count by nothing and the ResourceClaim
-                // mode is denied, saying why.
-                let claims = async {
-                    let Some(served) = dra_served(&client, &claim_shutdown).await else {
-                        return;
-                    };
-                    let caches = if served {
-                        watch_claims(client.clone(), &claim_shutdown)
-                    } else {
-                        tracing::info!("resource.k8s.io/v1 is not served: DRA claims are not read");
-                        ClaimCaches::NotServed
-                    };
-                    let caches = ready.claims.get_or_init(|| caches);
-                    if let ClaimCaches::Watched {
-                        claims,
-                        templates,
-                        synced,
-                    } = caches
-                    {
-                        metrics.set_cache_synced("resourceclaims", false);
-                        let sync = tokio::spawn(sync_claims(
-                            claims.clone(),
-                            templates.clone(),
-                            synced.clone(),
-                            metrics.clone(),
-                        ));
-                        // Readiness waits a while for the optional DRA caches, not for ever:
-                        // without them (RBAC not yet updated, say) claims are unknown, and
-                        // the reviews that need them say so.
-                        if tokio::time::timeout(CLAIM_SYNC_GRACE, sync).await.is_err() {
-                            tracing::warn!(
-                                grace = ?CLAIM_SYNC_GRACE,
-                                "the ResourceClaim caches have not synced; ready without them until they do (check the webhook's RBAC for resource.k8s.io)"
-                            );
-                        }
-                    }
-                };
-                tokio::join!(policies, namespaces, claims);
-                synced.set(true);
-            };
-            tokio::select! {
-                () = wait => {}
-                () = shutdown.wait() => {}
-            }
-        });
+        tokio::spawn(
+            cache
+                .clone()
+                .raise_when_synced(client, metrics, synced, shutdown),
+        );
         cache
     }
+
+    /// Raises `synced` once the policy and namespace caches hold a complete list and the
+    /// DRA caches are discovered and synced (or their grace is over), unless `shutdown`
+    /// fires first.
+    async fn raise_when_synced(
+        self,
+        client: kube::Client,
+        metrics: Arc<Metrics>,
+        synced: SyncFlag,
+        shutdown: Shutdown,
+    ) {
+        metrics.set_cache_synced("gpupolicies", false);
+        metrics.set_cache_synced("namespaces", false);
+        let wait = async {
+            let policies = async {
+                if self.policies.wait_until_ready().await.is_ok() {
+                    metrics.set_cache_synced("gpupolicies", true);
+                    tracing::info!(count = self.policies.len(), "GpuPolicy cache synced");
+                }
+            };
+            let namespaces = async {
+                if self.namespaces.wait_until_ready().await.is_ok() {
+                    metrics.set_cache_synced("namespaces", true);
+                    tracing::info!(count = self.namespaces.len(), "Namespace cache synced");
+                }
+            };
+            let claims = self.start_claims(&client, &metrics, &shutdown);
+            tokio::join!(policies, namespaces, claims);
+            synced.set(true);
+        };
+        tokio::select! {
+            () = wait => {}
+            () = shutdown.wait() => {}
+        }
+    }
+
+    /// Discovers whether the cluster serves DRA, starts the claim caches where it does, and
+    /// waits a while for them to sync. DRA is optional: without it claims count by nothing
+    /// and the ResourceClaim mode is denied, saying why.
+    async fn start_claims(
+        &self,
+        client: &kube::Client,
+        metrics: &Arc<Metrics>,
+        shutdown: &Shutdown,
+    ) {
+        let Some(served) = dra_served(client, shutdown).await else {
+            return;
+        };
+        let caches = if served {
+            watch_claims(client.clone(), shutdown)
+        } else {
+            tracing::info!("resource.k8s.io/v1 is not served: DRA claims are not read");
+            ClaimCaches::NotServed
+        };
+        let caches = self.claims.get_or_init(|| caches);
+        if let ClaimCaches::Watched {
+            claims,
+            templates,
+            synced,
+        } = caches
+        {
+            metrics.set_cache_synced("resourceclaims", false);
+            let sync = tokio::spawn(sync_claims(
+                claims.clone(),
+                templates.clone(),
+                synced.clone(),
+                metrics.clone(),
+            ));
+            // Readiness waits a while for the optional DRA caches, not for ever: without
+            // them (RBAC not yet updated, say) claims are unknown, and the reviews that need
+            // them say so.
+            if tokio::time::timeout(CLAIM_SYNC_GRACE, sync).await.is_err() {
+                tracing::warn!(
+                    grace = ?CLAIM_SYNC_GRACE,
+                    "the ResourceClaim caches have not synced; ready without them until they do (check the webhook's RBAC for resource.k8s.io)"
+                );
+            }
+        }
+    }
+}
+
+/// Starts the GpuPolicy cache. Only the fields the engine reads are kept: managedFields
+/// alone is often most of an object's size.
+fn watch_policies(client: kube::Client, shutdown: &Shutdown) -> Store<GpuPolicy> {
+    let (policies, writer) = reflector::store::<GpuPolicy>();
+    let stream = watcher(Api::<GpuPolicy>::all(client), watcher::Config::default())
+        .default_backoff()
+        .modify(|p| p.metadata.managed_fields = None)
+        .reflect(writer)
+        .applied_objects();
+    tokio::spawn(drive("gpupolicies", stream, shutdown.clone()));
+    policies
+}
+
+/// Starts the Namespace cache. Labels are all the engine needs of a Namespace: it watches
+/// metadata only.
+fn watch_namespaces(
+    client: kube::Client,
+    shutdown: &Shutdown,
+) -> Store<PartialObjectMeta<Namespace>> {
+    let (namespaces, writer) = reflector::store::<PartialObjectMeta<Namespace>>();
+    let stream = watcher(
+        Api::<PartialObjectMeta<Namespace>>::all(client),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(|ns| {
+        ns.metadata.managed_fields = None;
+        ns.metadata.annotations = None;
+    })
+    .reflect(writer)
+    .applied_objects();
+    tokio::spawn(drive("namespaces", stream, shutdown.clone()));
+    namespaces
 }
 
 /// Polls one watch stream until shutdown, logging its errors (the stream backs off itself).
