@@ -41,7 +41,6 @@ pub use policy::{
     GpuSpec, HealthSpec, KaiSharing, MatchSpec, PolicyMode, PrivilegedMatch, RequestAs,
     RuntimeFeature, SharingSpec, VisibleDevicesAll,
 };
-pub use selection::LABEL_NAMESPACE_NAME;
 
 /// API group of every gpuwarden kind.
 pub const GROUP: &str = "gpuwarden.io";
@@ -110,6 +109,8 @@ pub fn is_cdi_annotation(key: &str) -> bool {
     key == CDI_ANNOTATION_BARE_KEY || CDI_ANNOTATION_PREFIXES.iter().any(|p| key.starts_with(p))
 }
 
+/// Label the API server sets on every namespace.
+pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
 /// Node label set by NVIDIA GPU feature discovery on nodes with GPUs.
 pub const LABEL_GPU_PRESENT: &str = "nvidia.com/gpu.present";
 /// Taint the operator may put on nodes whose GPUs are unhealthy.

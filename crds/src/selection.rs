@@ -8,8 +8,8 @@ use crate::GpuPolicy;
 use crate::selector::{self, Labels};
 use crate::validation::validate_policy;
 
-/// Label the API server sets on every namespace.
-pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
+// Defined at the crate root with the other label names, because validation reads it too.
+pub use crate::LABEL_NAMESPACE_NAME;
 
 /// The labels of namespace `name`: the known ones, or what the API server sets on every
 /// namespace when the namespace is unknown. `kubernetes.io/metadata.name` is always present.
