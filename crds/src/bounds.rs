@@ -23,6 +23,32 @@ pub(crate) const RESOURCE_PATTERN_RULE: &str =
 pub(crate) const RESOURCE_PATTERN_MESSAGE: &str =
     "resource patterns are domain/name, with * and ? only in the name, such as rdma/*";
 
+/// What is wrong with an extended-resource glob (`match.gpuResources`, `rdmaResources`), as
+/// the CRD's rule says: a DNS-subdomain domain without wildcards, `/`, then a name of
+/// letters, digits, `-`, `_`, `.`, `*` and `?`.
+pub(crate) fn resource_pattern_problem(pattern: &str) -> Option<&'static str> {
+    let Some((domain, name)) = pattern.split_once('/') else {
+        return Some("has no domain/ (a pattern without one would match cpu or memory)");
+    };
+    let domain_ok = !domain.is_empty()
+        && domain
+            .bytes()
+            .all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.'))
+        && !domain.starts_with(['-', '.'])
+        && !domain.ends_with(['-', '.']);
+    let name_ok = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'*' | b'?'));
+    if !domain_ok {
+        Some("needs a literal lower-case domain before the /")
+    } else if !name_ok {
+        Some("has a name with characters other than letters, digits, -, _, ., * and ?")
+    } else {
+        None
+    }
+}
+
 /// Most GPUs one `GpuNode` lists.
 pub const MAX_GPUS: usize = 32;
 /// Most MIG devices listed under one GPU.

@@ -312,20 +312,14 @@ mod tests {
     #[test]
     fn default_resources_are_valid_patterns_that_miss_gpus() {
         for p in DEFAULT_RESOURCES {
-            assert!(
-                crate::validation::resource_pattern_problem(p).is_none(),
-                "{p}"
-            );
-            assert!(
-                !crate::exemptions::glob_match(p, crate::RESOURCE_GPU),
-                "{p}"
-            );
+            assert!(crate::bounds::resource_pattern_problem(p).is_none(), "{p}");
+            assert!(!crate::glob::glob_match(p, crate::RESOURCE_GPU), "{p}");
         }
-        assert!(crate::exemptions::glob_match(
+        assert!(crate::glob::glob_match(
             "nvidia.com/*rdma*",
             "nvidia.com/rdma-vf"
         ));
-        assert!(crate::exemptions::glob_match(
+        assert!(crate::glob::glob_match(
             "nvidia.com/*rdma*",
             "nvidia.com/sriov_rdma_vf"
         ));
