@@ -485,6 +485,19 @@ fn answer(
             return invalid(api_version, uid, pod, &error);
         }
     };
+    answer_pod(api_version, uid, operation, pod, request, source)
+}
+
+/// Judges the pod of a request ([`engine::decide`]) by the policies governing its
+/// namespace, as `source` lends them.
+fn answer_pod(
+    api_version: &str,
+    uid: String,
+    operation: Operation<'_>,
+    pod: &PodView<'_>,
+    request: &RequestIn<'_>,
+    source: &dyn PolicySource,
+) -> (Vec<u8>, ReviewSummary) {
     let namespace = namespace_of(pod, request.namespace.as_deref());
     let name = display_name(pod, namespace, request.name.as_deref());
     // A request without a user is no one's: it may hold no VM device.
