@@ -662,45 +662,7 @@ fn judge(
         return judge_vm(doc, &scope);
     }
     let places = pods(&doc)?;
-    let mut after = doc.object.clone();
-    let mut patch = json_patch::Patch(Vec::new());
-    let mut decisions = Vec::with_capacity(places.len());
-    let patch_error = |message: String| MutateError::Patch {
-        file: doc.source.clone(),
-        index: doc.index,
-        message,
-    };
-    for place in places {
-        let Some(found) = doc.object.pointer(&place.pointer) else {
-            continue;
-        };
-        // A bare pod spec is judged as the spec of a pod without metadata.
-        let wrapped;
-        let template = if place.bare {
-            wrapped = json!({ "spec": found });
-            &wrapped
-        } else {
-            found
-        };
-        let (explanation, changes) = scope.judge_pod(template, doc.kind());
-        if let Some(relative) = changes {
-            let relative = if place.bare {
-                unwrap_spec(relative)
-            } else {
-                relative
-            };
-            if let Some(target) = after.pointer_mut(&place.pointer) {
-                json_patch::patch(target, &relative.0).map_err(|e| patch_error(e.to_string()))?;
-            }
-            patch.0.extend(prefixed(relative, &place.pointer).0);
-        }
-        decisions.push(Judged {
-            path: place.path,
-            bare: place.bare,
-            explanation,
-            notes: Vec::new(),
-        });
-    }
+    let (after, patch, decisions) = scope.judge_places(&doc, places)?;
     let runtime_keys = runtime_variable_keys(&doc, &namespace, labels, policies);
     let driver_only = driver_only_claim(&doc, &namespace, labels, policies);
     Ok(Outcome {
@@ -730,6 +692,56 @@ struct Scope<'s> {
 }
 
 impl Scope<'_> {
+    /// Each pod of `doc` at `places`, judged: the object with the changes made, the patch
+    /// against it, and the decisions in order.
+    fn judge_places(
+        &self,
+        doc: &Document,
+        places: Vec<Place>,
+    ) -> Result<(Value, json_patch::Patch, Vec<Judged>), MutateError> {
+        let mut after = doc.object.clone();
+        let mut patch = json_patch::Patch(Vec::new());
+        let mut decisions = Vec::with_capacity(places.len());
+        let patch_error = |message: String| MutateError::Patch {
+            file: doc.source.clone(),
+            index: doc.index,
+            message,
+        };
+        for place in places {
+            let Some(found) = doc.object.pointer(&place.pointer) else {
+                continue;
+            };
+            // A bare pod spec is judged as the spec of a pod without metadata.
+            let wrapped;
+            let template = if place.bare {
+                wrapped = json!({ "spec": found });
+                &wrapped
+            } else {
+                found
+            };
+            let (explanation, changes) = self.judge_pod(template, doc.kind());
+            if let Some(relative) = changes {
+                let relative = if place.bare {
+                    unwrap_spec(relative)
+                } else {
+                    relative
+                };
+                if let Some(target) = after.pointer_mut(&place.pointer) {
+                    json_patch::patch(target, &relative.0)
+                        .map_err(|e| patch_error(e.to_string()))?;
+                }
+                patch.0.extend(prefixed(relative, &place.pointer).0);
+            }
+            decisions.push(Judged {
+                path: place.path,
+                bare: place.bare,
+                explanation,
+                notes: Vec::new(),
+            });
+        }
+        Ok((after, patch, decisions))
+    }
+
     /// The engine's decision on `template` (a pod's metadata and spec), made by an owner of
     /// `owner_kind`, explained; and the patch against `template` where the engine changes
     /// the pod and does not deny it.
