@@ -12,7 +12,7 @@ use gpuwarden_crds::condition_types::{
 };
 use gpuwarden_crds::conditions::{DesiredCondition, merge_conditions};
 use gpuwarden_crds::{
-    Binding, BindingSource, GpuNodeStatus, GpuNodeSummary, GpusFrom, HealthState,
+    Binding, BindingSource, GpuNodeStatus, GpuNodeSummary, GpuStatus, GpusFrom, HealthState,
     LABEL_GPU_PRESENT, RESOURCE_GPU, RuntimeStatus, Truncated, gpu,
 };
 use jiff::Timestamp;
@@ -291,7 +291,20 @@ pub fn desired_conditions(
     status: Option<&GpuNodeStatus>,
     liveness: &AgentLiveness,
 ) -> Vec<DesiredCondition> {
-    let agent = match liveness {
+    let runtime = status.and_then(|s| s.runtime.as_ref());
+    vec![
+        agent_ready(liveness),
+        healthy(status.and_then(|s| s.gpus.as_deref())),
+        isolated(status),
+        runtime_isolation(runtime),
+        runtime_patched(runtime),
+        status_complete(status),
+    ]
+}
+
+/// `AgentReady`: whether the node agent renews its Lease.
+fn agent_ready(liveness: &AgentLiveness) -> DesiredCondition {
+    match liveness {
         AgentLiveness::Live { .. } => DesiredCondition::new(
             AGENT_READY,
             true,
@@ -317,155 +330,169 @@ pub fn desired_conditions(
             "LeaseIncomplete",
             "the node agent's Lease has no renew time or duration",
         ),
-    };
+    }
+}
 
-    let gpus = status.and_then(|s| s.gpus.as_ref());
-    let healthy = match gpus {
-        None => DesiredCondition::unknown(
+/// `Healthy`: whether every GPU the agent reported is healthy, naming those that are not.
+fn healthy(gpus: Option<&[GpuStatus]>) -> DesiredCondition {
+    let gpus = match gpus {
+        None => {
+            return DesiredCondition::unknown(
+                HEALTHY,
+                "NotReported",
+                "the node agent has not reported any GPUs yet",
+            );
+        }
+        Some([]) => {
+            return DesiredCondition::new(
+                HEALTHY,
+                false,
+                "NoGpusFound",
+                "the node agent found no GPUs through NVML",
+            );
+        }
+        Some(gpus) => gpus,
+    };
+    let sick = unhealthy_gpus(gpus);
+    if sick.is_empty() {
+        DesiredCondition::new(
             HEALTHY,
-            "NotReported",
-            "the node agent has not reported any GPUs yet",
-        ),
-        Some(gpus) if gpus.is_empty() => DesiredCondition::new(
+            true,
+            "AllGpusHealthy",
+            format!("{} of {} GPUs healthy", gpus.len(), gpus.len()),
+        )
+    } else {
+        DesiredCondition::new(
             HEALTHY,
             false,
-            "NoGpusFound",
-            "the node agent found no GPUs through NVML",
-        ),
-        Some(gpus) => {
-            let sick: Vec<String> = gpus
-                .iter()
-                .filter(|g| g.health.state == HealthState::Unhealthy)
-                .map(|g| {
-                    let why = if g.health.reasons.is_empty() {
-                        "unhealthy".to_owned()
-                    } else {
-                        g.health.reasons.join(", ")
-                    };
-                    format!("GPU {} ({}): {why}", g.index, g.uuid)
-                })
-                .collect();
-            if sick.is_empty() {
-                DesiredCondition::new(
-                    HEALTHY,
-                    true,
-                    "AllGpusHealthy",
-                    format!("{} of {} GPUs healthy", gpus.len(), gpus.len()),
-                )
-            } else {
-                DesiredCondition::new(
-                    HEALTHY,
-                    false,
-                    "GpuUnhealthy",
-                    format!(
-                        "{} of {} GPUs unhealthy: {}",
-                        sick.len(),
-                        gpus.len(),
-                        list_limited(&sick)
-                    ),
-                )
-            }
-        }
-    };
+            "GpuUnhealthy",
+            format!(
+                "{} of {} GPUs unhealthy: {}",
+                sick.len(),
+                gpus.len(),
+                list_limited(&sick)
+            ),
+        )
+    }
+}
 
-    let isolated = match status {
-        Some(s) if s.gpus.is_some() || s.bindings.is_some() || s.privileged_pods.is_some() => {
-            let out_of_band: Vec<String> = s
-                .bindings
-                .iter()
-                .flatten()
-                .filter(|b| b.is_out_of_band())
-                .map(|b| {
-                    let how = match b.source {
-                        BindingSource::Injected => " (by a device-injection annotation)".into(),
-                        BindingSource::BeyondClaim => beyond_claim(b),
-                        _ => String::new(),
-                    };
-                    format!("{}/{} container {}{how}", b.namespace, b.pod, b.container)
-                })
-                .collect();
-            let beyond = (s.bindings.iter().flatten())
-                .any(|b| b.is_out_of_band() && b.source == BindingSource::BeyondClaim);
-            let privileged: Vec<String> = s
-                .privileged_pods
-                .iter()
-                .flatten()
-                .filter(|p| p.exempt.is_none())
-                .map(|p| format!("{}/{}", p.namespace, p.name))
-                .collect();
-            let twice = allocated_twice(s);
-            let shared_groups = shared_iommu_groups(s);
-            if !out_of_band.is_empty() {
-                DesiredCondition::new(
-                    ISOLATED,
-                    false,
-                    if beyond {
-                        "DevicesBeyondClaim"
-                    } else {
-                        "OutOfBandGpuUse"
-                    },
-                    format!(
-                        "containers use GPUs the kubelet never allocated to them: {}",
-                        list_limited(&out_of_band)
-                    ),
-                )
-            } else if !twice.is_empty() {
-                DesiredCondition::new(
-                    ISOLATED,
-                    false,
-                    "GpuAllocatedTwice",
-                    format!(
-                        "GPUs handed out both by a device plugin and by a DRA driver, which do not know of each other's allocations (run one of them per node, or give each its own GPUs): {}",
-                        list_limited(&twice)
-                    ),
-                )
-            } else if !shared_groups.is_empty() {
-                DesiredCondition::new(
-                    ISOLATED,
-                    false,
-                    "SharedIommuGroup",
-                    format!(
-                        "pods were allocated devices of one IOMMU group, and their VFIO device plugin hands each the whole group, so each can open the devices allocated to the other (allocate a group's devices to one pod, e.g. a GPU with its audio function): {}",
-                        list_limited(&shared_groups)
-                    ),
-                )
-            } else if !privileged.is_empty() {
-                DesiredCondition::new(
-                    ISOLATED,
-                    false,
-                    "PrivilegedGpuPods",
-                    format!(
-                        "privileged GPU pods see every GPU on the node: {}",
-                        list_limited(&privileged)
-                    ),
-                )
-            } else if (s.bindings.iter().flatten()).any(|b| b.source == BindingSource::Shared) {
-                DesiredCondition::new(
-                    ISOLATED,
-                    true,
-                    "NoOutOfBandUse",
-                    "every GPU user was allocated its GPUs by the kubelet, or shares the GPU KAI-Scheduler's reservation pod was allocated for it",
-                )
+/// The unhealthy GPUs, each as `GPU 3 (GPU-x): why`.
+fn unhealthy_gpus(gpus: &[GpuStatus]) -> Vec<String> {
+    gpus.iter()
+        .filter(|g| g.health.state == HealthState::Unhealthy)
+        .map(|g| {
+            let why = if g.health.reasons.is_empty() {
+                "unhealthy".to_owned()
             } else {
-                DesiredCondition::new(
-                    ISOLATED,
-                    true,
-                    "NoOutOfBandUse",
-                    "every GPU user was allocated its GPUs by the kubelet",
-                )
-            }
-        }
-        _ => DesiredCondition::unknown(
+                g.health.reasons.join(", ")
+            };
+            format!("GPU {} ({}): {why}", g.index, g.uuid)
+        })
+        .collect()
+}
+
+/// `Isolated`: whether every GPU user was allocated its GPUs by the kubelet, or else the
+/// first way around that the agent found ([`isolation_breach`]).
+fn isolated(status: Option<&GpuNodeStatus>) -> DesiredCondition {
+    let reported =
+        status.filter(|s| s.gpus.is_some() || s.bindings.is_some() || s.privileged_pods.is_some());
+    let Some(s) = reported else {
+        return DesiredCondition::unknown(
             ISOLATED,
             "NotReported",
             "the node agent has not reported GPU users yet",
-        ),
+        );
     };
+    if let Some(breached) = isolation_breach(s) {
+        return breached;
+    }
+    let message = if (s.bindings.iter().flatten()).any(|b| b.source == BindingSource::Shared) {
+        "every GPU user was allocated its GPUs by the kubelet, or shares the GPU KAI-Scheduler's reservation pod was allocated for it"
+    } else {
+        "every GPU user was allocated its GPUs by the kubelet"
+    };
+    DesiredCondition::new(ISOLATED, true, "NoOutOfBandUse", message)
+}
 
-    let runtime = runtime_isolation(status.and_then(|s| s.runtime.as_ref()));
-    let patched = runtime_patched(status.and_then(|s| s.runtime.as_ref()));
+/// The `Isolated=False` condition for the gravest breach of isolation in the agent's status:
+/// out-of-band use, then GPUs allocated twice, then shared IOMMU groups, then privileged
+/// pods. `None` when there is none.
+fn isolation_breach(s: &GpuNodeStatus) -> Option<DesiredCondition> {
+    let beyond = (s.bindings.iter().flatten())
+        .any(|b| b.is_out_of_band() && b.source == BindingSource::BeyondClaim);
+    let out_of_band = if beyond {
+        "DevicesBeyondClaim"
+    } else {
+        "OutOfBandGpuUse"
+    };
+    breach(
+        out_of_band,
+        "containers use GPUs the kubelet never allocated to them",
+        out_of_band_uses(s),
+    )
+    .or_else(|| {
+        breach(
+            "GpuAllocatedTwice",
+            "GPUs handed out both by a device plugin and by a DRA driver, which do not know of each other's allocations (run one of them per node, or give each its own GPUs)",
+            allocated_twice(s),
+        )
+    })
+    .or_else(|| {
+        breach(
+            "SharedIommuGroup",
+            "pods were allocated devices of one IOMMU group, and their VFIO device plugin hands each the whole group, so each can open the devices allocated to the other (allocate a group's devices to one pod, e.g. a GPU with its audio function)",
+            shared_iommu_groups(s),
+        )
+    })
+    .or_else(|| {
+        breach(
+            "PrivilegedGpuPods",
+            "privileged GPU pods see every GPU on the node",
+            unexempt_privileged_pods(s),
+        )
+    })
+}
 
-    let complete = match status {
+/// `Isolated=False` for `reason`, its message `what` followed by what was `found`; `None`
+/// when nothing was.
+fn breach(reason: &str, what: &str, found: Vec<String>) -> Option<DesiredCondition> {
+    (!found.is_empty()).then(|| {
+        DesiredCondition::new(
+            ISOLATED,
+            false,
+            reason,
+            format!("{what}: {}", list_limited(&found)),
+        )
+    })
+}
+
+/// The containers that use GPUs the kubelet never allocated to them, each as `ns/pod
+/// container c` and how they came by them.
+fn out_of_band_uses(s: &GpuNodeStatus) -> Vec<String> {
+    (s.bindings.iter().flatten())
+        .filter(|b| b.is_out_of_band())
+        .map(|b| {
+            let how = match b.source {
+                BindingSource::Injected => " (by a device-injection annotation)".into(),
+                BindingSource::BeyondClaim => beyond_claim(b),
+                _ => String::new(),
+            };
+            format!("{}/{} container {}{how}", b.namespace, b.pod, b.container)
+        })
+        .collect()
+}
+
+/// The privileged GPU pods no policy exempts, each as `ns/pod`.
+fn unexempt_privileged_pods(s: &GpuNodeStatus) -> Vec<String> {
+    (s.privileged_pods.iter().flatten())
+        .filter(|p| p.exempt.is_none())
+        .map(|p| format!("{}/{}", p.namespace, p.name))
+        .collect()
+}
+
+/// `StatusComplete`: whether the agent's lists hold everything it found, or what it cut.
+fn status_complete(status: Option<&GpuNodeStatus>) -> DesiredCondition {
+    match status {
         Some(s) if s.gpus.is_some() => match &s.truncated {
             Some(cut) => DesiredCondition::new(
                 STATUS_COMPLETE,
@@ -489,9 +516,7 @@ pub fn desired_conditions(
             "NotReported",
             "the node agent has not reported yet",
         ),
-    };
-
-    vec![agent, healthy, isolated, runtime, patched, complete]
+    }
 }
 
 /// `RuntimeIsolation`: whether the NVIDIA runtime hands GPUs to unprivileged containers on
