@@ -216,19 +216,64 @@ pub fn plan(
     let ca_life = leaf_life.saturating_mul(i64::from(CA_LIFETIME_FACTOR));
     let mut reasons = Vec::new();
 
-    // The current CA: the bundle's certificate that matches `ca.key`, still in its first two
-    // thirds of life.
     let bundle = parse_bundle(existing.get(CA_CRT));
+    let ca = current_or_new_ca(existing, &bundle, now_s, ca_life, &mut reasons)?;
+    let serving = current_or_new_serving(existing, &ca, params, now_s, leaf_life, &mut reasons)?;
+    let ca_bundle = trusted_bundle(&ca, &bundle, now_s);
+
+    let mut data = BTreeMap::new();
+    data.insert(TLS_CRT.to_owned(), serving.crt.into_bytes());
+    data.insert(TLS_KEY.to_owned(), serving.key.into_bytes());
+    data.insert(CA_CRT.to_owned(), ca_bundle.clone().into_bytes());
+    data.insert(CA_KEY.to_owned(), ca.key.serialize_pem().into_bytes());
+    // Keys other writers put in the Secret are theirs; only ours are compared.
+    let ours_unchanged = data.iter().all(|(k, v)| existing.get(k) == Some(v));
+    if reasons.is_empty() && !ours_unchanged {
+        // Same certificates, different bytes (whitespace, an expired CA dropped from the bundle).
+        reasons.push("secret data normalised (expired CAs dropped)".to_owned());
+    }
+    let next = ca.renew_at.min(serving.renew_at);
+    Ok(CertPlan {
+        data,
+        ca_bundle: ca_bundle.into_bytes(),
+        reasons,
+        next_renewal: Timestamp::from_second(next).unwrap_or(now),
+    })
+}
+
+/// The CA that signs the serving certificate.
+struct Ca {
+    key: KeyPair,
+    pem: String,
+    der: Vec<u8>,
+    /// When a third of its lifetime is left.
+    renew_at: i64,
+}
+
+/// The current CA: the bundle's certificate that matches `ca.key`, still in its first two
+/// thirds of life. Otherwise a new CA, and the reason for it in `reasons`.
+fn current_or_new_ca(
+    existing: &BTreeMap<String, Vec<u8>>,
+    bundle: &[Parsed],
+    now_s: i64,
+    ca_life: i64,
+    reasons: &mut Vec<String>,
+) -> Result<Ca, CertError> {
     let ca_key = key_from(existing.get(CA_KEY));
     let current = ca_key.as_ref().and_then(|key| {
         bundle
             .iter()
             .position(|c| c.x509().is_some_and(|x| x.is_ca() && spki_matches(&x, key)))
     });
-    let (ca_key, ca_cert_pem, ca_renew_at, ca_der) = match (ca_key, current) {
+    match (ca_key, current) {
         (Some(key), Some(i)) if bundle[i].renew_at() > now_s && bundle[i].not_before <= now_s => {
             let c = &bundle[i];
-            (key, c.pem.clone(), c.renew_at(), c.der.clone())
+            Ok(Ca {
+                key,
+                pem: c.pem.clone(),
+                der: c.der.clone(),
+                renew_at: c.renew_at(),
+            })
         }
         (key, current) => {
             reasons.push(match (key, current) {
@@ -237,76 +282,60 @@ pub fn plan(
                 (Some(_), None) => "CA certificate missing or does not match the CA key".to_owned(),
                 (Some(_), Some(_)) => "CA has less than a third of its lifetime left".to_owned(),
             });
-            let key = generate_key("CA key")?;
-            let p = ca_params(now_s, ca_life);
-            let cert = p.self_signed(&key).map_err(|source| CertError::Generate {
-                what: "CA certificate",
-                source,
-            })?;
-            let renew_at = now_s + ca_life - (ca_life + BACKDATE.as_secs() as i64) / 3;
-            (key, cert.pem(), renew_at, cert.der().to_vec())
+            new_ca(now_s, ca_life)
         }
-    };
-    let ca_spki: Vec<u8> = ca_key.subject_public_key_info();
+    }
+}
 
-    // Serving certificate: kept while it is signed by the current CA, has the right names,
-    // matches its key, and has more than a third of its life left.
-    let expected_names = {
-        let mut n = params.dns_names();
-        n.sort();
-        n
-    };
+/// A new self-signed CA living `ca_life` from `now_s`.
+fn new_ca(now_s: i64, ca_life: i64) -> Result<Ca, CertError> {
+    let key = generate_key("CA key")?;
+    let cert = ca_params(now_s, ca_life)
+        .self_signed(&key)
+        .map_err(|source| CertError::Generate {
+            what: "CA certificate",
+            source,
+        })?;
+    Ok(Ca {
+        pem: cert.pem(),
+        der: cert.der().to_vec(),
+        renew_at: now_s + ca_life - (ca_life + BACKDATE.as_secs() as i64) / 3,
+        key,
+    })
+}
+
+/// The serving certificate and its key, as PEM.
+struct Serving {
+    crt: String,
+    key: String,
+    /// When a third of its lifetime is left.
+    renew_at: i64,
+}
+
+/// The serving certificate: kept while it is signed by the current CA, has the right names,
+/// matches its key, and has more than a third of its life left. Otherwise a new one, and the
+/// reason for it in `reasons`.
+fn current_or_new_serving(
+    existing: &BTreeMap<String, Vec<u8>>,
+    ca: &Ca,
+    params: &CertParams,
+    now_s: i64,
+    leaf_life: i64,
+    reasons: &mut Vec<String>,
+) -> Result<Serving, CertError> {
     let serving = parse_bundle(existing.get(TLS_CRT)).into_iter().next();
     let serving_key = key_from(existing.get(TLS_KEY));
-    let ca_parsed = x509_parser::parse_x509_certificate(&ca_der)
+    let ca_parsed = x509_parser::parse_x509_certificate(&ca.der)
         .ok()
         .map(|(_, c)| c);
-    let keep_serving = match (&serving, &serving_key, &ca_parsed) {
-        (Some(s), Some(k), Some(ca)) => {
-            let problem = s
-                .x509()
-                .map_or(Some("serving certificate unreadable"), |x| {
-                    let names = {
-                        let mut n: Vec<String> = x
-                            .subject_alternative_name()
-                            .ok()
-                            .flatten()
-                            .map(|san| {
-                                san.value
-                                    .general_names
-                                    .iter()
-                                    .filter_map(|g| match g {
-                                        x509_parser::extensions::GeneralName::DNSName(d) => {
-                                            Some((*d).to_owned())
-                                        }
-                                        _ => None,
-                                    })
-                                    .collect()
-                            })
-                            .unwrap_or_default();
-                        n.sort();
-                        n
-                    };
-                    if !spki_matches(&x, k) {
-                        Some("serving certificate does not match its key")
-                    } else if x.verify_signature(Some(ca.public_key())).is_err() {
-                        Some("serving certificate is not signed by the current CA")
-                    } else if names != expected_names {
-                        Some("serving certificate names differ from the webhook Service's")
-                    } else if s.renew_at() <= now_s || s.not_before > now_s {
-                        Some("serving certificate has less than a third of its lifetime left")
-                    } else {
-                        None
-                    }
-                });
-            match problem {
-                Some(p) => {
-                    reasons.push(p.to_owned());
-                    false
-                }
-                None => true,
+    let keep = match (&serving, &serving_key, &ca_parsed) {
+        (Some(s), Some(k), Some(ca_x509)) => match serving_problem(s, k, ca_x509, params, now_s) {
+            Some(p) => {
+                reasons.push(p.to_owned());
+                false
             }
-        }
+            None => true,
+        },
         _ => {
             if !existing.is_empty() {
                 reasons.push("serving certificate or key missing".to_owned());
@@ -314,57 +343,133 @@ pub fn plan(
             false
         }
     };
-    let (tls_crt, tls_key, leaf_renew_at) = match (keep_serving, serving, serving_key) {
-        (true, Some(s), Some(k)) => (s.pem.clone(), k.serialize_pem(), s.renew_at()),
-        _ => {
-            let key = generate_key("serving key")?;
-            let mut p = CertificateParams::new(params.dns_names()).map_err(|source| {
-                CertError::Generate {
-                    what: "serving certificate names",
-                    source,
-                }
-            })?;
-            p.distinguished_name = DistinguishedName::new();
-            p.distinguished_name.push(
-                DnType::CommonName,
-                format!("{}.{}.svc", params.service, params.namespace),
-            );
-            p.key_usages = vec![
-                KeyUsagePurpose::DigitalSignature,
-                KeyUsagePurpose::KeyEncipherment,
-            ];
-            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-            p.use_authority_key_identifier_extension = true;
-            p.not_before = offset(now_s - BACKDATE.as_secs() as i64);
-            // Never outlive the CA that signs it.
-            let ca_not_after = ca_parsed
-                .as_ref()
-                .map_or(now_s + leaf_life, |c| c.validity().not_after.timestamp());
-            p.not_after = offset((now_s + leaf_life).min(ca_not_after));
-            let issuer =
-                Issuer::from_ca_cert_der(&ca_der.clone().into(), &ca_key).map_err(|source| {
-                    CertError::Generate {
-                        what: "CA issuer",
-                        source,
-                    }
-                })?;
-            let cert = p
-                .signed_by(&key, &issuer)
-                .map_err(|source| CertError::Generate {
-                    what: "serving certificate",
-                    source,
-                })?;
-            let lifetime =
-                (now_s + leaf_life).min(ca_not_after) - (now_s - BACKDATE.as_secs() as i64);
-            let renew_at = (now_s + leaf_life).min(ca_not_after) - lifetime / 3;
-            (cert.pem(), key.serialize_pem(), renew_at)
-        }
-    };
+    match (keep, serving, serving_key) {
+        (true, Some(s), Some(k)) => Ok(Serving {
+            crt: s.pem.clone(),
+            key: k.serialize_pem(),
+            renew_at: s.renew_at(),
+        }),
+        _ => new_serving(ca, ca_parsed.as_ref(), params, now_s, leaf_life),
+    }
+}
 
-    // The bundle: current CA first, then every other CA that has not expired yet.
-    let mut ca_bundle = ca_cert_pem.clone();
+/// Why the serving certificate `s` with key `key` cannot stay under the CA `ca`; `None`
+/// when it can.
+fn serving_problem(
+    s: &Parsed,
+    key: &KeyPair,
+    ca: &X509Certificate<'_>,
+    params: &CertParams,
+    now_s: i64,
+) -> Option<&'static str> {
+    let Some(x) = s.x509() else {
+        return Some("serving certificate unreadable");
+    };
+    let mut expected_names = params.dns_names();
+    expected_names.sort();
+    if !spki_matches(&x, key) {
+        Some("serving certificate does not match its key")
+    } else if x.verify_signature(Some(ca.public_key())).is_err() {
+        Some("serving certificate is not signed by the current CA")
+    } else if dns_names(&x) != expected_names {
+        Some("serving certificate names differ from the webhook Service's")
+    } else if s.renew_at() <= now_s || s.not_before > now_s {
+        Some("serving certificate has less than a third of its lifetime left")
+    } else {
+        None
+    }
+}
+
+/// The DNS names among a certificate's subject alternative names, sorted.
+fn dns_names(x: &X509Certificate<'_>) -> Vec<String> {
+    let mut names: Vec<String> = x
+        .subject_alternative_name()
+        .ok()
+        .flatten()
+        .map(|san| {
+            san.value
+                .general_names
+                .iter()
+                .filter_map(|g| match g {
+                    x509_parser::extensions::GeneralName::DNSName(d) => Some((*d).to_owned()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// A new serving certificate for the webhook Service, signed by `ca` and living `leaf_life`
+/// from `now_s`, but never beyond the CA.
+fn new_serving(
+    ca: &Ca,
+    ca_x509: Option<&X509Certificate<'_>>,
+    params: &CertParams,
+    now_s: i64,
+    leaf_life: i64,
+) -> Result<Serving, CertError> {
+    let key = generate_key("serving key")?;
+    // Never outlive the CA that signs it.
+    let ca_not_after = ca_x509.map_or(now_s + leaf_life, |c| c.validity().not_after.timestamp());
+    let not_after = (now_s + leaf_life).min(ca_not_after);
+    let p = serving_params(params, now_s, not_after)?;
+    let issuer = Issuer::from_ca_cert_der(&ca.der.clone().into(), &ca.key).map_err(|source| {
+        CertError::Generate {
+            what: "CA issuer",
+            source,
+        }
+    })?;
+    let cert = p
+        .signed_by(&key, &issuer)
+        .map_err(|source| CertError::Generate {
+            what: "serving certificate",
+            source,
+        })?;
+    let lifetime = not_after - (now_s - BACKDATE.as_secs() as i64);
+    Ok(Serving {
+        crt: cert.pem(),
+        key: key.serialize_pem(),
+        renew_at: not_after - lifetime / 3,
+    })
+}
+
+/// What a serving certificate for the webhook Service says: its names, a server's key
+/// usages, and its validity (backdated).
+fn serving_params(
+    params: &CertParams,
+    now_s: i64,
+    not_after: i64,
+) -> Result<CertificateParams, CertError> {
+    let mut p =
+        CertificateParams::new(params.dns_names()).map_err(|source| CertError::Generate {
+            what: "serving certificate names",
+            source,
+        })?;
+    p.distinguished_name = DistinguishedName::new();
+    p.distinguished_name.push(
+        DnType::CommonName,
+        format!("{}.{}.svc", params.service, params.namespace),
+    );
+    p.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    p.use_authority_key_identifier_extension = true;
+    p.not_before = offset(now_s - BACKDATE.as_secs() as i64);
+    p.not_after = offset(not_after);
+    Ok(p)
+}
+
+/// The `caBundle`: the current CA first, then every other CA that has not expired yet, three
+/// at most.
+fn trusted_bundle(ca: &Ca, bundle: &[Parsed], now_s: i64) -> String {
+    let ca_spki: Vec<u8> = ca.key.subject_public_key_info();
+    let mut ca_bundle = ca.pem.clone();
     let mut kept = 1;
-    for old in &bundle {
+    for old in bundle {
         let is_current = x509_parser::parse_x509_certificate(&old.der)
             .ok()
             .is_some_and(|(_, x)| x.public_key().raw == ca_spki.as_slice());
@@ -374,25 +479,7 @@ pub fn plan(
         ca_bundle.push_str(&old.pem);
         kept += 1;
     }
-
-    let mut data = BTreeMap::new();
-    data.insert(TLS_CRT.to_owned(), tls_crt.into_bytes());
-    data.insert(TLS_KEY.to_owned(), tls_key.into_bytes());
-    data.insert(CA_CRT.to_owned(), ca_bundle.clone().into_bytes());
-    data.insert(CA_KEY.to_owned(), ca_key.serialize_pem().into_bytes());
-    // Keys other writers put in the Secret are theirs; only ours are compared.
-    let ours_unchanged = data.iter().all(|(k, v)| existing.get(k) == Some(v));
-    if reasons.is_empty() && !ours_unchanged {
-        // Same certificates, different bytes (whitespace, an expired CA dropped from the bundle).
-        reasons.push("secret data normalised (expired CAs dropped)".to_owned());
-    }
-    let next = ca_renew_at.min(leaf_renew_at);
-    Ok(CertPlan {
-        data,
-        ca_bundle: ca_bundle.into_bytes(),
-        reasons,
-        next_renewal: Timestamp::from_second(next).unwrap_or(now),
-    })
+    ca_bundle
 }
 
 /// Number of certificates in a PEM bundle.
