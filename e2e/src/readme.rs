@@ -162,24 +162,21 @@ mod tests {
     /// without a cluster already.
     #[test]
     fn every_block_the_cluster_tests_read_is_found() {
-        // helm.rs: install, upgrade and uninstall with Helm.
-        let install = statements(&readme_block_in("Install", "With Helm"));
-        assert!(
-            install[0].starts_with("helm install gpuwarden "),
-            "{install:?}"
-        );
-        let upgrade = statements(&doc_block_in(OPERATIONS, "Upgrade", "With Helm"));
-        assert!(
-            upgrade
-                .iter()
-                .any(|s| s.starts_with("helm upgrade gpuwarden ")),
-            "{upgrade:?}"
-        );
-        let uninstall = statements(&readme_block_in("Uninstall", "With Helm"));
-        assert!(
-            uninstall[0].starts_with("helm uninstall gpuwarden "),
-            "{uninstall:?}"
-        );
+        // helm.rs: install, upgrade and uninstall with Helm, each block holding its command.
+        for (block, command) in [
+            (readme_block_in("Install", "With Helm"), "helm install "),
+            (
+                doc_block_in(OPERATIONS, "Upgrade", "With Helm"),
+                "helm upgrade ",
+            ),
+            (readme_block_in("Uninstall", "With Helm"), "helm uninstall "),
+        ] {
+            let found = statements(&block);
+            assert!(
+                found.iter().any(|s| s.starts_with(command)),
+                "no `{command}` in {found:?}"
+            );
+        }
         // in_cluster.rs: the restore of "When the webhook is down".
         let down = doc_section(OPERATIONS, "When the webhook is down");
         assert!(
