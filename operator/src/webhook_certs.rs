@@ -93,103 +93,14 @@ pub struct CertContext {
 pub async fn reconcile_certificates(ctx: &CertContext) -> Result<Timestamp, CertSyncError> {
     let now = (ctx.clock)();
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    let err = |action, namespace: &str, name: &str| {
-        let (namespace, name) = (namespace.to_owned(), name.to_owned());
-        move |source| CertSyncError::Api {
-            action,
-            namespace,
-            name,
-            source,
-        }
-    };
-    let secret = secrets.get_opt(WEBHOOK_TLS_SECRET).await.map_err(err(
-        "read Secret",
-        &ctx.namespace,
-        WEBHOOK_TLS_SECRET,
-    ))?;
-    let existing: BTreeMap<String, Vec<u8>> = secret
-        .and_then(|s| s.data)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|(k, v)| (k, v.0))
-        .collect();
+    let existing = secret_data(ctx, &secrets).await?;
     let plan = certs::plan(&existing, now, &ctx.params)?;
     if !ctx.leader.is_leader() {
         return Ok(now + MAX_RECHECK);
     }
-
-    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
-    match mwcs
-        .get_opt(MUTATING_WEBHOOK_CONFIGURATION)
-        .await
-        .map_err(err(
-            "read MutatingWebhookConfiguration",
-            "",
-            MUTATING_WEBHOOK_CONFIGURATION,
-        ))? {
-        Some(mwc) => {
-            if let Some(patch) =
-                ca_bundle_patch(&mwc, &plan.ca_bundle).map_err(CertSyncError::Encode)?
-            {
-                // A JSON patch under the operator's own name rather than a server-side apply:
-                // the operator then owns each `caBundle` it sets and nothing else. An apply
-                // would also co-own each webhook entry by its key, so a re-apply of the user's
-                // manifests that drops an entry would leave a stub of it, which the API server
-                // refuses. Each `add` is guarded by a `test` of the entry's name.
-                let params = PatchParams {
-                    field_manager: Some(FIELD_MANAGER_OPERATOR.to_owned()),
-                    ..PatchParams::default()
-                };
-                mwcs.patch(
-                    MUTATING_WEBHOOK_CONFIGURATION,
-                    &params,
-                    &Patch::Json::<()>(patch),
-                )
-                .await
-                .map_err(err(
-                    "patch caBundle of",
-                    "",
-                    MUTATING_WEBHOOK_CONFIGURATION,
-                ))?;
-                ctx.metrics.write(CONTROLLER, "ca-bundle");
-                info!(
-                    cas = certs::bundle_len(&plan.ca_bundle),
-                    "patched caBundle of MutatingWebhookConfiguration {MUTATING_WEBHOOK_CONFIGURATION}"
-                );
-            }
-        }
-        None => warn!(
-            "MutatingWebhookConfiguration {MUTATING_WEBHOOK_CONFIGURATION} not found; its caBundle will be set once it exists"
-        ),
-    }
-
+    patch_ca_bundle(ctx, &plan.ca_bundle).await?;
     if plan.changed() {
-        let data: BTreeMap<&str, ByteString> = plan
-            .data
-            .iter()
-            .map(|(k, v)| (k.as_str(), ByteString(v.clone())))
-            .collect();
-        let body = json!({
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {
-                "name": WEBHOOK_TLS_SECRET,
-                "namespace": ctx.namespace,
-                "labels": { "app.kubernetes.io/managed-by": FIELD_MANAGER_OPERATOR },
-            },
-            "type": "kubernetes.io/tls",
-            "data": data,
-        });
-        secrets
-            .patch(
-                WEBHOOK_TLS_SECRET,
-                &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
-                &Patch::Apply(body),
-            )
-            .await
-            .map_err(err("apply Secret", &ctx.namespace, WEBHOOK_TLS_SECRET))?;
-        ctx.metrics.write(CONTROLLER, "secret");
-        info!(reasons = ?plan.reasons, "webhook certificates written");
+        apply_secret(ctx, &secrets, &plan).await?;
     }
     let recheck = now + MAX_RECHECK;
     Ok(if plan.next_renewal < recheck {
@@ -197,6 +108,127 @@ pub async fn reconcile_certificates(ctx: &CertContext) -> Result<Timestamp, Cert
     } else {
         recheck
     })
+}
+
+/// A failed `action` on the object `namespace/name`, for `map_err`.
+fn api_error(
+    action: &'static str,
+    namespace: &str,
+    name: &str,
+) -> impl FnOnce(kube::Error) -> CertSyncError + use<> {
+    let (namespace, name) = (namespace.to_owned(), name.to_owned());
+    move |source| CertSyncError::Api {
+        action,
+        namespace,
+        name,
+        source,
+    }
+}
+
+/// What the webhook's TLS Secret holds; empty when there is no Secret yet.
+async fn secret_data(
+    ctx: &CertContext,
+    secrets: &Api<Secret>,
+) -> Result<BTreeMap<String, Vec<u8>>, CertSyncError> {
+    let secret = secrets
+        .get_opt(WEBHOOK_TLS_SECRET)
+        .await
+        .map_err(api_error("read Secret", &ctx.namespace, WEBHOOK_TLS_SECRET))?;
+    Ok(secret
+        .and_then(|s| s.data)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect())
+}
+
+/// Sets `bundle` as the `caBundle` of every webhook of the MutatingWebhookConfiguration
+/// whose bundle differs ([`ca_bundle_patch`]). A configuration that does not exist yet gets
+/// it on a later pass.
+async fn patch_ca_bundle(ctx: &CertContext, bundle: &[u8]) -> Result<(), CertSyncError> {
+    let mwcs: Api<MutatingWebhookConfiguration> = Api::all(ctx.client.clone());
+    let mwc = mwcs
+        .get_opt(MUTATING_WEBHOOK_CONFIGURATION)
+        .await
+        .map_err(api_error(
+            "read MutatingWebhookConfiguration",
+            "",
+            MUTATING_WEBHOOK_CONFIGURATION,
+        ))?;
+    let Some(mwc) = mwc else {
+        warn!(
+            "MutatingWebhookConfiguration {MUTATING_WEBHOOK_CONFIGURATION} not found; its caBundle will be set once it exists"
+        );
+        return Ok(());
+    };
+    let Some(patch) = ca_bundle_patch(&mwc, bundle).map_err(CertSyncError::Encode)? else {
+        return Ok(());
+    };
+    // A JSON patch under the operator's own name rather than a server-side apply: the
+    // operator then owns each `caBundle` it sets and nothing else. An apply would also co-own
+    // each webhook entry by its key, so a re-apply of the user's manifests that drops an entry
+    // would leave a stub of it, which the API server refuses. Each `add` is guarded by a
+    // `test` of the entry's name.
+    let params = PatchParams {
+        field_manager: Some(FIELD_MANAGER_OPERATOR.to_owned()),
+        ..PatchParams::default()
+    };
+    mwcs.patch(
+        MUTATING_WEBHOOK_CONFIGURATION,
+        &params,
+        &Patch::Json::<()>(patch),
+    )
+    .await
+    .map_err(api_error(
+        "patch caBundle of",
+        "",
+        MUTATING_WEBHOOK_CONFIGURATION,
+    ))?;
+    ctx.metrics.write(CONTROLLER, "ca-bundle");
+    info!(
+        cas = certs::bundle_len(bundle),
+        "patched caBundle of MutatingWebhookConfiguration {MUTATING_WEBHOOK_CONFIGURATION}"
+    );
+    Ok(())
+}
+
+/// Writes the plan's data to the webhook's TLS Secret by server-side apply.
+async fn apply_secret(
+    ctx: &CertContext,
+    secrets: &Api<Secret>,
+    plan: &certs::CertPlan,
+) -> Result<(), CertSyncError> {
+    let data: BTreeMap<&str, ByteString> = plan
+        .data
+        .iter()
+        .map(|(k, v)| (k.as_str(), ByteString(v.clone())))
+        .collect();
+    let body = json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": WEBHOOK_TLS_SECRET,
+            "namespace": ctx.namespace,
+            "labels": { "app.kubernetes.io/managed-by": FIELD_MANAGER_OPERATOR },
+        },
+        "type": "kubernetes.io/tls",
+        "data": data,
+    });
+    secrets
+        .patch(
+            WEBHOOK_TLS_SECRET,
+            &PatchParams::apply(FIELD_MANAGER_OPERATOR).force(),
+            &Patch::Apply(body),
+        )
+        .await
+        .map_err(api_error(
+            "apply Secret",
+            &ctx.namespace,
+            WEBHOOK_TLS_SECRET,
+        ))?;
+    ctx.metrics.write(CONTROLLER, "secret");
+    info!(reasons = ?plan.reasons, "webhook certificates written");
+    Ok(())
 }
 
 /// A JSON patch setting `caBundle` on every webhook whose bundle differs, each guarded by a
