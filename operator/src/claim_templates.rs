@@ -347,7 +347,7 @@ pub fn wire(shared: &Shared, feeds: &mut Feeds, dra: bool) -> Part {
         metrics: shared.metrics.clone(),
     };
     let watch = templates.start(
-        Api::all(shared.client.clone()),
+        Api::<ResourceClaimTemplate>::all(shared.client.clone()),
         watcher::Config::default().labels(LABEL_CLAIM_TEMPLATE),
         |t| t.metadata.managed_fields = None,
         &shared.shutdown,

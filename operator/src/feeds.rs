@@ -44,16 +44,21 @@ impl Feeds {
     pub fn start(self, client: &Client, shutdown: &Shutdown) -> Vec<tokio::task::JoinHandle<()>> {
         let all = watcher::Config::default;
         vec![
-            (self.nodes).start(Api::all(client.clone()), all(), trim_node, shutdown),
-            (self.gpunodes).start(Api::all(client.clone()), all(), trim_gpunode, shutdown),
+            (self.nodes).start(Api::<Node>::all(client.clone()), all(), trim_node, shutdown),
+            (self.gpunodes).start(
+                Api::<GpuNode>::all(client.clone()),
+                all(),
+                trim_gpunode,
+                shutdown,
+            ),
             (self.policies).start(
-                Api::all(client.clone()),
+                Api::<GpuPolicy>::all(client.clone()),
                 all(),
                 |p| p.metadata.managed_fields = None,
                 shutdown,
             ),
             (self.namespaces).start(
-                Api::all(client.clone()),
+                Api::<PartialObjectMeta<Namespace>>::all(client.clone()),
                 all(),
                 |ns| {
                     ns.metadata.managed_fields = None;
@@ -64,7 +69,7 @@ impl Feeds {
             // The watch is on that one object: a field selector, which is also what lets
             // RBAC pin list and watch to its name.
             (self.webhook_configuration).start(
-                Api::all(client.clone()),
+                Api::<MutatingWebhookConfiguration>::all(client.clone()),
                 all().fields(&format!(
                     "metadata.name={}",
                     gpuwarden_crds::install::MUTATING_WEBHOOK_CONFIGURATION

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::FutureExt;
+use futures::{FutureExt, Stream};
 use gpuwarden_crds::{
     AGENT_LEASE_PREFIX, FIELD_MANAGER_OPERATOR, GpuNode, GpuNodeSpec, TAINT_GPU_UNHEALTHY,
     agent_lease_name,
@@ -20,6 +20,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource, ResourceExt};
 use serde_json::json;
+use std::future::Future;
 use tracing::{debug, info, warn};
 
 use crate::feeds::Feeds;
@@ -424,7 +425,37 @@ pub fn wire(
         taint_unhealthy_nodes,
     });
     let reconciles = Reconciles::new(CONTROLLER, NodeError::kind, NodeError::is_permanent);
-    let nodes = Controller::for_stream(feeds.nodes.trigger(false), ctx.nodes.clone())
+    let nodes = nodes_controller(shared, feeds, &ctx, lease_changes, reconciles.clone());
+    let orphans = orphans_controller(shared, feeds, &ctx, reconciles);
+    let lease_store = ctx.leases.clone();
+    Part {
+        name: CONTROLLER,
+        watches: vec![leases.start(
+            Api::<Lease>::namespaced(shared.client.clone(), namespace),
+            watcher::Config::default(),
+            |l| l.metadata.managed_fields = None,
+            &shared.shutdown,
+        )],
+        synced: async move {
+            let _ = lease_store.wait_until_ready().await;
+        }
+        .boxed(),
+        run: async move {
+            tokio::join!(nodes, orphans);
+        }
+        .boxed(),
+    }
+}
+
+/// The controller on Nodes, woken by their GpuNodes and agent Leases (`lease_changes`).
+fn nodes_controller(
+    shared: &Shared,
+    feeds: &mut Feeds,
+    ctx: &Arc<NodeContext>,
+    lease_changes: impl Stream<Item = Result<Lease, watcher::Error>> + Send + 'static,
+    reconciles: Reconciles<NodeError>,
+) -> impl Future<Output = ()> + Send + 'static {
+    let controller = Controller::for_stream(feeds.nodes.trigger(false), ctx.nodes.clone())
         .watches_stream(feeds.gpunodes.trigger(true), |g: GpuNode| {
             Some(ObjectRef::<Node>::new(&g.name_any()))
         })
@@ -451,7 +482,17 @@ pub fn wire(
             },
             ctx.clone(),
         );
-    let orphans = Controller::for_stream(feeds.gpunodes.trigger(false), ctx.gpunodes.clone())
+    drain(controller)
+}
+
+/// The controller on GpuNodes whose Node is gone, woken when a Node is deleted.
+fn orphans_controller(
+    shared: &Shared,
+    feeds: &mut Feeds,
+    ctx: &Arc<NodeContext>,
+    reconciles: Reconciles<NodeError>,
+) -> impl Future<Output = ()> + Send + 'static {
+    let controller = Controller::for_stream(feeds.gpunodes.trigger(false), ctx.gpunodes.clone())
         .watches_stream(feeds.nodes.deletions(), |n: Node| {
             Some(ObjectRef::<GpuNode>::new(&n.name_any()))
         })
@@ -478,24 +519,7 @@ pub fn wire(
             },
             ctx.clone(),
         );
-    let lease_store = ctx.leases.clone();
-    Part {
-        name: CONTROLLER,
-        watches: vec![leases.start(
-            Api::namespaced(shared.client.clone(), namespace),
-            watcher::Config::default(),
-            |l| l.metadata.managed_fields = None,
-            &shared.shutdown,
-        )],
-        synced: async move {
-            let _ = lease_store.wait_until_ready().await;
-        }
-        .boxed(),
-        run: async move {
-            tokio::join!(drain(nodes), drain(orphans));
-        }
-        .boxed(),
-    }
+    drain(controller)
 }
 
 /// [`reconcile_node`] of `name`, timed and counted.
