@@ -10,7 +10,10 @@
 //! On a cluster (ignored): the README's Helm install with the image this workspace builds,
 //! a privileged GPU pod rewritten to exactly its GPUs, an exempt NVIDIA pod admitted while
 //! the webhook is at 0 replicas, `helm upgrade` with changed values (docs/operations.md,
-//! Upgrade), and the README's Helm uninstall, twice, leaving nothing.
+//! Upgrade), and the README's Helm uninstall, twice, leaving nothing; all of it in a
+//! namespace of the test's, not the README's. And a release installed the old way (the chart
+//! before it installed into any namespace: stored in kube-system, creating gpuwarden-system)
+//! upgraded where it is by docs/operations.md's block, and uninstalled.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -50,14 +53,20 @@ fn run_helm(helm: &Path, args: &[&str]) -> Out {
     exec(Command::new(helm).args(args).current_dir(repo_root()), None)
 }
 
-/// `helm template` of the chart with `set` values, CRDs included, as documents.
+/// `helm template` of the chart released in gpuwarden-system with `set` values, CRDs
+/// included, as documents.
 fn template(helm: &Path, set: &[&str]) -> Vec<Document> {
+    template_in(helm, "gpuwarden-system", set)
+}
+
+/// `helm template` of the chart released in `namespace` with `set` values, CRDs included.
+fn template_in(helm: &Path, namespace: &str, set: &[&str]) -> Vec<Document> {
     let mut args = vec![
         "template",
         "gpuwarden",
         CHART,
         "--namespace",
-        "kube-system",
+        namespace,
         "--include-crds",
     ];
     for s in set {
@@ -169,6 +178,40 @@ fn kustomize(dir: &Path) -> Option<Vec<Document>> {
     Some(parse_documents("kubectl kustomize", &out.stdout).unwrap_or_else(|e| panic!("{e}")))
 }
 
+/// `docs` less the Namespace object: a release made with `helm install -n NS
+/// --create-namespace` finds its namespace made by Helm, not by the chart.
+fn without_namespace(docs: Vec<Document>) -> Vec<Document> {
+    docs.into_iter()
+        .filter(|d| d.kind() != "Namespace")
+        .collect()
+}
+
+/// `value` with gpuwarden-system renamed `to` in every string: the base as it would read
+/// installed elsewhere.
+fn renamed(value: Value, to: &str) -> Value {
+    match value {
+        Value::String(s) => Value::String(s.replace("gpuwarden-system", to)),
+        Value::Array(items) => Value::Array(items.into_iter().map(|v| renamed(v, to)).collect()),
+        Value::Object(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| (k.replace("gpuwarden-system", to), renamed(v, to)))
+                .collect(),
+        ),
+        other => other,
+    }
+}
+
+/// The kustomize base, or deploy/install.yaml where there is no kubectl, and which it is.
+fn base() -> (Vec<Document>, &'static str) {
+    match kustomize(&repo_root().join("deploy")) {
+        Some(docs) => (docs, "kubectl kustomize deploy/"),
+        None => (
+            load_file("deploy/install.yaml").unwrap_or_else(|e| panic!("{e}")),
+            "deploy/install.yaml (no kubectl)",
+        ),
+    }
+}
+
 /// Every difference between two keyed sets, for the assertion message.
 fn differences(
     base: &BTreeMap<(String, String, String, String), Value>,
@@ -197,22 +240,125 @@ fn default_values_render_the_kustomize_base_object_for_object() {
     else {
         return;
     };
-    let (base, from) = match kustomize(&repo_root().join("deploy")) {
-        Some(docs) => (docs, "kubectl kustomize deploy/"),
-        None => (
-            load_file("deploy/install.yaml").unwrap_or_else(|e| panic!("{e}")),
-            "deploy/install.yaml (no kubectl)",
-        ),
-    };
-    let base = keyed(base);
+    let (docs, from) = base();
+    let base = keyed(without_namespace(docs.clone()));
     let chart = keyed(without_hook(template(&helm, &[])));
     let diff = differences(&base, &chart);
     assert!(
         diff.is_empty(),
-        "helm template vs {from}:\n{}",
+        "helm template -n gpuwarden-system vs {from}:\n{}",
         diff.join("\n")
     );
-    eprintln!("helm template == {from}: {} objects", base.len());
+    eprintln!(
+        "helm template == {from} less its Namespace: {} objects",
+        base.len()
+    );
+
+    // The release installed the old way (stored in kube-system, creating gpuwarden-system)
+    // renders the whole base, the Namespace with its Pod Security label included.
+    let old_way = ["namespace.create=true", "namespace.name=gpuwarden-system"];
+    let chart = keyed(without_hook(template_in(&helm, "kube-system", &old_way)));
+    let diff = differences(&keyed(docs), &chart);
+    assert!(
+        diff.is_empty(),
+        "the old way vs {from}:\n{}",
+        diff.join("\n")
+    );
+}
+
+#[test]
+fn a_release_in_any_namespace_renders_the_base_moved_there() {
+    let Some(helm) = helm_or_skip("a_release_in_any_namespace_renders_the_base_moved_there") else {
+        return;
+    };
+    let (docs, from) = base();
+    let moved: Vec<Document> = without_namespace(docs)
+        .into_iter()
+        .map(|d| Document {
+            value: renamed(d.value, "gpu-guard"),
+            ..d
+        })
+        .collect();
+    let chart = template_in(&helm, "gpu-guard", &[]);
+    let named = (chart.iter()).find(|d| d.value.to_string().contains("gpuwarden-system"));
+    assert!(
+        named.is_none(),
+        "still names gpuwarden-system: {:?}",
+        named.map(Document::id)
+    );
+    let diff = differences(&keyed(moved), &keyed(without_hook(chart)));
+    assert!(
+        diff.is_empty(),
+        "helm template -n gpu-guard vs {from} moved to gpu-guard:\n{}",
+        diff.join("\n")
+    );
+    // A release that would create its own namespace is refused, with what to do.
+    let out = run_helm(
+        &helm,
+        &[
+            "template",
+            "gpuwarden",
+            CHART,
+            "-n",
+            "gpu-guard",
+            "--set",
+            "namespace.create=true",
+        ],
+    );
+    assert!(
+        !out.ok && out.stderr.contains("--create-namespace"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
+fn the_kustomize_example_moves_the_base_to_its_namespace() {
+    let test = "the_kustomize_example_moves_the_base_to_its_namespace";
+    let Some(overlay) = kustomize(&repo_root().join("docs/examples/any-namespace")) else {
+        assert!(
+            !helm_required(),
+            "{test}: kubectl is required (kubectl kustomize)"
+        );
+        eprintln!("SKIPPED {test}: no kubectl for `kubectl kustomize`");
+        return;
+    };
+    let (docs, _) = base();
+    let moved = keyed(
+        (docs.into_iter())
+            .map(|d| Document {
+                value: renamed(d.value, "gpuwarden"),
+                ..d
+            })
+            .collect(),
+    );
+    // kustomize puts its namespace on the cluster-scoped kinds it does not know
+    // (ValidatingAdmissionPolicies, GpuPolicy); the API server drops it from such objects.
+    let cluster_scoped: Vec<(String, String, String)> = (moved.keys())
+        .filter(|k| k.2.is_empty())
+        .map(|k| (k.0.clone(), k.1.clone(), k.3.clone()))
+        .collect();
+    let overlay: Vec<Document> = (overlay.into_iter())
+        .map(|mut d| {
+            let key = (
+                d.api_version().to_owned(),
+                d.kind().to_owned(),
+                d.name().to_owned(),
+            );
+            if cluster_scoped.contains(&key)
+                && let Some(meta) = d.value["metadata"].as_object_mut()
+            {
+                meta.remove("namespace");
+            }
+            d
+        })
+        .collect();
+    let diff = differences(&moved, &keyed(overlay));
+    assert!(
+        diff.is_empty(),
+        "docs/examples/any-namespace:\n{}",
+        diff.join("\n")
+    );
 }
 
 #[test]
@@ -255,7 +401,7 @@ components:
             "monitoring.dashboard.enabled=true",
         ],
     );
-    let diff = differences(&keyed(base), &keyed(without_hook(chart)));
+    let diff = differences(&keyed(without_namespace(base)), &keyed(without_hook(chart)));
     assert!(diff.is_empty(), "{}", diff.join("\n"));
 }
 
@@ -426,15 +572,6 @@ fn a_misspelt_value_fails_template_and_lint() {
     // The release may not live in the namespace it creates and deletes.
     let same = run_helm(
         &helm,
-        &["template", "gpuwarden", CHART, "-n", "gpuwarden-system"],
-    );
-    assert!(
-        !same.ok && same.stderr.contains("namespace.create"),
-        "{}",
-        same.stderr
-    );
-    let own = run_helm(
-        &helm,
         &[
             "template",
             "gpuwarden",
@@ -442,8 +579,28 @@ fn a_misspelt_value_fails_template_and_lint() {
             "-n",
             "gpuwarden-system",
             "--set",
-            "namespace.create=false",
+            "namespace.create=true",
         ],
+    );
+    assert!(
+        !same.ok && same.stderr.contains("namespace.create"),
+        "{}",
+        same.stderr
+    );
+    let bad_name = run_helm(
+        &helm,
+        &[
+            "template",
+            "gpuwarden",
+            CHART,
+            "--set",
+            "namespace.name=Not_A_Name",
+        ],
+    );
+    assert!(!bad_name.ok, "namespace.name Not_A_Name was accepted");
+    let own = run_helm(
+        &helm,
+        &["template", "gpuwarden", CHART, "-n", "gpuwarden-system"],
     );
     assert!(own.ok, "{}", own.stderr);
     assert!(!own.stdout.contains("kind: Namespace"));
@@ -473,6 +630,13 @@ const EXEMPT_IMAGE: &str = "nvcr.io/nvidia/k8s/dcgm-exporter:4.5.3-4.8.2-distrol
 const EXEMPT_NAMESPACE: &str = "gpu-operator";
 /// A namespace the upgrade adds to the default policy's exemptions.
 const UPGRADE_EXEMPT: &str = "gpuwarden-helm-e2e-upgraded";
+/// Where the test installs gpuwarden: not the README's namespace, to show any works.
+const HELM_NAMESPACE: &str = "gpuwarden-helm";
+
+/// A statement of the docs with gpuwarden's namespace the test's.
+fn moved(statement: &str) -> String {
+    statement.replace("gpuwarden-system", HELM_NAMESPACE)
+}
 /// One README statement through bash in the repository root, `helm` from [`helm`] first
 /// on `PATH`; its output and duration.
 fn run_statement(helm: &Path, statement: &str) -> (Out, Duration) {
@@ -530,7 +694,7 @@ impl Drop for Cleanup {
                 readme_block_in("Uninstall", "With the manifests"),
             ] {
                 for statement in statements(&block) {
-                    let _ = run_statement(&self.helm, &statement);
+                    let _ = run_statement(&self.helm, &moved(&statement));
                 }
             }
         }
@@ -599,11 +763,62 @@ fn node_patch() -> Option<String> {
     Some(serde_json::json!({"spec": {"template": {"spec": {"containers": containers, "volumes": volumes}}}}).to_string())
 }
 
+/// The image of this workspace's binaries, imported into the node's containerd, and the
+/// exempt NVIDIA image tagged from busybox where the node lacks it; returns the images
+/// there were before.
+fn import_image() -> std::collections::BTreeSet<String> {
+    let before = image_refs();
+    assert!(
+        !before.is_empty(),
+        "ctr lists no image (run as root, on the node)"
+    );
+    let exempt_present = before.contains(EXEMPT_IMAGE);
+    let dir = std::env::var_os("GPUWARDEN_E2E_BINARIES").map_or_else(
+        || {
+            std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| repo_root().join("target"), PathBuf::from)
+                .join("release")
+        },
+        PathBuf::from,
+    );
+    let binaries: Vec<PathBuf> = COMPONENT_BINARIES.iter().map(|b| dir.join(b)).collect();
+    for b in &binaries {
+        assert!(
+            b.is_file(),
+            "{} is missing: cargo build --release -p gpuwarden-webhook -p gpuwarden-operator -p gpuwarden-node-agent, or set GPUWARDEN_E2E_BINARIES",
+            b.display()
+        );
+    }
+    let work = tempfile::tempdir().expect("a temporary directory");
+    let tar = work.path().join("gpuwarden.oci.tar");
+    let image_dir = work.path().join("image");
+    std::fs::create_dir_all(&image_dir).expect("image directory");
+    let image = format!("{IMAGE_REPOSITORY}:{IMAGE_TAG}");
+    write_oci_layout(&image_dir, &tar, &image, &binaries).unwrap_or_else(|e| panic!("{e}"));
+    let import = ctr(&[
+        "images",
+        "import",
+        "--platform",
+        "linux/amd64",
+        &tar.to_string_lossy(),
+    ]);
+    assert!(import.ok, "ctr images import failed: {}", import.stderr);
+    if !exempt_present {
+        let tag = ctr(&["images", "tag", &busybox(), EXEMPT_IMAGE]);
+        assert!(tag.ok, "ctr images tag failed: {}", tag.stderr);
+    }
+    before
+}
+
 fn patch_node_agent() {
+    patch_node_agent_in(HELM_NAMESPACE);
+}
+
+fn patch_node_agent_in(namespace: &str) {
     if let Some(patch) = node_patch() {
         kubectl::must(&[
             "-n",
-            "gpuwarden-system",
+            namespace,
             "patch",
             "ds/gpuwarden-node-agent",
             "--type=strategic",
@@ -660,7 +875,7 @@ fn leftovers() -> Vec<String> {
     ]);
     out.extend(o.stdout.lines().map(str::to_owned));
     for (kind, name) in [
-        ("namespace", "gpuwarden-system"),
+        ("namespace", HELM_NAMESPACE),
         ("crd", "gpupolicies.gpuwarden.io"),
         ("crd", "gpunodes.gpuwarden.io"),
         ("mutatingwebhookconfiguration", "gpuwarden"),
@@ -707,60 +922,24 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     };
 
     // 1. The image from this workspace's binaries, imported into the node's containerd.
-    let before = image_refs();
-    assert!(
-        !before.is_empty(),
-        "ctr lists no image (run as root, on the node)"
-    );
-    let exempt_present = before.contains(EXEMPT_IMAGE);
+    let before = import_image();
     cleanup.images_before = Some(before);
-    let dir = std::env::var_os("GPUWARDEN_E2E_BINARIES").map_or_else(
-        || {
-            std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| repo_root().join("target"), PathBuf::from)
-                .join("release")
-        },
-        PathBuf::from,
-    );
-    let binaries: Vec<PathBuf> = COMPONENT_BINARIES.iter().map(|b| dir.join(b)).collect();
-    for b in &binaries {
-        assert!(
-            b.is_file(),
-            "{} is missing: cargo build --release -p gpuwarden-webhook -p gpuwarden-operator -p gpuwarden-node-agent, or set GPUWARDEN_E2E_BINARIES",
-            b.display()
-        );
-    }
-    let work = tempfile::tempdir().expect("a temporary directory");
-    let tar = work.path().join("gpuwarden.oci.tar");
-    let image_dir = work.path().join("image");
-    std::fs::create_dir_all(&image_dir).expect("image directory");
-    let image = format!("{IMAGE_REPOSITORY}:{IMAGE_TAG}");
-    write_oci_layout(&image_dir, &tar, &image, &binaries).unwrap_or_else(|e| panic!("{e}"));
-    let import = ctr(&[
-        "images",
-        "import",
-        "--platform",
-        "linux/amd64",
-        &tar.to_string_lossy(),
-    ]);
-    assert!(import.ok, "ctr images import failed: {}", import.stderr);
-    if !exempt_present {
-        let tag = ctr(&["images", "tag", &busybox(), EXEMPT_IMAGE]);
-        assert!(tag.ok, "ctr images tag failed: {}", tag.stderr);
-    }
 
     // 2. The README's Helm install, with the image values; the node's adaptations patched
     // onto the node agent before the rollout loop.
     let install = statements(&readme_block_in("Install", "With Helm"));
-    assert!(install[0].starts_with("helm install "), "{install:#?}");
+    assert!(
+        install.iter().any(|s| s.starts_with("helm install ")),
+        "{install:#?}"
+    );
     cleanup.installed = true;
-    for (i, statement) in install.iter().enumerate() {
-        let statement = if i == 0 {
-            format!("{statement}{}", image_values())
+    for statement in &install {
+        let statement = if statement.starts_with("helm install ") {
+            format!("{}{}", moved(statement), image_values())
         } else {
-            statement.clone()
+            moved(statement)
         };
-        if i == 1 {
+        if statement.starts_with("for ") {
             patch_node_agent();
         }
         let (out, took) = run_statement(&helm, &statement);
@@ -768,7 +947,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             out.ok,
             "`{statement}` failed after {took:?}: {}\n{}",
             out.stderr,
-            kubectl::run(&["-n", "gpuwarden-system", "get", "pods", "-o", "wide"]).stdout
+            kubectl::run(&["-n", HELM_NAMESPACE, "get", "pods", "-o", "wide"]).stdout
         );
         summary.push(format!(
             "`{}` {:.1} s",
@@ -860,7 +1039,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     let (out, _) = run_statement(
         &helm,
         &format!(
-            "helm upgrade gpuwarden {CHART} --namespace kube-system --reuse-values --set webhook.replicas=0{}",
+            "helm upgrade gpuwarden {CHART} --namespace {HELM_NAMESPACE} --reuse-values --set webhook.replicas=0{}",
             upgrade_flags()
         ),
     );
@@ -870,7 +1049,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         let pods = kubectl::get_json(&[
             "pods",
             "-n",
-            "gpuwarden-system",
+            HELM_NAMESPACE,
             "-l",
             "app.kubernetes.io/name=gpuwarden-webhook",
         ])?;
@@ -918,12 +1097,13 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     for statement in &upgrade {
         let statement = if statement.starts_with("helm upgrade ") {
             format!(
-                "{statement}{} --set webhook.replicas=1 --set defaultPolicy.exemptions.namespaces[0]={UPGRADE_EXEMPT}{}",
+                "{}{} --set webhook.replicas=1 --set defaultPolicy.exemptions.namespaces[0]={UPGRADE_EXEMPT}{}",
+                moved(statement),
                 image_values(),
                 upgrade_flags()
             )
         } else {
-            statement.clone()
+            moved(statement)
         };
         if statement.starts_with("for ") {
             patch_node_agent();
@@ -937,7 +1117,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     }
     let replicas = kubectl::must(&[
         "-n",
-        "gpuwarden-system",
+        HELM_NAMESPACE,
         "get",
         "deploy/gpuwarden-webhook",
         "-o",
@@ -985,6 +1165,7 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
     let uninstall = statements(&readme_block_in("Uninstall", "With Helm"));
     for round in 1..=2 {
         for statement in &uninstall {
+            let statement = &moved(statement);
             let (out, took) = run_statement(&helm, statement);
             assert!(
                 out.ok,
@@ -1011,4 +1192,199 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
         "nothing left (operator MAPs before: {rendered_maps})"
     ));
     eprintln!("{test}:\n  {}", summary.join("\n  "));
+}
+
+/// The last commit whose chart stored the release in kube-system and created
+/// gpuwarden-system itself (namespace.create on by default).
+const OLD_WAY_CHART_COMMIT: &str = "4433f82";
+
+#[test]
+#[ignore = "needs a cluster: root on a one-node cluster's node with NVIDIA's device plugin, ctr, helm, git history; KUBECONFIG=... cargo test -p gpuwarden-e2e --test helm -- --ignored --nocapture --test-threads=1"]
+fn a_release_installed_into_kube_system_upgrades_where_it_is() {
+    let test = "a_release_installed_into_kube_system_upgrades_where_it_is";
+    assert!(
+        std::env::var_os("KUBECONFIG").is_some(),
+        "KUBECONFIG is not set: this test installs and uninstalls gpuwarden, so point it at a disposable cluster"
+    );
+    let Some(helm) = helm_or_skip(test) else {
+        return;
+    };
+    let helm = helm.canonicalize().unwrap_or(helm);
+    let Some(gpu_node) = gpu_node_in(&kubectl::get_json(&["nodes"]).expect("list nodes")).cloned()
+    else {
+        skip(test, NEEDS_GPU_NODE);
+        return;
+    };
+    if let Some(why) = local_node_problem(&gpu_node, &["kubectl", "tar", "sha256sum", "ldd", "git"])
+    {
+        skip(test, &why);
+        return;
+    }
+    refuse_where_installed();
+    let work = tempfile::tempdir().expect("a temporary directory");
+    let archive = exec(
+        Command::new("bash")
+            .arg("-c")
+            .arg(format!(
+                "git archive {OLD_WAY_CHART_COMMIT} deploy/helm/gpuwarden | tar -x -C {}",
+                work.path().display()
+            ))
+            .current_dir(repo_root()),
+        None,
+    );
+    assert!(
+        archive.ok,
+        "the chart at {OLD_WAY_CHART_COMMIT}: {}",
+        archive.stderr
+    );
+    let old_chart = work.path().join("deploy/helm/gpuwarden");
+    let before = import_image();
+    let cleanup = OldWayCleanup {
+        helm: helm.clone(),
+        images_before: Some(before),
+    };
+
+    // 1. The release as it used to be installed: stored in kube-system, creating
+    //    gpuwarden-system.
+    let (out, took) = run_statement(
+        &helm,
+        &format!(
+            "helm install gpuwarden {} --namespace kube-system{}",
+            old_chart.display(),
+            image_values()
+        ),
+    );
+    assert!(
+        out.ok,
+        "the old install failed after {took:?}: {}",
+        out.stderr
+    );
+    patch_node_agent_in("gpuwarden-system");
+    rollout("gpuwarden-system");
+    let uid = || {
+        kubectl::must(&[
+            "get",
+            "namespace",
+            "gpuwarden-system",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ])
+    };
+    let namespace_uid = uid();
+
+    // 2. docs/operations.md's upgrade of such a release, with this workspace's chart.
+    let upgrade = statements(&doc_block_in(
+        OPERATIONS,
+        "Upgrade",
+        "A release installed into kube-system",
+    ));
+    let mut notes = String::new();
+    for statement in &upgrade {
+        let statement = if statement.starts_with("helm upgrade ") {
+            format!("{statement}{}{}", image_values(), upgrade_flags())
+        } else {
+            statement.clone()
+        };
+        if statement.starts_with("for ") {
+            patch_node_agent_in("gpuwarden-system");
+        }
+        let (out, took) = run_statement(&helm, &statement);
+        assert!(
+            out.ok,
+            "`{statement}` failed after {took:?}: {}",
+            out.stderr
+        );
+        notes.push_str(&out.stdout);
+    }
+    assert!(
+        notes.contains("installed the old way"),
+        "the upgrade's notes: {notes}"
+    );
+    assert_eq!(uid(), namespace_uid, "gpuwarden-system was re-created");
+    let manifest = run_helm(
+        &helm,
+        &["get", "manifest", "gpuwarden", "-n", "kube-system"],
+    );
+    assert!(
+        manifest.stdout.contains("kind: Namespace")
+            && !manifest.stdout.contains("namespace: kube-system"),
+        "the upgraded release's objects: {}",
+        manifest.stdout
+    );
+    let ready = kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
+        let p = kubectl::get_json(&["gpupolicy", "default"])?;
+        (p["status"]["conditions"].as_array()?.iter())
+            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            .then_some(())
+    });
+    assert!(
+        ready.is_some(),
+        "the default GpuPolicy is not Ready after the upgrade"
+    );
+    let lease = kubectl::poll(Duration::from_secs(60), Duration::from_secs(2), || {
+        kubectl::run(&["-n", "gpuwarden-system", "get", "leases", "-o", "name"])
+            .stdout
+            .contains("gpuwarden-agent-")
+            .then_some(())
+    });
+    assert!(
+        lease.is_some(),
+        "no node agent Lease in gpuwarden-system after the upgrade"
+    );
+
+    // 3. Its uninstall, where it is, deletes the namespace it created.
+    let (out, _) = run_statement(
+        &helm,
+        "helm uninstall gpuwarden --namespace kube-system --ignore-not-found --wait --timeout 5m",
+    );
+    assert!(out.ok, "helm uninstall -n kube-system: {}", out.stderr);
+    let gone = kubectl::poll(Duration::from_secs(180), Duration::from_secs(2), || {
+        leftovers().is_empty().then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "left after the uninstall: {:?}",
+        leftovers()
+    );
+    drop(cleanup);
+    eprintln!(
+        "{test}: installed the old way, upgraded in place (namespace kept, policy Ready, agent Leases), uninstalled"
+    );
+}
+
+/// Each `rollout status` of the install, in `namespace`.
+fn rollout(namespace: &str) {
+    for w in [
+        "deploy/gpuwarden-operator",
+        "deploy/gpuwarden-webhook",
+        "ds/gpuwarden-node-agent",
+    ] {
+        let out = kubectl::run(&["-n", namespace, "rollout", "status", w, "--timeout=5m"]);
+        assert!(
+            out.ok,
+            "{w} in {namespace}: {}\n{}",
+            out.stderr,
+            kubectl::run(&["-n", namespace, "get", "pods", "-o", "wide"]).stdout
+        );
+    }
+}
+
+/// What the old-way test made, removed on drop: the release, and the images it imported.
+struct OldWayCleanup {
+    helm: PathBuf,
+    images_before: Option<std::collections::BTreeSet<String>>,
+}
+
+impl Drop for OldWayCleanup {
+    fn drop(&mut self) {
+        let _ = run_statement(
+            &self.helm,
+            "helm uninstall gpuwarden --namespace kube-system --ignore-not-found --wait --timeout 5m",
+        );
+        if let Some(before) = self.images_before.take() {
+            for image in image_refs().difference(&before) {
+                let _ = ctr(&["images", "rm", image]);
+            }
+        }
+    }
 }

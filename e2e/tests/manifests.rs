@@ -2044,11 +2044,20 @@ fn resources_in_code(dir: &str) -> BTreeSet<String> {
     ];
     let mut out = BTreeSet::new();
     let src = repo_root().join(dir).join("src");
-    for entry in std::fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
-        let path = entry.expect("entry").path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
+    // The crate's sources, its modules' directories included.
+    let mut files = Vec::new();
+    let mut dirs = vec![src];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
         }
+    }
+    for path in files {
         let text = std::fs::read_to_string(&path).expect("source");
         for marker in ["Api::<", "Api<"] {
             for rest in text.split(marker).skip(1) {

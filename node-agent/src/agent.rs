@@ -458,6 +458,9 @@ pub async fn backend(
 pub struct Config {
     /// This node's name.
     pub node_name: String,
+    /// gpuwarden's namespace, where the agent's Lease lives (the pod's own, from the downward
+    /// API).
+    pub namespace: String,
     /// Fake GPU file instead of NVML.
     pub fake: Option<PathBuf>,
     /// Kubelet pod-resources socket.
@@ -484,6 +487,7 @@ impl Config {
     pub fn new(node_name: &str) -> Self {
         Self {
             node_name: node_name.to_owned(),
+            namespace: gpuwarden_crds::SYSTEM_NAMESPACE.to_owned(),
             fake: None,
             pod_resources_socket: PathBuf::from(crate::podresources::DEFAULT_SOCKET),
             host_root: PathBuf::from("/"),
@@ -584,7 +588,7 @@ impl Agent {
         )
         .await?;
         let caches = Caches::watch(&client, &node);
-        let lease = keep_lease(client.clone(), &node, metrics.clone(), stop_rx);
+        let lease = keep_lease(client.clone(), config, metrics.clone(), stop_rx);
         let mut sweeper = sweeper(config, backend, metrics.clone());
         let mut writer = StatusWriter::new(
             KubeSink::new(client.clone(), &node),
@@ -725,11 +729,16 @@ async fn serve(
 /// Renews this node's Lease every [`RENEW_INTERVAL`] until `stop`.
 fn keep_lease(
     client: kube::Client,
-    node: &str,
+    config: &Config,
     metrics: Arc<Metrics>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let lease = LeaseKeeper::new(client, node, SystemClock.now());
+    let lease = LeaseKeeper::new(
+        client,
+        &config.namespace,
+        &config.node_name,
+        SystemClock.now(),
+    );
     tokio::spawn(
         async move {
             let mut tick = tokio::time::interval(RENEW_INTERVAL);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use gpuwarden_crds::{AGENT_LEASE_NAMESPACE, FIELD_MANAGER_NODE_AGENT, agent_lease_name};
+use gpuwarden_crds::{FIELD_MANAGER_NODE_AGENT, agent_lease_name};
 use jiff::Timestamp;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -19,20 +19,25 @@ pub const RENEW_INTERVAL: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 #[error("failed to renew Lease {namespace}/{name}")]
 pub struct LeaseError {
-    namespace: &'static str,
+    namespace: String,
     name: String,
     #[source]
     source: Box<kube::Error>,
 }
 
-/// The apply body of the Lease for `node`.
-pub fn lease_body(node: &str, acquired: Timestamp, now: Timestamp) -> serde_json::Value {
+/// The apply body of the Lease for `node` in `namespace` (the agent's own).
+pub fn lease_body(
+    namespace: &str,
+    node: &str,
+    acquired: Timestamp,
+    now: Timestamp,
+) -> serde_json::Value {
     serde_json::json!({
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {
             "name": agent_lease_name(node),
-            "namespace": AGENT_LEASE_NAMESPACE,
+            "namespace": namespace,
             "labels": {
                 "app.kubernetes.io/name": gpuwarden_crds::install::NODE_AGENT_NAME,
                 "app.kubernetes.io/part-of": "gpuwarden",
@@ -50,15 +55,18 @@ pub fn lease_body(node: &str, acquired: Timestamp, now: Timestamp) -> serde_json
 /// Renews one node's Lease.
 pub struct LeaseKeeper {
     api: Api<Lease>,
+    namespace: String,
     node: String,
     acquired: Timestamp,
 }
 
 impl LeaseKeeper {
-    /// A keeper for `node`'s Lease; `acquired` is when this agent started holding it.
-    pub fn new(client: kube::Client, node: &str, acquired: Timestamp) -> Self {
+    /// A keeper for `node`'s Lease in `namespace`; `acquired` is when this agent started
+    /// holding it.
+    pub fn new(client: kube::Client, namespace: &str, node: &str, acquired: Timestamp) -> Self {
         Self {
-            api: Api::namespaced(client, AGENT_LEASE_NAMESPACE),
+            api: Api::namespaced(client, namespace),
+            namespace: namespace.to_owned(),
             node: node.to_owned(),
             acquired,
         }
@@ -71,12 +79,12 @@ impl LeaseKeeper {
             .patch(
                 &name,
                 &PatchParams::apply(FIELD_MANAGER_NODE_AGENT).force(),
-                &Patch::Apply(lease_body(&self.node, self.acquired, now)),
+                &Patch::Apply(lease_body(&self.namespace, &self.node, self.acquired, now)),
             )
             .await
             .map(|_| ())
             .map_err(|e| LeaseError {
-                namespace: AGENT_LEASE_NAMESPACE,
+                namespace: self.namespace.clone(),
                 name,
                 source: Box::new(e),
             })
@@ -91,7 +99,7 @@ mod tests {
     fn lease_body_is_a_valid_lease() {
         let t0 = Timestamp::from_second(1_700_000_000).unwrap();
         let now = Timestamp::from_microsecond(1_700_000_010_123_456).unwrap();
-        let body = lease_body("gpu-node-1", t0, now);
+        let body = lease_body("gpu-guard", "gpu-node-1", t0, now);
         assert_eq!(body["spec"]["renewTime"], "2023-11-14T22:13:30.123456Z");
         let lease: Lease = serde_json::from_value(body).unwrap();
         let spec = lease.spec.unwrap();
@@ -103,9 +111,6 @@ mod tests {
             lease.metadata.name.as_deref(),
             Some("gpuwarden-agent-gpu-node-1")
         );
-        assert_eq!(
-            lease.metadata.namespace.as_deref(),
-            Some("gpuwarden-system")
-        );
+        assert_eq!(lease.metadata.namespace.as_deref(), Some("gpu-guard"));
     }
 }

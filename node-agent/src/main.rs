@@ -90,6 +90,10 @@ struct RunArgs {
     /// Name of the node this agent runs on (the downward API's spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     node_name: String,
+    /// gpuwarden's namespace, where the agent's Lease lives (the downward API's
+    /// metadata.namespace).
+    #[arg(long, env = "POD_NAMESPACE", default_value = gpuwarden_crds::SYSTEM_NAMESPACE)]
+    namespace: String,
     /// Read GPUs from this fake YAML file instead of NVML.
     #[arg(long, env = "GPUWARDEN_FAKE")]
     fake: Option<PathBuf>,
@@ -212,6 +216,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     init_tracing(args.log_format, "info");
     let config = Config {
         node_name: args.node_name,
+        namespace: args.namespace,
         fake: args.fake,
         pod_resources_socket: args.pod_resources_socket,
         host_root: args.host_root,

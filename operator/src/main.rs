@@ -48,7 +48,8 @@ enum LogFormat {
 
 #[derive(Parser, Debug)]
 struct RunArgs {
-    /// Namespace of the operator: holds the webhook TLS Secret and the leader Lease.
+    /// gpuwarden's namespace (the downward API's metadata.namespace): holds the webhook TLS
+    /// Secret, the leader Lease and the node agents' Leases.
     #[arg(long, env = "POD_NAMESPACE", default_value = gpuwarden_crds::SYSTEM_NAMESPACE)]
     namespace: String,
 
