@@ -126,26 +126,40 @@ pub(super) fn read_pod<'a>(
     claims: &dyn Claims,
 ) -> PodFacts<'a> {
     let annotations = pod.annotations();
-    let spec = pod.spec.as_ref();
     let claims_read = read_claims(pod, namespace, policy, claims);
-    // A passthrough GPU is read inside the pod's VM only where a VM runtime class runs the
-    // pod (Kata). A KubeVirt launcher pod's containers run on the host: what its author wrote
-    // (a CDI annotation, a variable) reaches the host's runtime like any other pod's.
-    let in_vm = spec
-        .and_then(|s| s.runtime_class_name.as_deref())
-        .is_some_and(|class| policy.spec.virtual_machines.is_vm_runtime_class(class));
-    let passthrough = in_vm
-        && [ContainerKind::Init, ContainerKind::Regular]
-            .into_iter()
-            .flat_map(|kind| pod.containers(kind))
-            .any(gpu::holds_passthrough);
-    let signals = PodSignals::read(
+    let signals = pod_signals(pod, policy, claims_read.gpu);
+    let containers = read_containers(pod, namespace, policy, &signals);
+    let injections = judge_injections(annotations, &containers, policy);
+    let mut refusals = claims_read.driver_only;
+    refusals.extend(kata_refusals(annotations, &containers, policy));
+    PodFacts {
+        containers,
+        pod: signals,
+        annotations,
+        unread_claims: claims_read.unread,
+        claims_without_rdma: claims_read.without_rdma,
+        refusals,
+        injections,
+    }
+}
+
+/// What the pod itself says of GPUs: its device volumes and CDI annotations, whether it
+/// holds a passthrough GPU read inside a VM, where it asks to be placed, and its
+/// `resourceClaims` entries that hold GPUs (`gpu_claims`).
+fn pod_signals<'a>(
+    pod: &'a PodView<'a>,
+    policy: &GpuPolicy,
+    gpu_claims: Vec<&'a str>,
+) -> PodSignals<'a> {
+    let spec = pod.spec.as_ref();
+    let annotations = pod.annotations();
+    PodSignals::read(
         pod.volumes().iter().filter_map(|v| {
             let path = v.host_path.as_ref().and_then(|h| h.path.as_deref());
             Some((v.name.as_deref()?, path))
         }),
         (annotations.into_iter().flatten()).map(|(k, v)| (k.as_ref(), v.as_str())),
-        passthrough,
+        passthrough_in_vm(pod, policy),
     )
     .placed(
         spec.and_then(|s| s.runtime_class_name.as_deref()),
@@ -177,10 +191,35 @@ pub(super) fn read_pod<'a>(
             .flatten())
         .filter_map(|t| t.key.as_deref()),
     )
-    .claimed(claims_read.gpu);
+    .claimed(gpu_claims)
+}
+
+/// Whether the pod holds a passthrough GPU that is read inside its VM: only where a VM
+/// runtime class runs the pod (Kata). A KubeVirt launcher pod's containers run on the host:
+/// what its author wrote (a CDI annotation, a variable) reaches the host's runtime like any
+/// other pod's.
+fn passthrough_in_vm(pod: &PodView<'_>, policy: &GpuPolicy) -> bool {
+    let in_vm = (pod.spec.as_ref())
+        .and_then(|s| s.runtime_class_name.as_deref())
+        .is_some_and(|class| policy.spec.virtual_machines.is_vm_runtime_class(class));
+    in_vm
+        && [ContainerKind::Init, ContainerKind::Regular]
+            .into_iter()
+            .flat_map(|kind| pod.containers(kind))
+            .any(gpu::holds_passthrough)
+}
+
+/// Every container of the pod, init, regular then ephemeral, each list in its order, as the
+/// GPU predicate reads it beside the pod's `signals`.
+fn read_containers<'a>(
+    pod: &'a PodView<'a>,
+    namespace: &str,
+    policy: &'a GpuPolicy,
+    signals: &PodSignals<'a>,
+) -> Vec<ContainerFacts<'a>> {
     let rules = Rules::of(policy);
     let exemptions = &policy.spec.exemptions;
-    let service_account = spec
+    let service_account = (pod.spec.as_ref())
         .and_then(|s| s.service_account_name.as_deref())
         .unwrap_or("");
     let kinds = [
@@ -196,18 +235,7 @@ pub(super) fn read_pod<'a>(
     for kind in kinds {
         for (index, value) in pod.containers(kind).iter().enumerate() {
             let at = ContainerRef { kind, index };
-            let mut container_signals = gpu::signals(value, &signals, rules);
-            // KAI's grant, in a container that holds no GPU of the kubelet's: the variable
-            // is read from a ConfigMap only KAI's binder writes, so the predicate reads the
-            // container as setting none (docs/design.md, "GPU-sharing schedulers").
-            let shared = kai.as_ref().is_some_and(|k| k.at == at && k.granted(value))
-                && !container_signals.limit
-                && container_signals.request.is_none()
-                && container_signals.claim.is_none();
-            if shared {
-                container_signals.visible = VisibleDevices::Unset;
-                container_signals.visible_raw = None;
-            }
+            let container_signals = container_signals(at, value, signals, rules, kai.as_ref());
             let gpu_request = container_signals.request.and_then(|name| {
                 let requests = value.resources.as_ref()?.requests.as_ref()?;
                 Some((name, requests.get(name)?))
@@ -232,18 +260,30 @@ pub(super) fn read_pod<'a>(
             });
         }
     }
-    let injections = judge_injections(annotations, &containers, policy);
-    let mut refusals = claims_read.driver_only;
-    refusals.extend(kata_refusals(annotations, &containers, policy));
-    PodFacts {
-        containers,
-        pod: signals,
-        annotations,
-        unread_claims: claims_read.unread,
-        claims_without_rdma: claims_read.without_rdma,
-        refusals,
-        injections,
+    containers
+}
+
+/// The GPU signals of the container `at`. KAI's grant, in a container that holds no GPU of
+/// the kubelet's, is no signal: the variable is read from a ConfigMap only KAI's binder
+/// writes, so the predicate reads the container as setting none (docs/design.md,
+/// "GPU-sharing schedulers").
+fn container_signals<'a>(
+    at: ContainerRef,
+    value: &'a Container<'a>,
+    pod: &PodSignals<'a>,
+    rules: Rules<'a>,
+    kai: Option<&sharing::KaiFraction>,
+) -> Signals<'a> {
+    let mut signals = gpu::signals(value, pod, rules);
+    let shared = kai.is_some_and(|k| k.at == at && k.granted(value))
+        && !signals.limit
+        && signals.request.is_none()
+        && signals.claim.is_none();
+    if shared {
+        signals.visible = VisibleDevices::Unset;
+        signals.visible_raw = None;
     }
+    signals
 }
 
 /// The pod's device-injection annotations against the GPUs its init and regular containers'
