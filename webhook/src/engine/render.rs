@@ -77,6 +77,15 @@ impl Plan<'_> {
     /// The short phrases that say what the rewrite does to one container: `privileged
     /// removed`, `requests nvidia.com/gpu=1 (...)`, `env ... removed`, ...
     fn write_phrases(&self, phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>) {
+        self.write_privilege_phrases(phrases, c);
+        self.write_gpu_phrases(phrases, c);
+        self.write_env_phrases(phrases, c);
+        self.write_mount_phrases(phrases, c);
+    }
+
+    /// Rules 1 and 2: privilege removed, capabilities refused or withheld, the seccomp
+    /// profile set.
+    fn write_privilege_phrases(&self, phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>) {
         if c.deprivileged {
             phrases.next().push_str("privileged removed");
         }
@@ -97,6 +106,11 @@ impl Plan<'_> {
                 .next()
                 .push_str("seccompProfile RuntimeDefault (Pod Security restricted)");
         }
+    }
+
+    /// Rule 3: the GPUs it gets (a limit, its own claim, a claim added or shared), the claims
+    /// not counted, or why it gets none.
+    fn write_gpu_phrases(&self, phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>) {
         if let Some(limit) = &c.limit {
             let out = phrases.next();
             let from_request = matches!(limit.from, CountFrom::Request);
@@ -150,6 +164,10 @@ impl Plan<'_> {
             out.push_str("no GPU: ");
             out.push_str(why);
         }
+    }
+
+    /// Rule 4: the variables removed and set, and what its `envFrom` means.
+    fn write_env_phrases(&self, phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>) {
         if let Some(env) = &c.env {
             list_phrase(phrases, "env ", &env.removed, " removed");
             // Say where such devices come from, so the way out is in the warning.
@@ -175,6 +193,11 @@ impl Plan<'_> {
         if let Some(note) = c.env_from {
             phrases.next().push_str(note);
         }
+    }
+
+    /// Rule 5: the device mounts removed, with the host paths of their volumes, and the
+    /// device-list mounts removed.
+    fn write_mount_phrases(&self, phrases: &mut Phrases<'_>, c: &ContainerPlan<'_>) {
         if !c.mounts_removed.is_empty() {
             let out = phrases.next();
             out.push_str("device mount ");
