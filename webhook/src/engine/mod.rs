@@ -372,48 +372,97 @@ fn decide_create<'a>(
             .with(Detail::Invalid(why));
     }
     if !triggered {
-        let exempt = (facts.containers.iter()).any(|c| c.offends(false));
-        return if exempt {
-            Decision::new(Verdict::Exempt, Some(policy), reference, input).with(Detail::Exempt(
-                format!(
-                    "every privileged or leaking GPU container has an image exempt in namespace {}",
-                    input.namespace
-                )
-                .into(),
-            ))
-        } else {
-            Decision::new(Verdict::Unchanged, Some(policy), reference, input)
-        }
-        .voiding(if voids {
-            void::void_targets(&facts, policy, None)
-        } else {
-            Vec::new()
-        })
-        .unvoiding(match policy.spec.mode {
-            PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, None),
-            _ => Vec::new(),
-        })
-        .noting(facts.injections.notes.clone());
+        let (voided, unvoided) = void_rule(&facts, policy, voids, None);
+        return untouched(input, &facts, policy, reference)
+            .voiding(voided)
+            .unvoiding(unvoided)
+            .noting(facts.injections.notes.clone());
     }
-    let strip = plan::volumes_to_strip(&facts, policy);
+    let mut plan = plan_rewrite(input, &facts, policy);
+    let mut notes = facts.injections.notes.clone();
+    notes.append(&mut plan.notes);
+    let (voided, unvoided) = void_rule(&facts, policy, voids, Some(&plan));
+    let mode = policy.spec.mode;
+    let (verdict, set) = verdict_and_annotations(input, &plan, mode, &reference);
+    Decision::new(verdict, Some(policy), reference, input)
+        .with(Detail::Create { plan, mode, set })
+        .voiding(voided)
+        .unvoiding(unvoided)
+        .noting(notes)
+}
+
+/// A pod the rules leave as it is: exempt where its offending containers' images are, else
+/// unchanged.
+fn untouched<'a>(
+    input: &Input<'a>,
+    facts: &facts::PodFacts<'a>,
+    policy: &'a GpuPolicy,
+    reference: String,
+) -> Decision<'a> {
+    let exempt = (facts.containers.iter()).any(|c| c.offends(false));
+    if !exempt {
+        return Decision::new(Verdict::Unchanged, Some(policy), reference, input);
+    }
+    let reason = format!(
+        "every privileged or leaking GPU container has an image exempt in namespace {}",
+        input.namespace
+    );
+    Decision::new(Verdict::Exempt, Some(policy), reference, input)
+        .with(Detail::Exempt(reason.into()))
+}
+
+/// The void rule where the policy `voids`: the containers it holds for and those that lose
+/// their `void` (Enforce only). In Enforce it holds for the pod as `plan`, the rewrite if
+/// there is one, leaves it; Audit reports it for the pod as it is, as the API server's
+/// warning does.
+fn void_rule<'a>(
+    facts: &facts::PodFacts<'a>,
+    policy: &GpuPolicy,
+    voids: bool,
+    plan: Option<&Plan<'_>>,
+) -> (Vec<Voided<'a>>, Vec<Unvoided<'a>>) {
+    if !voids {
+        return (Vec::new(), Vec::new());
+    }
+    let enforce = policy.spec.mode == PolicyMode::Enforce;
+    let plan = plan.filter(|_| enforce);
+    let voided = void::void_targets(facts, policy, plan);
+    let unvoided = if enforce {
+        void::unvoid_targets(facts, policy, plan)
+    } else {
+        Vec::new()
+    };
+    (voided, unvoided)
+}
+
+/// Plans the rewrite within the namespace's Pod Security level and, where it rewrites
+/// (Enforce), names what the containers' start-up steps keep.
+fn plan_rewrite<'a>(
+    input: &Input<'a>,
+    facts: &facts::PodFacts<'a>,
+    policy: &'a GpuPolicy,
+) -> Plan<'a> {
+    let strip = plan::volumes_to_strip(facts, policy);
     let level = PsaLevel::enforced_by(input.namespace_labels);
-    let mut plan = plan::plan_pod(input, &facts, policy, strip, level);
+    let mut plan = plan::plan_pod(input, facts, policy, strip, level);
     // Only a rewrite (Enforce) warns of what its start-up steps keep.
     if policy.spec.mode == PolicyMode::Enforce {
         let role = input.pod_label(gpuwarden_crds::start_up::LABEL_MPI_JOB_ROLE);
         plan.start_up = start_up::phrases(&plan, input.pod, role);
     }
-    let mut notes = facts.injections.notes.clone();
-    notes.append(&mut plan.notes);
-    // In Enforce the rule holds for the pod as the rewrite leaves it; Audit reports it for
-    // the pod as it is, as the API server's warning does.
-    let voided = match policy.spec.mode {
-        _ if !voids => Vec::new(),
-        PolicyMode::Enforce => void::void_targets(&facts, policy, Some(&plan)),
-        _ => void::void_targets(&facts, policy, None),
-    };
-    // The pod's own value of an annotation; a pass over a pod already rewritten finds the
-    // report and the reference it set, and sets nothing again.
+    plan
+}
+
+/// The verdict on a planned pod under `mode`, and the annotations the patch sets: the
+/// report, and in Enforce the policy's `reference`. The pod's own value of an annotation
+/// counts: a pass over a pod already rewritten finds the report and the reference it set,
+/// and sets nothing again.
+fn verdict_and_annotations(
+    input: &Input<'_>,
+    plan: &Plan<'_>,
+    mode: PolicyMode,
+    reference: &str,
+) -> (Verdict, [Option<(&'static str, Set)>; 2]) {
     let carried = |key| {
         input
             .pod
@@ -422,7 +471,6 @@ fn decide_create<'a>(
             .and_then(Scalar::as_str)
     };
     let report_changed = |key| carried(key).is_none_or(|text| !plan.report_is(text));
-    let mode = policy.spec.mode;
     let mut set = [None, None];
     let verdict = match mode {
         PolicyMode::Enforce if !plan.denials.is_empty() => Verdict::Denied,
@@ -430,7 +478,7 @@ fn decide_create<'a>(
             if report_changed(ANNOTATION_REWRITTEN) {
                 set[0] = Some((ANNOTATION_REWRITTEN, Set::Report));
             }
-            if carried(ANNOTATION_POLICY) != Some(reference.as_str()) {
+            if carried(ANNOTATION_POLICY) != Some(reference) {
                 set[1] = Some((ANNOTATION_POLICY, Set::Reference));
             }
             Verdict::Rewritten
@@ -443,15 +491,7 @@ fn decide_create<'a>(
         }
         PolicyMode::Deny => Verdict::Denied,
     };
-    let unvoided = match mode {
-        PolicyMode::Enforce if voids => void::unvoid_targets(&facts, policy, Some(&plan)),
-        _ => Vec::new(),
-    };
-    Decision::new(verdict, Some(policy), reference, input)
-        .with(Detail::Create { plan, mode, set })
-        .voiding(voided)
-        .unvoiding(unvoided)
-        .noting(notes)
+    (verdict, set)
 }
 
 fn decide_ephemeral<'a>(
