@@ -456,7 +456,8 @@ impl<'p, 'a> Planning<'p, 'a> {
 
     /// Rule 3: the GPUs it gets as `count` says: a limit, or with `gpu.requestAs:
     /// ResourceClaim` a claim added (or shared with the container that holds it), or none.
-    /// Whether it ends with GPUs.
+    /// A DaemonSet's pod given GPUs it did not ask for itself is denied. Whether it ends
+    /// with GPUs.
     fn request_gpus(
         &mut self,
         p: &mut ContainerPlan<'a>,
@@ -465,20 +466,26 @@ impl<'p, 'a> Planning<'p, 'a> {
         count: Count<'a>,
     ) -> bool {
         p.own_claim = c.signals.claim;
+        let (input, policy) = (self.input, self.policy);
         let gpu = match count {
             Count::Limit(limit) => {
-                self.add_limit(p, i, c, limit);
+                if let Some(name) = self.daemon_set.filter(|_| !limit.from.asked_by_pod()) {
+                    let denial = daemon_set_denial(c, &limit, name, input, policy);
+                    self.plan.denials.push(denial);
+                }
+                match claim_count(&limit, policy.spec.gpu.request_as) {
+                    Some(n) => p.claim = Some(self.claim_gpus(i, n, limit.from)),
+                    None => p.limit = Some(limit),
+                }
                 true
             }
             Count::Share(first) => {
                 // The holder always has its claim: a count it was denied never shares.
-                if let Some((index, from)) = self.held[first] {
-                    p.claim = Some(ClaimUse {
-                        index,
-                        from,
-                        shared_with: Some(self.facts.containers[first].name),
-                    });
-                }
+                p.claim = self.held[first].map(|(index, from)| ClaimUse {
+                    index,
+                    from,
+                    shared_with: Some(self.facts.containers[first].name),
+                });
                 true
             }
             Count::Zero(why) => {
@@ -497,30 +504,14 @@ impl<'p, 'a> Planning<'p, 'a> {
         gpu
     }
 
-    /// `limit` for container `i`, or the claim that gives it those GPUs under `gpu.requestAs:
-    /// ResourceClaim`; denied in a DaemonSet's pod that did not ask for them itself.
-    fn add_limit(
-        &mut self,
-        p: &mut ContainerPlan<'a>,
-        i: usize,
-        c: &ContainerFacts<'a>,
-        limit: Limit<'a>,
-    ) {
-        let (input, policy) = (self.input, self.policy);
-        if let Some(name) = self.daemon_set.filter(|_| !limit.from.asked_by_pod()) {
-            (self.plan.denials).push(daemon_set_denial(c, &limit, name, input, policy));
-        }
-        match claim_count(&limit, policy.spec.gpu.request_as) {
-            Some(n) => {
-                let index = add_claim(&mut self.plan, &self.taken, input, policy, n);
-                self.held[i] = Some((index, limit.from));
-                p.claim = Some(ClaimUse {
-                    index,
-                    from: limit.from,
-                    shared_with: None,
-                });
-            }
-            None => p.limit = Some(limit),
+    /// A claim added for `n` GPUs, counted from `from`, that container `i` holds.
+    fn claim_gpus(&mut self, i: usize, n: u32, from: CountFrom<'a>) -> ClaimUse<'a> {
+        let index = add_claim(&mut self.plan, &self.taken, self.input, self.policy, n);
+        self.held[i] = Some((index, from));
+        ClaimUse {
+            index,
+            from,
+            shared_with: None,
         }
     }
 
