@@ -162,7 +162,8 @@ mod tests {
     /// without a cluster already.
     #[test]
     fn every_block_the_cluster_tests_read_is_found() {
-        // helm.rs: install, upgrade and uninstall with Helm, each block holding its command.
+        // helm.rs: install, upgrade and uninstall with Helm, and the upgrade of a release
+        // installed the old way, each block holding its command.
         for (block, command) in [
             (readme_block_in("Install", "With Helm"), "helm install "),
             (
@@ -170,6 +171,14 @@ mod tests {
                 "helm upgrade ",
             ),
             (readme_block_in("Uninstall", "With Helm"), "helm uninstall "),
+            (
+                doc_block_in(
+                    OPERATIONS,
+                    "Upgrade",
+                    "A release installed into kube-system",
+                ),
+                "helm upgrade gpuwarden deploy/helm/gpuwarden --namespace kube-system ",
+            ),
         ] {
             let found = statements(&block);
             assert!(
