@@ -89,7 +89,7 @@ where
         ),
         policy_controller::wire(&shared, &mut feeds, keeping.clone(), revalidate),
         admission_policies::wire(&shared, &mut feeds, keeping, revalidate_tx),
-        reports::wire(&shared, &mut feeds, config.policy_reports),
+        reports::keeper::wire(&shared, &mut feeds, config.policy_reports),
         webhook_certs::wire(
             &shared,
             &mut feeds,

@@ -10,7 +10,7 @@
 //! server-side apply in each report kind the API server serves ([`discover_kinds`]), only
 //! when it differs from what was last written, and deletes it when there is nothing to
 //! report. [`sweep`] lists the reports gpuwarden left (by label), so that those of namespaces
-//! with nothing to report go too. [`wire`] puts them together.
+//! with nothing to report go too. [`keeper::wire`] puts them together.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -38,10 +38,9 @@ use crate::metrics::Metrics;
 
 mod findings;
 mod judging;
-mod keeper;
+pub(crate) mod keeper;
 
 pub use findings::Findings;
-pub use keeper::wire;
 
 /// Controller name in metrics and logs.
 pub const CONTROLLER: &str = "policyreports";
