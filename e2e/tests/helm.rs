@@ -891,28 +891,38 @@ fn leftovers() -> Vec<String> {
     out
 }
 
-#[test]
-#[ignore = "needs a cluster: root on a one-node cluster's node with NVIDIA's device plugin, ctr, helm; KUBECONFIG=... cargo test -p gpuwarden-e2e --test helm -- --ignored --nocapture --test-threads=1"]
-fn helm_install_upgrade_and_uninstall_on_a_real_node() {
-    let test = "helm_install_upgrade_and_uninstall_on_a_real_node";
+/// What a test that installs gpuwarden on this machine's GPU node needs: KUBECONFIG, helm
+/// (returned), a GPU node that is this machine, with `tools` besides kubectl, tar, sha256sum
+/// and ldd, and no gpuwarden installed. None, after saying why, where the test is skipped.
+fn on_a_gpu_node(test: &str, tools: &[&str]) -> Option<PathBuf> {
     assert!(
         std::env::var_os("KUBECONFIG").is_some(),
         "KUBECONFIG is not set: this test installs and uninstalls gpuwarden, so point it at a disposable cluster"
     );
-    let Some(helm) = helm_or_skip(test) else {
-        return;
-    };
+    let helm = helm_or_skip(test)?;
     let helm = helm.canonicalize().unwrap_or(helm);
     let Some(gpu_node) = gpu_node_in(&kubectl::get_json(&["nodes"]).expect("list nodes")).cloned()
     else {
         skip(test, NEEDS_GPU_NODE);
-        return;
+        return None;
     };
-    if let Some(why) = local_node_problem(&gpu_node, &["kubectl", "tar", "sha256sum", "ldd"]) {
+    let mut needed = vec!["kubectl", "tar", "sha256sum", "ldd"];
+    needed.extend_from_slice(tools);
+    if let Some(why) = local_node_problem(&gpu_node, &needed) {
         skip(test, &why);
-        return;
+        return None;
     }
     refuse_where_installed();
+    Some(helm)
+}
+
+#[test]
+#[ignore = "needs a cluster: root on a one-node cluster's node with NVIDIA's device plugin, ctr, helm; KUBECONFIG=... cargo test -p gpuwarden-e2e --test helm -- --ignored --nocapture --test-threads=1"]
+fn helm_install_upgrade_and_uninstall_on_a_real_node() {
+    let test = "helm_install_upgrade_and_uninstall_on_a_real_node";
+    let Some(helm) = on_a_gpu_node(test, &[]) else {
+        return;
+    };
     let mut summary = Vec::new();
     let mut cleanup = Cleanup {
         helm: helm.clone(),
@@ -1202,25 +1212,9 @@ const OLD_WAY_CHART_COMMIT: &str = "4433f82";
 #[ignore = "needs a cluster: root on a one-node cluster's node with NVIDIA's device plugin, ctr, helm, git history; KUBECONFIG=... cargo test -p gpuwarden-e2e --test helm -- --ignored --nocapture --test-threads=1"]
 fn a_release_installed_into_kube_system_upgrades_where_it_is() {
     let test = "a_release_installed_into_kube_system_upgrades_where_it_is";
-    assert!(
-        std::env::var_os("KUBECONFIG").is_some(),
-        "KUBECONFIG is not set: this test installs and uninstalls gpuwarden, so point it at a disposable cluster"
-    );
-    let Some(helm) = helm_or_skip(test) else {
+    let Some(helm) = on_a_gpu_node(test, &["git"]) else {
         return;
     };
-    let helm = helm.canonicalize().unwrap_or(helm);
-    let Some(gpu_node) = gpu_node_in(&kubectl::get_json(&["nodes"]).expect("list nodes")).cloned()
-    else {
-        skip(test, NEEDS_GPU_NODE);
-        return;
-    };
-    if let Some(why) = local_node_problem(&gpu_node, &["kubectl", "tar", "sha256sum", "ldd", "git"])
-    {
-        skip(test, &why);
-        return;
-    }
-    refuse_where_installed();
     let work = tempfile::tempdir().expect("a temporary directory");
     let archive = exec(
         Command::new("bash")
