@@ -941,7 +941,7 @@ fn a_kai_fraction_pod_is_told_why_and_what_to_do() {
         warnings
             .iter()
             .any(|w| w.starts_with("gpuwarden: KAI-Scheduler GPU fraction: ")
-                && w.ends_with("(gpu.sharing.kai; see the README, GPU-sharing schedulers)")),
+                && w.ends_with("(gpu.sharing.kai; see docs/sharing.md)")),
         "{warnings:?}"
     );
     let mut other = pod;

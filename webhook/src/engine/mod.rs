@@ -312,7 +312,7 @@ enum Detail<'a> {
 
 /// What gpuwarden says of a pod that asks KAI-Scheduler for part of a GPU under a policy
 /// that does not name KAI (docs/design.md, "GPU-sharing schedulers").
-const KAI_FRACTION_HINT: &str = "KAI-Scheduler GPU fraction: Enforce denies its container once KAI's webhook gives it a GPU from a ConfigMap, unless the policy names KAI (gpu.sharing.kai; see the README, GPU-sharing schedulers)";
+const KAI_FRACTION_HINT: &str = "KAI-Scheduler GPU fraction: Enforce denies its container once KAI's webhook gives it a GPU from a ConfigMap, unless the policy names KAI (gpu.sharing.kai; see docs/sharing.md)";
 
 /// What gpuwarden says of such a pod before KAI's webhook ran, under a policy that names KAI.
 const KAI_NAMED_NOTE: &str = "KAI-Scheduler GPU fraction: the policy names KAI (gpu.sharing.kai), so KAI's webhook replaces the void in its fraction container with KAI's grant, which the node agent holds to KAI's reservation";
