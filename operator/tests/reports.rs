@@ -267,13 +267,13 @@ async fn a_standby_writes_no_report_until_it_leads() {
     fake.serve_reports("wgpolicyk8s.io/v1alpha2");
     let (leader_tx, leadership) = gpuwarden_operator::Leadership::channel(false);
     let operator = start(&fake, Some(leadership));
-    // It lists its Pods (the report kind is served) and still writes nothing.
+    // It watches its Pods (the report kind is served) and still writes nothing. The fake
+    // replays no event to a watch that starts later, so the pod is created once the watch
+    // is open, not merely after the listing.
     wait_for("the Pod watch", Duration::from_secs(30), || {
-        fake.requests
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|r| r.starts_with("GET /api/v1/pods"))
+        (fake.collections.lock().unwrap())
+            .get("pods")
+            .is_some_and(|pods| !pods.watchers.is_empty())
     })
     .await;
     fake.create("pods", "ml/train-2", privileged_pod("ml", "train-2"));
