@@ -1290,10 +1290,35 @@ fn a_release_installed_into_kube_system_upgrades_where_it_is() {
         );
         notes.push_str(&out.stdout);
     }
+    // `--reuse-values` carries the values the release was made with (Helm reuses the old
+    // chart's defaults too): gpuwarden-system, created by the release.
     assert!(
-        notes.contains("installed the old way"),
+        notes.contains("installed in gpuwarden-system") && notes.contains("and the namespace"),
         "the upgrade's notes: {notes}"
     );
+    assert_eq!(uid(), namespace_uid, "gpuwarden-system was re-created");
+    // Without them, the chart finds gpuwarden-system made by this release and keeps it.
+    let (out, took) = run_statement(
+        &helm,
+        &format!(
+            "helm upgrade gpuwarden deploy/helm/gpuwarden --namespace kube-system{}{}",
+            image_values(),
+            upgrade_flags()
+        ),
+    );
+    assert!(
+        out.ok,
+        "the upgrade without --reuse-values failed after {took:?}: {}",
+        out.stderr
+    );
+    assert!(
+        out.stdout.contains("installed the old way")
+            && out.stdout.contains("installed in gpuwarden-system"),
+        "the notes of the upgrade without --reuse-values: {}",
+        out.stdout
+    );
+    patch_node_agent_in("gpuwarden-system");
+    rollout("gpuwarden-system");
     assert_eq!(uid(), namespace_uid, "gpuwarden-system was re-created");
     let manifest = run_helm(
         &helm,
