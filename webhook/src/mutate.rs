@@ -11,7 +11,7 @@
 //!
 //! `main.rs` wires it as a subcommand:
 //!
-//! ```ignore
+//! ```text
 //! Command::Mutate(args) => std::process::exit(gpuwarden_webhook::mutate::run_stdio(&args)),
 //! ```
 
