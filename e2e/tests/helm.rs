@@ -1215,6 +1215,12 @@ fn a_release_installed_into_kube_system_upgrades_where_it_is() {
     let Some(helm) = on_a_gpu_node(test, &["git"]) else {
         return;
     };
+    // The old chart creates gpuwarden-system as part of its release; Helm refuses one that
+    // exists already.
+    assert!(
+        !kubectl::run(&["get", "namespace", "gpuwarden-system"]).ok,
+        "namespace gpuwarden-system exists: the old chart this test installs creates it; delete it first (`kubectl delete namespace gpuwarden-system`)"
+    );
     let work = tempfile::tempdir().expect("a temporary directory");
     let archive = exec(
         Command::new("bash")
