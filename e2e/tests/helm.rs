@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpuwarden_crds::LABEL_GPU_PRESENT;
 use gpuwarden_e2e::cluster::{skip, visible_in_log};
 use gpuwarden_e2e::helm::{CHART, HELM_ONLY, helm, helm_required, kubectl as kubectl_binary};
 use gpuwarden_e2e::image::write_oci_layout;
@@ -1239,10 +1240,23 @@ fn a_release_installed_into_kube_system_upgrades_where_it_is() {
     );
     let old_chart = work.path().join("deploy/helm/gpuwarden");
     let before = import_image();
-    let cleanup = OldWayCleanup {
+    let mut cleanup = OldWayCleanup {
         helm: helm.clone(),
         images_before: Some(before),
+        labelled_node: None,
     };
+    // The node agent runs where GPU feature discovery labels a node; label this one (as the
+    // in-cluster test does) where nothing did, so that its Lease shows where it lives.
+    let nodes = kubectl::get_json(&["nodes"]).expect("list nodes");
+    let node = gpu_node_in(&nodes).expect("the GPU node");
+    if node["metadata"]["labels"][LABEL_GPU_PRESENT] != "true" {
+        let name = node["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        kubectl::must(&["label", "node", &name, &format!("{LABEL_GPU_PRESENT}=true")]);
+        cleanup.labelled_node = Some(name);
+    }
 
     // 1. The release as it used to be installed: stored in kube-system, creating
     //    gpuwarden-system.
@@ -1354,7 +1368,8 @@ fn a_release_installed_into_kube_system_upgrades_where_it_is() {
     });
     assert!(
         lease.is_some(),
-        "no node agent Lease in gpuwarden-system after the upgrade"
+        "no node agent Lease in gpuwarden-system after the upgrade: {}",
+        kubectl::run(&["-n", "gpuwarden-system", "get", "pods,leases", "-o", "wide"]).stdout
     );
 
     // 3. Its uninstall, where it is, deletes the namespace it created.
@@ -1394,10 +1409,12 @@ fn rollout(namespace: &str) {
     }
 }
 
-/// What the old-way test made, removed on drop: the release, and the images it imported.
+/// What the old-way test made, removed on drop: the release, the images it imported and
+/// the node's label.
 struct OldWayCleanup {
     helm: PathBuf,
     images_before: Option<std::collections::BTreeSet<String>>,
+    labelled_node: Option<String>,
 }
 
 impl Drop for OldWayCleanup {
@@ -1406,6 +1423,9 @@ impl Drop for OldWayCleanup {
             &self.helm,
             "helm uninstall gpuwarden --namespace kube-system --ignore-not-found --wait --timeout 5m",
         );
+        if let Some(node) = self.labelled_node.take() {
+            let _ = kubectl::run(&["label", "node", &node, &format!("{LABEL_GPU_PRESENT}-")]);
+        }
         if let Some(before) = self.images_before.take() {
             for image in image_refs().difference(&before) {
                 let _ = ctr(&["images", "rm", image]);
