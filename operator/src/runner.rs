@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use futures::future::join_all;
 use gpuwarden_crds::error_chain;
 use kube::Client;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::certs::CertParams;
 use crate::feeds::Feeds;
@@ -123,7 +123,11 @@ async fn run_parts(parts: Vec<Part>, feeds: Feeds, shared: &Shared, ready: &Atom
     for part in parts {
         watches.extend(part.watches);
         synced.push(part.synced);
-        runs.push(part.run);
+        let (name, run) = (part.name, part.run);
+        runs.push(async move {
+            run.await;
+            debug!(part = name, "stopped");
+        });
     }
     let caches = async {
         let _ = stores.3.wait_until_ready().await;
