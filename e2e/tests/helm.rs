@@ -950,14 +950,9 @@ fn helm_install_upgrade_and_uninstall_on_a_real_node() {
             took.as_secs_f64()
         ));
     }
-    let ready = kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
-        let p = kubectl::get_json(&["gpupolicy", "default"])?;
-        (p["status"]["conditions"].as_array()?.iter())
-            .any(|c| c["type"] == "Ready" && c["status"] == "True")
-            .then_some(())
-    });
+    let ready = default_policy_ready();
     assert!(
-        ready.is_some(),
+        ready,
         "the default GpuPolicy never became Ready: {}",
         kubectl::run(&["get", "gpupolicy", "default", "-o", "yaml"]).stdout
     );
@@ -1334,14 +1329,9 @@ fn a_release_installed_into_kube_system_upgrades_where_it_is() {
         "the upgraded release's objects: {}",
         manifest.stdout
     );
-    let ready = kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
-        let p = kubectl::get_json(&["gpupolicy", "default"])?;
-        (p["status"]["conditions"].as_array()?.iter())
-            .any(|c| c["type"] == "Ready" && c["status"] == "True")
-            .then_some(())
-    });
+    let ready = default_policy_ready();
     assert!(
-        ready.is_some(),
+        ready,
         "the default GpuPolicy is not Ready after the upgrade"
     );
     let lease = kubectl::poll(Duration::from_secs(60), Duration::from_secs(2), || {
@@ -1374,6 +1364,17 @@ fn a_release_installed_into_kube_system_upgrades_where_it_is() {
     eprintln!(
         "{test}: installed the old way, upgraded in place (namespace kept, policy Ready, agent Leases), uninstalled"
     );
+}
+
+/// Whether the default GpuPolicy says `Ready=True` within two minutes.
+fn default_policy_ready() -> bool {
+    kubectl::poll(Duration::from_secs(120), Duration::from_secs(1), || {
+        let p = kubectl::get_json(&["gpupolicy", "default"])?;
+        (p["status"]["conditions"].as_array()?.iter())
+            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            .then_some(())
+    })
+    .is_some()
 }
 
 /// Each `rollout status` of the install, in `namespace`.
